@@ -1,0 +1,54 @@
+"""Connecting to NATS: callbacks wired to logs, errors translated at the boundary."""
+
+import asyncio
+import logging
+
+from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
+
+from broker.exceptions import BrokerUnavailableError
+from seamlessflow.log import kv
+
+log = logging.getLogger(__name__)
+
+
+async def connect(url: str, name: str, *, timeout: float = 5.0) -> NATS:
+    """Connect to ``url`` as client ``name`` within ``timeout`` seconds; once connected, the
+    client reconnects forever."""
+
+    async def error_cb(exc: Exception) -> None:
+        log.warning(kv("nats_error", client=name, error=f"{type(exc).__name__}: {exc}"))
+
+    async def disconnected_cb() -> None:
+        log.info(kv("nats_disconnected", client=name, url=url))
+
+    async def reconnected_cb() -> None:
+        log.info(kv("nats_reconnected", client=name, url=url))
+
+    async def closed_cb() -> None:
+        log.info(kv("nats_closed", client=name))
+
+    nc = NATS()
+    try:
+        await asyncio.wait_for(
+            nc.connect(
+                url,
+                name=name,
+                connect_timeout=min(timeout, 2.0),
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                error_cb=error_cb,
+                disconnected_cb=disconnected_cb,
+                reconnected_cb=reconnected_cb,
+                closed_cb=closed_cb,
+            ),
+            timeout,
+        )
+    except (NatsError, OSError, TimeoutError) as exc:
+        await nc.close()
+        raise BrokerUnavailableError(
+            f"cannot reach NATS at {url} within {timeout:g}s ({type(exc).__name__}: {exc}); "
+            "start one with `seamlessflow broker` or pass --nats URL / SEAMLESSFLOW_NATS_URL"
+        ) from exc
+    return nc

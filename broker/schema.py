@@ -1,0 +1,24 @@
+"""JSON Schema files of the wire messages, for clients in other languages."""
+
+import json
+from pathlib import Path
+
+from broker.messages import SCHEMA_VERSION, WIRE_MESSAGES, Message
+
+
+def json_schema(message: type[Message]) -> dict[str, object]:
+    schema = message.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = f"urn:seamlessflow:v{SCHEMA_VERSION}:{message.__name__}"
+    return schema
+
+
+def export_schemas(directory: Path) -> list[Path]:
+    """Write ``<MessageName>.json`` for every wire message into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for message in WIRE_MESSAGES:
+        path = directory / f"{message.__name__}.json"
+        path.write_text(json.dumps(json_schema(message), indent=2, sort_keys=True) + "\n")
+        written.append(path)
+    return written

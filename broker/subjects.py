@@ -1,0 +1,132 @@
+"""Every subject, stream, consumer and bucket name of a run. Nobody else formats one.
+
+All subjects of run ``r`` live under ``sf.r.`` so several runs share one NATS cluster; stream
+names are ``SF_r_<PART>`` and buckets ``sf-r-<part>``. ``docs/protocol.md`` lists them for
+clients in other languages.
+"""
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+from broker.exceptions import InvalidNameError
+
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+"""Run, worker, call and session ids: one subject token, usable in stream and bucket names."""
+_NAME = re.compile(NAME_PATTERN)
+
+
+def check_name(kind: str, name: str) -> str:
+    """Return ``name`` if it can be one token of a subject and part of a stream/bucket name."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidNameError(
+            f"{kind} name {name!r} is not allowed: use 1-64 letters, digits, '_' or '-'"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class RunNames:
+    """The names of one run's subjects, streams, durable consumers and buckets."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        check_name("run", self.run)
+
+    # -- subjects -------------------------------------------------------------------------
+    @property
+    def prefix(self) -> str:
+        return f"sf.{self.run}"
+
+    @property
+    def tasks(self) -> str:
+        """Task submissions from any client (work queue)."""
+        return f"{self.prefix}.tasks"
+
+    @property
+    def gen_req(self) -> str:
+        """Generation requests, gateway -> rollout workers (work queue)."""
+        return f"{self.prefix}.gen.req"
+
+    def gen_out(self, call_id: str) -> str:
+        """Streamed token chunks of one call, rollout worker -> gateway (core NATS)."""
+        return f"{self.prefix}.gen.out.{check_name('call', call_id)}"
+
+    @property
+    def traj_calls(self) -> str:
+        return f"{self.prefix}.traj.calls"
+
+    @property
+    def traj_end(self) -> str:
+        return f"{self.prefix}.traj.end"
+
+    @property
+    def traj_all(self) -> str:
+        return f"{self.prefix}.traj.>"
+
+    @property
+    def samples(self) -> str:
+        return f"{self.prefix}.samples"
+
+    @property
+    def weights(self) -> str:
+        return f"{self.prefix}.weights"
+
+    def ctl_role(self, worker_id: str) -> str:
+        """Role changes for one worker, scheduler -> worker (core request/reply)."""
+        return f"{self.prefix}.ctl.role.{check_name('worker', worker_id)}"
+
+    def dead(self, source: str) -> str:
+        """Dead letters of messages rejected at the ingress named ``source``."""
+        return f"{self.prefix}.dead.{check_name('source', source)}"
+
+    @property
+    def dead_all(self) -> str:
+        return f"{self.prefix}.dead.>"
+
+    # -- streams --------------------------------------------------------------------------
+    def stream(self, part: str) -> str:
+        return f"SF_{self.run}_{part.upper()}"
+
+    @property
+    def tasks_stream(self) -> str:
+        return self.stream("tasks")
+
+    @property
+    def gen_stream(self) -> str:
+        return self.stream("gen")
+
+    @property
+    def traj_stream(self) -> str:
+        return self.stream("traj")
+
+    @property
+    def samples_stream(self) -> str:
+        return self.stream("samples")
+
+    @property
+    def weights_stream(self) -> str:
+        return self.stream("weights")
+
+    @property
+    def dead_stream(self) -> str:
+        return self.stream("dead")
+
+    # -- buckets --------------------------------------------------------------------------
+    @property
+    def workers_kv(self) -> str:
+        return f"sf-{self.run}-workers"
+
+    @property
+    def weights_store(self) -> str:
+        return f"sf-{self.run}-weights"
+
+
+class Durable(StrEnum):
+    """Durable pull-consumer names, one per consuming role."""
+
+    AGENTS = "agents"  # tasks -> agent runner
+    ROLLOUT = "rollout"  # gen.req -> rollout workers
+    TRAJECTORY = "trajectory"  # traj.> -> trajectory manager
+    TRAINER = "trainer"  # samples -> trainer

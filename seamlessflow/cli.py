@@ -1,0 +1,156 @@
+"""``seamlessflow``: the command line. Each subcommand is a thin wrapper over a library call."""
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from broker.client import connect
+from broker.config import EmbeddedBrokerConfig
+from broker.provision import provision_run, run_status
+from broker.schema import export_schemas
+from broker.subjects import RunNames
+from seamlessflow.config import DEFAULT_RUN, load_config
+from seamlessflow.exceptions import SeamlessFlowError
+from seamlessflow.launcher import print_status, run_local, serve_broker
+from seamlessflow.log import setup_logging
+from seamlessflow.submit import parse_tasks, submit_tasks
+
+
+def _add_nats(p: argparse.ArgumentParser, *, embedded: bool = False) -> None:
+    default = os.environ.get("SEAMLESSFLOW_NATS_URL")
+    help_text = "NATS URL (default: $SEAMLESSFLOW_NATS_URL"
+    help_text += ", else an embedded broker)" if embedded else ")"
+    p.add_argument("--nats", default=default, required=not (embedded or default), help=help_text)
+
+
+def _add_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--run",
+        default=os.environ.get("SEAMLESSFLOW_RUN"),
+        help="run name (default: $SEAMLESSFLOW_RUN, else the config's run, else 'quickstart')",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="seamlessflow", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("SEAMLESSFLOW_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("broker", help="run the embedded NATS JetStream broker until Ctrl-C")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="client port (0: a free one)")
+    p.add_argument("--state-dir", type=Path, help="store, config and log of the server")
+    p.add_argument("--nats-server", type=Path, help="nats-server binary to run")
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one)")
+
+    p = sub.add_parser("provision", help="create a run's streams, consumers and buckets")
+    _add_nats(p)
+    _add_run(p)
+    p.add_argument("--config", type=Path, help="TOML run config (its [provision] section)")
+
+    p = sub.add_parser("status", help="show the depth of a run's streams and consumers")
+    _add_nats(p)
+    _add_run(p)
+
+    p = sub.add_parser("submit", help="publish tasks from a JSONL file ('-' for stdin)")
+    _add_nats(p)
+    _add_run(p)
+    p.add_argument("tasks", help="JSONL file, one TaskSubmitted per line")
+
+    p = sub.add_parser("schema", help="wire schemas")
+    schema_sub = p.add_subparsers(dest="schema_command", required=True)
+    e = schema_sub.add_parser("export", help="write a JSON Schema file per message")
+    e.add_argument("dir", type=Path)
+
+    p = sub.add_parser("run", help="run everything on this machine (embedded broker by default)")
+    p.add_argument("config", nargs="?", type=Path, help="TOML run config")
+    _add_nats(p, embedded=True)
+    return parser
+
+
+async def _provision(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    run = args.run or config.run
+    nc = await connect(args.nats, "seamlessflow-provision")
+    try:
+        report = await provision_run(nc.jetstream(), run, config.provision)
+    finally:
+        await nc.drain()
+    print(f"run {run!r}: {len(report.created)} created, {len(report.unchanged)} unchanged")
+    for name in report.created:
+        print(f"  created {name}")
+    return 0
+
+
+async def _status(args: argparse.Namespace) -> int:
+    nc = await connect(args.nats, "seamlessflow-status")
+    try:
+        status = await run_status(nc.jetstream(), args.run or DEFAULT_RUN)
+    finally:
+        await nc.drain()
+    print_status(status)
+    return 1 if status.missing else 0
+
+
+async def _submit(args: argparse.Namespace) -> int:
+    if args.tasks == "-":
+        tasks, errors = parse_tasks(sys.stdin, "<stdin>")
+    else:
+        try:
+            with open(args.tasks) as f:
+                tasks, errors = parse_tasks(f, args.tasks)
+        except OSError as exc:
+            raise SeamlessFlowError(f"cannot read {args.tasks}: {exc}") from exc
+    for error in errors:
+        print(f"invalid task: {error}", file=sys.stderr)
+    names = RunNames(args.run or DEFAULT_RUN)
+    nc = await connect(args.nats, "seamlessflow-submit")
+    try:
+        report = await submit_tasks(nc.jetstream(), names, tasks)
+    finally:
+        await nc.drain()
+    print(
+        f"submitted {report.published} tasks to {names.tasks} "
+        f"({report.duplicates} duplicates, {len(errors)} invalid)"
+    )
+    return 1 if errors else 0
+
+
+def _broker(args: argparse.Namespace) -> int:
+    fields = {"host": args.host, "port": args.port, "binary": args.nats_server}
+    if args.state_dir:
+        fields["state_dir"] = args.state_dir
+    asyncio.run(serve_broker(EmbeddedBrokerConfig(**fields), args.metrics_port))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        match args.command:
+            case "broker":
+                return _broker(args)
+            case "provision":
+                return asyncio.run(_provision(args))
+            case "status":
+                return asyncio.run(_status(args))
+            case "submit":
+                return asyncio.run(_submit(args))
+            case "schema":
+                for path in export_schemas(args.dir):
+                    print(path)
+                return 0
+            case "run":
+                asyncio.run(run_local(load_config(args.config), args.nats))
+                return 0
+    except SeamlessFlowError as exc:
+        print(f"seamlessflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Long-running local commands: the embedded broker, and ``run`` (everything on one machine)."""
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from prometheus_client import REGISTRY
+
+from broker.client import connect
+from broker.config import EmbeddedBrokerConfig
+from broker.metrics import StreamDepthCollector
+from broker.provision import RunStatus, provision_run, run_status
+from broker.server import EmbeddedBroker
+from seamlessflow.config import RunConfig
+from seamlessflow.log import kv
+from seamlessflow.metrics import serve_metrics
+
+log = logging.getLogger(__name__)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM, so every loop can stop cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+@asynccontextmanager
+async def nats_url(explicit: str | None, broker: EmbeddedBrokerConfig) -> AsyncIterator[str]:
+    """``explicit`` when given; otherwise an embedded broker's URL for the duration."""
+    if explicit:
+        yield explicit
+        return
+    # Started from this (main) thread: the server is tied to it and dies with it.
+    embedded = EmbeddedBroker(broker).start()
+    try:
+        yield embedded.url
+    finally:
+        embedded.stop()
+
+
+async def serve_broker(config: EmbeddedBrokerConfig, metrics_port: int) -> None:
+    """Run the embedded broker until SIGINT/SIGTERM, reporting stream depths on /metrics."""
+    stop = stop_on_signals()
+    with EmbeddedBroker(config) as broker:
+        collector = StreamDepthCollector()
+        REGISTRY.register(collector)
+        metrics = serve_metrics(metrics_port)
+        nc = await connect(broker.url, "seamlessflow-broker")
+        print(
+            f"broker ready: nats={broker.url} monitoring={broker.monitoring_url} "
+            f"metrics={metrics.url} store={broker.store_dir}",
+            flush=True,
+        )
+        try:
+            await collector.poll(nc.jetstream(), stop)
+        finally:
+            await nc.drain()
+            metrics.close()
+            REGISTRY.unregister(collector)
+    print("broker stopped", flush=True)
+
+
+async def run_local(config: RunConfig, nats: str | None) -> RunStatus:
+    """Start the embedded broker unless ``nats`` is given, provision the run, print its status."""
+    async with nats_url(nats, config.broker) as url:
+        nc = await connect(url, "seamlessflow-run")
+        try:
+            js = nc.jetstream()
+            report = await provision_run(js, config.run, config.provision)
+            print(
+                f"run {config.run!r} on {url}: {len(report.created)} created, "
+                f"{len(report.unchanged)} already there",
+                flush=True,
+            )
+            status = await run_status(js, config.run)
+        finally:
+            await nc.drain()
+    print_status(status)
+    return status
+
+
+def print_status(status: RunStatus, out=sys.stdout) -> None:
+    rows = [("stream / consumer", "messages", "bytes", "pending", "ack pending")]
+    for s in status.streams:
+        rows.append((s.name, str(s.messages), str(s.bytes), "", ""))
+        for c in s.consumers:
+            rows.append((f"  {c.name}", "", "", str(c.pending), str(c.ack_pending)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        print("  ".join(cells).rstrip(), file=out)
+    for name in status.missing:
+        print(f"missing: {name} (run `seamlessflow provision`)", file=out)
+    log.debug(kv("status_printed", run=status.run, streams=len(status.streams)))

@@ -1,0 +1,144 @@
+"""The validated ingress on a real broker: bad tasks are dead-lettered with a reason and counted,
+good tasks around them are all handled, and the consumer keeps going."""
+
+import asyncio
+import json
+
+import msgpack
+import pytest
+from nats.js.errors import APIError
+from prometheus_client import REGISTRY
+
+from broker import codec
+from broker.ingress import Delivery, Ingress
+from broker.messages import MessageRejected, TaskSubmitted
+from broker.subjects import Durable, RunNames
+
+
+def _count(source: str, outcome: str) -> float:
+    value = REGISTRY.get_sample_value(
+        "sf_ingress_messages_total", {"source": source, "outcome": outcome}
+    )
+    return value or 0.0
+
+
+def _task_dict(i: int) -> dict:
+    return {"task_id": f"ok-{i}", "messages": [{"role": "user", "content": f"{i}*2?"}]}
+
+
+class Collector:
+    """Handler that records what it saw; fails the first delivery of ids in ``fail_once``."""
+
+    def __init__(self, fail_once: set[str] = frozenset(), fail_always: set[str] = frozenset()):
+        self.seen: list[tuple[TaskSubmitted, Delivery]] = []
+        self.fail_once, self.fail_always = set(fail_once), set(fail_always)
+
+    async def __call__(self, task: TaskSubmitted, delivery: Delivery) -> None:
+        if task.task_id in self.fail_always or (
+            task.task_id in self.fail_once and delivery.num_delivered == 1
+        ):
+            raise RuntimeError(f"handler trouble with {task.task_id}")
+        self.seen.append((task, delivery))
+
+
+def _ingress(js, names: RunNames, handler, **kw) -> Ingress[TaskSubmitted]:
+    return Ingress(
+        js, names, source="tasks", stream=names.tasks_stream, durable=Durable.AGENTS,
+        schema=TaskSubmitted, handler=handler, max_payload=4096, fetch_timeout=0.2,
+        retry_delay=0.1, **kw,
+    )
+
+
+async def _run_until(ingress: Ingress, done, timeout: float = 20.0) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(ingress.run(stop))
+    try:
+        async with asyncio.timeout(timeout):
+            while not done():
+                assert not task.done(), task.exception()
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def _dead_letters(js, names: RunNames) -> list[MessageRejected]:
+    info = await js.stream_info(names.dead_stream)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        if info.state.messages == 0:
+            break
+        out.append(codec.decode(MessageRejected, (await js.get_msg(names.dead_stream, seq)).data))
+    return out
+
+
+async def test_malformed_tasks_are_dead_lettered_and_the_rest_handled(js, names):
+    bad = [
+        (b"\xc1\xc1", None, "not valid msgpack"),
+        (msgpack.packb({**_task_dict(90), "group_size": "many"}), None,
+         "group_size: Input should be a valid integer"),
+        (msgpack.packb({"messages": []}), None, "task_id: Field required"),
+        (msgpack.packb({**_task_dict(91), "metadata": {"pad": "x" * 5000}}), None,
+         "over the 4096-byte limit"),
+        (json.dumps(_task_dict(92)).encode(), None, "JSON senders must set Content-Type"),
+        (b"{not json", "application/json", "Invalid JSON"),
+        (msgpack.packb(_task_dict(93)), "text/csv; " + "x" * 1000, "unsupported Content-Type"),
+    ]
+    # Interleave: good, bad, good, bad, ... so valid tasks sit on both sides of each bad one.
+    for i, (payload, ctype, _) in enumerate(bad):
+        await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
+        await js.publish(names.tasks, payload, headers={"Content-Type": ctype} if ctype else None)
+    # JSON is accepted when the client says so, whatever the header name's case.
+    await js.publish(names.tasks, json.dumps(_task_dict(50)).encode(),
+                     headers={"content-type": "application/json"})
+
+    accepted0, rejected0 = _count("tasks", "accepted"), _count("tasks", "rejected")
+    handler = Collector()
+    ingress = _ingress(js, names, handler)
+    await _run_until(ingress, lambda: len(handler.seen) == len(bad) + 1 and
+                     _count("tasks", "rejected") - rejected0 == len(bad))
+
+    assert [t.task_id for t, _ in handler.seen] == [f"ok-{i}" for i in range(len(bad))] + ["ok-50"]
+    assert _count("tasks", "accepted") - accepted0 == len(bad) + 1
+    assert _count("tasks", "rejected") - rejected0 == len(bad)
+
+    dead = await _dead_letters(js, names)
+    assert len(dead) == len(bad)
+    for letter, (payload, ctype, needle) in zip(dead, bad, strict=True):
+        assert needle in letter.reason
+        assert letter.source == "tasks" and letter.subject == names.tasks
+        assert letter.payload == payload[: len(letter.payload)]
+        assert letter.payload_size == len(payload)
+        assert letter.content_type == (ctype or "")[:256]
+    # Every message was settled: nothing left in the work queue, nothing awaiting an ack.
+    info = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
+    assert (info.num_pending, info.num_ack_pending) == (0, 0)
+    assert (await js.stream_info(names.tasks_stream)).state.messages == 0
+
+
+async def test_handler_failures_are_retried_then_dead_lettered(js, names):
+    for i in range(3):
+        await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
+    failed0, rejected0 = _count("tasks", "failed"), _count("tasks", "rejected")
+    handler = Collector(fail_once={"ok-0"}, fail_always={"ok-2"})
+    ingress = _ingress(js, names, handler)
+    max_deliver = (await js.consumer_info(names.tasks_stream, Durable.AGENTS)).config.max_deliver
+    await _run_until(
+        ingress, lambda: len(handler.seen) == 2 and _count("tasks", "rejected") - rejected0 == 1
+    )
+
+    by_id = {t.task_id: d for t, d in handler.seen}
+    assert sorted(by_id) == ["ok-0", "ok-1"]
+    assert by_id["ok-0"].num_delivered == 2  # nak'd once, handled on redelivery
+    assert by_id["ok-1"].num_delivered == 1
+    (letter,) = await _dead_letters(js, names)
+    assert f"handler failed on all {max_deliver} deliveries" in letter.reason
+    assert "handler trouble with ok-2" in letter.reason
+    assert _count("tasks", "failed") - failed0 == 1 + max_deliver
+
+
+async def test_payload_over_the_stream_limit_is_refused_to_the_publisher(js, names):
+    with pytest.raises(APIError) as info:
+        await js.publish(names.tasks, b"x" * (1 << 20) + b"x")
+    assert "maximum" in str(info.value).lower() or "size" in str(info.value).lower()
+    assert (await js.stream_info(names.tasks_stream)).state.messages == 0
