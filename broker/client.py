@@ -12,8 +12,8 @@ from seamlessflow.log import kv
 log = logging.getLogger(__name__)
 
 
-async def connect(url: str, name: str, *, timeout: float = 5.0) -> NATS:
-    """Connect to ``url`` as client ``name`` within ``timeout`` seconds; once connected, the
+async def connect(url: str, name: str, *, give_up_after: float = 5.0) -> NATS:
+    """Connect to ``url`` as client ``name`` within ``give_up_after`` seconds; once connected, the
     client reconnects forever."""
 
     async def error_cb(exc: Exception) -> None:
@@ -34,7 +34,7 @@ async def connect(url: str, name: str, *, timeout: float = 5.0) -> NATS:
             nc.connect(
                 url,
                 name=name,
-                connect_timeout=min(timeout, 2.0),
+                connect_timeout=min(give_up_after, 2.0),
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
@@ -43,12 +43,12 @@ async def connect(url: str, name: str, *, timeout: float = 5.0) -> NATS:
                 reconnected_cb=reconnected_cb,
                 closed_cb=closed_cb,
             ),
-            timeout,
+            give_up_after,
         )
     except (NatsError, OSError, TimeoutError) as exc:
         await nc.close()
         raise BrokerUnavailableError(
-            f"cannot reach NATS at {url} within {timeout:g}s ({type(exc).__name__}: {exc}); "
+            f"cannot reach NATS at {url} within {give_up_after:g}s ({type(exc).__name__}: {exc}); "
             "start one with `seamlessflow broker` or pass --nats URL / SEAMLESSFLOW_NATS_URL"
         ) from exc
     return nc

@@ -94,9 +94,7 @@ def _unpack_map(data: bytes, name: str) -> dict[str, Any]:
             f"JSON senders must set {CONTENT_TYPE}: {Encoding.JSON}"
         ) from exc
     if not isinstance(obj, dict):
-        raise InvalidMessageError(
-            f"{name} must be a msgpack map, got {type(obj).__name__}"
-        )
+        raise InvalidMessageError(f"{name} must be a msgpack map, got {type(obj).__name__}")
     return obj
 
 

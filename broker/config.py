@@ -92,9 +92,9 @@ class ProvisionConfig(_Config):
     dead: StreamLimits = _limits(128 * MiB, 7 * DAY, 8 * MiB)
     agents: ConsumerLimits = ConsumerLimits(ack_wait_s=600, max_deliver=5, max_ack_pending=1024)
     rollout: ConsumerLimits = ConsumerLimits(ack_wait_s=30, max_deliver=10, max_ack_pending=4096)
-    trajectory: ConsumerLimits = ConsumerLimits(
-        ack_wait_s=60, max_deliver=10, max_ack_pending=8192
-    )
+    trajectory: ConsumerLimits = ConsumerLimits(ack_wait_s=60, max_deliver=10, max_ack_pending=8192)
     trainer: ConsumerLimits = ConsumerLimits(ack_wait_s=600, max_deliver=10, max_ack_pending=8192)
-    workers_ttl_s: float = Field(default=30.0, gt=0, description="a worker key expires unless renewed")
+    workers_ttl_s: float = Field(
+        default=30.0, gt=0, description="a worker key expires unless renewed"
+    )
     weights_store_max_bytes: int = Field(default=2 * GiB, gt=0)

@@ -20,7 +20,7 @@ class BrokerStartError(BrokerError):
 
 
 class ProvisionConflictError(BrokerError):
-    """A run's stream, consumer or bucket exists with a configuration other than the one asked for."""
+    """A run's stream, consumer or bucket exists with another configuration than asked."""
 
 
 class InvalidMessageError(BrokerError):

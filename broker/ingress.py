@@ -89,8 +89,9 @@ class Ingress(Generic[M]):
         """Consume until ``stop`` is set; returns after the current batch is settled."""
         sub = await self._js.pull_subscribe_bind(self._durable, self._stream)
         self._max_deliver = (await sub.consumer_info()).config.max_deliver or 0
-        log.info(kv("ingress_started", source=self.source, stream=self._stream,
-                    durable=self._durable))
+        log.info(
+            kv("ingress_started", source=self.source, stream=self._stream, durable=self._durable)
+        )
         try:
             while not stop.is_set():
                 # 1. Fetch what is there; a timeout only means nothing yet.
@@ -123,8 +124,15 @@ class Ingress(Generic[M]):
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             INGRESS_MESSAGES.labels(self.source, "failed").inc()
-            log.exception(kv("ingress_handler_failed", source=self.source,
-                             seq=meta.sequence.stream, delivered=meta.num_delivered, error=error))
+            log.exception(
+                kv(
+                    "ingress_handler_failed",
+                    source=self.source,
+                    seq=meta.sequence.stream,
+                    delivered=meta.num_delivered,
+                    error=error,
+                )
+            )
             if 0 < self._max_deliver <= meta.num_delivered:
                 reason = f"handler failed on all {meta.num_delivered} deliveries; last: {error}"
                 await self._reject(msg, reason, content_type)
@@ -159,5 +167,13 @@ class Ingress(Generic[M]):
             return
         await msg.term()
         INGRESS_MESSAGES.labels(self.source, "rejected").inc()
-        log.warning(kv("message_rejected", source=self.source, subject=msg.subject, seq=seq,
-                       dead_letter=self._dead_subject, reason=reason))
+        log.warning(
+            kv(
+                "message_rejected",
+                source=self.source,
+                subject=msg.subject,
+                seq=seq,
+                dead_letter=self._dead_subject,
+                reason=reason,
+            )
+        )

@@ -136,7 +136,9 @@ class GenerationRequested(Message):
 
     call_id: Id
     session_id: Id
-    attempt: int = Field(default=0, ge=0, lt=MAX_SAFE_INT, description="0, then +1 per continuation")
+    attempt: int = Field(
+        default=0, ge=0, lt=MAX_SAFE_INT, description="0, then +1 per continuation"
+    )
     model: str = Field(min_length=1, max_length=256)
     prompt_ids: list[TokenId] = Field(min_length=1)
     params: SamplingParams = Field(default_factory=SamplingParams)
@@ -168,7 +170,8 @@ class TokensGenerated(Message):
 
 
 class CallRecorded(Message):
-    """One finished LLM call, token-exact. # gateway -> trajectory manager, ``sf.<run>.traj.calls``."""
+    """One finished LLM call, token-exact. # gateway -> trajectory manager,
+    on ``sf.<run>.traj.calls``."""
 
     session_id: Id
     call_id: Id
@@ -212,7 +215,9 @@ class SampleReady(Message):
     session_id: Id
     group_id: Id
     token_ids: list[TokenId] = Field(min_length=1)
-    loss_mask: list[Annotated[int, Field(ge=0, le=1)]] = Field(description="1 only on model-generated tokens")
+    loss_mask: list[Annotated[int, Field(ge=0, le=1)]] = Field(
+        description="1 only on model-generated tokens"
+    )
     logprobs: list[float] = Field(description="behaviour logprobs; 0.0 where loss_mask is 0")
     versions: list[Annotated[int, Field(ge=-1)]] = Field(
         description="weight version per token; -1 where loss_mask is 0"
@@ -258,7 +263,9 @@ class WorkerRegistered(Message):
     pid: int = Field(ge=0, lt=MAX_SAFE_INT)
     tags: list[str] = Field(default_factory=list, max_length=64)
     role: RoleField = Role.IDLE
-    epoch: int = Field(default=0, ge=0, lt=MAX_SAFE_INT, description="epoch of the last role change applied")
+    epoch: int = Field(
+        default=0, ge=0, lt=MAX_SAFE_INT, description="epoch of the last role change applied"
+    )
     version: Version | None = Field(default=None, description="weight version loaded, if any")
     metrics_url: str | None = Field(default=None, max_length=512)
     heartbeat_at: Timestamp
@@ -269,7 +276,9 @@ class RoleChangeRequested(Message):
 
     worker_id: Id
     role: RoleField
-    epoch: int = Field(ge=1, lt=MAX_SAFE_INT, description="increases with every change; stale epochs are refused")
+    epoch: int = Field(
+        ge=1, lt=MAX_SAFE_INT, description="increases with every change; stale epochs are refused"
+    )
     reason: str = Field(default="", max_length=1024)
 
 

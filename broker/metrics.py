@@ -1,6 +1,7 @@
 """The data plane's own metrics: ingress outcomes and JetStream depths."""
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable
 
@@ -69,7 +70,5 @@ class StreamDepthCollector(Collector):
             except (NatsError, TimeoutError) as exc:
                 self._ok = 0.0
                 log.warning(kv("stream_poll_failed", error=f"{type(exc).__name__}: {exc}"))
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
-            except TimeoutError:
-                pass

@@ -185,9 +185,7 @@ async def provision_run(
         wanted = {k: getattr(sc, k) for k in _STREAM_FIELDS}
         await ensure(sc.name, wanted, lambda sc=sc: js.add_stream(sc))
     kv_stream = KV_STREAM.format(p.workers_kv.bucket)
-    await ensure(
-        kv_stream, p.bucket_streams[kv_stream], lambda: js.create_key_value(p.workers_kv)
-    )
+    await ensure(kv_stream, p.bucket_streams[kv_stream], lambda: js.create_key_value(p.workers_kv))
     obj_stream = OBJ_STREAM.format(p.weights_store.bucket)
     await ensure(
         obj_stream,
@@ -202,8 +200,9 @@ async def provision_run(
             + "\n  ".join(conflicts)
             + "\nProvision it with the configuration it was created with, or use a new run name."
         )
-    log.info(kv("run_provisioned", run=run, created=len(report.created),
-                unchanged=len(report.unchanged)))
+    log.info(
+        kv("run_provisioned", run=run, created=len(report.created), unchanged=len(report.unchanged))
+    )
     return report
 
 

@@ -122,8 +122,13 @@ class EmbeddedBroker:
             self.stop()
             raise
         log.info(
-            kv("broker_started", url=self.url, pid=self._proc.pid, store=self.store_dir,
-               version=".".join(map(str, self.version)))
+            kv(
+                "broker_started",
+                url=self.url,
+                pid=self._proc.pid,
+                store=self.store_dir,
+                version=".".join(map(str, self.version)),
+            )
         )
         return self
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from broker.client import connect
 from broker.config import EmbeddedBrokerConfig
+from broker.messages import TaskSubmitted
 from broker.provision import provision_run, run_status
 from broker.schema import export_schemas
 from broker.subjects import RunNames
@@ -15,7 +16,7 @@ from seamlessflow.config import DEFAULT_RUN, load_config
 from seamlessflow.exceptions import SeamlessFlowError
 from seamlessflow.launcher import print_status, run_local, serve_broker
 from seamlessflow.log import setup_logging
-from seamlessflow.submit import parse_tasks, submit_tasks
+from seamlessflow.submit import SubmitReport, parse_tasks, submit_tasks
 
 
 def _add_nats(p: argparse.ArgumentParser, *, embedded: bool = False) -> None:
@@ -94,7 +95,7 @@ async def _status(args: argparse.Namespace) -> int:
     return 1 if status.missing else 0
 
 
-async def _submit(args: argparse.Namespace) -> int:
+def _submit(args: argparse.Namespace) -> int:
     if args.tasks == "-":
         tasks, errors = parse_tasks(sys.stdin, "<stdin>")
     else:
@@ -104,18 +105,22 @@ async def _submit(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise SeamlessFlowError(f"cannot read {args.tasks}: {exc}") from exc
     for error in errors:
-        print(f"invalid task: {error}", file=sys.stderr)
+        print(error, file=sys.stderr)
     names = RunNames(args.run or DEFAULT_RUN)
-    nc = await connect(args.nats, "seamlessflow-submit")
-    try:
-        report = await submit_tasks(nc.jetstream(), names, tasks)
-    finally:
-        await nc.drain()
+    report = asyncio.run(_publish(args.nats, names, tasks))
     print(
         f"submitted {report.published} tasks to {names.tasks} "
         f"({report.duplicates} duplicates, {len(errors)} invalid)"
     )
     return 1 if errors else 0
+
+
+async def _publish(url: str, names: RunNames, tasks: list[TaskSubmitted]) -> SubmitReport:
+    nc = await connect(url, "seamlessflow-submit")
+    try:
+        return await submit_tasks(nc.jetstream(), names, tasks)
+    finally:
+        await nc.drain()
 
 
 def _broker(args: argparse.Namespace) -> int:
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             case "status":
                 return asyncio.run(_status(args))
             case "submit":
-                return asyncio.run(_submit(args))
+                return _submit(args)
             case "schema":
                 for path in export_schemas(args.dir):
                     print(path)

@@ -1,4 +1,4 @@
-"""The configuration of a local run: one typed model, read from TOML, each part given its section."""
+"""The configuration of a local run: one typed model read from TOML; each part gets its section."""
 
 import tomllib
 from pathlib import Path

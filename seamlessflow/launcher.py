@@ -93,7 +93,9 @@ def print_status(status: RunStatus, out=sys.stdout) -> None:
             rows.append((f"  {c.name}", "", "", str(c.pending), str(c.ack_pending)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        cells = [r[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
+        ]
         print("  ".join(cells).rstrip(), file=out)
     for name in status.missing:
         print(f"missing: {name} (run `seamlessflow provision`)", file=out)

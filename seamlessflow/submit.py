@@ -5,11 +5,13 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from tqdm import tqdm
 
 from broker import codec
-from broker.exceptions import InvalidMessageError
+from broker.exceptions import BrokerError, InvalidMessageError
 from broker.messages import TaskSubmitted
 from broker.subjects import RunNames
 from seamlessflow.log import kv
@@ -52,25 +54,44 @@ async def submit_tasks(
 
     ``progress=None`` shows a bar only on a terminal.
     """
+    try:
+        await js.stream_info(names.tasks_stream)
+    except NotFoundError as exc:
+        raise BrokerError(
+            f"run {names.run!r} is not provisioned on this broker (no stream "
+            f"{names.tasks_stream}): run `seamlessflow provision --run {names.run}` first"
+        ) from exc
     report = SubmitReport()
     disable = None if progress is None else not progress
     with tqdm(total=len(tasks), unit="task", desc="submit", disable=disable) as bar:
         for start in range(0, len(tasks), window):
             chunk = tasks[start : start + window]
-            acks = await asyncio.gather(
-                *(
-                    js.publish(
-                        names.tasks, codec.encode(t), headers=codec.headers(msg_id=t.task_id)
+            try:
+                acks = await asyncio.gather(
+                    *(
+                        js.publish(
+                            names.tasks, codec.encode(t), headers=codec.headers(msg_id=t.task_id)
+                        )
+                        for t in chunk
                     )
-                    for t in chunk
                 )
-            )
+            except NatsError as exc:
+                raise BrokerError(
+                    f"publishing to {names.tasks} failed after {report.published} tasks: "
+                    f"{type(exc).__name__}: {exc}; submitting again is safe (ids de-duplicate)"
+                ) from exc
             for ack in acks:
                 if ack.duplicate:
                     report.duplicates += 1
                 else:
                     report.published += 1
             bar.update(len(chunk))
-    log.info(kv("tasks_submitted", run=names.run, published=report.published,
-                duplicates=report.duplicates))
+    log.info(
+        kv(
+            "tasks_submitted",
+            run=names.run,
+            published=report.published,
+            duplicates=report.duplicates,
+        )
+    )
     return report

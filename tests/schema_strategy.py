@@ -9,10 +9,32 @@ from typing import Any
 from hypothesis import strategies as st
 
 _HANDLED = {
-    "$defs", "$id", "$ref", "$schema", "additionalProperties", "anyOf", "const", "default",
-    "description", "enum", "exclusiveMaximum", "exclusiveMinimum", "format", "items", "maxItems",
-    "maxLength", "maxProperties", "maximum", "minItems", "minLength", "minimum", "pattern",
-    "properties", "required", "title", "type",
+    "$defs",
+    "$id",
+    "$ref",
+    "$schema",
+    "additionalProperties",
+    "anyOf",
+    "const",
+    "default",
+    "description",
+    "enum",
+    "exclusiveMaximum",
+    "exclusiveMinimum",
+    "format",
+    "items",
+    "maxItems",
+    "maxLength",
+    "maxProperties",
+    "maximum",
+    "minItems",
+    "minLength",
+    "minimum",
+    "pattern",
+    "properties",
+    "required",
+    "title",
+    "type",
 }
 _CAP = 6
 

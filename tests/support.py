@@ -3,7 +3,7 @@
 import shutil
 from pathlib import Path
 
-from broker.config import MiB, EmbeddedBrokerConfig, ProvisionConfig, StreamLimits
+from broker.config import EmbeddedBrokerConfig, MiB, ProvisionConfig, StreamLimits
 from broker.server import find_nats_server, server_version
 
 
@@ -24,16 +24,22 @@ NATS_BINARIES = _nats_binaries()
 
 # JetStream reserves each stream's max_bytes on disk; tests create many runs, so keep them small.
 _SMALL = StreamLimits(
-    max_bytes=4 * MiB, max_age_s=3600, max_msg_size=MiB, max_payload=64 << 10,
+    max_bytes=4 * MiB,
+    max_age_s=3600,
+    max_msg_size=MiB,
+    max_payload=64 << 10,
     duplicate_window_s=60,
 )
 SMALL_RUN = ProvisionConfig(
-    tasks=_SMALL, gen=_SMALL, traj=_SMALL, samples=_SMALL, weights=_SMALL, dead=_SMALL,
+    tasks=_SMALL,
+    gen=_SMALL,
+    traj=_SMALL,
+    samples=_SMALL,
+    weights=_SMALL,
+    dead=_SMALL,
     weights_store_max_bytes=8 * MiB,
 )
 
 
 def broker_config(state_dir: Path, binary: Path) -> EmbeddedBrokerConfig:
     return EmbeddedBrokerConfig(state_dir=state_dir, binary=binary, max_payload=2 << 20)
-
-

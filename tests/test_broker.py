@@ -112,8 +112,10 @@ async def test_unreachable_broker_is_a_clear_error():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again before connecting: nothing listens
-    with pytest.raises(BrokerUnavailableError, match=f"cannot reach NATS at nats://127.0.0.1:{port}"):
-        await connect(f"nats://127.0.0.1:{port}", "test", timeout=1)
+    with pytest.raises(
+        BrokerUnavailableError, match=f"cannot reach NATS at nats://127.0.0.1:{port}"
+    ):
+        await connect(f"nats://127.0.0.1:{port}", "test", give_up_after=1)
 
 
 def _scrape(url: str) -> str:
@@ -126,7 +128,10 @@ async def test_broker_command_serves_depths_and_stops_cleanly(tmp_path, nats_bin
     env = {**os.environ, "SEAMLESSFLOW_NATS_SERVER": str(nats_binary)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "seamlessflow.cli", "broker", "--state-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         line = proc.stdout.readline()
@@ -162,7 +167,10 @@ def test_server_dies_with_a_killed_launcher(tmp_path, nats_binary):
     env = {**os.environ, "SEAMLESSFLOW_NATS_SERVER": str(nats_binary)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "seamlessflow.cli", "broker", "--state-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
     )
     url = re.search(r"nats=(\S+)", proc.stdout.readline())[1]
     assert _port_open(url)
@@ -180,5 +188,9 @@ def test_tasks_payloads_are_plain_msgpack_maps():
     assert decoded["task_id"] == "task-1"
     assert decoded["schema_version"] == 1
     assert decoded["messages"][0] == {
-        "role": "user", "content": "1+1?", "name": None, "tool_call_id": None, "tool_calls": [],
+        "role": "user",
+        "content": "1+1?",
+        "name": None,
+        "tool_call_id": None,
+        "tool_calls": [],
     }

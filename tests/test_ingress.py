@@ -43,9 +43,17 @@ class Collector:
 
 def _ingress(js, names: RunNames, handler, **kw) -> Ingress[TaskSubmitted]:
     return Ingress(
-        js, names, source="tasks", stream=names.tasks_stream, durable=Durable.AGENTS,
-        schema=TaskSubmitted, handler=handler, max_payload=4096, fetch_timeout=0.2,
-        retry_delay=0.1, **kw,
+        js,
+        names,
+        source="tasks",
+        stream=names.tasks_stream,
+        durable=Durable.AGENTS,
+        schema=TaskSubmitted,
+        handler=handler,
+        max_payload=4096,
+        fetch_timeout=0.2,
+        retry_delay=0.1,
+        **kw,
     )
 
 
@@ -75,11 +83,17 @@ async def _dead_letters(js, names: RunNames) -> list[MessageRejected]:
 async def test_malformed_tasks_are_dead_lettered_and_the_rest_handled(js, names):
     bad = [
         (b"\xc1\xc1", None, "not valid msgpack"),
-        (msgpack.packb({**_task_dict(90), "group_size": "many"}), None,
-         "group_size: Input should be a valid integer"),
+        (
+            msgpack.packb({**_task_dict(90), "group_size": "many"}),
+            None,
+            "group_size: Input should be a valid integer",
+        ),
         (msgpack.packb({"messages": []}), None, "task_id: Field required"),
-        (msgpack.packb({**_task_dict(91), "metadata": {"pad": "x" * 5000}}), None,
-         "over the 4096-byte limit"),
+        (
+            msgpack.packb({**_task_dict(91), "metadata": {"pad": "x" * 5000}}),
+            None,
+            "over the 4096-byte limit",
+        ),
         (json.dumps(_task_dict(92)).encode(), None, "JSON senders must set Content-Type"),
         (b"{not json", "application/json", "Invalid JSON"),
         (msgpack.packb(_task_dict(93)), "text/csv; " + "x" * 1000, "unsupported Content-Type"),
@@ -89,14 +103,22 @@ async def test_malformed_tasks_are_dead_lettered_and_the_rest_handled(js, names)
         await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
         await js.publish(names.tasks, payload, headers={"Content-Type": ctype} if ctype else None)
     # JSON is accepted when the client says so, whatever the header name's case.
-    await js.publish(names.tasks, json.dumps(_task_dict(50)).encode(),
-                     headers={"content-type": "application/json"})
+    await js.publish(
+        names.tasks,
+        json.dumps(_task_dict(50)).encode(),
+        headers={"content-type": "application/json"},
+    )
 
     accepted0, rejected0 = _count("tasks", "accepted"), _count("tasks", "rejected")
     handler = Collector()
     ingress = _ingress(js, names, handler)
-    await _run_until(ingress, lambda: len(handler.seen) == len(bad) + 1 and
-                     _count("tasks", "rejected") - rejected0 == len(bad))
+    await _run_until(
+        ingress,
+        lambda: (
+            len(handler.seen) == len(bad) + 1
+            and _count("tasks", "rejected") - rejected0 == len(bad)
+        ),
+    )
 
     assert [t.task_id for t, _ in handler.seen] == [f"ok-{i}" for i in range(len(bad))] + ["ok-50"]
     assert _count("tasks", "accepted") - accepted0 == len(bad) + 1

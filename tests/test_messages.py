@@ -57,8 +57,12 @@ def test_every_instance_of_the_exported_schema_round_trips(schema):
 @given(payload=st.binary(min_size=0, max_size=64), size=st.integers(0, 1 << 20))
 def test_dead_letters_round_trip_any_bytes(payload, size):
     rejected = MessageRejected(
-        source="tasks", subject="sf.r.tasks", reason="because", payload=payload,
-        payload_size=size, rejected_at=1.5,
+        source="tasks",
+        subject="sf.r.tasks",
+        reason="because",
+        payload=payload,
+        payload_size=size,
+        rejected_at=1.5,
     )
     for encoding in codec.Encoding:
         data = codec.encode(rejected, encoding)
@@ -73,9 +77,14 @@ def test_random_bytes_give_only_invalid_message_errors(data, schema):
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -131,30 +140,69 @@ def test_oversize_payload_is_refused_before_parsing():
 
 def test_per_token_lists_must_align():
     with pytest.raises(InvalidMessageError, match="one logprob per token"):
-        codec.decode(TokensGenerated, msgpack.packb({
-            "call_id": "c", "attempt": 0, "seq": 0, "worker_id": "w", "version": 3,
-            "token_ids": [1, 2], "logprobs": [-0.5],
-        }))
+        codec.decode(
+            TokensGenerated,
+            msgpack.packb(
+                {
+                    "call_id": "c",
+                    "attempt": 0,
+                    "seq": 0,
+                    "worker_id": "w",
+                    "version": 3,
+                    "token_ids": [1, 2],
+                    "logprobs": [-0.5],
+                }
+            ),
+        )
     with pytest.raises(InvalidMessageError, match="one entry per token"):
-        codec.decode(SampleReady, msgpack.packb({
-            "sample_id": "s", "session_id": "x", "group_id": "g", "token_ids": [1, 2, 3],
-            "loss_mask": [0, 1, 1], "logprobs": [0.0, -1.0, -2.0], "versions": [-1, 0],
-            "reward": 1.0, "on_policy": True,
-        }))
+        codec.decode(
+            SampleReady,
+            msgpack.packb(
+                {
+                    "sample_id": "s",
+                    "session_id": "x",
+                    "group_id": "g",
+                    "token_ids": [1, 2, 3],
+                    "loss_mask": [0, 1, 1],
+                    "logprobs": [0.0, -1.0, -2.0],
+                    "versions": [-1, 0],
+                    "reward": 1.0,
+                    "on_policy": True,
+                }
+            ),
+        )
 
 
 def test_enums_travel_as_strings_and_are_checked():
-    ok = codec.decode(TokensGenerated, msgpack.packb({
-        "call_id": "c", "attempt": 0, "seq": 0, "worker_id": "w", "version": 0,
-        "finish_reason": "length",
-    }))
+    ok = codec.decode(
+        TokensGenerated,
+        msgpack.packb(
+            {
+                "call_id": "c",
+                "attempt": 0,
+                "seq": 0,
+                "worker_id": "w",
+                "version": 0,
+                "finish_reason": "length",
+            }
+        ),
+    )
     assert ok.finish_reason == "length"
     assert msgpack.unpackb(codec.encode(ok))["finish_reason"] == "length"
     with pytest.raises(InvalidMessageError, match="finish_reason"):
-        codec.decode(TokensGenerated, msgpack.packb({
-            "call_id": "c", "attempt": 0, "seq": 0, "worker_id": "w", "version": 0,
-            "finish_reason": "tired",
-        }))
+        codec.decode(
+            TokensGenerated,
+            msgpack.packb(
+                {
+                    "call_id": "c",
+                    "attempt": 0,
+                    "seq": 0,
+                    "worker_id": "w",
+                    "version": 0,
+                    "finish_reason": "tired",
+                }
+            ),
+        )
 
 
 def test_schema_export_writes_one_valid_schema_per_message(tmp_path):

@@ -1,0 +1,90 @@
+"""A non-Python client (Node.js, npm ``nats``) submits tasks; the Python ingress validates them."""
+
+import asyncio
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from broker import codec
+from broker.ingress import Ingress
+from broker.messages import MessageRejected, TaskSubmitted
+from broker.subjects import Durable
+
+CLIENT_DIR = Path(__file__).parent / "clients" / "node"
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("node") is None or not (CLIENT_DIR / "node_modules" / "nats").is_dir(),
+    reason="needs Node.js and `npm ci --prefix tests/clients/node` (make test does both)",
+)
+
+
+async def _node_submit(url: str, subject: str, task: dict) -> dict:
+    proc = await asyncio.create_subprocess_exec(
+        "node",
+        str(CLIENT_DIR / "submit_task.mjs"),
+        url,
+        subject,
+        json.dumps(task),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    return json.loads(out)
+
+
+async def test_node_client_task_is_received_and_validated(broker, js, names):
+    task = {
+        "task_id": "from-node-1",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "7*6?"},
+        ],
+        "env": "arith",
+        "reward": {"verifier": "exact_match", "reference": "42"},
+        "group_size": 4,
+        "metadata": {"lang": "javascript"},
+    }
+    ack = await _node_submit(broker.url, names.tasks, task)
+    assert ack == {"stream": names.tasks_stream, "seq": 1, "duplicate": False}
+    # Same task id again: JetStream de-duplicates it.
+    again = await _node_submit(broker.url, names.tasks, task)
+    assert again["duplicate"] is True
+    # A malformed task from the same client is dead-lettered, not fatal.
+    bad = {"task_id": "from-node-2", "messages": "7*6?"}
+    await _node_submit(broker.url, names.tasks, bad)
+
+    received: list[TaskSubmitted] = []
+
+    async def handle(t: TaskSubmitted, _delivery) -> None:
+        received.append(t)
+
+    ingress = Ingress(
+        js,
+        names,
+        source="tasks",
+        stream=names.tasks_stream,
+        durable=Durable.AGENTS,
+        schema=TaskSubmitted,
+        handler=handle,
+        max_payload=65536,
+        fetch_timeout=0.2,
+    )
+    stop = asyncio.Event()
+    run = asyncio.create_task(ingress.run(stop))
+    async with asyncio.timeout(20):
+        while (await js.stream_info(names.tasks_stream)).state.messages:
+            await asyncio.sleep(0.05)
+    stop.set()
+    await run
+
+    assert received == [TaskSubmitted.model_validate(task)]
+    assert received[0].reward.reference == "42" and received[0].group_size == 4
+    dead = await js.get_msg(names.dead_stream, 1)
+    letter = codec.decode(MessageRejected, dead.data)
+    assert letter.content_type == "application/json"
+    assert "messages: Input should be a valid array" in letter.reason
+    assert json.loads(letter.payload) == bad
