@@ -121,9 +121,10 @@ def _task(**overrides):
         (b"\xc1", None, "not valid msgpack"),
         (b'{"task_id": "t1"}', None, "JSON senders must set Content-Type"),
         (b'{"task_id": ', "application/json", "Invalid JSON"),
-        (_task(), "text/plain", "unsupported Content-Type 'text/plain'"),
+        (_task(), "text/plain", 'unsupported Content-Type "text/plain"'),
         (msgpack.packb([1, 2]), None, "must be a msgpack map, got list"),
     ],
+    ids=lambda v: v if isinstance(v, str) and " " in v else "",
 )
 def test_errors_say_what_is_wrong_and_where(payload, content_type, needle):
     with pytest.raises(InvalidMessageError) as info:
