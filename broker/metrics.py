@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 INGRESS_MESSAGES = Counter(
     "sf_ingress_messages",
     "Messages seen at a validated ingress, by outcome: accepted (handled and acked), "
-    "rejected (invalid: dead-lettered and terminated), failed (handler error: retried later)",
+    "rejected (dead-lettered and terminated: invalid, or the handler failed on the last "
+    "delivery), failed (the handler raised; counted on every failed delivery)",
     ["source", "outcome"],
 )
 

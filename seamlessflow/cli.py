@@ -30,7 +30,8 @@ def _add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--run",
         default=os.environ.get("SEAMLESSFLOW_RUN"),
-        help="run name (default: $SEAMLESSFLOW_RUN, else the config's run, else 'quickstart')",
+        help="run name (default: $SEAMLESSFLOW_RUN, then a given --config's run, then "
+        "'quickstart')",
     )
 
 
