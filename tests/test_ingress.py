@@ -3,6 +3,7 @@ good tasks around them are all handled, and the consumer keeps going."""
 
 import asyncio
 import json
+import socket
 
 import msgpack
 import pytest
@@ -10,9 +11,13 @@ from nats.js.errors import APIError
 from prometheus_client import REGISTRY
 
 from broker import codec
+from broker.client import connect
 from broker.ingress import Delivery, Ingress
 from broker.messages import MessageRejected, TaskSubmitted
+from broker.provision import provision_run
+from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
+from tests.support import SMALL_RUN, broker_config
 
 
 def _count(source: str, outcome: str) -> float:
@@ -164,3 +169,48 @@ async def test_payload_over_the_stream_limit_is_refused_to_the_publisher(js, nam
         await js.publish(names.tasks, b"x" * (1 << 20) + b"x")
     assert "maximum" in str(info.value).lower() or "size" in str(info.value).lower()
     assert (await js.stream_info(names.tasks_stream)).state.messages == 0
+
+
+async def test_ingress_survives_a_broker_restart(tmp_path, nats_binary):
+    """Stop the server under a running ingress, start it again on the same port and store:
+    tasks published before and after are all handled, none twice."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = broker_config(tmp_path, nats_binary).model_copy(update={"port": port})
+    names = RunNames("restart")
+    server = EmbeddedBroker(cfg).start()
+    nc = await connect(server.url, "test")
+    js = nc.jetstream()
+    await provision_run(js, names.run, SMALL_RUN)
+    handler = Collector()
+    stop = asyncio.Event()
+    run = asyncio.create_task(_ingress(js, names, handler).run(stop))
+    try:
+        for i in range(5):
+            await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
+        async with asyncio.timeout(20):
+            while len(handler.seen) < 5:
+                await asyncio.sleep(0.05)
+
+        server.stop()
+        await asyncio.sleep(1.0)  # the ingress keeps polling a broker that is gone
+        assert not run.done(), run.exception() if run.done() else None
+        server = EmbeddedBroker(cfg).start()
+        async with asyncio.timeout(20):
+            while not nc.is_connected:
+                await asyncio.sleep(0.05)
+
+        for i in range(5, 10):
+            await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
+        async with asyncio.timeout(30):
+            while len(handler.seen) < 10:
+                assert not run.done(), run.exception()
+                await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(run, 10)
+        assert sorted(t.task_id for t, _ in handler.seen) == sorted(f"ok-{i}" for i in range(10))
+    finally:
+        stop.set()
+        await nc.close()
+        server.stop()
