@@ -20,12 +20,12 @@ from pathlib import Path
 
 from broker import codec
 from broker.client import connect
-from broker.config import EmbeddedBrokerConfig
-from broker.ingress import Ingress
+from broker.config import EmbeddedBrokerConfig, ProvisionConfig
+from broker.ingress import tasks_ingress
 from broker.messages import CallRecorded, TaskSubmitted, TokensGenerated
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
-from broker.subjects import Durable, RunNames
+from broker.subjects import RunNames
 from seamlessflow.submit import submit_tasks
 
 RESULTS = Path(__file__).parent / "results"
@@ -116,18 +116,8 @@ async def bench_dataplane(url: str, n: int) -> dict:
             all_seen.set()
 
     stop = asyncio.Event()
-    ingress = Ingress(
-        js,
-        names,
-        source="tasks",
-        stream=names.tasks_stream,
-        durable=Durable.AGENTS,
-        schema=TaskSubmitted,
-        handler=handle,
-        max_payload=1 << 18,
-        batch=256,
-        fetch_timeout=0.5,
-    )
+    limits = ProvisionConfig().tasks
+    ingress = tasks_ingress(js, names, handle, limits, batch=256, fetch_timeout=0.5)
     start = time.perf_counter()
     run = asyncio.create_task(ingress.run(stop))
     await all_seen.wait()

@@ -25,10 +25,11 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 
 from broker import codec
+from broker.config import StreamLimits
 from broker.exceptions import InvalidMessageError
-from broker.messages import HEADER_MAX, REASON_MAX, Message, MessageRejected
+from broker.messages import HEADER_MAX, REASON_MAX, Message, MessageRejected, TaskSubmitted
 from broker.metrics import INGRESS_MESSAGES
-from broker.subjects import RunNames
+from broker.subjects import Durable, RunNames
 from seamlessflow.log import kv
 
 log = logging.getLogger(__name__)
@@ -177,3 +178,25 @@ class Ingress(Generic[M]):
                 reason=reason,
             )
         )
+
+
+def tasks_ingress(
+    js: JetStreamContext,
+    names: RunNames,
+    handler: Handler[TaskSubmitted],
+    limits: StreamLimits,
+    **options: float,
+) -> Ingress[TaskSubmitted]:
+    """The validated ingress of a run's task stream (durable ``agents``), sized by the run's
+    ``tasks`` limits. ``options``: ``batch``, ``fetch_timeout``, ``retry_delay``."""
+    return Ingress(
+        js,
+        names,
+        source="tasks",
+        stream=names.tasks_stream,
+        durable=Durable.AGENTS,
+        schema=TaskSubmitted,
+        handler=handler,
+        max_payload=limits.max_payload,
+        **options,
+    )

@@ -123,16 +123,20 @@ def _scrape(url: str) -> str:
         return r.read().decode()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-async def test_broker_command_serves_depths_and_stops_cleanly(tmp_path, nats_binary, sig):
-    env = {**os.environ, "SEAMLESSFLOW_NATS_SERVER": str(nats_binary)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "seamlessflow.cli", "broker", "--state-dir", str(tmp_path)],
+def _broker_command(state_dir: Path, nats_binary: Path) -> subprocess.Popen:
+    """``seamlessflow broker`` as a user starts it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "seamlessflow.cli", "broker", "--state-dir", str(state_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env={**os.environ, "SEAMLESSFLOW_NATS_SERVER": str(nats_binary)},
     )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_broker_command_serves_depths_and_stops_cleanly(tmp_path, nats_binary, sig):
+    proc = _broker_command(tmp_path, nats_binary)
     try:
         line = proc.stdout.readline()
         ready = re.search(r"nats=(\S+) .*metrics=(\S+)", line)
@@ -164,14 +168,7 @@ async def test_broker_command_serves_depths_and_stops_cleanly(tmp_path, nats_bin
 
 def test_server_dies_with_a_killed_launcher(tmp_path, nats_binary):
     """kill -9 of the process that started the server must not leave the server running."""
-    env = {**os.environ, "SEAMLESSFLOW_NATS_SERVER": str(nats_binary)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "seamlessflow.cli", "broker", "--state-dir", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    proc = _broker_command(tmp_path, nats_binary)
     url = re.search(r"nats=(\S+)", proc.stdout.readline())[1]
     assert _port_open(url)
     proc.kill()

@@ -10,23 +10,10 @@ from broker import codec
 from broker.messages import TaskSubmitted
 from broker.subjects import RunNames
 
-SMALL_TOML = """
-run = "{run}"
-[provision]
-weights_store_max_bytes = 8388608
-[provision.tasks]
-max_bytes = 4194304
-[provision.gen]
-max_bytes = 4194304
-[provision.traj]
-max_bytes = 4194304
-[provision.samples]
-max_bytes = 4194304
-[provision.weights]
-max_bytes = 4194304
-[provision.dead]
-max_bytes = 4194304
-"""
+SMALL_TOML = 'run = "{run}"\n[provision]\nweights_store_max_bytes = 8388608\n' + "".join(
+    f"[provision.{stream}]\nmax_bytes = 4194304\n"
+    for stream in ("tasks", "gen", "traj", "samples", "weights", "dead")
+)
 
 
 def sf(

@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 
 from broker import codec
 from broker.client import connect
-from broker.ingress import Delivery, Ingress
+from broker.ingress import Delivery, Ingress, tasks_ingress
 from broker.messages import MessageRejected, TaskSubmitted
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
@@ -46,20 +46,9 @@ class Collector:
         self.seen.append((task, delivery))
 
 
-def _ingress(js, names: RunNames, handler, **kw) -> Ingress[TaskSubmitted]:
-    return Ingress(
-        js,
-        names,
-        source="tasks",
-        stream=names.tasks_stream,
-        durable=Durable.AGENTS,
-        schema=TaskSubmitted,
-        handler=handler,
-        max_payload=4096,
-        fetch_timeout=0.2,
-        retry_delay=0.1,
-        **kw,
-    )
+def _ingress(js, names: RunNames, handler) -> Ingress[TaskSubmitted]:
+    limits = SMALL_RUN.tasks.model_copy(update={"max_payload": 4096})
+    return tasks_ingress(js, names, handler, limits, fetch_timeout=0.2, retry_delay=0.1)
 
 
 async def _run_until(ingress: Ingress, done, timeout: float = 20.0) -> None:

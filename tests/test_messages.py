@@ -139,71 +139,39 @@ def test_oversize_payload_is_refused_before_parsing():
     assert codec.decode(TaskSubmitted, payload, max_size=len(payload)).task_id == "t1"
 
 
+def _chunk(**fields) -> bytes:
+    base = {"call_id": "c", "attempt": 0, "seq": 0, "worker_id": "w", "version": 3}
+    return msgpack.packb({**base, **fields})
+
+
 def test_per_token_lists_must_align():
     with pytest.raises(InvalidMessageError, match="one logprob per token"):
-        codec.decode(
-            TokensGenerated,
-            msgpack.packb(
-                {
-                    "call_id": "c",
-                    "attempt": 0,
-                    "seq": 0,
-                    "worker_id": "w",
-                    "version": 3,
-                    "token_ids": [1, 2],
-                    "logprobs": [-0.5],
-                }
-            ),
-        )
+        codec.decode(TokensGenerated, _chunk(token_ids=[1, 2], logprobs=[-0.5]))
+    sample = {
+        "sample_id": "s",
+        "session_id": "x",
+        "group_id": "g",
+        "token_ids": [1, 2, 3],
+        "loss_mask": [0, 1, 1],
+        "logprobs": [0.0, -1.0, -2.0],
+        "versions": [-1, 0],
+        "reward": 1.0,
+        "on_policy": True,
+    }
     with pytest.raises(InvalidMessageError, match="one entry per token"):
-        codec.decode(
-            SampleReady,
-            msgpack.packb(
-                {
-                    "sample_id": "s",
-                    "session_id": "x",
-                    "group_id": "g",
-                    "token_ids": [1, 2, 3],
-                    "loss_mask": [0, 1, 1],
-                    "logprobs": [0.0, -1.0, -2.0],
-                    "versions": [-1, 0],
-                    "reward": 1.0,
-                    "on_policy": True,
-                }
-            ),
-        )
+        codec.decode(SampleReady, msgpack.packb(sample))
+    with pytest.raises(InvalidMessageError, match=r"loss_mask\.0: Input should be a valid integer"):
+        codec.decode(SampleReady, msgpack.packb({**sample, "loss_mask": [True, 1, 1]}))
+    with pytest.raises(InvalidMessageError, match=r"logprobs\.1: Input should be a finite number"):
+        codec.decode(SampleReady, msgpack.packb({**sample, "logprobs": [0.0, float("nan"), 0.0]}))
 
 
 def test_enums_travel_as_strings_and_are_checked():
-    ok = codec.decode(
-        TokensGenerated,
-        msgpack.packb(
-            {
-                "call_id": "c",
-                "attempt": 0,
-                "seq": 0,
-                "worker_id": "w",
-                "version": 0,
-                "finish_reason": "length",
-            }
-        ),
-    )
+    ok = codec.decode(TokensGenerated, _chunk(finish_reason="length"))
     assert ok.finish_reason == "length"
     assert msgpack.unpackb(codec.encode(ok))["finish_reason"] == "length"
     with pytest.raises(InvalidMessageError, match="finish_reason"):
-        codec.decode(
-            TokensGenerated,
-            msgpack.packb(
-                {
-                    "call_id": "c",
-                    "attempt": 0,
-                    "seq": 0,
-                    "worker_id": "w",
-                    "version": 0,
-                    "finish_reason": "tired",
-                }
-            ),
-        )
+        codec.decode(TokensGenerated, _chunk(finish_reason="tired"))
 
 
 def test_schema_export_writes_one_valid_schema_per_message(tmp_path):

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from broker import codec
-from broker.ingress import Ingress
+from broker.ingress import tasks_ingress
 from broker.messages import MessageRejected, TaskSubmitted
-from broker.subjects import Durable
+from tests.support import SMALL_RUN
 
 CLIENT_DIR = Path(__file__).parent / "clients" / "node"
 
@@ -62,17 +62,7 @@ async def test_node_client_task_is_received_and_validated(broker, js, names):
     async def handle(t: TaskSubmitted, _delivery) -> None:
         received.append(t)
 
-    ingress = Ingress(
-        js,
-        names,
-        source="tasks",
-        stream=names.tasks_stream,
-        durable=Durable.AGENTS,
-        schema=TaskSubmitted,
-        handler=handle,
-        max_payload=65536,
-        fetch_timeout=0.2,
-    )
+    ingress = tasks_ingress(js, names, handle, SMALL_RUN.tasks, fetch_timeout=0.2)
     stop = asyncio.Event()
     run = asyncio.create_task(ingress.run(stop))
     async with asyncio.timeout(20):
