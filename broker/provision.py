@@ -81,7 +81,11 @@ def plan(run: str, cfg: ProvisionConfig) -> RunPlan:
             retention=retention,
             storage=StorageType.FILE,
             num_replicas=cfg.replicas,
-            discard=DiscardPolicy.OLD,
+            # A full work queue is a real backlog: refuse new messages (the publisher gets an
+            # error) rather than silently drop unconsumed ones. Limits streams are history.
+            discard=DiscardPolicy.NEW
+            if retention is RetentionPolicy.WORK_QUEUE
+            else DiscardPolicy.OLD,
             max_bytes=limits.max_bytes,
             max_age=limits.max_age_s,
             max_msg_size=limits.max_msg_size,

@@ -1,6 +1,7 @@
 """Run provisioning: creates everything once, is a no-op when repeated, refuses conflicts."""
 
 import pytest
+from nats.js.errors import APIError
 
 from broker.config import ConsumerLimits, ProvisionConfig
 from broker.exceptions import BrokerError, ProvisionConflictError
@@ -61,6 +62,20 @@ async def test_storage_the_server_cannot_reserve_is_a_clear_error(js, run_name):
     )
     with pytest.raises(BrokerError, match=r"creating SF_\w+_SAMPLES failed: .*storage"):
         await provision_run(js, run_name, huge)
+
+
+async def test_a_full_work_queue_refuses_new_work_instead_of_dropping_old(js, names):
+    big = b"x" * (900 << 10)
+    refused = None
+    for i in range(8):  # 8 x 900 KiB > the 4 MiB stream
+        try:
+            await js.publish(names.tasks, big + bytes([i]))
+        except APIError as exc:
+            refused = (i, exc)
+            break
+    assert refused is not None and "maximum bytes" in str(refused[1]).lower()
+    state = (await js.stream_info(names.tasks_stream)).state
+    assert state.first_seq == 1 and state.messages == refused[0]  # nothing already queued lost
 
 
 async def test_status_reports_depths_and_missing_parts(js, names):
