@@ -61,8 +61,8 @@ class RunPlan:
     consumers: list[ConsumerPlan]
     workers_kv: KeyValueConfig
     weights_store: ObjectStoreConfig
-    # Settings of the KV / object-store streams that must match on re-provisioning.
-    bucket_streams: dict[str, dict[str, object]] = field(default_factory=dict)
+    bucket_streams: dict[str, dict[str, object]]
+    """Settings of the KV and object-store streams that must match on re-provisioning."""
 
 
 def plan(run: str, cfg: ProvisionConfig) -> RunPlan:

@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from broker.client import connect
@@ -132,30 +133,35 @@ def _broker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schema(args: argparse.Namespace) -> int:
+    for path in export_schemas(args.dir):
+        print(path)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    asyncio.run(run_local(load_config(args.config), args.nats))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "broker": _broker,
+    "provision": lambda args: asyncio.run(_provision(args)),
+    "status": lambda args: asyncio.run(_status(args)),
+    "submit": _submit,
+    "schema": _schema,
+    "run": _run,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
-        match args.command:
-            case "broker":
-                return _broker(args)
-            case "provision":
-                return asyncio.run(_provision(args))
-            case "status":
-                return asyncio.run(_status(args))
-            case "submit":
-                return _submit(args)
-            case "schema":
-                for path in export_schemas(args.dir):
-                    print(path)
-                return 0
-            case "run":
-                asyncio.run(run_local(load_config(args.config), args.nats))
-                return 0
+        return COMMANDS[args.command](args)
     except SeamlessFlowError as exc:
         print(f"seamlessflow {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    return 2
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """Long-running local commands: the embedded broker, and ``run`` (everything on one machine)."""
 
 import asyncio
-import logging
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -15,10 +14,7 @@ from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus, provision_run, run_status
 from broker.server import EmbeddedBroker
 from seamlessflow.config import RunConfig
-from seamlessflow.log import kv
 from seamlessflow.metrics import serve_metrics
-
-log = logging.getLogger(__name__)
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -99,4 +95,3 @@ def print_status(status: RunStatus, out=sys.stdout) -> None:
         print("  ".join(cells).rstrip(), file=out)
     for name in status.missing:
         print(f"missing: {name} (run `seamlessflow provision`)", file=out)
-    log.debug(kv("status_printed", run=status.run, streams=len(status.streams)))
