@@ -99,7 +99,11 @@ class Ingress(Generic[M]):
                 msgs = await self._fetch(sub)
                 # 2. Settle each message with exactly one outcome.
                 for msg in msgs:
-                    await self._settle(msg)
+                    try:
+                        await self._settle(msg)
+                    except NatsError as exc:
+                        # The broker went away mid-settle: JetStream redelivers after ack_wait.
+                        log.warning(kv("ingress_settle_failed", source=self.source, error=exc))
         finally:
             await sub.unsubscribe()
             log.info(kv("ingress_stopped", source=self.source))
@@ -108,6 +112,10 @@ class Ingress(Generic[M]):
         try:
             return await sub.fetch(self._batch, timeout=self._fetch_timeout)
         except (NatsTimeoutError, TimeoutError):
+            return []
+        except NatsError as exc:  # e.g. disconnected: the client reconnects by itself
+            log.warning(kv("ingress_fetch_failed", source=self.source, error=exc))
+            await asyncio.sleep(self._fetch_timeout)
             return []
 
     async def _settle(self, msg: Msg) -> None:
