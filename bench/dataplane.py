@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from broker import codec
-from broker.client import connect
+from broker.client import session
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
 from broker.ingress import tasks_ingress
 from broker.messages import CallRecorded, TaskSubmitted, TokensGenerated
@@ -93,8 +93,11 @@ def bench_codec(min_time: float = 0.5) -> list[dict]:
 
 
 async def bench_dataplane(url: str, n: int) -> dict:
-    nc = await connect(url, "bench")
-    js = nc.jetstream()
+    async with session(url, "bench") as nc:
+        return await _bench_dataplane(nc.jetstream(), n)
+
+
+async def _bench_dataplane(js, n: int) -> dict:
     out = {}
     for window in (1, 64):
         names = RunNames(f"bench-w{window}")
@@ -124,7 +127,6 @@ async def bench_dataplane(url: str, n: int) -> dict:
     out["ingress_validated_per_s"] = n / (time.perf_counter() - start)
     stop.set()
     await run
-    await nc.drain()
     return out
 
 

@@ -2,6 +2,8 @@
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
@@ -52,3 +54,13 @@ async def connect(url: str, name: str, *, give_up_after: float = 5.0) -> NATS:
             "start one with `seamlessflow broker` or pass --nats URL / SEAMLESSFLOW_NATS_URL"
         ) from exc
     return nc
+
+
+@asynccontextmanager
+async def session(url: str, name: str, *, give_up_after: float = 5.0) -> AsyncIterator[NATS]:
+    """``connect`` for the duration of a block, then ``drain`` (pending publishes go out first)."""
+    nc = await connect(url, name, give_up_after=give_up_after)
+    try:
+        yield nc
+    finally:
+        await nc.drain()

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from broker.client import connect
+from broker.client import session
 from broker.config import EmbeddedBrokerConfig
 from broker.messages import TaskSubmitted
 from broker.provision import provision_run, run_status
@@ -76,11 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 async def _provision(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     run = args.run or config.run
-    nc = await connect(args.nats, "seamlessflow-provision")
-    try:
+    async with session(args.nats, "seamlessflow-provision") as nc:
         report = await provision_run(nc.jetstream(), run, config.provision)
-    finally:
-        await nc.drain()
     print(f"run {run!r}: {len(report.created)} created, {len(report.unchanged)} unchanged")
     for name in report.created:
         print(f"  created {name}")
@@ -88,11 +85,8 @@ async def _provision(args: argparse.Namespace) -> int:
 
 
 async def _status(args: argparse.Namespace) -> int:
-    nc = await connect(args.nats, "seamlessflow-status")
-    try:
+    async with session(args.nats, "seamlessflow-status") as nc:
         status = await run_status(nc.jetstream(), args.run or DEFAULT_RUN)
-    finally:
-        await nc.drain()
     print_status(status)
     return 1 if status.missing else 0
 
@@ -118,11 +112,8 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 async def _publish(url: str, names: RunNames, tasks: list[TaskSubmitted]) -> SubmitReport:
-    nc = await connect(url, "seamlessflow-submit")
-    try:
+    async with session(url, "seamlessflow-submit") as nc:
         return await submit_tasks(nc.jetstream(), names, tasks)
-    finally:
-        await nc.drain()
 
 
 def _broker(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from prometheus_client import REGISTRY
 
-from broker.client import connect
+from broker.client import session
 from broker.config import EmbeddedBrokerConfig
 from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus, provision_run, run_status
@@ -47,16 +47,15 @@ async def serve_broker(config: EmbeddedBrokerConfig, metrics_port: int) -> None:
         collector = StreamDepthCollector()
         REGISTRY.register(collector)
         metrics = serve_metrics(metrics_port)
-        nc = await connect(broker.url, "seamlessflow-broker")
-        print(
-            f"broker ready: nats={broker.url} monitoring={broker.monitoring_url} "
-            f"metrics={metrics.url} store={broker.store_dir}",
-            flush=True,
-        )
         try:
-            await collector.poll(nc.jetstream(), stop)
+            async with session(broker.url, "seamlessflow-broker") as nc:
+                print(
+                    f"broker ready: nats={broker.url} monitoring={broker.monitoring_url} "
+                    f"metrics={metrics.url} store={broker.store_dir}",
+                    flush=True,
+                )
+                await collector.poll(nc.jetstream(), stop)
         finally:
-            await nc.drain()
             metrics.close()
             REGISTRY.unregister(collector)
     print("broker stopped", flush=True)
@@ -64,19 +63,15 @@ async def serve_broker(config: EmbeddedBrokerConfig, metrics_port: int) -> None:
 
 async def run_local(config: RunConfig, nats: str | None) -> RunStatus:
     """Start the embedded broker unless ``nats`` is given, provision the run, print its status."""
-    async with nats_url(nats, config.broker) as url:
-        nc = await connect(url, "seamlessflow-run")
-        try:
-            js = nc.jetstream()
-            report = await provision_run(js, config.run, config.provision)
-            print(
-                f"run {config.run!r} on {url}: {len(report.created)} created, "
-                f"{len(report.unchanged)} already there",
-                flush=True,
-            )
-            status = await run_status(js, config.run)
-        finally:
-            await nc.drain()
+    async with nats_url(nats, config.broker) as url, session(url, "seamlessflow-run") as nc:
+        js = nc.jetstream()
+        report = await provision_run(js, config.run, config.provision)
+        print(
+            f"run {config.run!r} on {url}: {len(report.created)} created, "
+            f"{len(report.unchanged)} already there",
+            flush=True,
+        )
+        status = await run_status(js, config.run)
     print_status(status)
     return status
 

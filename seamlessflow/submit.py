@@ -3,7 +3,7 @@
 import asyncio
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -23,8 +23,6 @@ log = logging.getLogger(__name__)
 class SubmitReport:
     published: int = 0
     duplicates: int = 0
-    invalid: list[str] = field(default_factory=list)
-    """``<source>:<line>: <reason>`` for each line that was not published."""
 
 
 def parse_tasks(lines: Iterable[str], source: str) -> tuple[list[TaskSubmitted], list[str]]:
