@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.client import connect
+from broker.client import session
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
@@ -31,9 +31,8 @@ def broker(nats_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture
 async def nc(broker: EmbeddedBroker) -> AsyncIterator:
-    client = await connect(broker.url, "pytest")
-    yield client
-    await client.drain()
+    async with session(broker.url, "pytest") as client:
+        yield client
 
 
 @pytest.fixture

@@ -1,9 +1,17 @@
 """Helpers shared by the tests: which nats-servers to test on, and small run limits."""
 
+import asyncio
+import inspect
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
+from nats.js import JetStreamContext
+
+from broker import codec
 from broker.config import EmbeddedBrokerConfig, MiB, ProvisionConfig, StreamLimits
+from broker.messages import Message
 from broker.server import find_nats_server, server_version
 
 
@@ -21,6 +29,7 @@ def _nats_binaries() -> dict[str, Path]:
 
 
 NATS_BINARIES = _nats_binaries()
+M = TypeVar("M", bound=Message)
 
 # JetStream reserves each stream's max_bytes on disk; tests create many runs, so keep them small.
 _SMALL = StreamLimits(
@@ -43,3 +52,30 @@ SMALL_RUN = ProvisionConfig(
 
 def broker_config(state_dir: Path, binary: Path) -> EmbeddedBrokerConfig:
     return EmbeddedBrokerConfig(state_dir=state_dir, binary=binary, max_payload=2 << 20)
+
+
+async def stream_messages(js: JetStreamContext, stream: str, schema: type[M]) -> list[M]:
+    """Every message stored in ``stream``, decoded as ``schema``, oldest first."""
+    state = (await js.stream_info(stream)).state
+    if not state.messages:
+        return []
+    return [
+        codec.decode(schema, (await js.get_msg(stream, seq)).data)
+        for seq in range(state.first_seq, state.last_seq + 1)
+    ]
+
+
+async def eventually(
+    condition: Callable[[], bool | Awaitable[bool]],
+    *,
+    timeout: float = 20.0,
+    watch: asyncio.Task | None = None,
+) -> None:
+    """Wait until ``condition()`` holds; fail at once if ``watch`` (a background task) ended."""
+    async with asyncio.timeout(timeout):
+        while True:
+            result = condition()
+            if await result if inspect.isawaitable(result) else result:
+                return
+            assert watch is None or not watch.done(), watch.exception()
+            await asyncio.sleep(0.05)

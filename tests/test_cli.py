@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from broker import codec
 from broker.messages import TaskSubmitted
 from broker.subjects import RunNames
+from tests.support import stream_messages
 
 SMALL_TOML = 'run = "{run}"\n[provision]\nweights_store_max_bytes = 8388608\n' + "".join(
     f"[provision.{stream}]\nmax_bytes = 4194304\n"
@@ -60,11 +60,8 @@ async def test_provision_then_submit_then_status(broker, js, run_name, tmp_path)
     assert f"{tasks}:6: invalid TaskSubmitted: <message>: Invalid JSON" in done.stderr
 
     names = RunNames(run_name)
-    stored = [
-        codec.decode(TaskSubmitted, (await js.get_msg(names.tasks_stream, seq)).data).task_id
-        for seq in (1, 2)
-    ]
-    assert stored == ["a", "b"]
+    stored = await stream_messages(js, names.tasks_stream, TaskSubmitted)
+    assert [t.task_id for t in stored] == ["a", "b"]
 
     done = sf("status", "--nats", broker.url, "--run", run_name)
     assert done.returncode == 0, done.stderr

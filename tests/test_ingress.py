@@ -10,14 +10,13 @@ import pytest
 from nats.js.errors import APIError
 from prometheus_client import REGISTRY
 
-from broker import codec
-from broker.client import connect
+from broker.client import session
 from broker.ingress import Delivery, Ingress, tasks_ingress
 from broker.messages import MessageRejected, TaskSubmitted
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
-from tests.support import SMALL_RUN, broker_config
+from tests.support import SMALL_RUN, broker_config, eventually, stream_messages
 
 
 def _count(source: str, outcome: str) -> float:
@@ -55,23 +54,10 @@ async def _run_until(ingress: Ingress, done, timeout: float = 20.0) -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(ingress.run(stop))
     try:
-        async with asyncio.timeout(timeout):
-            while not done():
-                assert not task.done(), task.exception()
-                await asyncio.sleep(0.05)
+        await eventually(done, timeout=timeout, watch=task)
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
-
-
-async def _dead_letters(js, names: RunNames) -> list[MessageRejected]:
-    info = await js.stream_info(names.dead_stream)
-    out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        if info.state.messages == 0:
-            break
-        out.append(codec.decode(MessageRejected, (await js.get_msg(names.dead_stream, seq)).data))
-    return out
 
 
 async def test_malformed_tasks_are_dead_lettered_and_the_rest_handled(js, names):
@@ -118,7 +104,7 @@ async def test_malformed_tasks_are_dead_lettered_and_the_rest_handled(js, names)
     assert _count("tasks", "accepted") - accepted0 == len(bad) + 1
     assert _count("tasks", "rejected") - rejected0 == len(bad)
 
-    dead = await _dead_letters(js, names)
+    dead = await stream_messages(js, names.dead_stream, MessageRejected)
     assert len(dead) == len(bad)
     for letter, (payload, ctype, needle) in zip(dead, bad, strict=True):
         assert needle in letter.reason
@@ -147,7 +133,7 @@ async def test_handler_failures_are_retried_then_dead_lettered(js, names):
     assert sorted(by_id) == ["ok-0", "ok-1"]
     assert by_id["ok-0"].num_delivered == 2  # nak'd once, handled on redelivery
     assert by_id["ok-1"].num_delivered == 1
-    (letter,) = await _dead_letters(js, names)
+    (letter,) = await stream_messages(js, names.dead_stream, MessageRejected)
     assert f"handler failed on all {max_deliver} deliveries" in letter.reason
     assert "handler trouble with ok-2" in letter.reason
     assert _count("tasks", "failed") - failed0 == 1 + max_deliver
@@ -168,38 +154,30 @@ async def test_ingress_survives_a_broker_restart(tmp_path, nats_binary):
         port = s.getsockname()[1]
     cfg = broker_config(tmp_path, nats_binary).model_copy(update={"port": port})
     names = RunNames("restart")
-    server = EmbeddedBroker(cfg).start()
-    nc = await connect(server.url, "test")
-    js = nc.jetstream()
-    await provision_run(js, names.run, SMALL_RUN)
     handler = Collector()
     stop = asyncio.Event()
-    run = asyncio.create_task(_ingress(js, names, handler).run(stop))
+    server = EmbeddedBroker(cfg).start()
     try:
-        for i in range(5):
-            await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
-        async with asyncio.timeout(20):
-            while len(handler.seen) < 5:
-                await asyncio.sleep(0.05)
+        async with session(server.url, "test") as nc:
+            js = nc.jetstream()
+            await provision_run(js, names.run, SMALL_RUN)
+            run = asyncio.create_task(_ingress(js, names, handler).run(stop))
+            for i in range(5):
+                await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
+            await eventually(lambda: len(handler.seen) == 5, watch=run)
 
-        server.stop()
-        await asyncio.sleep(1.0)  # the ingress keeps polling a broker that is gone
-        assert not run.done(), run.exception() if run.done() else None
-        server = EmbeddedBroker(cfg).start()
-        async with asyncio.timeout(20):
-            while not nc.is_connected:
-                await asyncio.sleep(0.05)
+            server.stop()
+            await asyncio.sleep(1.0)  # the ingress keeps polling a broker that is gone
+            assert not run.done(), run.exception() if run.done() else None
+            server = EmbeddedBroker(cfg).start()
+            await eventually(lambda: nc.is_connected)
 
-        for i in range(5, 10):
-            await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
-        async with asyncio.timeout(30):
-            while len(handler.seen) < 10:
-                assert not run.done(), run.exception()
-                await asyncio.sleep(0.05)
-        stop.set()
-        await asyncio.wait_for(run, 10)
-        assert sorted(t.task_id for t, _ in handler.seen) == sorted(f"ok-{i}" for i in range(10))
+            for i in range(5, 10):
+                await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
+            await eventually(lambda: len(handler.seen) == 10, timeout=30, watch=run)
+            stop.set()
+            await asyncio.wait_for(run, 10)
     finally:
         stop.set()
-        await nc.close()
         server.stop()
+    assert sorted(t.task_id for t, _ in handler.seen) == sorted(f"ok-{i}" for i in range(10))

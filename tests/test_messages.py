@@ -183,3 +183,18 @@ def test_schema_export_writes_one_valid_schema_per_message(tmp_path):
     jsonschema.validate(good, task_schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**good, "group_size": "4"}, task_schema)
+
+
+def test_tasks_payloads_are_plain_msgpack_maps():
+    """What other languages must produce: a msgpack map with field names as keys."""
+    task = TaskSubmitted(task_id="task-1", messages=[{"role": "user", "content": "1+1?"}])
+    decoded = msgpack.unpackb(codec.encode(task))
+    assert decoded["task_id"] == "task-1"
+    assert decoded["schema_version"] == 1
+    assert decoded["messages"][0] == {
+        "role": "user",
+        "content": "1+1?",
+        "name": None,
+        "tool_call_id": None,
+        "tool_calls": [],
+    }

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from broker import codec
 from broker.ingress import tasks_ingress
 from broker.messages import MessageRejected, TaskSubmitted
-from tests.support import SMALL_RUN
+from tests.support import SMALL_RUN, eventually, stream_messages
 
 CLIENT_DIR = Path(__file__).parent / "clients" / "node"
 
@@ -65,16 +64,17 @@ async def test_node_client_task_is_received_and_validated(broker, js, names):
     ingress = tasks_ingress(js, names, handle, SMALL_RUN.tasks, fetch_timeout=0.2)
     stop = asyncio.Event()
     run = asyncio.create_task(ingress.run(stop))
-    async with asyncio.timeout(20):
-        while (await js.stream_info(names.tasks_stream)).state.messages:
-            await asyncio.sleep(0.05)
+
+    async def queue_empty() -> bool:
+        return (await js.stream_info(names.tasks_stream)).state.messages == 0
+
+    await eventually(queue_empty, watch=run)
     stop.set()
     await run
 
     assert received == [TaskSubmitted.model_validate(task)]
     assert received[0].reward.reference == "42" and received[0].group_size == 4
-    dead = await js.get_msg(names.dead_stream, 1)
-    letter = codec.decode(MessageRejected, dead.data)
+    (letter,) = await stream_messages(js, names.dead_stream, MessageRejected)
     assert letter.content_type == "application/json"
     assert "messages: Input should be a valid array" in letter.reason
     assert json.loads(letter.payload) == bad
