@@ -169,6 +169,15 @@ class TokensGenerated(Message):
         return self
 
 
+class GenerationCancelled(Message):
+    """Stop generating this call. # gateway -> rollout workers, on ``sf.<run>.gen.cancel.<call>``
+    (core NATS). The worker holding ``attempt`` aborts it; an attempt it does not hold is ignored."""
+
+    call_id: Id
+    attempt: int = Field(ge=0, lt=MAX_SAFE_INT)
+    reason: str = Field(default="", max_length=1024)
+
+
 class CallRecorded(Message):
     """One finished LLM call, token-exact. # gateway -> trajectory manager,
     on ``sf.<run>.traj.calls``."""
@@ -312,6 +321,7 @@ WIRE_MESSAGES: tuple[type[Message], ...] = (
     TaskSubmitted,
     GenerationRequested,
     TokensGenerated,
+    GenerationCancelled,
     CallRecorded,
     SessionEnded,
     SampleReady,

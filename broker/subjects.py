@@ -53,6 +53,14 @@ class RunNames:
         """Streamed token chunks of one call, rollout worker -> gateway (core NATS)."""
         return f"{self.prefix}.gen.out.{check_name('call', call_id)}"
 
+    def gen_cancel(self, call_id: str) -> str:
+        """Cancellation of one call's generation, gateway -> rollout workers (core NATS)."""
+        return f"{self.prefix}.gen.cancel.{check_name('call', call_id)}"
+
+    @property
+    def gen_cancel_all(self) -> str:
+        return f"{self.prefix}.gen.cancel.*"
+
     @property
     def traj_calls(self) -> str:
         return f"{self.prefix}.traj.calls"
