@@ -9,7 +9,9 @@ Each message gets exactly one outcome:
                                    delivery it is dead-lettered and terminated instead
 
 The loop never stops on bad input, and a message is terminated only once its dead letter is
-stored, so nothing is lost.
+stored, so nothing is lost. With ``concurrency`` above 1, that many messages are handled at once,
+each in its own task, and the loop fetches only as many as there are free slots, so long handlers
+(a generation) never leave fetched messages waiting while their ack timers run.
 """
 
 import asyncio
@@ -47,6 +49,8 @@ class Delivery:
     subject: str
     stream_seq: int
     num_delivered: int
+    published_at: float
+    """When JetStream stored the message (Unix seconds)."""
     _msg: Msg
 
     async def in_progress(self) -> None:
@@ -70,6 +74,7 @@ class Ingress(Generic[M]):
         handler: Handler[M],
         max_payload: int,
         batch: int = 32,
+        concurrency: int = 1,
         fetch_timeout: float = 1.0,
         retry_delay: float = 5.0,
     ) -> None:
@@ -82,6 +87,8 @@ class Ingress(Generic[M]):
         self._handler = handler
         self._max_payload = max_payload
         self._batch = batch
+        self._concurrency = concurrency
+        self._running: set[asyncio.Task] = set()
         self._fetch_timeout = fetch_timeout
         self._retry_delay = retry_delay
         self._max_deliver = 0  # read from the consumer when the loop starts; <= 0: unlimited
@@ -95,22 +102,42 @@ class Ingress(Generic[M]):
         )
         try:
             while not stop.is_set():
-                # 1. Fetch what is there; a timeout only means nothing yet.
-                msgs = await self._fetch(sub)
+                # 1. Fetch what there is room for; a timeout only means nothing yet.
+                room = self._room()
+                if room == 0:
+                    await asyncio.wait(self._running, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                msgs = await self._fetch(sub, room)
                 # 2. Settle each message with exactly one outcome.
                 for msg in msgs:
-                    try:
-                        await self._settle(msg)
-                    except NatsError as exc:
-                        # The broker went away mid-settle: JetStream redelivers after ack_wait.
-                        log.warning(kv("ingress_settle_failed", source=self.source, error=exc))
+                    if self._concurrency == 1:
+                        await self._settle_logged(msg)
+                    else:
+                        task = asyncio.create_task(self._settle_logged(msg))
+                        self._running.add(task)
+                        task.add_done_callback(self._running.discard)
+            # 3. Let the messages in hand finish.
+            if self._running:
+                await asyncio.wait(self._running)
         finally:
             await sub.unsubscribe()
             log.info(kv("ingress_stopped", source=self.source))
 
-    async def _fetch(self, sub: JetStreamContext.PullSubscription) -> list[Msg]:
+    def _room(self) -> int:
+        if self._concurrency == 1:
+            return self._batch
+        return min(self._batch, self._concurrency - len(self._running))
+
+    async def _settle_logged(self, msg: Msg) -> None:
         try:
-            return await sub.fetch(self._batch, timeout=self._fetch_timeout)
+            await self._settle(msg)
+        except NatsError as exc:
+            # The broker went away mid-settle: JetStream redelivers after ack_wait.
+            log.warning(kv("ingress_settle_failed", source=self.source, error=exc))
+
+    async def _fetch(self, sub: JetStreamContext.PullSubscription, count: int) -> list[Msg]:
+        try:
+            return await sub.fetch(count, timeout=self._fetch_timeout)
         except (NatsTimeoutError, TimeoutError):
             return []
         except NatsError as exc:  # e.g. disconnected: the client reconnects by itself
@@ -125,7 +152,10 @@ class Ingress(Generic[M]):
             message = codec.decode(
                 self._schema, msg.data, content_type=content_type, max_size=self._max_payload
             )
-            delivery = Delivery(msg.subject, meta.sequence.stream, meta.num_delivered, msg)
+            stored_at = meta.timestamp.timestamp()
+            delivery = Delivery(
+                msg.subject, meta.sequence.stream, meta.num_delivered, stored_at, msg
+            )
             await self._handler(message, delivery)
         except InvalidMessageError as exc:
             await self._reject(msg, exc.reason, content_type)

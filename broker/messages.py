@@ -170,8 +170,9 @@ class TokensGenerated(Message):
 
 
 class GenerationCancelled(Message):
-    """Stop generating this call. # gateway -> rollout workers, on ``sf.<run>.gen.cancel.<call>``
-    (core NATS). The worker holding ``attempt`` aborts it; an attempt it does not hold is ignored."""
+    """Stop generating this call. # gateway -> rollout workers,
+    on ``sf.<run>.gen.cancel.<call>`` (core NATS). The worker holding ``attempt`` aborts it; an
+    attempt it does not hold is ignored."""
 
     call_id: Id
     attempt: int = Field(ge=0, lt=MAX_SAFE_INT)

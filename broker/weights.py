@@ -1,0 +1,109 @@
+"""Weight versions on the data plane: blobs in the run's object store (or a shared folder) and the
+``WeightsPublished`` event that announces them. Bytes only: no torch here.
+
+``publish_weights`` stores the blob, then publishes the event (de-duplicated per version), so a
+worker that sees the event can always fetch the blob. ``fetch_weights`` returns the blob after
+checking its size and SHA-256 against the event. ``latest_weights`` reads the last event, for a
+worker that starts after some versions were published.
+"""
+
+import asyncio
+import hashlib
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from broker import codec
+from broker.exceptions import BrokerError
+from broker.messages import WeightsPublished
+from broker.subjects import RunNames
+
+OBJSTORE = "objstore"
+
+
+class WeightsIntegrityError(BrokerError):
+    """A weight blob is missing, or its size or checksum differs from its event."""
+
+
+def blob_name(version: int) -> str:
+    return f"v{version}.safetensors"
+
+
+async def publish_weights(
+    js: JetStreamContext,
+    names: RunNames,
+    version: int,
+    blob: bytes,
+    *,
+    directory: Path | None = None,
+) -> WeightsPublished:
+    """Store ``blob`` (safetensors bytes) as ``version`` and announce it on ``names.weights``.
+
+    ``directory``: write the blob to this shared folder instead of the object store.
+    """
+    if directory is None:
+        store = await js.object_store(names.weights_store)
+        await store.put(blob_name(version), blob)
+        location = f"{OBJSTORE}://{names.weights_store}/{blob_name(version)}"
+    else:
+        path = Path(directory) / blob_name(version)
+        await asyncio.to_thread(_write_atomic, path, blob)
+        location = path.resolve().as_uri()
+    event = WeightsPublished(
+        version=version,
+        location=location,
+        sha256=hashlib.sha256(blob).hexdigest(),
+        size_bytes=len(blob),
+        published_at=time.time(),
+    )
+    await js.publish(
+        names.weights, codec.encode(event), headers=codec.headers(msg_id=f"weights-v{version}")
+    )
+    return event
+
+
+async def fetch_weights(js: JetStreamContext, event: WeightsPublished) -> bytes:
+    """The blob ``event`` announces, checked against its size and SHA-256."""
+    url = urlparse(event.location)
+    try:
+        if url.scheme == OBJSTORE:
+            store = await js.object_store(url.netloc)
+            blob = (await store.get(url.path.lstrip("/"))).data or b""
+        elif url.scheme == "file":
+            blob = await asyncio.to_thread(Path(url.path).read_bytes)
+        else:
+            raise WeightsIntegrityError(
+                f"weights v{event.version}: unsupported location {event.location!r} "
+                f"(use {OBJSTORE}:// or file://)"
+            )
+    except (NatsError, NotFoundError, OSError) as exc:
+        raise WeightsIntegrityError(
+            f"weights v{event.version}: cannot read {event.location}: {exc!r}"
+        ) from exc
+    digest = hashlib.sha256(blob).hexdigest()
+    if len(blob) != event.size_bytes or digest != event.sha256:
+        raise WeightsIntegrityError(
+            f"weights v{event.version} at {event.location}: got {len(blob)} bytes with sha256 "
+            f"{digest}, the event says {event.size_bytes} bytes with sha256 {event.sha256}"
+        )
+    return blob
+
+
+async def latest_weights(js: JetStreamContext, names: RunNames) -> WeightsPublished | None:
+    """The last ``WeightsPublished`` of the run, or None if no version was published yet."""
+    try:
+        msg = await js.get_last_msg(names.weights_stream, names.weights)
+    except NotFoundError:
+        return None
+    return codec.decode(WeightsPublished, msg.data, content_type=codec.content_type_of(msg.headers))
+
+
+def _write_atomic(path: Path, blob: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    tmp.write_bytes(blob)
+    tmp.replace(path)
