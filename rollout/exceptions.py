@@ -9,3 +9,36 @@ class RolloutError(SeamlessFlowError):
 
 class ModelError(RolloutError):
     """A model cannot be built, found or loaded."""
+
+
+class InvalidRequestError(RolloutError):
+    """A request to the gateway is malformed or asks for something not supported.
+
+    ``param`` names the offending field (dotted path) when there is one; ``code`` is a stable
+    machine-readable reason when there is one.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt plus the tokens asked for do not fit the model's context."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class ModelNotFoundError(RolloutError):
+    """A request names a model the gateway does not serve."""
+
+
+class GenerationUnavailableError(RolloutError):
+    """A call cannot be served now: the broker is unreachable, no rollout worker took it, or it
+    was interrupted more often than allowed."""
+
+
+class GenerationFailedError(RolloutError):
+    """A rollout worker reported an error while generating."""

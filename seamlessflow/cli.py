@@ -7,15 +7,20 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig
 from broker.messages import TaskSubmitted
 from broker.provision import provision_run, run_status
 from broker.schema import export_schemas
 from broker.subjects import RunNames
-from seamlessflow.config import DEFAULT_RUN, load_config
+from rollout.engines import ENGINES, EngineConfig
+from rollout.models import MODELS, resolve_model
+from rollout.worker import WorkerConfig
+from seamlessflow.config import DEFAULT_RUN, ConfigError, load_config
 from seamlessflow.exceptions import SeamlessFlowError
-from seamlessflow.launcher import print_status, run_local, serve_broker
+from seamlessflow.launcher import print_status, run_local, serve_broker, serve_worker
 from seamlessflow.log import setup_logging
 from seamlessflow.submit import SubmitReport, parse_tasks, submit_tasks
 
@@ -66,6 +71,22 @@ def build_parser() -> argparse.ArgumentParser:
     schema_sub = p.add_subparsers(dest="schema_command", required=True)
     e = schema_sub.add_parser("export", help="write a JSON Schema file per message")
     e.add_argument("dir", type=Path)
+
+    p = sub.add_parser("worker", help="run a rollout worker until Ctrl-C")
+    _add_nats(p)
+    _add_run(p)
+    p.add_argument("--config", type=Path, help="TOML run config (its [provision] section)")
+    p.add_argument("--engine", choices=sorted(ENGINES), default="hf")
+    p.add_argument("--model", default="tiny", help="'tiny', 'smollm2' or an HF model folder")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--worker-id", help="default: <host>-<pid>")
+    p.add_argument("--tags", default="rollout", help="comma-separated capability tags")
+    p.add_argument("--max-running", type=int, default=16, help="requests generated at once")
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one)")
+
+    p = sub.add_parser("model", help="build or unpack a model for CPU and print its folder")
+    p.add_argument("name", choices=sorted(MODELS))
 
     p = sub.add_parser("run", help="run everything on this machine (embedded broker by default)")
     p.add_argument("config", nargs="?", type=Path, help="TOML run config")
@@ -130,6 +151,36 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    run = config.model_copy(update={"run": args.run or config.run})
+    options = dict(_key_value(option) for option in args.engine_option)
+    engine_config = EngineConfig(
+        model=resolve_model(args.model), max_model_len=args.max_model_len, options=options
+    )
+    fields = {"tags": [t for t in args.tags.split(",") if t], "max_running": args.max_running}
+    if args.worker_id:
+        fields["worker_id"] = args.worker_id
+    try:
+        worker = WorkerConfig(**fields)
+    except ValidationError as exc:
+        raise ConfigError(f"worker settings: {exc}") from exc
+    asyncio.run(serve_worker(args.nats, run, args.engine, engine_config, worker, args.metrics_port))
+    return 0
+
+
+def _key_value(option: str) -> tuple[str, str]:
+    key, sep, value = option.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--engine-option {option!r}: expected KEY=VALUE")
+    return key, value
+
+
+def _model(args: argparse.Namespace) -> int:
+    print(MODELS[args.name]())
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     asyncio.run(run_local(load_config(args.config), args.nats))
     return 0
@@ -141,6 +192,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": lambda args: asyncio.run(_status(args)),
     "submit": _submit,
     "schema": _schema,
+    "worker": _worker,
+    "model": _model,
     "run": _run,
 }
 

@@ -1,4 +1,5 @@
-"""Long-running local commands: the embedded broker, and ``run`` (everything on one machine)."""
+"""Long-running local commands: the embedded broker, a rollout worker, and ``run`` (everything on
+one machine)."""
 
 import asyncio
 import signal
@@ -13,6 +14,9 @@ from broker.config import EmbeddedBrokerConfig
 from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus, provision_run, run_status
 from broker.server import EmbeddedBroker
+from broker.subjects import RunNames
+from rollout.engines import EngineConfig, start_engine
+from rollout.worker import RolloutWorker, WorkerConfig
 from seamlessflow.config import RunConfig
 from seamlessflow.metrics import serve_metrics
 
@@ -59,6 +63,40 @@ async def serve_broker(config: EmbeddedBrokerConfig, metrics_port: int) -> None:
             metrics.close()
             REGISTRY.unregister(collector)
     print("broker stopped", flush=True)
+
+
+async def serve_worker(
+    url: str,
+    run: RunConfig,
+    engine: str,
+    engine_config: EngineConfig,
+    worker: WorkerConfig,
+    metrics_port: int = 0,
+) -> None:
+    """Run one rollout worker until SIGINT/SIGTERM: engine, /metrics, then the worker loop."""
+    stop = stop_on_signals()
+    metrics = serve_metrics(metrics_port)
+    loaded = await start_engine(engine, engine_config)
+    try:
+        async with session(url, f"seamlessflow-worker-{worker.worker_id}") as nc:
+            rollout = RolloutWorker(
+                nc,
+                RunNames(run.run),
+                loaded,
+                worker,
+                run.provision.gen,
+                metrics_url=metrics.url,
+            )
+            print(
+                f"worker {worker.worker_id} ready: engine={engine} model={engine_config.model} "
+                f"run={run.run} metrics={metrics.url}",
+                flush=True,
+            )
+            await rollout.run(stop)
+    finally:
+        await loaded.close()
+        metrics.close()
+    print(f"worker {worker.worker_id} stopped", flush=True)
 
 
 async def run_local(config: RunConfig, nats: str | None) -> RunStatus:

@@ -1,0 +1,117 @@
+"""Incremental detokenization with stop strings: token ids in, text deltas out.
+
+Pure core (no NATS). ``Detokenizer.feed`` takes one generated token id at a time and returns the
+text that may be shown now:
+
+- it never returns part of a UTF-8 character: while the decoded tail ends in U+FFFD (a byte
+  sequence not complete yet) the text is held back;
+- it holds back text that could be the start of a stop string, and reports the first stop string
+  that matched, with the text before it (the stop string itself is never returned);
+- special tokens (eos, chat markers) are not part of the returned text.
+
+Decoding looks at a short window of tokens (TGI/vLLM-style prefix and read offsets), so a long
+output costs O(1) work per token.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+"""What a tokenizer decodes an incomplete UTF-8 sequence to."""
+
+
+class Decoder(Protocol):
+    """The part of an HF tokenizer this module uses."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text to return now; ``stopped`` when a stop string matched (``text`` is the last text and
+    the token just fed is the one that completed the stop string)."""
+
+    text: str
+    stopped: bool = False
+
+
+def partial_suffix_len(text: str, patterns: Sequence[str]) -> int:
+    """The length of the longest suffix of ``text`` that is a proper prefix of a pattern: how
+    much text must be held back because a pattern may be starting there."""
+    longest = 0
+    for pattern in patterns:
+        for k in range(min(len(pattern) - 1, len(text)), longest, -1):
+            if text.endswith(pattern[:k]):
+                longest = k
+                break
+    return longest
+
+
+class Detokenizer:
+    """Turn one output's token ids into text deltas, holding back partial characters and
+    possible stop-string starts.
+
+    ``context`` is the tail of the prompt (a few ids): with it, tokenizers that mark word starts
+    (SentencePiece) decode the first output token with its leading space.
+    """
+
+    def __init__(
+        self, tokenizer: Decoder, stop: Sequence[str] = (), context: Sequence[int] = ()
+    ) -> None:
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._ids = list(context)
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        self._pending = ""
+        """Decoded text not returned yet: it may be the start of a stop string."""
+        self.stopped = False
+
+    def feed(self, token_id: int) -> Delta:
+        """Add one generated token; return the text that can be shown now."""
+        if self.stopped:
+            raise ValueError("a stop string already matched; feed no more tokens")
+        self._ids.append(token_id)
+        self._pending += self._decoded_delta()
+        return self._release()
+
+    def finish(self) -> str:
+        """Generation ended without a stop string: return everything held back."""
+        if self.stopped:
+            return ""
+        tail = self._decode(self._ids[self._prefix_offset :])[len(self._prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self._prefix_text = ""
+        text, self._pending = self._pending + tail, ""
+        return text
+
+    def _decoded_delta(self) -> str:
+        window = self._decode(self._ids[self._prefix_offset :])
+        if len(window) <= len(self._prefix_text) or window.endswith(REPLACEMENT):
+            return ""  # nothing new yet, or the last character is not complete
+        delta = window[len(self._prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        return delta
+
+    def _release(self) -> Delta:
+        if not self._stop:
+            text, self._pending = self._pending, ""
+            return Delta(text)
+        found = [i for i in (self._pending.find(s) for s in self._stop) if i >= 0]
+        if found:
+            self.stopped = True
+            text, self._pending = self._pending[: min(found)], ""
+            return Delta(text, stopped=True)
+        # A stop string cannot start in text already returned: that text would have been held.
+        keep = partial_suffix_len(self._pending, self._stop)
+        cut = len(self._pending) - keep
+        text, self._pending = self._pending[:cut], self._pending[cut:]
+        return Delta(text)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)

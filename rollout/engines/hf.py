@@ -1,0 +1,383 @@
+"""The reference engine: a transformers causal LM in float32 with a KV cache per request.
+
+All torch work runs in one dedicated thread, so the event loop stays responsive. A scheduler task
+steps every running request by one token per step (one forward per request, no padding, so a
+request's numbers do not depend on what else runs), samples on the engine thread and pushes a
+chunk per token into the request's queue. The step lock makes a step, a weight load and a pause
+mutually exclusive: ``pause`` returns once it holds the lock, i.e. at a token boundary, and a
+weight load swaps the parameters between two steps and drops every KV cache, so the next step
+recomputes prompt + tokens so far with the new weights.
+"""
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from broker.messages import FinishReason, SamplingParams
+from rollout.engines.base import EngineConfig, EngineError, GenerationChunk
+from seamlessflow.log import kv
+
+log = logging.getLogger(__name__)
+
+GREEDY_BELOW = 1e-5
+"""A temperature under this means greedy, as in vLLM."""
+
+
+async def start(config: EngineConfig) -> "HFEngine":
+    """Load ``config.model`` on the engine thread and start the scheduler."""
+    if config.options:
+        raise EngineError(f"the hf engine takes no options, got {sorted(config.options)}")
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+    try:
+        model = await asyncio.get_running_loop().run_in_executor(executor, _load_model, config)
+    except BaseException:
+        executor.shutdown(wait=False)
+        raise
+    engine = HFEngine(config, model, executor)
+    log.info(
+        kv(
+            "hf_engine_started",
+            model=config.model,
+            version=config.version,
+            vocab=engine.vocab_size,
+            max_model_len=config.max_model_len,
+        )
+    )
+    return engine
+
+
+def _load_model(config: EngineConfig) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"cannot load a causal LM from {config.model}: {exc}") from exc
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and config.max_model_len > limit:
+        raise EngineError(
+            f"max_model_len {config.max_model_len} exceeds the model's "
+            f"max_position_embeddings {limit}"
+        )
+    return model.eval()
+
+
+@dataclass(eq=False)
+class _Request:
+    """One running request. ``cache`` holds the KV of the first ``cached`` tokens of
+    ``prompt_ids + output_ids``; ``None`` after a weight load."""
+
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    queue: asyncio.Queue[GenerationChunk] = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    cache: Any = None
+    cached: int = 0
+    done: bool = False
+
+
+class HFEngine:
+    """Implements ``rollout.engines.base.Engine``; create it with ``start``."""
+
+    def __init__(
+        self, config: EngineConfig, model: torch.nn.Module, executor: ThreadPoolExecutor
+    ) -> None:
+        self._config = config
+        self._model = model
+        self._executor = executor
+        self._version = config.version
+        self.vocab_size: int = model.get_input_embeddings().num_embeddings
+        self._eos_ids = _eos_ids(model)
+        self._shapes, self._aliases = _parameter_layout(model)
+        self._requests: dict[str, _Request] = {}
+        self._seeds = itertools.count(config.seed)
+        self._step_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._paused = False
+        self._closed = False
+        self._scheduler = asyncio.create_task(self._schedule(), name="hf-engine-scheduler")
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_running(self) -> int:
+        return len(self._requests)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        request = self._admit(request_id, prompt_ids, params)
+        try:
+            while True:
+                chunk = await request.queue.get()
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            if not request.done:  # the consumer left early
+                self._release(request)
+
+    async def abort(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._release(request)
+            request.queue.put_nowait(GenerationChunk([], [], self._version, FinishReason.ABORT))
+
+    async def pause(self) -> None:
+        self._paused = True
+        async with self._step_lock:  # the step in flight, if any, has finished
+            pass
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    async def load_weights(self, version: int, path: Path) -> None:
+        self._check_open()
+        started = time.perf_counter()
+        try:
+            tensors = await asyncio.to_thread(_read_safetensors, Path(path))
+            updates = self._plan_update(tensors)
+        except EngineError as exc:
+            log.warning(kv("hf_weights_rejected", version=version, path=path, error=exc))
+            raise
+        async with self._step_lock:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, self._copy_weights, updates)
+            for request in self._requests.values():
+                request.cache, request.cached = None, 0
+            self._version = version
+        log.info(
+            kv(
+                "hf_weights_loaded",
+                version=version,
+                path=path,
+                tensors=len(tensors),
+                running=len(self._requests),
+                seconds=round(time.perf_counter() - started, 3),
+            )
+        )
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for request_id in list(self._requests):
+            await self.abort(request_id)
+        self._scheduler.cancel()
+        await asyncio.wait([self._scheduler])
+        # Lets the step in flight finish on the engine thread, then ends the thread.
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        log.info(kv("hf_engine_closed", model=self._config.model))
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> _Request:
+        self._check_open()
+        if request_id in self._requests:
+            raise EngineError(f"request {request_id!r} is already running")
+        limit = self._config.max_model_len
+        if not 0 < len(prompt_ids) < limit:
+            raise EngineError(
+                f"request {request_id!r}: the prompt has {len(prompt_ids)} tokens; "
+                f"between 1 and {limit - 1} (max_model_len {limit} minus one) are allowed"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(
+                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        request = _Request(
+            id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            stop_ids=self._eos_ids | frozenset(params.stop_token_ids),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self._requests[request_id] = request
+        self._wake.set()
+        return request
+
+    def _release(self, request: _Request) -> None:
+        request.done = True
+        request.cache = None
+        del self._requests[request.id]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("the hf engine is closed")
+
+    # -- scheduling -----------------------------------------------------------------------------
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            # 1. Sleep while paused or idle.
+            if self._paused or not self._requests:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            async with self._step_lock:
+                if self._paused:
+                    continue
+                batch = list(self._requests.values())
+                # 2. One token for every running request, on the engine thread.
+                try:
+                    sampled = await loop.run_in_executor(self._executor, self._step, batch)
+                except Exception as exc:  # a torch failure ends this batch, not the engine
+                    log.exception(kv("hf_step_failed", requests=len(batch), error=exc))
+                    for request in batch:
+                        self._finish(request, FinishReason.ERROR)
+                    continue
+                # 3. Stream the tokens; requests aborted meanwhile are skipped.
+                for request, (token, logprob) in zip(batch, sampled, strict=True):
+                    if not request.done:
+                        self._emit(request, token, logprob)
+
+    def _emit(self, request: _Request, token: int, logprob: float) -> None:
+        request.output_ids.append(token)
+        reason = None
+        if token in request.stop_ids:
+            reason = FinishReason.STOP
+        elif len(request.output_ids) >= request.params.max_tokens or (
+            len(request.prompt_ids) + len(request.output_ids) >= self._config.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        request.queue.put_nowait(GenerationChunk([token], [logprob], self._version, reason))
+        if reason is not None:
+            self._release(request)
+
+    def _finish(self, request: _Request, reason: FinishReason) -> None:
+        if not request.done:
+            self._release(request)
+            request.queue.put_nowait(GenerationChunk([], [], self._version, reason))
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _step(self, batch: list[_Request]) -> list[tuple[int, float]]:
+        with torch.inference_mode():
+            return [self._next_token(request) for request in batch]
+
+    def _next_token(self, request: _Request) -> tuple[int, float]:
+        ids = request.prompt_ids + request.output_ids
+        out = self._model(
+            input_ids=torch.tensor([ids[request.cached :]]),
+            past_key_values=request.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        request.cache, request.cached = out.past_key_values, len(ids)
+        return _sample(out.logits[0, -1], request.params, request.generator)
+
+    def _copy_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
+        state = self._model.state_dict()  # views of the parameters
+        with torch.no_grad():
+            for name, value in updates:
+                state[name].copy_(value)
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def _plan_update(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Check ``tensors`` against the model: (parameter name, new value) per storage."""
+        unknown = sorted(set(tensors) - set(self._shapes))
+        if unknown:
+            raise EngineError(f"unknown weights {unknown[:5]} ({len(unknown)} in all)")
+        wrong = [
+            f"{name} {tuple(t.shape)} != {self._shapes[name]}"
+            for name, t in tensors.items()
+            if tuple(t.shape) != self._shapes[name]
+        ]
+        if wrong:
+            raise EngineError(f"weights of the wrong shape: {', '.join(wrong[:5])}")
+        updates, missing = [], []
+        for names in self._aliases:
+            given = [n for n in names if n in tensors]
+            if not given:
+                missing.append(names[0])
+                continue
+            if any(not torch.equal(tensors[n], tensors[given[0]]) for n in given[1:]):
+                raise EngineError(f"tied weights {given} differ")
+            updates.append((names[0], tensors[given[0]]))
+        if missing:
+            raise EngineError(f"missing weights {missing[:5]} ({len(missing)} in all)")
+        return updates
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        raise EngineError(f"no *.safetensors in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            part = load_file(file)
+        except (OSError, SafetensorError) as exc:
+            raise EngineError(f"cannot read {file}: {exc}") from exc
+        if twice := sorted(set(part) & set(tensors)):
+            raise EngineError(f"{file} repeats weights {twice[:5]}")
+        tensors.update(part)
+    return tensors
+
+
+def _parameter_layout(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
+    """Every state-dict name with its shape, and the names grouped by shared storage."""
+    state = model.state_dict()
+    groups: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    for name, tensor in state.items():
+        groups.setdefault((tensor.data_ptr(), tuple(tensor.shape)), []).append(name)
+    return {n: tuple(t.shape) for n, t in state.items()}, list(groups.values())
+
+
+def _eos_ids(model: torch.nn.Module) -> frozenset[int]:
+    found: set[int] = set()
+    for source in (model.generation_config, model.config):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            found.update([value] if isinstance(value, int) else value)
+    return frozenset(found)
+
+
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[int, float]:
+    """The next token and its logprob under the distribution it was drawn from."""
+    if params.temperature < GREEDY_BELOW:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
+    logprobs = torch.log_softmax(
+        _top_k_top_p(logits / params.temperature, params.top_k, params.top_p), dim=-1
+    )
+    token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
+    return token, float(logprobs[token])
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask all but the ``top_k`` largest logits (ties kept; ``top_k <= 0``: off), then all but
+    the smallest set of most likely tokens holding ``top_p`` of the mass (as vLLM does)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        ascending, order = logits.sort()
+        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[-1] = False
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
