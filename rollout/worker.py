@@ -22,6 +22,7 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,8 +132,9 @@ class RolloutWorker:
     def worker_id(self) -> str:
         return self._config.worker_id
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop`` is set; then interrupt what is in flight and deregister."""
+    async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
+        """Serve until ``stop`` is set; then interrupt what is in flight and deregister.
+        ``on_ready`` is called once the worker is registered and consuming."""
         # 1. Serve the latest published weights before taking any request.
         if (event := await latest_weights(self._js, self._names)) is not None:
             await self._load(event)
@@ -163,6 +165,7 @@ class RolloutWorker:
         consuming = asyncio.create_task(ingress.run(ingress_stop))
         heartbeat = asyncio.create_task(self._heartbeat(kv_bucket, stop))
         log.info(kv("worker_started", worker=self.worker_id, version=self._engine.version))
+        on_ready()
         try:
             await stop.wait()
         finally:

