@@ -13,6 +13,7 @@ text: tokenizing and chat templates belong to the gateway. Contract (checked for
 - Every chunk carries the weight ``version`` that produced its tokens.
 - ``abort`` ends that request's stream at once with ``ABORT`` and frees it (``num_running``
   drops); aborting an unknown or finished request is a no-op.
+  Greedy ignores top-k/top-p and scores with plain ``log_softmax(logits)``, as vLLM does.
 - ``pause`` returns once no token is being produced (a token boundary); in-flight requests wait.
   ``resume`` continues them exactly where they stopped: with unchanged weights the output is the
   same as an uninterrupted run; after ``load_weights`` the rest is produced by the new weights
@@ -27,8 +28,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from prometheus_client import Counter
+
 from broker.messages import FinishReason, SamplingParams
 from seamlessflow.exceptions import SeamlessFlowError
+
+ENGINE_REQUESTS = Counter(
+    "sf_engine_requests",
+    "Generation requests by engine and outcome: stop, length, abort (aborted, closed, or the "
+    "consumer left), error (generation failed), rejected (bad input, refused before generating)",
+    ["engine", "outcome"],
+)
+ENGINE_WEIGHT_LOADS = Counter(
+    "sf_engine_weight_loads",
+    "Weight loads by engine and outcome: loaded, rejected (bad files, refused before touching "
+    "the model; the old weights stay), failed (the engine raised while loading)",
+    ["engine", "outcome"],
+)
 
 
 class EngineError(SeamlessFlowError):

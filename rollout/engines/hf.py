@@ -17,17 +17,26 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, Cache
 
 from broker.messages import FinishReason, SamplingParams
-from rollout.engines.base import EngineConfig, EngineError, GenerationChunk
+from rollout.engines.base import (
+    ENGINE_REQUESTS,
+    ENGINE_WEIGHT_LOADS,
+    EngineConfig,
+    EngineError,
+    GenerationChunk,
+)
 from seamlessflow.log import kv
 
 log = logging.getLogger(__name__)
+
+ENGINE = "hf"
+
 
 GREEDY_BELOW = 1e-5
 """A temperature under this means greedy, as in vLLM."""
@@ -57,8 +66,6 @@ async def start(config: EngineConfig) -> "HFEngine":
 
 
 def _load_model(config: EngineConfig) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
     try:
         model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
     except (OSError, ValueError) as exc:
@@ -84,7 +91,7 @@ class _Request:
     generator: torch.Generator
     queue: asyncio.Queue[GenerationChunk] = field(default_factory=asyncio.Queue)
     output_ids: list[int] = field(default_factory=list)
-    cache: Any = None
+    cache: Cache | None = None
     cached: int = 0
     done: bool = False
 
@@ -130,13 +137,12 @@ class HFEngine:
                     return
         finally:
             if not request.done:  # the consumer left early
-                self._release(request)
+                self._release(request, FinishReason.ABORT)
 
     async def abort(self, request_id: str) -> None:
         request = self._requests.get(request_id)
         if request is not None:
-            self._release(request)
-            request.queue.put_nowait(GenerationChunk([], [], self._version, FinishReason.ABORT))
+            self._finish(request, FinishReason.ABORT)
 
     async def pause(self) -> None:
         self._paused = True
@@ -154,6 +160,7 @@ class HFEngine:
             tensors = await asyncio.to_thread(_read_safetensors, Path(path))
             updates = self._plan_update(tensors)
         except EngineError as exc:
+            ENGINE_WEIGHT_LOADS.labels(ENGINE, "rejected").inc()
             log.warning(kv("hf_weights_rejected", version=version, path=path, error=exc))
             raise
         async with self._step_lock:
@@ -162,6 +169,7 @@ class HFEngine:
             for request in self._requests.values():
                 request.cache, request.cached = None, 0
             self._version = version
+        ENGINE_WEIGHT_LOADS.labels(ENGINE, "loaded").inc()
         log.info(
             kv(
                 "hf_weights_loaded",
@@ -188,6 +196,24 @@ class HFEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> _Request:
+        try:
+            self._check_request(request_id, prompt_ids)
+        except EngineError:
+            ENGINE_REQUESTS.labels(ENGINE, "rejected").inc()
+            raise
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        request = _Request(
+            id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            stop_ids=self._eos_ids | frozenset(params.stop_token_ids),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self._requests[request_id] = request
+        self._wake.set()
+        return request
+
+    def _check_request(self, request_id: str, prompt_ids: list[int]) -> None:
         self._check_open()
         if request_id in self._requests:
             raise EngineError(f"request {request_id!r} is already running")
@@ -203,19 +229,9 @@ class HFEngine:
                 f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
                 f"[0, {self.vocab_size})"
             )
-        seed = params.seed if params.seed is not None else next(self._seeds)
-        request = _Request(
-            id=request_id,
-            prompt_ids=list(prompt_ids),
-            params=params,
-            stop_ids=self._eos_ids | frozenset(params.stop_token_ids),
-            generator=torch.Generator().manual_seed(seed),
-        )
-        self._requests[request_id] = request
-        self._wake.set()
-        return request
 
-    def _release(self, request: _Request) -> None:
+    def _release(self, request: _Request, outcome: FinishReason) -> None:
+        ENGINE_REQUESTS.labels(ENGINE, outcome.value).inc()
         request.done = True
         request.cache = None
         del self._requests[request.id]
@@ -262,11 +278,12 @@ class HFEngine:
             reason = FinishReason.LENGTH
         request.queue.put_nowait(GenerationChunk([token], [logprob], self._version, reason))
         if reason is not None:
-            self._release(request)
+            self._release(request, reason)
 
     def _finish(self, request: _Request, reason: FinishReason) -> None:
+        """End ``request`` with an empty last chunk."""
         if not request.done:
-            self._release(request)
+            self._release(request, reason)
             request.queue.put_nowait(GenerationChunk([], [], self._version, reason))
 
     # -- engine thread --------------------------------------------------------------------------
@@ -357,7 +374,8 @@ def _eos_ids(model: torch.nn.Module) -> frozenset[int]:
 def _sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> tuple[int, float]:
-    """The next token and its logprob under the distribution it was drawn from."""
+    """The next token and its logprob under the distribution it was drawn from. Greedy ignores
+    top-k/top-p (they cannot change the argmax) and scores with plain ``log_softmax``, as vLLM."""
     if params.temperature < GREEDY_BELOW:
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, dim=-1)[token])

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from prometheus_client import Counter
 from safetensors import SafetensorError, safe_open
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -48,24 +47,20 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from broker.messages import FinishReason, SamplingParams
-from rollout.engines.base import EngineConfig, EngineError, GenerationChunk
+from rollout.engines.base import (
+    ENGINE_REQUESTS,
+    ENGINE_WEIGHT_LOADS,
+    EngineConfig,
+    EngineError,
+    GenerationChunk,
+)
 from rollout.engines.vllm_worker import WeightReloader
 from seamlessflow.log import kv
 
 log = logging.getLogger(__name__)
 
-REQUESTS = Counter(
-    "sf_vllm_requests",
-    "Generation requests on the vLLM engine by outcome: stop, length, abort, error (vLLM "
-    "ended the request with an error), rejected (bad input, refused before generating)",
-    ["outcome"],
-)
-WEIGHT_LOADS = Counter(
-    "sf_vllm_weight_loads",
-    "Weight loads on the vLLM engine by outcome: loaded, rejected (the files failed the check "
-    "and never reached vLLM), failed (vLLM raised; the engine is dead)",
-    ["outcome"],
-)
+ENGINE = "vllm"
+
 
 OPTIONS = {
     "kv_cache_memory_bytes": "bytes of KV cache (default 1 GiB)",
@@ -301,7 +296,7 @@ class VLLMEngine:
             )
         except VLLMClientError as exc:
             self._forget(request_id, stream)
-            REQUESTS.labels("rejected").inc()
+            ENGINE_REQUESTS.labels(ENGINE, "rejected").inc()
             raise EngineError(f"vLLM refused request {request_id!r}: {exc}") from exc
         except Exception as exc:
             self._forget(request_id, stream)
@@ -322,7 +317,7 @@ class VLLMEngine:
                 if out.finished:
                     finished = True
                     self._forget(request_id, stream)
-                    REQUESTS.labels(chunks[-1].finish_reason.value).inc()
+                    ENGINE_REQUESTS.labels(ENGINE, chunks[-1].finish_reason.value).inc()
                 for chunk in chunks:
                     yield chunk
         except (asyncio.CancelledError, GeneratorExit):
@@ -412,7 +407,7 @@ class VLLMEngine:
         try:
             files = await asyncio.to_thread(self._layout.check, Path(path))
         except EngineError:
-            WEIGHT_LOADS.labels("rejected").inc()
+            ENGINE_WEIGHT_LOADS.labels(ENGINE, "rejected").inc()
             raise
         async with self._control:
             try:
@@ -427,9 +422,9 @@ class VLLMEngine:
                 if not self._paused:
                     await self._llm.resume_generation()
             except Exception as exc:
-                WEIGHT_LOADS.labels("failed").inc()
+                ENGINE_WEIGHT_LOADS.labels(ENGINE, "failed").inc()
                 raise self._error(exc, f"loading weights version {version} from {path}") from exc
-        WEIGHT_LOADS.labels("loaded").inc()
+        ENGINE_WEIGHT_LOADS.labels(ENGINE, "loaded").inc()
         log.info(kv("vllm_weights_loaded", version=version, path=path, files=len(files)))
 
     async def close(self) -> None:

