@@ -34,6 +34,8 @@ class ContextLengthError(InvalidRequestError):
 class ModelNotFoundError(RolloutError):
     """A request names a model the gateway does not serve."""
 
+    code = "model_not_found"
+
 
 class GenerationUnavailableError(RolloutError):
     """A call cannot be served now: the broker is unreachable, no rollout worker took it, or it
@@ -42,3 +44,7 @@ class GenerationUnavailableError(RolloutError):
 
 class GenerationFailedError(RolloutError):
     """A rollout worker reported an error while generating."""
+
+
+class ClientDisconnectedError(RolloutError):
+    """The client went away before its response was ready."""

@@ -121,17 +121,13 @@ class SessionStore:
         added = _insert(session.root, boundaries)
         session.tokens += added
         self._tokens += added
-        self._evict(keep=session_id)
+        self._evict()
 
-    def _evict(self, keep: str) -> None:
+    def _evict(self) -> None:
+        # The session just used is the newest: it goes last, only if it alone is over budget.
         while len(self._sessions) > self.max_sessions or self._tokens > self.max_tokens:
-            oldest = next(iter(self._sessions))
-            if oldest == keep and len(self._sessions) == 1 and len(self._sessions) <= 1:
-                # The current session alone is over the token budget: start it afresh.
-                self._tokens -= self._sessions.pop(oldest).tokens
-                return
-            victim = oldest if oldest != keep else next(iter(list(self._sessions)[1:]))
-            self._tokens -= self._sessions.pop(victim).tokens
+            _, session = self._sessions.popitem(last=False)
+            self._tokens -= session.tokens
 
 
 def _longest_prefix(root: _Node, text: str) -> tuple[int, list[_Node]]:
@@ -155,9 +151,11 @@ def _insert(root: _Node, boundaries: list[tuple[str, Sequence[int]]]) -> int:
     node, pos, ipos = root, 0, 0
     for text, id_list in boundaries:
         ids = array("q", id_list)
-        while pos < len(text):
+        while pos < len(text) or ipos < len(ids):
             child = _descend(node, text, ids, pos, ipos)
             if child is None:
+                if pos == len(text) or ipos == len(ids):
+                    return added  # text without ids or ids without text: not a boundary
                 child = _Node(text[pos:], ids[ipos:])
                 node.children.append(child)
                 added += len(child.ids)
@@ -166,13 +164,14 @@ def _insert(root: _Node, boundaries: list[tuple[str, Sequence[int]]]) -> int:
 
 
 def _descend(node: _Node, text: str, ids: array, pos: int, ipos: int) -> _Node | None:
-    """A child of ``node`` that continues (text, ids) from (pos, ipos) without passing their
-    ends."""
+    """A child of ``node`` that continues (text, ids) from (pos, ipos) and ends, in both, before
+    or at their ends, reaching the text end exactly when it reaches the ids end."""
     for child in node.children:
         end, iend = pos + len(child.text), ipos + len(child.ids)
         if (
             end <= len(text)
             and iend <= len(ids)
+            and (end == len(text)) == (iend == len(ids))
             and text.startswith(child.text, pos)
             and ids[ipos:iend] == child.ids
         ):

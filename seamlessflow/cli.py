@@ -16,11 +16,18 @@ from broker.provision import provision_run, run_status
 from broker.schema import export_schemas
 from broker.subjects import RunNames
 from rollout.engines import ENGINES, EngineConfig
+from rollout.gateway import GatewayConfig, serve_gateway
 from rollout.models import MODELS, resolve_model
 from rollout.worker import WorkerConfig
 from seamlessflow.config import DEFAULT_RUN, ConfigError, load_config
 from seamlessflow.exceptions import SeamlessFlowError
-from seamlessflow.launcher import print_status, run_local, serve_broker, serve_worker
+from seamlessflow.launcher import (
+    print_status,
+    run_local,
+    serve_broker,
+    serve_until_signalled,
+    serve_worker,
+)
 from seamlessflow.log import setup_logging
 from seamlessflow.submit import SubmitReport, parse_tasks, submit_tasks
 
@@ -84,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tags", default="rollout", help="comma-separated capability tags")
     p.add_argument("--max-running", type=int, default=16, help="requests generated at once")
     p.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one)")
+
+    p = sub.add_parser("gateway", help="serve the OpenAI-compatible API until Ctrl-C")
+    _add_nats(p)
+    _add_run(p)
+    p.add_argument("--model", default="tiny", help="'tiny', 'smollm2' or an HF model folder")
+    p.add_argument("--served-model-name", help="the model name clients use (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: a free one)")
+    p.add_argument("--max-model-len", type=int, help="default: the model's context length")
+    p.add_argument("--stall-timeout", type=float, default=5.0, help="seconds; then continue")
+    p.add_argument("--queue-timeout", type=float, default=600.0, help="seconds; then 503")
+    p.add_argument("--max-attempts", type=int, default=8, help="per call; then 503")
 
     p = sub.add_parser("model", help="build or unpack a model for CPU and print its folder")
     p.add_argument("name", choices=sorted(MODELS))
@@ -169,6 +188,25 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    try:
+        config = GatewayConfig(
+            model=args.served_model_name or args.model,
+            model_path=resolve_model(args.model),
+            run=args.run or DEFAULT_RUN,
+            host=args.host,
+            port=args.port,
+            max_model_len=args.max_model_len,
+            stall_timeout_s=args.stall_timeout,
+            queue_timeout_s=args.queue_timeout,
+            max_attempts=args.max_attempts,
+        )
+    except ValidationError as exc:
+        raise ConfigError(f"gateway settings: {exc}") from exc
+    asyncio.run(serve_until_signalled(serve_gateway, config, args.nats))
+    return 0
+
+
 def _key_value(option: str) -> tuple[str, str]:
     key, sep, value = option.partition("=")
     if not sep or not key:
@@ -193,6 +231,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "submit": _submit,
     "schema": _schema,
     "worker": _worker,
+    "gateway": _gateway,
     "model": _model,
     "run": _run,
 }

@@ -30,6 +30,11 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
+async def serve_until_signalled(serve, *args) -> None:
+    """``await serve(*args, stop)`` with ``stop`` set by SIGINT/SIGTERM."""
+    await serve(*args, stop_on_signals())
+
+
 @asynccontextmanager
 async def nats_url(explicit: str | None, broker: EmbeddedBrokerConfig) -> AsyncIterator[str]:
     """``explicit`` when given; otherwise an embedded broker's URL for the duration."""

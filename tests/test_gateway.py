@@ -1,0 +1,860 @@
+"""The OpenAI-compatible gateway on a real nats-server.
+
+Generation tests run real ``seamlessflow worker`` subprocesses (hf engine, tiny model) and call
+the gateway with the official ``openai`` SDK. Error tests need no worker. One test plays the wire
+side of a worker by hand to inject chunk faults a real worker does not produce on demand
+(duplicates, stale attempts, a seq gap); it is named as such.
+"""
+
+import asyncio
+import json
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from broker import codec
+from broker.client import session
+from broker.messages import (
+    CallRecorded,
+    FinishReason,
+    GenerationCancelled,
+    GenerationRequested,
+    TokensGenerated,
+)
+from broker.provision import provision_run
+from broker.server import EmbeddedBroker
+from broker.subjects import Durable, RunNames
+from rollout.exceptions import GenerationUnavailableError
+from rollout.gateway import Gateway, GatewayConfig, serve_gateway
+from rollout.models import load_tokenizer
+from rollout.openai_api import ToolCallStream, parse_tool_calls
+from tests.support import SMALL_RUN, WorkerProcess, broker_config, eventually, stream_messages
+
+pytestmark = pytest.mark.newest_nats
+
+MODEL = "tiny"
+HELLO = [{"role": "user", "content": "Hello! What is 12 + 30?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+
+
+def config(model_dir: Path, run: str, **fields) -> GatewayConfig:
+    return GatewayConfig(model=MODEL, model_path=model_dir, run=run, port=0, **fields)
+
+
+class GatewayThread:
+    """A gateway served from its own thread and event loop, so that sync clients can call it
+    and async tests can share it."""
+
+    def __init__(self, config: GatewayConfig, nats_url: str) -> None:
+        self.config, self.nats_url = config, nats_url
+        self.url = ""
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            async with Gateway(self.config, self.nats_url) as gateway:
+                self.url = gateway.url
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+
+    def __enter__(self) -> "GatewayThread":
+        self._thread.start()
+        assert self._ready.wait(60), "the gateway did not start"
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+
+@dataclass
+class Stack:
+    """A provisioned run with one rollout worker and a gateway in front of it."""
+
+    names: RunNames
+    url: str
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def stack(broker, tiny_model_dir):
+    names = RunNames("gw" + uuid.uuid4().hex[:12])
+
+    async def provision() -> None:
+        async with session(broker.url, "pytest-provision") as nc:
+            await provision_run(nc.jetstream(), names.run, SMALL_RUN)
+
+    asyncio.run(provision())
+    worker = WorkerProcess(broker.url, names.run, tiny_model_dir, "gw-w1").wait_ready()
+    try:
+        with GatewayThread(config(tiny_model_dir, names.run), broker.url) as gateway:
+            yield Stack(names, gateway.url)
+    finally:
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+def render(tok, messages, **kwargs) -> str:
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+async def records(js, names: RunNames, session_id: str, count: int = 1) -> list[CallRecorded]:
+    """The session's call records, once there are ``count``."""
+    found: list[CallRecorded] = []
+
+    async def enough() -> bool:
+        nonlocal found
+        stored = await stream_messages(js, names.traj_stream, CallRecorded)
+        found = [r for r in stored if r.session_id == session_id]
+        return len(found) >= count
+
+    await eventually(enough)
+    return found
+
+
+async def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus metric's samples (with these labels) at ``url``."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        body = (await http.get(url)).text
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith(name + ("{" if labels else ""))
+        and all(w in line for w in wanted)
+        and not line.startswith("#")
+    )
+
+
+def metrics_url(gateway_url: str) -> str:
+    return gateway_url.removesuffix("/v1") + "/metrics"
+
+
+def session_id() -> str:
+    return "s-" + uuid.uuid4().hex[:16]
+
+
+# -- generation through real workers --------------------------------------------------------
+
+
+async def test_sync_client_gets_what_was_recorded(stack, js, tok):
+    sid = session_id()
+    client = stack.client()
+    reply = await asyncio.to_thread(
+        client.chat.completions.create,
+        model=MODEL,
+        messages=HELLO,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        extra_headers={"X-Session-Id": sid},
+    )
+    (choice,) = reply.choices
+    (record,) = await records(js, stack.names, sid)
+    assert record.prompt_ids == encode(tok, render(tok, HELLO))
+    assert reply.usage.prompt_tokens == len(record.prompt_ids)
+    assert reply.usage.completion_tokens == len(record.output_ids) <= 12
+    assert choice.message.content == tok.decode(record.output_ids, skip_special_tokens=True)
+    assert [t.logprob for t in choice.logprobs.content] == record.output_logprobs
+    assert [t.token for t in choice.logprobs.content] == [
+        tok.decode([i]) for i in record.output_ids
+    ]
+    assert record.output_versions == [0] * len(record.output_ids)
+    assert record.finish_reason.value == choice.finish_reason
+    assert record.interruptions == 0 and record.model == MODEL
+    assert record.started_at <= record.finished_at
+
+
+async def test_streaming_gives_the_same_text_as_a_plain_reply(stack, js, tok):
+    client = stack.async_client()
+    plain = await client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=16, temperature=0
+    )
+    sid = session_id()
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        user=sid,
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert text == plain.choices[0].message.content
+    assert finishes[-1] == plain.choices[0].finish_reason and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    (record,) = await records(js, stack.names, sid)  # the user field named the session
+    assert tok.decode(record.output_ids, skip_special_tokens=True) == text
+
+
+async def test_n_choices_are_separate_calls(stack, js):
+    sid = session_id()
+    reply = await stack.async_client().chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        n=2,
+        max_tokens=8,
+        temperature=1.0,
+        seed=7,
+        extra_headers={"X-Session-Id": sid},
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    found = await records(js, stack.names, sid, count=2)
+    assert len({r.call_id for r in found}) == 2
+    assert found[0].prompt_ids == found[1].prompt_ids
+    assert reply.usage.completion_tokens == sum(len(r.output_ids) for r in found)
+
+
+async def test_stop_string_cuts_the_text_and_the_recorded_tokens(stack, js, tok):
+    client = stack.async_client()
+    free = await client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=30, temperature=0
+    )
+    text = free.choices[0].message.content
+    # a stop string that appears a few characters in, made of whole printable characters
+    start = next(
+        i
+        for i in range(3, len(text) - 2)
+        if text[i : i + 2].isprintable() and "\ufffd" not in text[i : i + 2]
+    )
+    stop = text[start : start + 2]
+    expected = text[: text.find(stop)]
+
+    sid = session_id()
+    for stream in (False, True):
+        reply = await client.chat.completions.create(
+            model=MODEL,
+            messages=HELLO,
+            max_tokens=30,
+            temperature=0,
+            stop=[stop, "never appears"],
+            stream=stream,
+            extra_headers={"X-Session-Id": sid},
+        )
+        if stream:
+            chunks = [c async for c in reply]
+            got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            got, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+        assert (got, finish) == (expected, "stop")
+    for record in await records(js, stack.names, sid, count=2):
+        assert record.finish_reason is FinishReason.STOP
+        # the recorded output ends at the token that completed the stop string
+        assert stop in tok.decode(record.output_ids, skip_special_tokens=True)
+        assert stop not in tok.decode(record.output_ids[:-1], skip_special_tokens=True)
+
+
+async def test_next_turn_reuses_the_generated_token_ids(stack, js, tok):
+    sid = session_id()
+    client = stack.client()
+    headers = {"X-Session-Id": sid}
+    first = await asyncio.to_thread(
+        client.chat.completions.create,
+        model=MODEL,
+        messages=HELLO,
+        max_tokens=10,
+        temperature=0,
+        extra_headers=headers,
+    )
+    answer = first.choices[0].message.content
+    turn2 = [*HELLO, {"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    await asyncio.to_thread(
+        client.chat.completions.create,
+        model=MODEL,
+        messages=turn2,
+        max_tokens=4,
+        temperature=0,
+        extra_headers=headers,
+    )
+    one, two = await records(js, stack.names, sid, count=2)
+    earlier = one.prompt_ids + one.output_ids
+    assert two.prompt_ids[: len(earlier)] == earlier
+    assert tok.decode(two.prompt_ids, skip_special_tokens=False) == render(tok, turn2)
+    reused = await metric(metrics_url(stack.url), "sf_gateway_prompt_tokens_total", source="reused")
+    assert reused >= len(earlier)
+
+
+async def test_completions_with_token_ids_and_logprobs(stack, js, tok):
+    client = stack.async_client()
+    sid = session_id()
+    prompt = encode(tok, "The quick brown fox")
+    reply = await client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        logprobs=0,
+        extra_headers={"X-Session-Id": sid},
+    )
+    (choice,) = reply.choices
+    (record,) = await records(js, stack.names, sid)
+    assert record.prompt_ids == prompt
+    assert choice.text == tok.decode(record.output_ids, skip_special_tokens=True)
+    assert choice.logprobs.token_logprobs == record.output_logprobs
+    assert len(choice.logprobs.tokens) == len(choice.logprobs.text_offset) == 8
+    assert choice.logprobs.text_offset[0] == 0
+
+    stream = await client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=8, temperature=0, stream=True
+    )
+    streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+    assert streamed == choice.text  # the same prompt ids, as text
+
+
+async def test_tools_reach_the_chat_template(stack, js, tok):
+    sid = session_id()
+    history = [
+        {"role": "user", "content": "What is 3 * 7?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "3 * 7"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21"},
+    ]
+    reply = await stack.async_client().chat.completions.create(
+        model=MODEL,
+        messages=history,
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=4,
+        temperature=0,
+        extra_headers={"X-Session-Id": sid},
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    (record,) = await records(js, stack.names, sid)
+    rendered = render(tok, history, tools=TOOLS)
+    assert '"name": "calculator"' in rendered and "<tool_call>" in rendered
+    assert record.prompt_ids == encode(tok, rendered)
+
+
+async def test_client_gone_mid_stream_cancels_the_call(stack, js):
+    sid = session_id()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        body = {"model": MODEL, "messages": HELLO, "max_tokens": 1500, "stream": True}
+        async with http.stream(
+            "POST", "/chat/completions", json=body, headers={"X-Session-Id": sid}
+        ) as response:
+            assert response.status_code == 200
+            lines = response.aiter_lines()
+            for _ in range(6):
+                await anext(lines)
+    (record,) = await records(js, stack.names, sid)
+    assert record.finish_reason is FinishReason.ABORT
+    assert 0 < len(record.output_ids) < 1500
+    # the worker freed the request: a short call after it is served at once
+    reply = await stack.async_client().chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=2
+    )
+    assert reply.usage.completion_tokens == 2
+
+
+# -- continuation across a worker that dies ---------------------------------------------------
+
+
+async def test_call_survives_its_worker_being_killed(broker, js, names, tiny_model_dir, tok):
+    workers = [WorkerProcess(broker.url, names.run, tiny_model_dir, f"w{i}") for i in (1, 2)]
+    try:
+        await asyncio.gather(*(asyncio.to_thread(w.wait_ready) for w in workers))
+        async with Gateway(config(tiny_model_dir, names.run, stall_timeout_s=2), broker.url) as gw:
+            client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
+            sid = session_id()
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=HELLO,
+                max_tokens=120,
+                temperature=0,
+                stream=True,
+                extra_headers={"X-Session-Id": sid},
+            )
+            text, killed = "", None
+            async for chunk in stream:
+                text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+                if killed is None and len(text) > 10:
+                    running = [
+                        await metric(w.metrics_url, "sf_rollout_requests_running") for w in workers
+                    ]
+                    killed = workers[running.index(1)]
+                    killed.proc.kill()  # SIGKILL: no goodbye, the gateway sees silence
+            (record,) = await records(js, names, sid)
+            # the same call, uninterrupted, on the worker left
+            again = await client.chat.completions.create(
+                model=MODEL, messages=HELLO, max_tokens=120, temperature=0
+            )
+            continuations = await metric(
+                metrics_url(gw.url), "sf_gateway_continuations_total", reason="stall"
+            )
+    finally:
+        for w in workers:
+            w.stop()
+    assert killed is not None
+    assert record.finish_reason is FinishReason.LENGTH and len(record.output_ids) == 120
+    assert record.interruptions >= 1 and continuations >= 1
+    assert text == tok.decode(record.output_ids, skip_special_tokens=True)
+    assert text == again.choices[0].message.content  # the agent cannot tell
+
+
+# -- errors (no worker needed) --------------------------------------------------------------
+
+
+@pytest.fixture
+async def gateway(broker, names, tiny_model_dir):
+    cfg = config(tiny_model_dir, names.run, queue_timeout_s=1.0, max_model_len=64)
+    async with Gateway(cfg, broker.url) as gw:
+        yield gw
+
+
+@pytest.fixture
+async def http(gateway):
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        yield client
+
+
+CHAT = {"model": MODEL, "messages": HELLO}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        (b'{"model": "tiny", "messages": [', None, "not valid JSON"),
+        ({**CHAT, "temperature": "hot"}, "temperature", "valid number"),
+        ({**CHAT, "temperature": 3}, "temperature", "less than or equal to 2"),
+        ({**CHAT, "n": 1.5}, "n", "valid integer"),
+        ({**CHAT, "frequency_penalty": 0.5}, "frequency_penalty", "Unrecognized request"),
+        ({**CHAT, "logprobs": True, "top_logprobs": 2}, "top_logprobs", "not supported"),
+        ({**CHAT, "stop": ["ok", ""]}, "stop", "must not be empty"),
+        ({"model": MODEL, "messages": []}, "messages", "at least 1"),
+        ({"model": MODEL, "messages": [{"role": "bot", "content": "x"}]}, "messages.0.role", ""),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content",
+            "'text'",
+        ),
+        ({**CHAT, "user": "has spaces"}, "user", "session id"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+async def test_bad_requests_get_400_naming_the_field(http, body, param, says):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = await http.post("/chat/completions", **kwargs)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert says in error["message"]
+
+
+async def test_bad_session_header_and_completion_params(http):
+    response = await http.post("/chat/completions", json=CHAT, headers={"X-Session-Id": "a.b"})
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "X-Session-Id")
+    response = await http.post("/completions", json={"model": MODEL, "prompt": [1, -2]})
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "prompt")
+    response = await http.post("/completions", json={"model": MODEL, "prompt": "x", "logprobs": 3})
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "logprobs")
+
+
+async def test_unknown_model_is_404(http):
+    response = await http.post("/chat/completions", json={**CHAT, "model": "gpt-5"})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+async def test_context_length_is_checked(http, gateway):
+    for body in (
+        {**CHAT, "max_tokens": 60},
+        {**CHAT, "messages": [{"role": "user", "content": "hello " * 80}]},
+        {"model": MODEL, "prompt": list(range(3, 50)), "max_tokens": 20},
+    ):
+        path = "/completions" if "prompt" in body else "/chat/completions"
+        response = await http.post(path, json=body)
+        assert response.status_code == 400, body
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert "maximum context length is 64 tokens" in error["message"]
+
+
+async def test_no_worker_is_503_and_the_request_leaves_the_queue(http, gateway, js, names):
+    metrics = metrics_url(gateway.url)
+    before = await metric(metrics, "sf_gateway_errors_total", type="unavailable")
+    response = await http.post("/chat/completions", json={**CHAT, "max_tokens": 4})
+    assert response.status_code == 503
+    assert "no rollout worker took the request within 1s" in response.json()["error"]["message"]
+    assert (await js.stream_info(names.gen_stream)).state.messages == 0
+    assert await metric(metrics, "sf_gateway_errors_total", type="unavailable") == before + 1
+    labels = {"endpoint": "chat_completions", "status": "503"}
+    assert await metric(metrics, "sf_gateway_requests_total", **labels) >= 1
+
+
+async def test_models_health_and_metrics(http, gateway):
+    models = (await http.get("/models")).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 64
+    root = gateway.url.removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=root) as plain:
+        health = await plain.get("/health")
+        assert (health.status_code, health.json()["nats_connected"]) == (200, True)
+        text = (await plain.get("/metrics")).text
+    for name in (
+        "sf_gateway_requests_total",
+        "sf_gateway_errors_total",
+        "sf_gateway_tokens_out_total",
+        "sf_gateway_call_seconds",
+        "sf_gateway_continuations_total",
+    ):
+        assert f"# HELP {name.removesuffix('_total')}" in text or f"# HELP {name}" in text
+
+
+async def test_serve_gateway_runs_until_stopped(broker, names, tiny_model_dir, capsys):
+    stop = asyncio.Event()
+    serving = asyncio.create_task(
+        serve_gateway(config(tiny_model_dir, names.run), broker.url, stop)
+    )
+    printed = ""
+
+    def ready() -> bool:
+        nonlocal printed
+        printed += capsys.readouterr().out
+        return "gateway ready:" in printed
+
+    await eventually(ready, watch=serving)
+    url = printed.split("url=", 1)[1].split()[0]
+    async with httpx.AsyncClient(timeout=10) as http:
+        assert (await http.get(url + "/models")).json()["data"][0]["id"] == MODEL
+    stop.set()
+    await asyncio.wait_for(serving, 15)
+    async with httpx.AsyncClient(timeout=10) as http:
+        with pytest.raises(httpx.ConnectError):
+            await http.get(url + "/models")
+
+
+async def test_unprovisioned_run_is_refused(broker, tiny_model_dir):
+    with pytest.raises(GenerationUnavailableError, match="not provisioned"):
+        async with Gateway(config(tiny_model_dir, "never_provisioned"), broker.url):
+            pass
+
+
+async def test_broker_gone_is_503_fast(nats_binary, tmp_path, tiny_model_dir):
+    """A request waiting for a worker and a new request both get 503 within seconds."""
+    with EmbeddedBroker(broker_config(tmp_path / "broker", nats_binary)) as own:
+        async with session(own.url, "pytest") as nc:
+            await provision_run(nc.jetstream(), "down", SMALL_RUN)
+        async with (
+            Gateway(config(tiny_model_dir, "down", nats_timeout_s=1.0), own.url) as gw,
+            httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
+        ):
+            waiting = asyncio.create_task(http.post("/chat/completions", json=CHAT))
+            await asyncio.sleep(0.5)  # queued, no worker to take it
+            assert not waiting.done()
+            loop = asyncio.get_running_loop()
+            stopped_at = loop.time()
+            own.stop()
+            waited = await waiting
+            waited_for = loop.time() - stopped_at
+            started = loop.time()
+            fresh = await http.post("/chat/completions", json=CHAT)
+            fresh_took = loop.time() - started
+            health = await http.get(gw.url.removesuffix("/v1") + "/health")
+    assert waited.status_code == fresh.status_code == health.status_code == 503
+    assert waited_for < 3.0 and fresh_took < 1.0
+    assert "connection to NATS" in waited.json()["error"]["message"]
+    assert "not connected to NATS" in fresh.json()["error"]["message"]
+
+
+# -- chunk faults injected by hand -----------------------------------------------------------
+
+
+class InjectedWorkerWire:
+    """Fault injection: takes generation requests off the queue and answers with hand-made
+    chunks (duplicates, stale attempts, gaps) that a real worker does not send on demand, or
+    with scripted output (a tool call) that the random tiny model never writes."""
+
+    def __init__(self, nc, js, names: RunNames) -> None:
+        self.nc, self.js, self.names = nc, js, names
+
+    async def __aenter__(self) -> "InjectedWorkerWire":
+        self.sub = await self.js.pull_subscribe_bind(Durable.ROLLOUT, stream=self.names.gen_stream)
+        self.cancels: list[GenerationCancelled] = []
+        self.cancel_sub = await self.nc.subscribe(
+            f"{self.names.prefix}.gen.cancel.*",
+            cb=self._on_cancel,
+        )
+        return self
+
+    async def _on_cancel(self, msg) -> None:
+        self.cancels.append(codec.decode(GenerationCancelled, msg.data))
+
+    async def __aexit__(self, *exc) -> None:
+        await self.cancel_sub.unsubscribe()
+
+    async def take(self) -> GenerationRequested:
+        (msg,) = await self.sub.fetch(1, timeout=10)
+        await msg.ack()
+        return codec.decode(GenerationRequested, msg.data)
+
+    async def send(self, request: GenerationRequested, seq: int, ids=(), **fields) -> None:
+        chunk = TokensGenerated(
+            call_id=request.call_id,
+            attempt=fields.pop("attempt", request.attempt),
+            seq=seq,
+            worker_id="injector",
+            version=fields.pop("version", 0),
+            token_ids=list(ids),
+            logprobs=[-0.5] * len(ids),
+            **fields,
+        )
+        await self.nc.publish(request.reply_to, codec.encode(chunk))
+        await self.nc.flush()
+
+
+async def test_injected_faults_are_continued_token_exact(
+    broker, nc, js, names, tiny_model_dir, tok
+):
+    cfg = config(tiny_model_dir, names.run, stall_timeout_s=0.5)
+    a, b, c, d, e, f = (encode(tok, char)[0] for char in "abcdef")
+    sid = session_id()
+    async with (
+        Gateway(cfg, broker.url) as gw,
+        InjectedWorkerWire(nc, js, names) as wire,
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
+    ):
+        body = {**CHAT, "max_tokens": 10, "logprobs": True}
+        reply = asyncio.create_task(
+            http.post("/chat/completions", json=body, headers={"X-Session-Id": sid})
+        )
+        first = await wire.take()
+        assert first.attempt == 0 and first.params.max_tokens == 10
+        await wire.send(first, 0)  # started
+        await wire.send(first, 1, [a, b])
+        await wire.send(first, 1, [a, b])  # duplicate: ignored
+        await wire.send(first, 0, [f], attempt=7)  # another attempt's chunk: ignored
+        await wire.send(first, 3, [f])  # seq 2 went missing: continue elsewhere
+
+        second = await wire.take()
+        assert second.attempt == 1 and second.resumed_tokens == 2
+        assert second.prompt_ids == [*first.prompt_ids, a, b]
+        assert second.params.max_tokens == 8
+        await wire.send(second, 0, [c])
+        await wire.send(second, 1, [d], finish_reason=FinishReason.ABORT, error="stopping")
+
+        third = await wire.take()
+        assert third.prompt_ids == [*first.prompt_ids, a, b, c, d]
+        await wire.send(third, 0, [e], version=1)  # then silence: a stall
+
+        fourth = await wire.take()
+        assert fourth.attempt == 3 and fourth.prompt_ids[-5:] == [a, b, c, d, e]
+        await wire.send(fourth, 0, [f, tok.eos_token_id], version=1, finish_reason="stop")
+        response = await reply
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["message"]["content"] == "abcdef"
+    assert choice["finish_reason"] == "stop"
+    assert [t["logprob"] for t in choice["logprobs"]["content"]] == [-0.5] * 7
+    assert {(x.attempt, x.reason) for x in wire.cancels} >= {
+        (0, "continued: gap"),
+        (1, "continued: abort"),
+        (2, "continued: stall"),
+    }
+    (record,) = await records(js, names, sid)
+    assert record.output_ids == [a, b, c, d, e, f, tok.eos_token_id]
+    assert record.output_versions == [0, 0, 0, 0, 1, 1, 1]
+    assert record.interruptions == 3 + 1  # three continuations, one version change
+    assert (await js.stream_info(names.gen_stream)).state.messages == 0
+
+
+async def test_too_many_interruptions_is_503(broker, nc, js, names, tiny_model_dir):
+    cfg = config(tiny_model_dir, names.run, max_attempts=1)
+    async with (
+        Gateway(cfg, broker.url) as gw,
+        InjectedWorkerWire(nc, js, names) as wire,
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
+    ):
+        reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
+        request = await wire.take()
+        await wire.send(request, 0, [5], finish_reason="abort")
+        response = await reply
+    assert response.status_code == 503
+    assert "interrupted 1 times" in response.json()["error"]["message"]
+
+
+async def test_worker_error_is_500_or_an_error_event(broker, nc, js, names, tiny_model_dir):
+    async with (
+        Gateway(config(tiny_model_dir, names.run), broker.url) as gw,
+        InjectedWorkerWire(nc, js, names) as wire,
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
+    ):
+        reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
+        request = await wire.take()
+        await wire.send(request, 0, [], finish_reason="error", error="CUDA fell over")
+        response = await reply
+
+        # Once streaming, an error arrives as an error event; the SDK raises it.
+        client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
+        opening = asyncio.create_task(
+            client.chat.completions.create(model=MODEL, messages=HELLO, stream=True)
+        )
+        request = await wire.take()
+        await wire.send(request, 0, [5, 6])  # the response starts once a worker has the call
+        stream = await opening
+        await wire.send(request, 1, [], finish_reason="error", error="out of memory")
+        with pytest.raises(openai.APIError, match="out of memory"):
+            async for _ in stream:
+                pass
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "CUDA fell over" in error["message"]
+
+
+async def test_tool_call_output_and_its_echo_keep_the_token_ids(
+    broker, nc, js, names, tiny_model_dir, tok
+):
+    call_text = '<tool_call>{"name": "calculator", "arguments": {"expression": "3*7"}}</tool_call>'
+    # "Let me compute." emitted one character per token: re-tokenizing it would merge them
+    said_ids = [*(encode(tok, c)[0] for c in "Let me compute."), *encode(tok, call_text)]
+    said_ids.append(tok.eos_token_id)
+    question = [{"role": "user", "content": "What is 3 * 7?"}]
+    sid = session_id()
+    async with (
+        Gateway(config(tiny_model_dir, names.run), broker.url) as gw,
+        InjectedWorkerWire(nc, js, names) as wire,
+    ):
+        client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
+
+        async def ask(messages, stream: bool):
+            return await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                tools=TOOLS,
+                stream=stream,
+                extra_headers={"X-Session-Id": sid},
+            )
+
+        async def answer(ids: list[int]) -> GenerationRequested:
+            request = await wire.take()
+            await wire.send(request, 0)
+            await wire.send(request, 1, ids[:9])  # the tool call tag arrives split
+            await wire.send(request, 2, ids[9:], finish_reason="stop")
+            return request
+
+        reply, first = await asyncio.gather(ask(question, stream=False), answer(said_ids))
+        streamed, _ = await asyncio.gather(ask(question, stream=True), answer(said_ids))
+        chunks = [chunk async for chunk in streamed]
+
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls"
+        assert message.content == "Let me compute."
+        (call,) = message.tool_calls
+        assert (call.function.name, call.function.arguments) == (
+            "calculator",
+            '{"expression": "3*7"}',
+        )
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        (streamed_call,) = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert content == "Let me compute."
+        assert streamed_call.function.arguments == call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+        # The agent runs the tool and sends the assistant message back as it got it.
+        turn2 = [
+            *question,
+            message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "21"},
+        ]
+        _, second = await asyncio.gather(
+            ask(turn2, stream=False), answer([*encode(tok, "21"), tok.eos_token_id])
+        )
+    assert second.prompt_ids[: len(first.prompt_ids) + len(said_ids)] == first.prompt_ids + said_ids
+    rendered = render(tok, turn2, tools=TOOLS)
+    assert tok.decode(second.prompt_ids) == rendered
+    assert second.prompt_ids != encode(tok, rendered)
+
+
+# -- tool calls in generated text (pure) -----------------------------------------------------
+
+
+def test_hermes_tool_calls_become_openai_tool_calls():
+    text = (
+        'Let me compute.<tool_call>{"name": "calculator", "arguments": {"expression":"3*7"}}'
+        '</tool_call>\n<tool_call>{"name": "noop", "arguments": {}}</tool_call>'
+    )
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me compute."
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("calculator", '{"expression":"3*7"}'),  # as the model wrote it, spacing included
+        ("noop", "{}"),
+    ]
+    assert calls[0].id != calls[1].id and calls[0].type == "function"
+    assert json.loads(calls[0].function.arguments) == {"expression": "3*7"}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no tool call here",
+        "<tool_call>not json</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": 3}</tool_call>',
+        '<tool_call>{"name": "f"}',  # never closed
+    ],
+)
+def test_text_without_valid_tool_calls_is_content(text):
+    assert parse_tool_calls(text) == (text, [])
+
+
+def test_streamed_tool_calls_are_held_back_and_parsed_at_the_end():
+    stream = ToolCallStream()
+    pieces = ["Sure", ". <tool", '_call>{"name": "f", ', '"arguments": {"x": 1}}</tool_call>']
+    assert [stream.feed(p) for p in pieces] == ["Sure", ". ", "", ""]
+    rest, calls = stream.finish()
+    assert rest == "" and [(c.function.name, c.function.arguments) for c in calls] == [
+        ("f", '{"x": 1}')
+    ]
+    plain = ToolCallStream()
+    assert plain.feed("a <to") == "a " and plain.feed("y") == "<toy" and plain.finish() == ("", [])
