@@ -7,7 +7,10 @@ import promql_parser
 import pytest
 from prometheus_client import REGISTRY
 
-import broker.metrics  # noqa: F401  (registers the data plane's metrics)
+import broker.metrics  # noqa: F401  (each import registers its process's metrics)
+import rollout.engines.base
+import rollout.gateway
+import rollout.worker  # noqa: F401
 from broker.metrics import StreamDepthCollector
 
 DASHBOARDS = sorted((Path(__file__).parents[1] / "dashboards" / "grafana").glob("*.json"))
@@ -16,7 +19,8 @@ DASHBOARDS = sorted((Path(__file__).parents[1] / "dashboards" / "grafana").glob(
 def _exported() -> set[str]:
     names = set()
     for family in [*REGISTRY.collect(), *StreamDepthCollector().collect()]:
-        names.add(family.name + "_total" if family.type == "counter" else family.name)
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+        names.update(family.name + s for s in suffixes.get(family.type, [""]))
     return names
 
 
