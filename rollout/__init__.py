@@ -1,5 +1,7 @@
-"""Rollout: inference engines behind one interface, the rollout workers that serve generation
-requests from ``sf.<run>.gen.req``, and the OpenAI-compatible gateway agents call.
+"""Rollout: inference engines behind one interface (``rollout.engines``), the models for CPU
+(``rollout.models``), the rollout worker that serves generation requests from
+``sf.<run>.gen.req`` (``rollout.worker``), and the OpenAI-compatible gateway agents call
+(``rollout.gateway``, with its pure cores ``prompts`` and ``detok`` and the NATS side ``calls``).
 
-Planned (issue: rollout). Talks to the other parts only through ``broker``.
+Talks to the other parts only through ``broker``.
 """
