@@ -102,7 +102,8 @@ class WorkerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            # one torch thread per worker: several processes share this machine's cores
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
         )
         self.output: list[str] = []
         self.metrics_url = ""

