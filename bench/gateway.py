@@ -25,7 +25,6 @@ measured call in ms.
 
 import argparse
 import asyncio
-import collections
 import json
 import os
 import platform
@@ -52,6 +51,7 @@ from broker.subjects import RunNames
 from rollout.engines import ENGINES, Engine, EngineConfig, start_engine
 from rollout.gateway import SESSION_HEADER, Gateway, GatewayConfig, default_stop_token_ids
 from rollout.models import load_tokenizer, resolve_model
+from seamlessflow.processes import WorkerProcess
 
 RESULTS = Path(__file__).parent / "results"
 RUN = "bench-gateway"
@@ -71,7 +71,6 @@ TURNS = [
     "Thanks. Now explain it to a child.",
 ]
 """User messages of the multi-turn sessions, in turn order (cycled)."""
-WORKER_READY = "ready:"
 RECORDS_TIMEOUT_S = 30.0
 QUANTILES = (50, 99)
 LATENCY_ROWS = [
@@ -102,61 +101,6 @@ class Settings:
     turns: int
     turn_tokens: int
     start_timeout_s: float
-
-
-class WorkerProcess:
-    """A ``seamlessflow worker`` subprocess; its last output lines are kept for error reports."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.output: collections.deque[str] = collections.deque(maxlen=200)
-        self._ready = asyncio.Event()
-        self._reader = asyncio.create_task(self._read())
-
-    @classmethod
-    async def start(cls, nats_url: str, model: Path, s: Settings) -> "WorkerProcess":
-        command = [sys.executable, "-m", "seamlessflow.cli", "worker", "--nats", nats_url]
-        command += ["--run", RUN, "--model", str(model), "--engine", s.engine]
-        command += ["--worker-id", "bench-w1", "--max-running", str(max(s.sessions))]
-        command += ["--max-model-len", str(s.max_model_len)]
-        proc = await asyncio.create_subprocess_exec(
-            *command,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            stdin=asyncio.subprocess.DEVNULL,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )
-        return cls(proc)
-
-    async def _read(self) -> None:
-        async for raw in self.proc.stdout:
-            line = raw.decode(errors="replace")
-            self.output.append(line)
-            if WORKER_READY in line:
-                self._ready.set()
-
-    async def wait_ready(self, within_s: float) -> None:
-        """Return once the worker serves; raise if it exits or is not serving ``within_s``."""
-        ready = asyncio.create_task(self._ready.wait())
-        await asyncio.wait(
-            {ready, self._reader}, timeout=within_s, return_when=asyncio.FIRST_COMPLETED
-        )
-        ready.cancel()
-        if not self._ready.is_set():
-            raise RuntimeError(f"the worker did not start:\n{''.join(self.output)}")
-
-    async def stop(self, within_s: float = 30.0) -> None:
-        """SIGTERM, then SIGKILL past ``within_s``."""
-        if self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), within_s)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-        # The engine's own children may hold the pipe a little longer; their output can go.
-        await asyncio.wait({self._reader}, timeout=5.0)
-        self._reader.cancel()
 
 
 class RecordReader:
@@ -368,12 +312,15 @@ async def run_bench(nats_url: str, model: Path, s: Settings) -> dict:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     async with session(nats_url, "bench-provision") as nc:
         await provision_run(nc.jetstream(), RUN, ProvisionConfig())
-    worker = await WorkerProcess.start(nats_url, model, s)
+    args = ["--engine", s.engine, "--max-running", str(max(s.sessions))]
+    args += ["--max-model-len", str(s.max_model_len)]
+    # The worker's engine gets torch's default threads, like the in-process one.
+    worker = WorkerProcess(nats_url, RUN, model, "bench-w1", *args, threads=None)
     try:
         config = EngineConfig(model=model, max_model_len=s.max_model_len)
         started, ready = await asyncio.gather(
             start_engine(s.engine, config),
-            worker.wait_ready(s.start_timeout_s),
+            asyncio.to_thread(worker.wait_ready, s.start_timeout_s),
             return_exceptions=True,
         )
         if isinstance(started, BaseException):
@@ -385,7 +332,7 @@ async def run_bench(nats_url: str, model: Path, s: Settings) -> dict:
         finally:
             await started.close()
     finally:
-        await worker.stop()
+        await asyncio.to_thread(worker.stop)
 
 
 async def measure(nats_url: str, engine: Engine, model: Path, s: Settings) -> dict:

@@ -2,13 +2,7 @@
 
 import asyncio
 import inspect
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -85,57 +79,6 @@ async def eventually(
                 return
             assert watch is None or not watch.done(), watch.exception()
             await asyncio.sleep(0.05)
-
-
-WORKER_READY = "ready:"
-
-
-class WorkerProcess:
-    """A ``seamlessflow worker`` subprocess (a real rollout worker with its own engine)."""
-
-    def __init__(self, url: str, run: str, model: Path, worker_id: str, *args: str) -> None:
-        self.worker_id = worker_id
-        command = [sys.executable, "-m", "seamlessflow.cli", "worker", "--nats", url]
-        command += ["--run", run, "--model", str(model), "--worker-id", worker_id, *args]
-        self.proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            # one torch thread per worker: several processes share this machine's cores
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-        )
-        self.output: list[str] = []
-        self.metrics_url = ""
-
-    def wait_ready(self, timeout: float = 120.0) -> "WorkerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.output.append(line)
-            if WORKER_READY in line:
-                self.metrics_url = line.rsplit("metrics=", 1)[1].strip()
-                threading.Thread(target=self._drain, daemon=True).start()
-                return self
-        self.stop()
-        raise AssertionError(f"worker {self.worker_id} did not start:\n{''.join(self.output)}")
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.output.append(line)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(
-                f"worker {self.worker_id} did not stop:\n{''.join(self.output)}"
-            ) from None
 
 
 def perturbed_weights(model_dir: Path, seed: int) -> bytes:

@@ -35,9 +35,9 @@ from rollout.exceptions import GenerationUnavailableError
 from rollout.gateway import Gateway, GatewayConfig, serve_gateway
 from rollout.models import load_tokenizer
 from rollout.openai_api import ToolCallStream, parse_tool_calls
+from seamlessflow.processes import WorkerProcess
 from tests.support import (
     SMALL_RUN,
-    WorkerProcess,
     broker_config,
     eventually,
     greedy,

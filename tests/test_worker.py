@@ -21,7 +21,8 @@ from broker.messages import (
 )
 from broker.subjects import RunNames
 from broker.weights import publish_weights
-from tests.support import WorkerProcess, eventually, greedy, perturbed_weights, stream_messages
+from seamlessflow.processes import WorkerProcess
+from tests.support import eventually, greedy, perturbed_weights, stream_messages
 
 pytestmark = pytest.mark.newest_nats
 
