@@ -40,7 +40,11 @@ from broker.messages import (
     TokensGenerated,
 )
 from broker.subjects import RunNames
-from rollout.exceptions import GenerationFailedError, GenerationUnavailableError
+from rollout.exceptions import (
+    GenerationFailedError,
+    GenerationUnavailableError,
+    RecordUnavailableError,
+)
 from seamlessflow.log import kv
 
 log = logging.getLogger(__name__)
@@ -49,7 +53,8 @@ ERRORS = Counter(
     "sf_gateway_errors",
     "Gateway errors by type: invalid_request, model_not_found, context_length_exceeded, "
     "unavailable (broker or workers), generation_failed, client_disconnected, invalid_chunk "
-    "(a worker chunk that does not decode), record_failed (a CallRecorded not published)",
+    "(a worker chunk that does not decode), record_failed (a call record could not be stored; "
+    "its response was withheld)",
     ["type"],
 )
 CONTINUATIONS = Counter(
@@ -63,6 +68,9 @@ CALL_SECONDS = Histogram(
     ["finish_reason"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
+
+RECORD_ATTEMPTS = 3
+"""Publishes of a CallRecorded (0.5 s, 1 s, 2 s apart) before the call fails."""
 
 _POLL_S = 0.25
 """How often a waiting call looks at the connection."""
@@ -173,7 +181,8 @@ class Call:
 
     async def close(self) -> CallRecorded | None:
         """Cancel what still runs (an unfinished call ends with ABORT), stop listening, and
-        publish the call's record if a worker ever took it."""
+        publish the call's record if a worker ever took it (``GenerationUnavailableError`` if it
+        cannot be stored)."""
         if not self.finished:
             self.finish_reason = FinishReason.ABORT
             self._cancel_reason = "call abandoned"
@@ -342,19 +351,25 @@ class Call:
             interruptions=self.continuations + _version_changes(self.output_versions),
         )
         CALL_SECONDS.labels(self.finish_reason.value).observe(finished_at - self._started_at)
-        try:
-            await self.js.publish(
-                self.names.traj_calls,
-                codec.encode(record),
-                headers=codec.headers(msg_id=self.call_id),
-            )
-        except (NatsError, OSError) as exc:
-            ERRORS.labels("record_failed").inc()
-            log.error(
-                kv("gateway_record_failed", call=self.call_id, error=f"{type(exc).__name__}: {exc}")
-            )
-            return None
-        return record
+        for attempt in range(RECORD_ATTEMPTS):
+            try:
+                await self.js.publish(
+                    self.names.traj_calls,
+                    codec.encode(record),
+                    headers=codec.headers(msg_id=self.call_id),
+                )
+                return record
+            except (NatsError, OSError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning(
+                    kv("gateway_record_retry", call=self.call_id, attempt=attempt, error=error)
+                )
+                await asyncio.sleep(0.5 * 2**attempt)
+        # Fail the call rather than hand out a response whose tokens the trainer never sees.
+        raise RecordUnavailableError(
+            f"the call record could not be stored on {self.names.traj_calls} ({error}); "
+            "the response is withheld so that no trajectory is lost"
+        )
 
 
 def _version_changes(versions: list[int]) -> int:

@@ -42,6 +42,10 @@ class GenerationUnavailableError(RolloutError):
     was interrupted more often than allowed."""
 
 
+class RecordUnavailableError(GenerationUnavailableError):
+    """A finished call's record could not be stored, so its response is withheld."""
+
+
 class GenerationFailedError(RolloutError):
     """A rollout worker reported an error while generating."""
 

@@ -53,6 +53,7 @@ from rollout.exceptions import (
     InvalidRequestError,
     ModelError,
     ModelNotFoundError,
+    RecordUnavailableError,
     RolloutError,
 )
 from rollout.models import load_tokenizer, model_info
@@ -410,7 +411,10 @@ class OpenAIService:
                 log.exception(kv("gateway_choice_crashed", call=call.call_id))
                 last = _Event(spec.index, error=GenerationFailedError(f"gateway error: {exc!r}"))
         finally:
-            await call.close()
+            try:
+                await call.close()
+            except RecordUnavailableError as exc:
+                last = _Event(spec.index, error=exc)
         if last.error is None and prompt.text is not None:
             output_text = self.tokenizer.decode(call.output_ids, skip_special_tokens=False)
             self.sessions.record(call.session_id, prompt, output_text, call.output_ids)
@@ -719,6 +723,7 @@ _ERROR_KINDS: list[tuple[type[Exception], int, str, str]] = [
     (InvalidRequestError, 400, "invalid_request_error", "invalid_request"),
     (ModelNotFoundError, 404, "invalid_request_error", "model_not_found"),
     (ClientDisconnectedError, 499, "client_disconnected", "client_disconnected"),
+    (RecordUnavailableError, 503, "service_unavailable", "record_failed"),
     (GenerationUnavailableError, 503, "service_unavailable", "unavailable"),
     (GenerationFailedError, 500, "server_error", "generation_failed"),
 ]

@@ -452,6 +452,32 @@ async def test_call_survives_its_worker_being_killed(broker, js, names, tiny_mod
     assert text == again.choices[0].message.content  # the agent cannot tell
 
 
+async def test_a_call_whose_record_cannot_be_stored_is_503(broker, js, tiny_model_dir):
+    """The traj stream refuses records over 512 bytes (a real server-side refusal): the
+    response is withheld rather than handed out with its tokens unrecorded."""
+    names = RunNames("rec" + uuid.uuid4().hex[:12])
+    traj = SMALL_RUN.traj.model_copy(update={"max_msg_size": 512, "max_payload": 512})
+    await provision_run(js, names.run, SMALL_RUN.model_copy(update={"traj": traj}))
+    worker = WorkerProcess(broker.url, names.run, tiny_model_dir, "rec-w1")
+    await asyncio.to_thread(worker.wait_ready)
+    try:
+        async with (
+            Gateway(config(tiny_model_dir, names.run), broker.url) as gw,
+            httpx.AsyncClient(base_url=gw.url, timeout=60) as http,
+        ):
+            body = {"model": MODEL, "messages": HELLO, "max_tokens": 100, "temperature": 0}
+            reply = await http.post("/chat/completions", json=body)
+            failed = await metric(
+                metrics_url(gw.url), "sf_gateway_errors_total", type="record_failed"
+            )
+    finally:
+        worker.stop()
+    assert reply.status_code == 503, reply.text
+    assert "call record could not be stored" in reply.json()["error"]["message"]
+    assert failed == 1
+    assert (await js.stream_info(names.traj_stream)).state.messages == 0
+
+
 # -- errors (no worker needed) --------------------------------------------------------------
 
 
