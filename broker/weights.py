@@ -56,7 +56,7 @@ async def publish_weights(
     event = WeightsPublished(
         version=version,
         location=location,
-        sha256=hashlib.sha256(blob).hexdigest(),
+        sha256=await _sha256(blob),
         size_bytes=len(blob),
         published_at=time.time(),
     )
@@ -84,7 +84,7 @@ async def fetch_weights(js: JetStreamContext, event: WeightsPublished) -> bytes:
         raise WeightsIntegrityError(
             f"weights v{event.version}: cannot read {event.location}: {exc!r}"
         ) from exc
-    digest = hashlib.sha256(blob).hexdigest()
+    digest = await _sha256(blob)
     if len(blob) != event.size_bytes or digest != event.sha256:
         raise WeightsIntegrityError(
             f"weights v{event.version} at {event.location}: got {len(blob)} bytes with sha256 "
@@ -100,6 +100,11 @@ async def latest_weights(js: JetStreamContext, names: RunNames) -> WeightsPublis
     except NotFoundError:
         return None
     return codec.decode(WeightsPublished, msg.data, content_type=codec.content_type_of(msg.headers))
+
+
+async def _sha256(blob: bytes) -> str:
+    """Hex SHA-256, off the event loop (hundreds of MB take a second)."""
+    return await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())
 
 
 def _write_atomic(path: Path, blob: bytes) -> None:

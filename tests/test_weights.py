@@ -1,0 +1,30 @@
+"""Weight versions on a real broker: blobs in the object store or a shared folder, checked."""
+
+import pytest
+
+from broker.weights import WeightsIntegrityError, fetch_weights, latest_weights, publish_weights
+
+
+async def test_publish_fetch_and_latest(js, names, tmp_path):
+    assert await latest_weights(js, names) is None
+    first = await publish_weights(js, names, 1, b"one" * 1000)
+    assert first.location == f"objstore://{names.weights_store}/v1.safetensors"
+    assert await fetch_weights(js, first) == b"one" * 1000
+
+    second = await publish_weights(js, names, 2, b"two", directory=tmp_path / "shared")
+    assert second.location == (tmp_path / "shared" / "v2.safetensors").as_uri()
+    assert await fetch_weights(js, second) == b"two"
+    assert await latest_weights(js, names) == second  # the stream keeps the last event only
+
+    (tmp_path / "shared" / "v2.safetensors").write_bytes(b"tw0")  # changed after publication
+    with pytest.raises(WeightsIntegrityError, match=r"got 3 bytes with sha256 .* the event says"):
+        await fetch_weights(js, second)
+    (tmp_path / "shared" / "v2.safetensors").unlink()
+    with pytest.raises(WeightsIntegrityError, match=r"weights v2: cannot read file://"):
+        await fetch_weights(js, second)
+    gone = first.model_copy(update={"location": f"objstore://{names.weights_store}/v9.x"})
+    with pytest.raises(WeightsIntegrityError, match=r"weights v1: cannot read objstore://"):
+        await fetch_weights(js, gone)
+    elsewhere = first.model_copy(update={"location": "s3://bucket/v1"})
+    with pytest.raises(WeightsIntegrityError, match=r"unsupported location 's3://bucket/v1'"):
+        await fetch_weights(js, elsewhere)
