@@ -1,10 +1,15 @@
 """The command line, run as a user runs it: a subprocess against a real broker."""
 
+import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import httpx
+import pytest
 
 from broker.messages import TaskSubmitted
 from broker.subjects import RunNames
@@ -125,3 +130,37 @@ def test_run_starts_an_embedded_broker_provisions_and_prints_status(tmp_path, na
     done = sf("run", str(config), env=env)
     assert done.returncode == 0, done.stderr
     assert "0 created, 12 already there" in done.stdout
+
+
+@pytest.mark.newest_nats
+async def test_gateway_and_model_commands(broker, names, tmp_path):
+    env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}
+    built = sf("model", "tiny", env=env)
+    assert built.returncode == 0, built.stderr
+    model = Path(built.stdout.strip())
+    assert model == tmp_path / "models" / "tiny-llama" and (model / "config.json").is_file()
+
+    bad = sf("gateway", "--nats", broker.url, "--run", names.run, "--model", str(tmp_path))
+    assert bad.returncode == 2 and "neither one of tiny, smollm2 nor an HF folder" in bad.stderr
+
+    args = ["--nats", broker.url, "--run", names.run, "--model", "tiny", "--port", "0"]
+    args += ["--served-model-name", "policy"]
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "seamlessflow.cli", "gateway", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        line = await asyncio.to_thread(gateway.stdout.readline)
+        while line and "gateway ready:" not in line:
+            line = await asyncio.to_thread(gateway.stdout.readline)
+        assert f"model=policy run={names.run}" in line, line
+        url = line.split("url=", 1)[1].split()[0]
+        async with httpx.AsyncClient(timeout=10) as http:
+            models = (await http.get(f"{url}/models")).json()
+        assert [m["id"] for m in models["data"]] == ["policy"]
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(gateway.wait, 30) == 0
