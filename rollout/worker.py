@@ -137,7 +137,7 @@ class RolloutWorker:
         ``on_ready`` is called once the worker is registered and consuming."""
         # 1. Serve the latest published weights before taking any request.
         if (event := await latest_weights(self._js, self._names)) is not None:
-            await self._load(event)
+            await self._load_or_count(event)
         kv_bucket = await self._js.key_value(self._names.workers_kv)
         await self._register(kv_bucket)
         # 2. Follow cancellations and weight versions; consume requests; keep the entry alive.
@@ -265,6 +265,11 @@ class RolloutWorker:
             WEIGHT_ERRORS.inc()
             log.error(kv("bad_weights_event", subject=msg.subject, error=exc.reason))
             return
+        await self._load_or_count(event)
+
+    async def _load_or_count(self, event: WeightsPublished) -> None:
+        """Load ``event``'s version; a version that cannot be fetched or loaded is logged and
+        counted, and the engine keeps serving the version it has."""
         try:
             await self._load(event)
         except (BrokerError, EngineError) as exc:

@@ -145,7 +145,7 @@ async def test_weight_update_mid_request_relabels_the_rest(
         late.stop()
 
 
-async def test_bad_weights_are_refused_and_counted(worker, nc, js, names, tiny_model_dir):
+async def test_bad_weights_are_refused_and_counted(broker, worker, nc, js, names, tiny_model_dir):
     event = WeightsPublished(
         version=3,
         location=f"objstore://{names.weights_store}/missing.safetensors",
@@ -157,6 +157,14 @@ async def test_bad_weights_are_refused_and_counted(worker, nc, js, names, tiny_m
     await eventually(lambda: metric(worker.metrics_url, "sf_rollout_weight_errors_total") == 1)
     call = await Call(nc, names, "c1", max_tokens=4, temperature=0).start()
     assert (await call.finished()).version == 0
+    # A worker starting while the newest version is unusable starts anyway, and says so.
+    late = WorkerProcess(broker.url, names.run, tiny_model_dir, "w2")
+    await asyncio.to_thread(late.wait_ready)
+    try:
+        assert metric(late.metrics_url, "sf_rollout_weight_errors_total") == 1
+        assert (await registered(js, names, "w2")).version == 0
+    finally:
+        late.stop()
 
 
 async def test_cancel_then_stop_end_attempts_with_abort(worker, nc, js, names):
