@@ -1,6 +1,7 @@
 """Connecting to NATS: callbacks wired to logs, errors translated at the boundary."""
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -56,11 +57,24 @@ async def connect(url: str, name: str, *, give_up_after: float = 5.0) -> NATS:
     return nc
 
 
+async def disconnect(nc: NATS, *, drain_within: float = 10.0) -> None:
+    """Drain (pending publishes go out first) when connected; just close when the broker is gone
+    or the drain takes longer than ``drain_within`` seconds, as draining would wait for it."""
+    if nc.is_connected:
+        with contextlib.suppress(NatsError, TimeoutError):
+            await asyncio.wait_for(nc.drain(), drain_within)
+            return
+    try:
+        await nc.close()
+    except OSError as exc:  # nats-py flushes what is pending onto the dead socket
+        log.info(kv("nats_close_failed", error=f"{type(exc).__name__}: {exc}"))
+
+
 @asynccontextmanager
 async def session(url: str, name: str, *, give_up_after: float = 5.0) -> AsyncIterator[NATS]:
-    """``connect`` for the duration of a block, then ``drain`` (pending publishes go out first)."""
+    """``connect`` for the duration of a block, then ``disconnect``."""
     nc = await connect(url, name, give_up_after=give_up_after)
     try:
         yield nc
     finally:
-        await nc.drain()
+        await disconnect(nc)

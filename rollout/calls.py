@@ -70,7 +70,7 @@ CALL_SECONDS = Histogram(
 )
 
 RECORD_ATTEMPTS = 3
-"""Publishes of a CallRecorded (0.5 s, 1 s, 2 s apart) before the call fails."""
+"""Publishes of a CallRecorded (0.5 s, then 1 s apart) before the call fails."""
 
 _POLL_S = 0.25
 """How often a waiting call looks at the connection."""
@@ -179,7 +179,7 @@ class Call:
         self.finish_reason = FinishReason.STOP
         self._cancel_reason = reason
 
-    async def close(self) -> CallRecorded | None:
+    async def close(self) -> None:
         """Cancel what still runs (an unfinished call ends with ABORT), stop listening, and
         publish the call's record if a worker ever took it (``GenerationUnavailableError`` if it
         cannot be stored)."""
@@ -190,9 +190,8 @@ class Call:
             await self._cancel_attempt(self._cancel_reason)
         if self._sub is not None:
             await _quietly(self._sub.unsubscribe())
-        if not self._taken:
-            return None
-        return await self._record()
+        if self._taken:
+            await self._record()
 
     # -- one event ------------------------------------------------------------------------
 
@@ -288,6 +287,7 @@ class Call:
             )
         )
         await self._cancel_attempt(f"continued: {reason}")
+        self._attempt = None  # cancelled: ``close`` has nothing left to cancel
         if len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = FinishReason.LENGTH
         elif self.output_ids and self.output_ids[-1] in self.params.stop_token_ids:
@@ -334,7 +334,7 @@ class Call:
         await _quietly(self.nc.publish(self.names.gen_cancel(self.call_id), codec.encode(cancel)))
         await _quietly(self.js.delete_msg(self.names.gen_stream, attempt.stream_seq))
 
-    async def _record(self) -> CallRecorded | None:
+    async def _record(self) -> None:
         assert self.finish_reason is not None
         finished_at = time.time()
         record = CallRecorded(
@@ -351,20 +351,18 @@ class Call:
             interruptions=self.continuations + _version_changes(self.output_versions),
         )
         CALL_SECONDS.labels(self.finish_reason.value).observe(finished_at - self._started_at)
+        payload, headers = codec.encode(record), codec.headers(msg_id=self.call_id)
         for attempt in range(RECORD_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(0.5 * 2 ** (attempt - 1))
             try:
-                await self.js.publish(
-                    self.names.traj_calls,
-                    codec.encode(record),
-                    headers=codec.headers(msg_id=self.call_id),
-                )
-                return record
+                await self.js.publish(self.names.traj_calls, payload, headers=headers)
+                return
             except (NatsError, OSError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning(
                     kv("gateway_record_retry", call=self.call_id, attempt=attempt, error=error)
                 )
-                await asyncio.sleep(0.5 * 2**attempt)
         # Fail the call rather than hand out a response whose tokens the trainer never sees.
         raise RecordUnavailableError(
             f"the call record could not be stored on {self.names.traj_calls} ({error}); "

@@ -17,7 +17,6 @@ Errors are OpenAI-style bodies ``{"error": {"message", "type", "param", "code"}}
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import socket
@@ -39,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from broker.client import connect
+from broker.client import connect, disconnect
 from broker.codec import describe
 from broker.messages import FinishReason, SamplingParams, ToolCall
 from broker.subjects import NAME_PATTERN, RunNames
@@ -56,7 +55,7 @@ from rollout.exceptions import (
     RecordUnavailableError,
     RolloutError,
 )
-from rollout.models import load_tokenizer, model_info
+from rollout.models import eos_token_ids, load_tokenizer, model_info
 from rollout.openai_api import (
     AssistantMessage,
     ChatChoice,
@@ -186,7 +185,8 @@ class OpenAIService:
     async def close(self) -> None:
         """Cancel the calls still running (each is cancelled on its worker and recorded)."""
         for task in self._tasks:
-            task.cancel()
+            if not task.cancelling():  # a second cancel would cut short its record's publish
+                task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # -- endpoints ------------------------------------------------------------------------
@@ -415,10 +415,14 @@ class OpenAIService:
                 await call.close()
             except RecordUnavailableError as exc:
                 last = _Event(spec.index, error=exc)
-        if last.error is None and prompt.text is not None:
-            output_text = self.tokenizer.decode(call.output_ids, skip_special_tokens=False)
-            self.sessions.record(call.session_id, prompt, output_text, call.output_ids)
-        events.put_nowait(last)
+        try:
+            if last.error is None and prompt.text is not None:
+                output_text = self.tokenizer.decode(call.output_ids, skip_special_tokens=False)
+                self.sessions.record(call.session_id, prompt, output_text, call.output_ids)
+        except Exception:  # the turn is not remembered; the client still gets its answer
+            log.exception(kv("gateway_session_record_failed", call=call.call_id))
+        finally:
+            events.put_nowait(last)
 
     async def _stream_choice(
         self, spec: _ChoiceSpec, call: Call, events: asyncio.Queue[_Event]
@@ -794,13 +798,8 @@ class _Server(uvicorn.Server):
 
 def default_stop_token_ids(model_path: Path, tokenizer: Any) -> list[int]:
     """The model's eos ids: the tokenizer's, config.json's and generation_config.json's."""
-    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
-    for name in ("config.json", "generation_config.json"):
-        path = model_path / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return sorted(ids)
+    extra = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+    return sorted(eos_token_ids(model_path) | extra)
 
 
 class Gateway:
@@ -858,38 +857,31 @@ class Gateway:
                     raise RolloutError("the HTTP server stopped while starting")
                 await asyncio.sleep(0.01)
         except BaseException:
-            await self._stop_server()
-            await nc.close()
+            try:
+                await self._stop_server()
+            finally:
+                await disconnect(nc)
             raise
         log.info(kv("gateway_started", url=self.url, model=config.model, run=config.run))
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        await self._stop_server()
-        if self.service is not None:
-            await self.service.close()
-            await _disconnect(self.service.nc)
+        try:
+            await self._stop_server()
+        finally:
+            if self.service is not None:
+                await self.service.close()
+                await disconnect(self.service.nc)
         log.info(kv("gateway_stopped", model=self.config.model, run=self.config.run))
 
     async def _stop_server(self) -> None:
-        if self._server is not None and self._serving is not None:
-            self._server.should_exit = True
-            await self._serving
-        if self._socket is not None:
-            self._socket.close()
-
-
-async def _disconnect(nc: NATS) -> None:
-    """Drain (pending publishes go out first) when connected; just close when the broker is
-    gone, as draining would wait for it."""
-    if nc.is_connected:
-        with contextlib.suppress(NatsError, TimeoutError):
-            await asyncio.wait_for(nc.drain(), 10)
-            return
-    try:
-        await nc.close()
-    except OSError as exc:  # nats-py flushes what is pending onto the dead socket
-        log.info(kv("gateway_nats_close_failed", error=f"{type(exc).__name__}: {exc}"))
+        try:
+            if self._server is not None and self._serving is not None:
+                self._server.should_exit = True
+                await self._serving
+        finally:
+            if self._socket is not None:
+                self._socket.close()
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -898,9 +890,13 @@ def _listen(host: str, port: int) -> socket.socket:
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise RolloutError(f"the gateway cannot listen on {host}:{port}: {exc}") from exc
+    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
     except OSError as exc:
+        sock.close()
         raise RolloutError(f"the gateway cannot listen on {host}:{port}: {exc}") from exc
     return sock
 
