@@ -125,8 +125,8 @@ class RolloutWorker:
         self._gen_limits = gen_limits
         self._metrics_url = metrics_url
         self._attempts: dict[tuple[str, int], _Attempt] = {}
-        self._weights_lock = asyncio.Lock()
         self._stopping = False
+        self._tried_version = -1
 
     @property
     def worker_id(self) -> str:
@@ -277,29 +277,33 @@ class RolloutWorker:
             log.error(kv("weights_load_failed", version=event.version, error=exc))
 
     async def _load(self, event: WeightsPublished) -> None:
-        async with self._weights_lock:
-            if event.version <= self._engine.version:
-                return
-            started = time.monotonic()
-            blob = await fetch_weights(self._js, event)
-            with tempfile.TemporaryDirectory(prefix="sf-weights-") as folder:
-                await asyncio.to_thread((Path(folder) / "model.safetensors").write_bytes, blob)
-                INTERRUPTIONS.labels("weight_update").inc(len(self._attempts))
-                await self._engine.pause()
-                try:
-                    await self._engine.load_weights(event.version, Path(folder))
-                finally:
-                    await self._engine.resume()
-            WEIGHT_LOAD.observe(time.monotonic() - started)
-            VERSION.set(self._engine.version)
-            log.info(
-                kv(
-                    "weights_loaded",
-                    version=event.version,
-                    seconds=round(time.monotonic() - started, 3),
-                    in_flight=len(self._attempts),
-                )
+        """Fetch and load ``event``'s version if it is newer than any tried before (a version
+        that failed is not tried again). Called at start, then from the weights subscription,
+        whose callbacks run one at a time: loads never overlap."""
+        if event.version <= max(self._engine.version, self._tried_version):
+            return
+        self._tried_version = event.version
+        started = time.monotonic()
+        blob = await fetch_weights(self._js, event)
+        with tempfile.TemporaryDirectory(prefix="sf-weights-") as folder:
+            await asyncio.to_thread((Path(folder) / "model.safetensors").write_bytes, blob)
+            INTERRUPTIONS.labels("weight_update").inc(len(self._attempts))
+            await self._engine.pause()
+            try:
+                await self._engine.load_weights(event.version, Path(folder))
+            finally:
+                await self._engine.resume()
+        seconds = time.monotonic() - started
+        WEIGHT_LOAD.observe(seconds)
+        VERSION.set(self._engine.version)
+        log.info(
+            kv(
+                "weights_loaded",
+                version=event.version,
+                seconds=round(seconds, 3),
+                in_flight=len(self._attempts),
             )
+        )
 
     # -- registry ---------------------------------------------------------------------------
     async def _register(self, bucket) -> None:
