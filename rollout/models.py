@@ -234,3 +234,17 @@ def resolve_model(spec: str) -> Path:
 def model_info(path: Path) -> dict:
     """The model folder's ``config.json``."""
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def eos_token_ids(path: Path) -> frozenset[int]:
+    """The ids that end generation: ``eos_token_id`` of ``config.json`` and, when the folder
+    has one, of ``generation_config.json`` (each an id, a list of ids or absent)."""
+    found: set[int] = set()
+    generation = Path(path) / "generation_config.json"
+    configs = [model_info(path)]
+    if generation.is_file():
+        configs.append(json.loads(generation.read_text()))
+    for config in configs:
+        value = config.get("eos_token_id")
+        found.update([] if value is None else [value] if isinstance(value, int) else value)
+    return frozenset(found)

@@ -31,6 +31,7 @@ from rollout.engines.base import (
     EngineError,
     GenerationChunk,
 )
+from rollout.models import eos_token_ids
 from seamlessflow.log import kv
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class HFEngine:
         self._executor = executor
         self._version = config.version
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
-        self._eos_ids = _eos_ids(model)
+        self._eos_ids = eos_token_ids(config.model)
         self._shapes, self._aliases = _parameter_layout(model)
         self._requests: dict[str, _Request] = {}
         self._seeds = itertools.count(config.seed)
@@ -360,15 +361,6 @@ def _parameter_layout(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]
     for name, tensor in state.items():
         groups.setdefault((tensor.data_ptr(), tuple(tensor.shape)), []).append(name)
     return {n: tuple(t.shape) for n, t in state.items()}, list(groups.values())
-
-
-def _eos_ids(model: torch.nn.Module) -> frozenset[int]:
-    found: set[int] = set()
-    for source in (model.generation_config, model.config):
-        value = getattr(source, "eos_token_id", None)
-        if value is not None:
-            found.update([value] if isinstance(value, int) else value)
-    return frozenset(found)
 
 
 def _sample(
