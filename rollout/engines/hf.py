@@ -158,15 +158,21 @@ class HFEngine:
         self._check_open()
         started = time.perf_counter()
         try:
-            tensors = await asyncio.to_thread(_read_safetensors, Path(path))
-            updates = self._plan_update(tensors)
+            # Reading and checking (tied copies compared) are off the event loop.
+            updates = await asyncio.to_thread(
+                lambda: self._plan_update(_read_safetensors(Path(path)))
+            )
         except EngineError as exc:
             ENGINE_WEIGHT_LOADS.labels(ENGINE, "rejected").inc()
             log.warning(kv("hf_weights_rejected", version=version, path=path, error=exc))
             raise
         async with self._step_lock:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, self._copy_weights, updates)
+            try:
+                await loop.run_in_executor(self._executor, self._copy_weights, updates)
+            except Exception as exc:  # e.g. closed meanwhile: the executor is shut down
+                ENGINE_WEIGHT_LOADS.labels(ENGINE, "failed").inc()
+                raise EngineError(f"loading weights version {version} failed: {exc!r}") from exc
             for request in self._requests.values():
                 request.cache, request.cached = None, 0
             self._version = version
@@ -176,7 +182,7 @@ class HFEngine:
                 "hf_weights_loaded",
                 version=version,
                 path=path,
-                tensors=len(tensors),
+                tensors=len(updates),
                 running=len(self._requests),
                 seconds=round(time.perf_counter() - started, 3),
             )
@@ -324,6 +330,8 @@ class HFEngine:
         ]
         if wrong:
             raise EngineError(f"weights of the wrong shape: {', '.join(wrong[:5])}")
+        if ints := sorted(n for n, t in tensors.items() if not t.dtype.is_floating_point):
+            raise EngineError(f"weights {ints[:5]} are not of a float dtype")
         updates, missing = [], []
         for names in self._aliases:
             given = [n for n in names if n in tensors]

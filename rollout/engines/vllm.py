@@ -98,15 +98,19 @@ async def start(config: EngineConfig) -> "VLLMEngine":
     )
     try:
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
-    except Exception as exc:
+    except BaseException as exc:
         shutil.rmtree(rpc_dir, ignore_errors=True)
-        raise EngineError(f"vLLM failed to start on {model}: {exc}") from exc
+        if isinstance(exc, Exception):
+            raise EngineError(f"vLLM failed to start on {model}: {exc}") from exc
+        raise
     try:
         await llm.update_weight_version(str(config.version))
-    except Exception as exc:
-        llm.shutdown()
+    except BaseException as exc:
+        await asyncio.to_thread(llm.shutdown)  # blocks for seconds
         shutil.rmtree(rpc_dir, ignore_errors=True)
-        raise EngineError(f"vLLM started on {model} but does not answer: {exc}") from exc
+        if isinstance(exc, Exception):
+            raise EngineError(f"vLLM started on {model} but does not answer: {exc}") from exc
+        raise
     log.info(kv("vllm_engine_started", model=model, version=config.version, **options))
     return VLLMEngine(llm, layout, config.version, rpc_dir)
 
@@ -320,15 +324,14 @@ class VLLMEngine:
                     ENGINE_REQUESTS.labels(ENGINE, chunks[-1].finish_reason.value).inc()
                 for chunk in chunks:
                     yield chunk
-        except (asyncio.CancelledError, GeneratorExit):
-            if not finished and self._alive:
-                await self._llm.abort(request_id)
-            raise
-        except EngineError:
+        except (asyncio.CancelledError, GeneratorExit, EngineError):
             raise
         except Exception as exc:
             raise self._error(exc, f"generating request {request_id!r}") from exc
         finally:
+            # Ended early (consumer gone, cancelled, an error): free vLLM's slot and KV too.
+            if not finished and self._alive:
+                await self._llm.abort(request_id)
             queue.close()
             self._forget(request_id, stream)
 
@@ -410,8 +413,9 @@ class VLLMEngine:
             ENGINE_WEIGHT_LOADS.labels(ENGINE, "rejected").inc()
             raise
         async with self._control:
+            paused_here = not self._paused
             try:
-                if not self._paused:
+                if paused_here:
                     await self._llm.pause_generation(mode="keep", clear_cache=False)
                 await self._llm.collective_rpc(
                     "sf_reload_weights", kwargs={"files": [str(f) for f in files]}
@@ -419,11 +423,13 @@ class VLLMEngine:
                 await self._llm.reset_prefix_cache(reset_running_requests=True)
                 await self._llm.update_weight_version(str(version))
                 self._version = version
-                if not self._paused:
-                    await self._llm.resume_generation()
             except Exception as exc:
                 ENGINE_WEIGHT_LOADS.labels(ENGINE, "failed").inc()
                 raise self._error(exc, f"loading weights version {version} from {path}") from exc
+            finally:
+                # Paused by this call: never leave generation paused, whatever happened.
+                if paused_here and self._alive:
+                    await self._llm.resume_generation()
         ENGINE_WEIGHT_LOADS.labels(ENGINE, "loaded").inc()
         log.info(kv("vllm_weights_loaded", version=version, path=path, files=len(files)))
 
