@@ -45,6 +45,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+@pytest.fixture(scope="session")
+def tok(tiny_model_dir: Path):
+    """The tiny model's tokenizer."""
+    from rollout.models import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
 @pytest.fixture(scope="session", params=sorted(NATS_BINARIES), ids=str)
 def nats_binary(request: pytest.FixtureRequest) -> Path:
     return NATS_BINARIES[request.param]

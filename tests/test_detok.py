@@ -6,16 +6,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollout.detok import REPLACEMENT, Detokenizer, partial_suffix_len
-from rollout.models import load_tokenizer
 
 HYPOTHESIS = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
 
 
 def run(tok, ids, stop=()) -> tuple[list[str], bool, int]:
