@@ -7,7 +7,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
 from nats.js import JetStreamContext
+from prometheus_client.parser import text_string_to_metric_families
 
 from broker import codec
 from broker.config import EmbeddedBrokerConfig, MiB, ProvisionConfig, StreamLimits
@@ -106,3 +108,16 @@ def greedy(model_dir: Path, prompt: list[int], n: int, weights: bytes | None = N
     ids = torch.tensor([prompt])
     out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
+
+
+async def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` (with at least these labels) that ``url`` serves.
+    Async, so it also reads a /metrics served by the test's own event loop."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        body = (await http.get(url)).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )

@@ -1,13 +1,11 @@
 """The embedded broker: start, stop, restart with data kept, and clear errors."""
 
-import asyncio
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from broker.messages import TaskSubmitted
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker, find_nats_server
 from broker.subjects import RunNames
-from tests.support import SMALL_RUN, broker_config, eventually, stream_messages
+from tests.support import SMALL_RUN, broker_config, eventually, metric, stream_messages
 
 
 def _port_open(url: str) -> bool:
@@ -102,11 +100,6 @@ async def test_unreachable_broker_is_a_clear_error():
         await connect(f"nats://127.0.0.1:{port}", "test", give_up_after=1)
 
 
-def _scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return r.read().decode()
-
-
 def _broker_command(state_dir: Path, nats_binary: Path) -> subprocess.Popen:
     """``seamlessflow broker`` as a user starts it."""
     return subprocess.Popen(
@@ -128,15 +121,14 @@ async def test_broker_command_serves_depths_and_stops_cleanly(tmp_path, nats_bin
         url, metrics_url = ready[1], ready[2]
         names = RunNames("depths")
         await _publish_tasks(url, names, 3)
-        depth = f'sf_stream_messages{{stream="{names.tasks_stream}"}} 3.0'
+        stream = names.tasks_stream
 
         async def polled() -> bool:
-            return depth in await asyncio.to_thread(_scrape, metrics_url)
+            return await metric(metrics_url, "sf_stream_messages", stream=stream) == 3
 
         await eventually(polled, timeout=15)
-        text = await asyncio.to_thread(_scrape, metrics_url)
-        assert f'sf_consumer_pending{{consumer="agents",stream="{names.tasks_stream}"}} 3.0' in text
-        assert "sf_broker_up 1.0" in text
+        pending = await metric(metrics_url, "sf_consumer_pending", consumer="agents", stream=stream)
+        assert pending == 3 and await metric(metrics_url, "sf_broker_up") == 1
 
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=20)

@@ -40,6 +40,7 @@ from tests.support import (
     broker_config,
     eventually,
     greedy,
+    metric,
     perturbed_weights,
     stream_messages,
 )
@@ -151,20 +152,6 @@ async def records(js, names: RunNames, session_id: str, count: int = 1) -> list[
 
     await eventually(enough)
     return found
-
-
-async def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of a Prometheus metric's samples (with these labels) at ``url``."""
-    async with httpx.AsyncClient(timeout=5) as http:
-        body = (await http.get(url)).text
-    wanted = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in body.splitlines()
-        if line.startswith(name + ("{" if labels else ""))
-        and all(w in line for w in wanted)
-        and not line.startswith("#")
-    )
 
 
 def metrics_url(gateway_url: str) -> str:

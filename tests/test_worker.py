@@ -3,7 +3,6 @@
 import asyncio
 import hashlib
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from broker.messages import (
 from broker.subjects import RunNames
 from broker.weights import publish_weights
 from seamlessflow.processes import WorkerProcess
-from tests.support import eventually, greedy, perturbed_weights, stream_messages
+from tests.support import eventually, greedy, metric, perturbed_weights, stream_messages
 
 pytestmark = pytest.mark.newest_nats
 
@@ -75,15 +74,6 @@ async def registered(js, names: RunNames, worker_id: str) -> WorkerRegistered | 
         return None
 
 
-def metric(url: str, name: str) -> float:
-    body = urllib.request.urlopen(url, timeout=5).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in body.splitlines()
-        if line.startswith(name) and not line.startswith("#")
-    )
-
-
 @pytest.fixture
 def worker(broker, names: RunNames, tiny_model_dir: Path):
     proc = WorkerProcess(broker.url, names.run, tiny_model_dir, "w1", "--max-running", "4")
@@ -106,7 +96,7 @@ async def test_worker_streams_token_exact_chunks_and_acks(worker, nc, js, names,
     assert all(lp <= 0 for c in call.chunks for lp in c.logprobs)
     # Acknowledged when done: the work queue is empty.
     await eventually(lambda: _stream_empty(js, names.gen_stream))
-    assert metric(worker.metrics_url, "sf_rollout_tokens_total") >= 12
+    assert await metric(worker.metrics_url, "sf_rollout_tokens_total") >= 12
 
     # A malformed request is dead-lettered; the worker keeps serving.
     await js.publish(names.gen_req, b"\x93not a request")
@@ -134,8 +124,8 @@ async def test_weight_update_mid_request_relabels_the_rest(
     prefix = PROMPT + call.tokens[:switch]
     assert call.tokens[switch : switch + 20] == greedy(tiny_model_dir, prefix, 20, blob)
     await eventually(lambda: _registered_version(js, names, "w1", 1), timeout=30)
-    assert metric(worker.metrics_url, "sf_rollout_weight_version") == 1
-    assert metric(worker.metrics_url, "sf_rollout_interruptions_total") == 1
+    assert await metric(worker.metrics_url, "sf_rollout_weight_version") == 1
+    assert await metric(worker.metrics_url, "sf_rollout_interruptions_total") == 1
 
     # A worker that starts later serves the latest version from its first request.
     late = WorkerProcess(broker.url, names.run, tiny_model_dir, "w2").wait_ready()
@@ -154,14 +144,18 @@ async def test_bad_weights_are_refused_and_counted(broker, worker, nc, js, names
         published_at=time.time(),
     )
     await js.publish(names.weights, codec.encode(event))
-    await eventually(lambda: metric(worker.metrics_url, "sf_rollout_weight_errors_total") == 1)
+
+    async def refused() -> bool:
+        return await metric(worker.metrics_url, "sf_rollout_weight_errors_total") == 1
+
+    await eventually(refused)
     call = await Call(nc, names, "c1", max_tokens=4, temperature=0).start()
     assert (await call.finished()).version == 0
     # A worker starting while the newest version is unusable starts anyway, and says so.
     late = WorkerProcess(broker.url, names.run, tiny_model_dir, "w2")
     await asyncio.to_thread(late.wait_ready)
     try:
-        assert metric(late.metrics_url, "sf_rollout_weight_errors_total") == 1
+        assert await metric(late.metrics_url, "sf_rollout_weight_errors_total") == 1
         assert (await registered(js, names, "w2")).version == 0
     finally:
         late.stop()
