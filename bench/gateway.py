@@ -118,7 +118,7 @@ class RecordReader:
                 last = (await self.js.stream_info(self.names.traj_stream)).state.last_seq
                 for seq in range(self.next_seq, last + 1):
                     msg = await self.js.get_msg(self.names.traj_stream, seq)
-                    if msg.subject == self.names.traj_calls:
+                    if msg.subject.startswith(self.names.traj_calls_all[:-1]):
                         record = codec.decode(CallRecorded, msg.data)
                         if record.session_id in sessions:
                             found.append(record)

@@ -215,6 +215,9 @@ class SessionEnded(Message):
     task_id: Id | None = None
     group_id: Id | None = None
     metrics: dict[str, float] = Field(default_factory=dict, max_length=64)
+    group_size: int = Field(
+        default=1, ge=1, le=1024, description="sessions in the group (attempts at the task)"
+    )
 
 
 class SampleReady(Message):
@@ -235,6 +238,12 @@ class SampleReady(Message):
     reward: float
     on_policy: bool
     task_id: Id | None = None
+    group_size: int = Field(
+        default=1, ge=1, le=1024, description="sessions in the group; the trainer waits for all"
+    )
+    session_samples: int = Field(
+        default=1, ge=1, le=1 << 16, description="samples (leaf paths) the session produced"
+    )
 
     @model_validator(mode="after")
     def _per_token_lists_align(self) -> Self:

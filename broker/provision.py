@@ -97,7 +97,7 @@ def plan(run: str, cfg: ProvisionConfig) -> RunPlan:
     streams = [
         stream(n.tasks_stream, [n.tasks], cfg.tasks, work),
         stream(n.gen_stream, [n.gen_req], cfg.gen, work),
-        stream(n.traj_stream, [n.traj_calls, n.traj_end], cfg.traj),
+        stream(n.traj_stream, [n.traj_calls_all, n.traj_end], cfg.traj),
         stream(n.samples_stream, [n.samples], cfg.samples),
         stream(n.weights_stream, [n.weights], cfg.weights, per_subject=1),
         stream(n.dead_stream, [n.dead_all], cfg.dead),
@@ -105,7 +105,7 @@ def plan(run: str, cfg: ProvisionConfig) -> RunPlan:
     consumers = [
         ConsumerPlan(n.tasks_stream, Durable.AGENTS, n.tasks, cfg.agents),
         ConsumerPlan(n.gen_stream, Durable.ROLLOUT, n.gen_req, cfg.rollout),
-        ConsumerPlan(n.traj_stream, Durable.TRAJECTORY, n.traj_all, cfg.trajectory),
+        ConsumerPlan(n.traj_stream, Durable.TRAJECTORY, n.traj_end, cfg.trajectory),
         ConsumerPlan(n.samples_stream, Durable.TRAINER, n.samples, cfg.trainer),
     ]
     workers_kv = KeyValueConfig(

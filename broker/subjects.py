@@ -61,17 +61,18 @@ class RunNames:
     def gen_cancel_all(self) -> str:
         return f"{self.prefix}.gen.cancel.*"
 
+    def traj_calls(self, session_id: str) -> str:
+        """One session's call records, gateway -> trajectory manager (stream). A subject per
+        session lets the manager read back any session's calls from the stream alone."""
+        return f"{self.prefix}.traj.calls.{check_name('session', session_id)}"
+
     @property
-    def traj_calls(self) -> str:
-        return f"{self.prefix}.traj.calls"
+    def traj_calls_all(self) -> str:
+        return f"{self.prefix}.traj.calls.*"
 
     @property
     def traj_end(self) -> str:
         return f"{self.prefix}.traj.end"
-
-    @property
-    def traj_all(self) -> str:
-        return f"{self.prefix}.traj.>"
 
     @property
     def samples(self) -> str:
@@ -136,5 +137,5 @@ class Durable(StrEnum):
 
     AGENTS = "agents"  # tasks -> agent runner
     ROLLOUT = "rollout"  # gen.req -> rollout workers
-    TRAJECTORY = "trajectory"  # traj.> -> trajectory manager
+    TRAJECTORY = "trajectory"  # traj.end -> trajectory manager (reads traj.calls.<session>)
     TRAINER = "trainer"  # samples -> trainer

@@ -352,11 +352,12 @@ class Call:
         )
         CALL_SECONDS.labels(self.finish_reason.value).observe(finished_at - self._started_at)
         payload, headers = codec.encode(record), codec.headers(msg_id=self.call_id)
+        subject = self.names.traj_calls(self.session_id)
         for attempt in range(RECORD_ATTEMPTS):
             if attempt:
                 await asyncio.sleep(0.5 * 2 ** (attempt - 1))
             try:
-                await self.js.publish(self.names.traj_calls, payload, headers=headers)
+                await self.js.publish(subject, payload, headers=headers)
                 return
             except (NatsError, OSError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
@@ -365,7 +366,7 @@ class Call:
                 )
         # Fail the call rather than hand out a response whose tokens the trainer never sees.
         raise RecordUnavailableError(
-            f"the call record could not be stored on {self.names.traj_calls} ({error}); "
+            f"the call record could not be stored on {subject} ({error}); "
             "the response is withheld so that no trajectory is lost"
         )
 
