@@ -51,7 +51,7 @@ from broker.subjects import RunNames
 from rollout.engines import ENGINES, Engine, EngineConfig, start_engine
 from rollout.gateway import SESSION_HEADER, Gateway, GatewayConfig, default_stop_token_ids
 from rollout.models import load_tokenizer, resolve_model
-from seamlessflow.processes import WorkerProcess
+from seamlessflow.processes import worker_process
 
 RESULTS = Path(__file__).parent / "results"
 RUN = "bench-gateway"
@@ -315,7 +315,7 @@ async def run_bench(nats_url: str, model: Path, s: Settings) -> dict:
     args = ["--engine", s.engine, "--max-running", str(max(s.sessions))]
     args += ["--max-model-len", str(s.max_model_len)]
     # The worker's engine gets torch's default threads, like the in-process one.
-    worker = WorkerProcess(nats_url, RUN, model, "bench-w1", *args, threads=None)
+    worker = worker_process(nats_url, RUN, model, "bench-w1", *args, threads=None)
     try:
         config = EngineConfig(model=model, max_model_len=s.max_model_len)
         started, ready = await asyncio.gather(

@@ -919,5 +919,9 @@ async def _check_provisioned(js: JetStreamContext, names: RunNames) -> None:
 async def serve_gateway(config: GatewayConfig, nats_url: str, stop: asyncio.Event) -> None:
     """Serve the gateway until ``stop`` is set."""
     async with Gateway(config, nats_url) as gateway:
-        print(f"gateway ready: url={gateway.url} model={config.model} run={config.run}", flush=True)
+        print(
+            f"gateway ready: url={gateway.url} model={config.model} run={config.run} "
+            f"metrics=http://{config.host}:{gateway.port}/metrics",
+            flush=True,
+        )
         await stop.wait()

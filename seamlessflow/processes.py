@@ -1,7 +1,9 @@
-"""Worker processes started by SeamlessFlow itself (tests, benchmarks, the local launcher).
+"""Service processes started by SeamlessFlow itself (tests, benchmarks, the local launcher).
 
-``WorkerProcess`` runs ``seamlessflow worker`` as a child process, reads its output in a thread
-(kept for error reports), and knows it is serving once the worker prints its ready line.
+``ServiceProcess`` runs one ``seamlessflow <command>`` as a child process, reads its output in a
+thread (kept for error reports), and knows it is serving once the command prints its ready line:
+a line containing ``ready:`` and ending in ``metrics=<url>``. Every long-running command
+(``worker``, ``gateway``, ``trajectory``, ``trainer``, ``agents``) prints one.
 """
 
 import os
@@ -15,43 +17,39 @@ from pathlib import Path
 from seamlessflow.exceptions import SeamlessFlowError
 
 READY = "ready:"
-"""What ``seamlessflow worker`` prints once it is registered and consuming."""
+"""What a long-running ``seamlessflow`` command prints once it is serving."""
 
 
-class WorkerProcessError(SeamlessFlowError):
-    """A worker process did not start or did not stop in time."""
+class ServiceProcessError(SeamlessFlowError):
+    """A service process did not start or did not stop in time."""
 
 
-class WorkerProcess:
-    """A ``seamlessflow worker`` child process (a real rollout worker with its own engine).
+class ServiceProcess:
+    """A ``seamlessflow <args>`` child process.
 
-    ``args`` are extra command-line arguments (``--engine vllm``, ``--max-running 16``, ...).
-    ``threads`` sets ``OMP_NUM_THREADS`` for it: several engines sharing a few cores run faster
-    with one torch thread each.
+    ``threads`` sets ``OMP_NUM_THREADS`` for it: several torch processes sharing a few cores run
+    faster with one torch thread each. ``env`` adds environment variables.
     """
 
     def __init__(
         self,
-        url: str,
-        run: str,
-        model: Path,
-        worker_id: str,
+        name: str,
         *args: str,
         threads: int | None = 1,
+        env: dict[str, str] | None = None,
     ) -> None:
-        self.worker_id = worker_id
-        command = [sys.executable, "-m", "seamlessflow.cli", "worker", "--nats", url]
-        command += ["--run", run, "--model", str(model), "--worker-id", worker_id, *args]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self.name = name
+        command = [sys.executable, "-m", "seamlessflow.cli", *args]
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         if threads is not None:
-            env["OMP_NUM_THREADS"] = str(threads)
+            full_env["OMP_NUM_THREADS"] = str(threads)
         self.proc = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=env,
+            env=full_env,
         )
         self.output: deque[str] = deque(maxlen=400)
         self.metrics_url = ""
@@ -66,14 +64,14 @@ class WorkerProcess:
                 self._ready.set()
         self._ready.set()  # exited: wake a waiter
 
-    def wait_ready(self, timeout: float = 120.0) -> "WorkerProcess":
-        """Return once the worker serves; stop it and raise if it exits or is not serving in
+    def wait_ready(self, timeout: float = 120.0) -> "ServiceProcess":
+        """Return once the process serves; stop it and raise if it exits or is not serving in
         ``timeout`` seconds."""
         if self._ready.wait(timeout) and self.metrics_url:
             return self
         self.stop()
-        raise WorkerProcessError(
-            f"worker {self.worker_id} did not start within {timeout:g}s:\n{''.join(self.output)}"
+        raise ServiceProcessError(
+            f"{self.name} did not start within {timeout:g}s:\n{''.join(self.output)}"
         )
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
@@ -85,6 +83,17 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise WorkerProcessError(
-                f"worker {self.worker_id} did not stop within {timeout:g}s:\n{''.join(self.output)}"
+            raise ServiceProcessError(
+                f"{self.name} did not stop within {timeout:g}s:\n{''.join(self.output)}"
             ) from None
+
+
+def worker_process(
+    url: str, run: str, model: Path, worker_id: str, *args: str, threads: int | None = 1
+) -> ServiceProcess:
+    """A ``seamlessflow worker`` (a real rollout worker with its own engine). ``args`` are extra
+    command-line arguments (``--engine vllm``, ``--max-running 16``, ...)."""
+    command = ["worker", "--nats", url, "--run", run, "--model", str(model)]
+    return ServiceProcess(
+        f"worker {worker_id}", *command, "--worker-id", worker_id, *args, threads=threads
+    )

@@ -34,7 +34,7 @@ from broker.weights import publish_weights
 from rollout.exceptions import GenerationUnavailableError
 from rollout.gateway import Gateway, GatewayConfig, serve_gateway
 from rollout.openai_api import ToolCallStream, parse_tool_calls
-from seamlessflow.processes import WorkerProcess
+from seamlessflow.processes import worker_process
 from tests.support import (
     SMALL_RUN,
     broker_config,
@@ -124,7 +124,7 @@ def stack(broker, tiny_model_dir):
             await provision_run(nc.jetstream(), names.run, SMALL_RUN)
 
     asyncio.run(provision())
-    worker = WorkerProcess(broker.url, names.run, tiny_model_dir, "gw-w1").wait_ready()
+    worker = worker_process(broker.url, names.run, tiny_model_dir, "gw-w1").wait_ready()
     try:
         with GatewayThread(config(tiny_model_dir, names.run), broker.url) as gateway:
             yield Stack(names, gateway.url)
@@ -395,7 +395,7 @@ async def test_client_gone_mid_stream_cancels_the_call(stack, js):
 
 
 async def test_call_survives_its_worker_being_killed(broker, js, names, tiny_model_dir, tok):
-    workers = [WorkerProcess(broker.url, names.run, tiny_model_dir, f"w{i}") for i in (1, 2)]
+    workers = [worker_process(broker.url, names.run, tiny_model_dir, f"w{i}") for i in (1, 2)]
     try:
         await asyncio.gather(*(asyncio.to_thread(w.wait_ready) for w in workers))
         async with Gateway(config(tiny_model_dir, names.run, stall_timeout_s=2), broker.url) as gw:
@@ -447,7 +447,7 @@ async def test_a_call_whose_record_cannot_be_stored_is_503(broker, js, tiny_mode
     names = RunNames("rec" + uuid.uuid4().hex[:12])
     traj = SMALL_RUN.traj.model_copy(update={"max_msg_size": 512, "max_payload": 512})
     await provision_run(js, names.run, SMALL_RUN.model_copy(update={"traj": traj}))
-    worker = WorkerProcess(broker.url, names.run, tiny_model_dir, "rec-w1")
+    worker = worker_process(broker.url, names.run, tiny_model_dir, "rec-w1")
     await asyncio.to_thread(worker.wait_ready)
     try:
         async with (
@@ -902,7 +902,7 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
     engine, broker, js, names, tiny_model_dir, tok
 ):
     blob = perturbed_weights(tiny_model_dir, seed=1)
-    worker = WorkerProcess(broker.url, names.run, tiny_model_dir, "pw1", "--engine", engine)
+    worker = worker_process(broker.url, names.run, tiny_model_dir, "pw1", "--engine", engine)
     await asyncio.to_thread(worker.wait_ready, 300)
     try:
         async with Gateway(config(tiny_model_dir, names.run), broker.url) as gw:

@@ -20,7 +20,7 @@ from broker.messages import (
 )
 from broker.subjects import RunNames
 from broker.weights import publish_weights
-from seamlessflow.processes import WorkerProcess
+from seamlessflow.processes import worker_process
 from tests.support import eventually, greedy, metric, perturbed_weights, stream_messages
 
 pytestmark = pytest.mark.newest_nats
@@ -76,7 +76,7 @@ async def registered(js, names: RunNames, worker_id: str) -> WorkerRegistered | 
 
 @pytest.fixture
 def worker(broker, names: RunNames, tiny_model_dir: Path):
-    proc = WorkerProcess(broker.url, names.run, tiny_model_dir, "w1", "--max-running", "4")
+    proc = worker_process(broker.url, names.run, tiny_model_dir, "w1", "--max-running", "4")
     yield proc.wait_ready()
     proc.stop()
 
@@ -128,7 +128,7 @@ async def test_weight_update_mid_request_relabels_the_rest(
     assert await metric(worker.metrics_url, "sf_rollout_interruptions_total") == 1
 
     # A worker that starts later serves the latest version from its first request.
-    late = WorkerProcess(broker.url, names.run, tiny_model_dir, "w2").wait_ready()
+    late = worker_process(broker.url, names.run, tiny_model_dir, "w2").wait_ready()
     try:
         assert (await registered(js, names, "w2")).version == 1
     finally:
@@ -152,7 +152,7 @@ async def test_bad_weights_are_refused_and_counted(broker, worker, nc, js, names
     call = await Call(nc, names, "c1", max_tokens=4, temperature=0).start()
     assert (await call.finished()).version == 0
     # A worker starting while the newest version is unusable starts anyway, and says so.
-    late = WorkerProcess(broker.url, names.run, tiny_model_dir, "w2")
+    late = worker_process(broker.url, names.run, tiny_model_dir, "w2")
     await asyncio.to_thread(late.wait_ready)
     try:
         assert await metric(late.metrics_url, "sf_rollout_weight_errors_total") == 1
