@@ -183,21 +183,17 @@ class Ingress(Generic[M]):
 
     async def _reject(self, msg: Msg, reason: str, content_type: str | None) -> None:
         seq = msg.metadata.sequence.stream
-        rejected = MessageRejected(
-            source=self.source,
-            subject=msg.subject,
-            reason=reason[:REASON_MAX],
-            payload=msg.data[:DEAD_LETTER_KEEP],
-            payload_size=len(msg.data),
-            content_type=(content_type or "")[:HEADER_MAX],
-            stream_seq=seq,
-            rejected_at=time.time(),
-        )
         try:
-            await self._js.publish(
+            await dead_letter(
+                self._js,
                 self._dead_subject,
-                codec.encode(rejected),
-                headers=codec.headers(msg_id=f"{self._stream}-{seq}"),
+                source=self.source,
+                stream=self._stream,
+                stream_seq=seq,
+                subject=msg.subject,
+                payload=msg.data,
+                content_type=content_type,
+                reason=reason,
             )
         except NatsError as exc:
             # Keep the message rather than lose it: it comes back after the delay.
@@ -216,6 +212,37 @@ class Ingress(Generic[M]):
                 reason=reason,
             )
         )
+
+
+async def dead_letter(
+    js: JetStreamContext,
+    dead_subject: str,
+    *,
+    source: str,
+    stream: str,
+    stream_seq: int,
+    subject: str,
+    payload: bytes,
+    content_type: str | None,
+    reason: str,
+) -> None:
+    """Store a ``MessageRejected`` for message ``stream_seq`` of ``stream`` on ``dead_subject``,
+    de-duplicated by ``<stream>-<stream_seq>``; raises the NATS error when it is not stored."""
+    rejected = MessageRejected(
+        source=source,
+        subject=subject,
+        reason=reason[:REASON_MAX],
+        payload=payload[:DEAD_LETTER_KEEP],
+        payload_size=len(payload),
+        content_type=(content_type or "")[:HEADER_MAX],
+        stream_seq=stream_seq,
+        rejected_at=time.time(),
+    )
+    await js.publish(
+        dead_subject,
+        codec.encode(rejected),
+        headers=codec.headers(msg_id=f"{stream}-{stream_seq}"),
+    )
 
 
 def tasks_ingress(

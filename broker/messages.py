@@ -181,7 +181,7 @@ class GenerationCancelled(Message):
 
 class CallRecorded(Message):
     """One finished LLM call, token-exact. # gateway -> trajectory manager,
-    on ``sf.<run>.traj.calls``."""
+    on ``sf.<run>.traj.calls.<session_id>``."""
 
     session_id: Id
     call_id: Id

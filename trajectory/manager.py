@@ -1,0 +1,259 @@
+"""The trajectory manager on the broker: ``SessionEnded`` in, ``SampleReady`` out.
+
+For each ``SessionEnded`` (durable ``trajectory`` on ``traj.end``, through the validated
+ingress) it reads that session's ``CallRecorded`` messages back from the traj stream
+(``sf.<run>.traj.calls.<session>``, in stream order), builds the session's tree
+(``trajectory.tree``) and publishes one ``SampleReady`` per sample with ``Nats-Msg-Id`` =
+``sample_id``; only then does the ingress ack. It keeps no state: a redelivered ``SessionEnded``
+rebuilds the same samples, which JetStream de-duplicates. The gateway stores a call's record
+before it answers the agent, so every call of a session is on the stream when the session ends.
+
+A call record that cannot be decoded (or names another session) is dead-lettered as a
+``MessageRejected`` on ``sf.<run>.dead.trajectory``, counted, and left out; the rest of the
+session is still built.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
+from nats.js.errors import NotFoundError
+from prometheus_client import Counter, Histogram
+
+from broker import codec
+from broker.client import session
+from broker.config import StreamLimits
+from broker.exceptions import InvalidMessageError
+from broker.ingress import Delivery, Ingress, dead_letter
+from broker.messages import CallRecorded, SessionEnded
+from broker.subjects import Durable, RunNames
+from seamlessflow.config import RunConfig
+from seamlessflow.log import kv
+from seamlessflow.metrics import serve_metrics
+from trajectory.config import TrajectoryConfig
+from trajectory.exceptions import TrajectoryError
+from trajectory.tree import SessionBuild, build_session
+
+log = logging.getLogger(__name__)
+
+SOURCE = "trajectory"
+"""The ingress name: dead letters go to ``sf.<run>.dead.trajectory``."""
+
+KEEPALIVE_EVERY = 1000
+"""Messages read or published between two ``in_progress`` signals for one session."""
+
+SESSIONS = Counter(
+    "sf_trajectory_sessions",
+    "Sessions ended, by outcome: sampled (samples published), no_calls (no call record on the "
+    "stream), no_samples (calls, but no generated token to train on)",
+    ["outcome"],
+)
+SAMPLES = Counter(
+    "sf_trajectory_samples",
+    "SampleReady publishes, by outcome: stored, or duplicate (already on the stream: a rebuilt "
+    "session)",
+    ["outcome"],
+)
+SAMPLES_SKIPPED = Counter(
+    "sf_trajectory_samples_skipped",
+    "Leaf paths not emitted because they hold no loss token (only context)",
+)
+TOKENS = Counter(
+    "sf_trajectory_tokens",
+    "Tokens of the samples built, by kind: loss (generated, in the loss mask) or context",
+    ["kind"],
+)
+SHARED_TOKENS = Counter(
+    "sf_trajectory_shared_tokens",
+    "Call-record tokens that matched a token already in their session's tree (shared prefixes, "
+    "stored once)",
+)
+GENERATED_SHARED = Counter(
+    "sf_trajectory_generated_shared_tokens",
+    "Generated tokens that matched a stored token (same token, same place) and kept its "
+    "first writer's label",
+)
+CALLS = Counter(
+    "sf_trajectory_calls",
+    "Call records read back, by outcome: inserted, duplicate (a call id seen before in the "
+    "session), invalid (undecodable or for another session: dead-lettered)",
+    ["outcome"],
+)
+BUILD_SECONDS = Histogram(
+    "sf_trajectory_session_build_seconds",
+    "From a SessionEnded to its samples stored: reading calls, building, publishing",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+
+class TrajectoryManager:
+    """Turns ended sessions into samples. ``limits``: the run's traj stream limits."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: RunNames,
+        limits: StreamLimits,
+        config: TrajectoryConfig,
+    ) -> None:
+        self._js = js
+        self._names = names
+        self._limits = limits
+        self._ingress = Ingress(
+            js,
+            names,
+            source=SOURCE,
+            stream=names.traj_stream,
+            durable=Durable.TRAJECTORY,
+            schema=SessionEnded,
+            handler=self._on_session_ended,
+            max_payload=limits.max_payload,
+            concurrency=config.concurrency,
+        )
+
+    async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
+        """Handle ended sessions until ``stop`` is set; ``on_ready`` once the durable is found."""
+        try:
+            await self._js.consumer_info(self._names.traj_stream, Durable.TRAJECTORY)
+        except NotFoundError as exc:
+            raise TrajectoryError(
+                f"run {self._names.run!r} is not provisioned: no consumer {Durable.TRAJECTORY} "
+                f"on {self._names.traj_stream} (run `seamlessflow provision --run "
+                f"{self._names.run}`)"
+            ) from exc
+        on_ready()
+        await self._ingress.run(stop)
+
+    async def _on_session_ended(self, end: SessionEnded, delivery: Delivery) -> None:
+        started = time.perf_counter()
+        # 1. Read the session's call records back, in stream order.
+        calls = await self._read_calls(end.session_id, delivery)
+        # 2. Build its tree and samples (pure CPU work: off the event loop).
+        built = await asyncio.to_thread(build_session, calls, end)
+        # 3. Publish the samples; the ingress acks the SessionEnded after this returns.
+        await self._publish(built, delivery)
+        seconds = time.perf_counter() - started
+        outcome = self._count(built, seconds)
+        log.log(
+            logging.INFO if outcome == "sampled" else logging.WARNING,
+            kv(
+                "session_built",
+                session=end.session_id,
+                outcome=outcome,
+                calls=built.calls,
+                duplicates=built.duplicate_calls,
+                samples=len(built.samples),
+                skipped=built.skipped_samples,
+                stored_tokens=built.stored_tokens,
+                loss_tokens=built.loss_tokens,
+                seconds=f"{seconds:.3f}",
+            ),
+        )
+
+    async def _read_calls(self, session_id: str, delivery: Delivery) -> list[CallRecorded]:
+        subject = self._names.traj_calls(session_id)
+        calls: list[CallRecorded] = []
+        seq, read = 1, 0
+        while True:
+            try:
+                raw = await self._js.get_msg(
+                    self._names.traj_stream, seq, subject=subject, next=True
+                )
+            except NotFoundError:
+                return calls
+            seq, read = raw.seq + 1, read + 1
+            if read % KEEPALIVE_EVERY == 0:
+                await delivery.in_progress()
+            try:
+                calls.append(self._decode_call(raw, session_id))
+            except InvalidMessageError as exc:
+                await self._reject_call(raw, exc.reason)
+
+    def _decode_call(self, raw: RawStreamMsg, session_id: str) -> CallRecorded:
+        call = codec.decode(
+            CallRecorded,
+            raw.data or b"",
+            content_type=codec.content_type_of(raw.headers),
+            max_size=self._limits.max_payload,
+        )
+        if call.session_id != session_id:
+            raise InvalidMessageError(
+                f"CallRecorded {call.call_id} names session {call.session_id!r} but was stored "
+                f"on the subject of session {session_id!r}"
+            )
+        return call
+
+    async def _reject_call(self, raw: RawStreamMsg, reason: str) -> None:
+        # A failed dead-letter publish raises: the SessionEnded is retried, nothing is lost.
+        await dead_letter(
+            self._js,
+            self._names.dead(SOURCE),
+            source=SOURCE,
+            stream=self._names.traj_stream,
+            stream_seq=raw.seq,
+            subject=raw.subject,
+            payload=raw.data or b"",
+            content_type=codec.content_type_of(raw.headers),
+            reason=reason,
+        )
+        CALLS.labels("invalid").inc()
+        log.warning(
+            kv(
+                "call_record_rejected",
+                subject=raw.subject,
+                seq=raw.seq,
+                dead_letter=self._names.dead(SOURCE),
+                reason=reason,
+            )
+        )
+
+    async def _publish(self, built: SessionBuild, delivery: Delivery) -> None:
+        for n, sample in enumerate(built.samples, 1):
+            ack = await self._js.publish(
+                self._names.samples,
+                codec.encode(sample),
+                headers=codec.headers(msg_id=sample.sample_id),
+            )
+            SAMPLES.labels("duplicate" if ack.duplicate else "stored").inc()
+            if n % KEEPALIVE_EVERY == 0:
+                await delivery.in_progress()
+
+    @staticmethod
+    def _count(built: SessionBuild, seconds: float) -> str:
+        """Count the session in the metrics; return its outcome."""
+        if built.samples:
+            outcome = "sampled"
+        elif built.calls:
+            outcome = "no_samples"
+        else:
+            outcome = "no_calls"
+        SESSIONS.labels(outcome).inc()
+        CALLS.labels("inserted").inc(built.calls)
+        CALLS.labels("duplicate").inc(built.duplicate_calls)
+        SAMPLES_SKIPPED.inc(built.skipped_samples)
+        TOKENS.labels("loss").inc(built.loss_tokens)
+        TOKENS.labels("context").inc(built.context_tokens)
+        SHARED_TOKENS.inc(built.shared_tokens)
+        GENERATED_SHARED.inc(built.generated_shared)
+        BUILD_SECONDS.observe(seconds)
+        return outcome
+
+
+async def serve_trajectory(
+    url: str, run: RunConfig, metrics_port: int, stop: asyncio.Event
+) -> None:
+    """Run the trajectory manager of ``run`` on the broker at ``url`` until ``stop`` is set."""
+    metrics = serve_metrics(metrics_port)
+    try:
+        async with session(url, f"seamlessflow-trajectory-{run.run}") as nc:
+            manager = TrajectoryManager(
+                nc.jetstream(), RunNames(run.run), run.provision.traj, run.trajectory
+            )
+            ready = f"trajectory ready: run={run.run} metrics={metrics.url}"
+            await manager.run(stop, on_ready=lambda: print(ready, flush=True))
+    finally:
+        metrics.close()
+    print("trajectory stopped", flush=True)
