@@ -16,7 +16,7 @@ from broker.client import session
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
-from tests.support import NATS_BINARIES, SMALL_RUN, broker_config
+from tests.support import NATS_BINARIES, SMALL_RUN, Stack, broker_config, gateway_stack
 
 NEWEST_NATS = max(NATS_BINARIES, key=lambda name: tuple(map(int, name[5:].split("."))))
 
@@ -86,3 +86,10 @@ async def names(js, run_name: str) -> RunNames:
     """A freshly provisioned run with small limits."""
     await provision_run(js, run_name, SMALL_RUN)
     return RunNames(run_name)
+
+
+@pytest.fixture(scope="module")
+def stack(broker: EmbeddedBroker, tiny_model_dir: Path) -> Iterator[Stack]:
+    """A provisioned run with one rollout worker (hf, tiny model) and a gateway, per module."""
+    with gateway_stack(broker.url, tiny_model_dir) as stack:
+        yield stack

@@ -1,20 +1,31 @@
-"""Helpers shared by the tests: which nats-servers to test on, and small run limits."""
+"""Helpers shared by the tests: which nats-servers to test on, small run limits, and a gateway
+stack (provisioned run, rollout worker, gateway) for tests that generate."""
 
 import asyncio
 import inspect
 import shutil
-from collections.abc import Awaitable, Callable
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import httpx
+import openai
 from nats.js import JetStreamContext
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker import codec
+from broker.client import session
 from broker.config import EmbeddedBrokerConfig, MiB, ProvisionConfig, StreamLimits
 from broker.messages import Message
+from broker.provision import provision_run
 from broker.server import find_nats_server, server_version
+from broker.subjects import RunNames
+from rollout.gateway import Gateway, GatewayConfig
+from seamlessflow.processes import worker_process
 
 
 def _nats_binaries() -> dict[str, Path]:
@@ -56,15 +67,20 @@ def broker_config(state_dir: Path, binary: Path) -> EmbeddedBrokerConfig:
     return EmbeddedBrokerConfig(state_dir=state_dir, binary=binary, max_payload=2 << 20)
 
 
-async def stream_messages(js: JetStreamContext, stream: str, schema: type[M]) -> list[M]:
-    """Every message stored in ``stream``, decoded as ``schema``, oldest first."""
+async def stream_messages(
+    js: JetStreamContext, stream: str, schema: type[M], subject: str | None = None
+) -> list[M]:
+    """Every message stored in ``stream`` (on ``subject`` only, if given), decoded as
+    ``schema``, oldest first."""
     state = (await js.stream_info(stream)).state
     if not state.messages:
         return []
-    return [
-        codec.decode(schema, (await js.get_msg(stream, seq)).data)
-        for seq in range(state.first_seq, state.last_seq + 1)
-    ]
+    found = []
+    for seq in range(state.first_seq, state.last_seq + 1):
+        msg = await js.get_msg(stream, seq)
+        if subject is None or msg.subject == subject:
+            found.append(codec.decode(schema, msg.data))
+    return found
 
 
 async def eventually(
@@ -121,3 +137,81 @@ async def metric(url: str, name: str, **labels: str) -> float:
         for sample in family.samples
         if sample.name == name and labels.items() <= sample.labels.items()
     )
+
+
+# -- a gateway stack ------------------------------------------------------------------------
+
+MODEL = "tiny"
+"""The model name the test gateways serve."""
+
+
+def gateway_config(model_dir: Path, run: str, **fields) -> GatewayConfig:
+    return GatewayConfig(model=MODEL, model_path=model_dir, run=run, port=0, **fields)
+
+
+class GatewayThread:
+    """A gateway served from its own thread and event loop, so that sync clients can call it
+    and async tests can share it."""
+
+    def __init__(self, config: GatewayConfig, nats_url: str) -> None:
+        self.config, self.nats_url = config, nats_url
+        self.url = ""
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            async with Gateway(self.config, self.nats_url) as gateway:
+                self.url = gateway.url
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+
+    def __enter__(self) -> "GatewayThread":
+        self._thread.start()
+        assert self._ready.wait(60), "the gateway did not start"
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+
+@dataclass
+class Stack:
+    """A provisioned run with one rollout worker and a gateway in front of it."""
+
+    names: RunNames
+    url: str
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url, api_key="unused", max_retries=0)
+
+
+@contextmanager
+def gateway_stack(nats_url: str, model_dir: Path) -> Iterator[Stack]:
+    """A fresh run, one ``seamlessflow worker`` on ``model_dir`` and a ``GatewayThread``."""
+    names = RunNames("st" + uuid.uuid4().hex[:12])
+
+    async def provision() -> None:
+        async with session(nats_url, "pytest-provision") as nc:
+            await provision_run(nc.jetstream(), names.run, SMALL_RUN)
+
+    asyncio.run(provision())
+    worker = worker_process(nats_url, names.run, model_dir, f"{names.run}-w1").wait_ready()
+    try:
+        with GatewayThread(gateway_config(model_dir, names.run), nats_url) as gateway:
+            yield Stack(names, gateway.url)
+    finally:
+        worker.stop()

@@ -9,10 +9,7 @@ side of a worker by hand to inject chunk faults a real worker does not produce o
 import asyncio
 import importlib.util
 import json
-import threading
 import uuid
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
@@ -32,10 +29,11 @@ from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
 from broker.weights import publish_weights
 from rollout.exceptions import GenerationUnavailableError
-from rollout.gateway import Gateway, GatewayConfig, serve_gateway
+from rollout.gateway import Gateway, serve_gateway
 from rollout.openai_api import ToolCallStream, parse_tool_calls
 from seamlessflow.processes import worker_process
 from tests.support import (
+    MODEL,
     SMALL_RUN,
     broker_config,
     eventually,
@@ -44,10 +42,10 @@ from tests.support import (
     perturbed_weights,
     stream_messages,
 )
+from tests.support import gateway_config as config
 
 pytestmark = pytest.mark.newest_nats
 
-MODEL = "tiny"
 HELLO = [{"role": "user", "content": "Hello! What is 12 + 30?"}]
 TOOLS = [
     {
@@ -59,77 +57,6 @@ TOOLS = [
         },
     }
 ]
-
-
-def config(model_dir: Path, run: str, **fields) -> GatewayConfig:
-    return GatewayConfig(model=MODEL, model_path=model_dir, run=run, port=0, **fields)
-
-
-class GatewayThread:
-    """A gateway served from its own thread and event loop, so that sync clients can call it
-    and async tests can share it."""
-
-    def __init__(self, config: GatewayConfig, nats_url: str) -> None:
-        self.config, self.nats_url = config, nats_url
-        self.url = ""
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
-
-    async def _serve(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        try:
-            async with Gateway(self.config, self.nats_url) as gateway:
-                self.url = gateway.url
-                self._ready.set()
-                await self._stop.wait()
-        except BaseException as exc:
-            self._error = exc
-            self._ready.set()
-
-    def __enter__(self) -> "GatewayThread":
-        self._thread.start()
-        assert self._ready.wait(60), "the gateway did not start"
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-
-
-@dataclass
-class Stack:
-    """A provisioned run with one rollout worker and a gateway in front of it."""
-
-    names: RunNames
-    url: str
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url, api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def stack(broker, tiny_model_dir):
-    names = RunNames("gw" + uuid.uuid4().hex[:12])
-
-    async def provision() -> None:
-        async with session(broker.url, "pytest-provision") as nc:
-            await provision_run(nc.jetstream(), names.run, SMALL_RUN)
-
-    asyncio.run(provision())
-    worker = worker_process(broker.url, names.run, tiny_model_dir, "gw-w1").wait_ready()
-    try:
-        with GatewayThread(config(tiny_model_dir, names.run), broker.url) as gateway:
-            yield Stack(names, gateway.url)
-    finally:
-        worker.stop()
 
 
 def render(tok, messages, **kwargs) -> str:

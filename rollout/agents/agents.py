@@ -1,0 +1,141 @@
+"""The agent kinds the runner runs, one attempt at a time.
+
+An agent is ``async def agent(ctx: AgentContext) -> AgentResult``: it talks to the model only
+through the gateway (``ctx.client``, which names the attempt's session on every call) and
+returns its final answer, which the runner then verifies. Two kinds:
+
+- a Python coroutine function, named in config as ``module:function`` (``load_agent``), or one
+  of the built-in agents of an env (``chat_agent`` here, ``rollout.agents.arithmetic``);
+- an external command in any language (``CommandAgent``), run once per attempt: env
+  ``SF_GATEWAY_URL`` (base URL with ``/v1``), ``SF_SESSION_ID``, ``SF_MODEL``; the task as JSON
+  on stdin; the last line of stdout is the answer. Exit 0: done; exit 75 (``EX_TEMPFAIL``): the
+  gateway failed, retry the task later; any other code: the attempt failed.
+"""
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+
+from broker import codec
+from broker.messages import ChatMessage, TaskSubmitted
+from rollout.agents.exceptions import AgentFailedError, AgentLoadError, GatewayUnavailableError
+
+EX_TEMPFAIL = 75
+"""An external command exits with this when the gateway failed: the task is retried."""
+_STDERR_KEEP = 1000
+
+
+@dataclass(frozen=True)
+class AgentContext:
+    """What an agent gets for one attempt at a task."""
+
+    task: TaskSubmitted
+    session_id: str
+    gateway_url: str
+    """The gateway's OpenAI base URL, ending in ``/v1``."""
+    client: openai.AsyncOpenAI
+    """Ready to call: sends ``X-Session-Id: <session_id>`` with every request."""
+    model: str
+    temperature: float
+    max_tokens: int
+    verify: Callable[[str], bool]
+    """The task's verifier with its reference: environment feedback for multi-turn agents."""
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """An attempt's outcome as its agent reports it; the runner verifies ``answer``."""
+
+    answer: str
+    turns: int = 1
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+Agent = Callable[[AgentContext], Awaitable[AgentResult]]
+
+
+def load_agent(ref: str) -> Agent:
+    """The coroutine function named ``module:function``."""
+    module_name, _, name = ref.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise AgentLoadError(
+            f"agent {ref!r} cannot be loaded: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not inspect.iscoroutinefunction(function):
+        raise AgentLoadError(f"agent {ref!r} must be an `async def` function taking AgentContext")
+    return function
+
+
+def openai_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """A task's messages as the OpenAI SDK sends them (no nulls, no empty tool_calls)."""
+    out = []
+    for message in messages:
+        item = message.model_dump(exclude_none=True)
+        if not item["tool_calls"]:
+            del item["tool_calls"]
+        out.append(item)
+    return out
+
+
+async def chat_agent(ctx: AgentContext) -> AgentResult:
+    """The built-in agent of env ``chat``: one call with the task's messages; the reply is the
+    answer."""
+    reply = await ctx.client.chat.completions.create(
+        model=ctx.model,
+        messages=openai_messages(ctx.task.messages),
+        max_tokens=ctx.max_tokens,
+        temperature=ctx.temperature,
+    )
+    return AgentResult(answer=reply.choices[0].message.content or "")
+
+
+class CommandAgent:
+    """An external command run once per attempt (see the module docstring for its contract).
+    Cancelling the attempt (timeout, shutdown) kills the command's whole process group."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+
+    async def __call__(self, ctx: AgentContext) -> AgentResult:
+        env = {
+            **os.environ,
+            "SF_GATEWAY_URL": ctx.gateway_url,
+            "SF_SESSION_ID": ctx.session_id,
+            "SF_MODEL": ctx.model,
+        }
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                start_new_session=True,  # its own process group, killed as one
+            )
+        except OSError as exc:
+            raise AgentFailedError(f"cannot start {self.argv[0]!r}: {exc}") from exc
+        try:
+            out, err = await proc.communicate(codec.encode(ctx.task, codec.Encoding.JSON))
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise
+        stderr = err.decode(errors="replace")[-_STDERR_KEEP:].strip()
+        if proc.returncode == EX_TEMPFAIL:
+            raise GatewayUnavailableError(f"{self.argv[0]} exited {EX_TEMPFAIL}: {stderr}")
+        if proc.returncode != 0:
+            raise AgentFailedError(f"{self.argv[0]} exited {proc.returncode}: {stderr}")
+        # Lines end at "\n" only: other control characters may be part of the answer.
+        last = out.decode(errors="replace").removesuffix("\n").rsplit("\n", 1)[-1]
+        return AgentResult(answer=last.removesuffix("\r"))

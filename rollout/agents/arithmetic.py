@@ -1,0 +1,99 @@
+"""The quickstart environment ``arithmetic``: add two integers, with feedback.
+
+A task asks ``f"{a}+{b}="`` in one user message; the reference is ``str(a + b)``, checked by the
+``number`` verifier. The built-in agent asks the model; while the answer is wrong and turns
+remain, it echoes the reply and says ``"wrong"`` and asks again. Reward: 1.0 when right on the
+first turn, 0.5 when right on a later one, else 0.0.
+
+The prompt, answer and feedback strings are module constants so that other code (warm-start
+data) writes exactly what the environment asks.
+"""
+
+import random
+
+from broker.messages import ChatMessage, RewardSpec, TaskSubmitted
+from rollout.agents.agents import AgentContext, AgentResult, openai_messages
+
+ENV = "arithmetic"
+PROMPT = "{a}+{b}="
+"""The first (user) message, formatted with ``a`` and ``b``."""
+ANSWER = "{total}"
+"""The reference answer, formatted with ``total = a + b``."""
+FEEDBACK = "wrong"
+"""The user message after a wrong answer."""
+VERIFIER = "number"
+MAX_TOKENS = 8
+"""Tokens the agent asks for per turn: enough for a number."""
+
+
+def question(a: int, b: int) -> str:
+    return PROMPT.format(a=a, b=b)
+
+
+def answer(a: int, b: int) -> str:
+    return ANSWER.format(total=a + b)
+
+
+def arithmetic_task(
+    task_id: str, a: int, b: int, *, group_size: int, max_turns: int
+) -> TaskSubmitted:
+    """The task ``a + b``."""
+    return TaskSubmitted(
+        task_id=task_id,
+        messages=[ChatMessage(role="user", content=question(a, b))],
+        env=ENV,
+        reward=RewardSpec(verifier=VERIFIER, reference=answer(a, b)),
+        group_size=group_size,
+        max_turns=max_turns,
+        metadata={"a": str(a), "b": str(b)},
+    )
+
+
+def arithmetic_tasks(
+    rng: random.Random,
+    n: int,
+    *,
+    max_operand: int,
+    group_size: int,
+    max_turns: int,
+    prefix: str,
+) -> list[TaskSubmitted]:
+    """``n`` tasks ``<prefix>-<i>`` with operands drawn from ``[0, max_operand]``."""
+    return [
+        arithmetic_task(
+            f"{prefix}-{i}",
+            rng.randint(0, max_operand),
+            rng.randint(0, max_operand),
+            group_size=group_size,
+            max_turns=max_turns,
+        )
+        for i in range(n)
+    ]
+
+
+def arithmetic_reward(correct: bool, turns: int) -> float:
+    """1.0 right on the first turn, 0.5 right later, 0.0 wrong."""
+    if not correct:
+        return 0.0
+    return 1.0 if turns == 1 else 0.5
+
+
+async def arithmetic_agent(ctx: AgentContext) -> AgentResult:
+    """Ask; while wrong and turns remain, echo the reply, say ``FEEDBACK`` and ask again."""
+    messages = openai_messages(ctx.task.messages)
+    turn = 0
+    while True:
+        turn += 1
+        reply = await ctx.client.chat.completions.create(
+            model=ctx.model,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=ctx.temperature,
+        )
+        text = reply.choices[0].message.content or ""
+        if ctx.verify(text) or turn >= ctx.task.max_turns:
+            return AgentResult(answer=text, turns=turn)
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": FEEDBACK},
+        ]

@@ -1,0 +1,28 @@
+"""Errors raised by the agent runner."""
+
+from rollout.exceptions import RolloutError
+
+
+class AgentsError(RolloutError):
+    """Something in the agent runner failed."""
+
+
+class InvalidTaskError(AgentsError):
+    """A task cannot be run as given (unknown verifier, unusable reference, no agent for its
+    env); it is dead-lettered."""
+
+
+class AgentLoadError(AgentsError):
+    """A configured ``module:function`` agent cannot be imported or is not an async function."""
+
+
+class AgentFailedError(AgentsError):
+    """An attempt's agent failed (raised, exited non-zero, or timed out)."""
+
+
+class GatewayUnavailableError(AgentsError):
+    """The gateway cannot serve calls now; the task is retried later rather than scored."""
+
+
+class RunnerStoppingError(AgentsError):
+    """The runner is stopping: the task's attempts were cancelled and the task handed back."""

@@ -1,0 +1,465 @@
+"""The agent runner: tasks from ``sf.<run>.tasks`` -> agents against the gateway -> rewards on
+``sf.<run>.traj.end``.
+
+Per task (``TaskSubmitted``), taken through the validated tasks ingress, up to ``max_tasks`` at
+once:
+
+1. refuse what cannot be run (unknown verifier, unusable reference, no agent for the env): the
+   ingress dead-letters it with the reason, before any agent runs;
+2. check the gateway serves (``/health``): if not, the task is retried later (nak), never
+   scored against an outage;
+3. run ``group_size`` attempts at once, each in its own session (``session_id``), and verify
+   each final answer. An agent that raises, exits non-zero or times out ends its attempt with
+   reward 0.0 and ``{"failed": 1}``; a gateway failure in any attempt cancels the others and
+   retries the whole task (nothing is published for it);
+4. publish one ``SessionEnded`` per attempt (``Nats-Msg-Id`` = session id); the ingress acks the
+   task once all are stored.
+
+On stop, no new task is taken; running ones get ``shutdown_grace_s`` to finish, then their
+attempts are cancelled (commands killed) and the tasks handed back (nak) unpublished.
+"""
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import httpx
+import openai
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from prometheus_client import Counter, Gauge, Histogram
+
+from broker import codec
+from broker.client import session
+from broker.config import StreamLimits
+from broker.exceptions import InvalidMessageError
+from broker.ingress import Delivery, tasks_ingress
+from broker.messages import SessionEnded, TaskSubmitted
+from broker.subjects import Durable, RunNames
+from rollout.agents.agents import (
+    Agent,
+    AgentContext,
+    AgentResult,
+    CommandAgent,
+    chat_agent,
+    load_agent,
+)
+from rollout.agents.arithmetic import ENV as ARITHMETIC
+from rollout.agents.arithmetic import arithmetic_agent, arithmetic_reward
+from rollout.agents.config import AgentsConfig
+from rollout.agents.exceptions import (
+    AgentsError,
+    GatewayUnavailableError,
+    InvalidTaskError,
+    RunnerStoppingError,
+)
+from rollout.agents.verifiers import binary_reward, bind
+from rollout.gateway import SESSION_HEADER
+from seamlessflow.log import kv
+from seamlessflow.metrics import serve_metrics
+
+if TYPE_CHECKING:
+    from seamlessflow.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+TASKS = Counter(
+    "sf_agents_tasks",
+    "Tasks by outcome: done (every attempt's SessionEnded stored), retried (gateway unavailable "
+    "or runner stopping: handed back), rejected (cannot be run: dead-lettered)",
+    ["outcome"],
+)
+ATTEMPTS = Counter(
+    "sf_agents_attempts",
+    "Attempts by outcome: correct, wrong, failed (the agent raised or exited non-zero), "
+    "timed_out, unavailable (the gateway failed: the task is retried)",
+    ["outcome"],
+)
+REWARD = Histogram(
+    "sf_agents_reward", "Reward of each scored attempt", buckets=(0.0, 0.25, 0.5, 0.75, 1.0)
+)
+TURNS = Histogram(
+    "sf_agents_turns", "Turns of each finished attempt", buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64)
+)
+ATTEMPT_SECONDS = Histogram(
+    "sf_agents_attempt_seconds",
+    "Wall time of each attempt, failed ones included",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)
+RUNNING = Gauge("sf_agents_tasks_running", "Tasks whose attempts are running")
+
+Reward = Callable[[bool, int], float]
+"""``(correct, turns) -> reward``."""
+
+
+@dataclass(frozen=True)
+class Environment:
+    """An env's built-in agent and how it turns a verdict into a reward."""
+
+    agent: Agent
+    reward: Reward
+
+
+ENVIRONMENTS: dict[str, Environment] = {
+    "chat": Environment(chat_agent, binary_reward),
+    ARITHMETIC: Environment(arithmetic_agent, arithmetic_reward),
+}
+"""Built-in envs. A configured agent (``agent`` or ``command``) runs any env; an env not listed
+here is then scored with ``binary_reward``."""
+
+
+def session_id(task_id: str, attempt: int, delivery: int = 1) -> str:
+    """The session of attempt ``attempt`` at a task: ``<task_id>-<attempt>``, with ``-d<n>`` for
+    the ``n``-th delivery of the task (a retried task starts fresh sessions). A task id too long
+    to fit the 64-character id is cut and completed with its hash."""
+    suffix = f"-{attempt}" if delivery <= 1 else f"-{attempt}-d{delivery}"
+    if len(task_id) + len(suffix) <= 64:
+        return task_id + suffix
+    digest = hashlib.sha256(task_id.encode()).hexdigest()[:24]
+    return f"{task_id[: 64 - len(suffix) - 25]}-{digest}{suffix}"
+
+
+def gateway_base(url: str) -> str:
+    """The gateway's OpenAI base URL (``.../v1``), given it with or without ``/v1``."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def scored(
+    task: TaskSubmitted,
+    sid: str,
+    result: AgentResult,
+    correct: bool,
+    reward: Reward,
+    seconds: float,
+) -> SessionEnded:
+    """The ``SessionEnded`` of an attempt that finished."""
+    metrics = {
+        **result.metrics,
+        "turns": float(result.turns),
+        "correct": 1.0 if correct else 0.0,
+        "latency_s": seconds,
+    }
+    return _ended(task, sid, reward(correct, result.turns), metrics)
+
+
+def failed(task: TaskSubmitted, sid: str, seconds: float) -> SessionEnded:
+    """The ``SessionEnded`` of an attempt whose agent failed: reward 0.0, so its group still
+    completes."""
+    return _ended(task, sid, 0.0, {"failed": 1.0, "latency_s": seconds})
+
+
+def _ended(task: TaskSubmitted, sid: str, reward: float, metrics: dict[str, float]) -> SessionEnded:
+    return SessionEnded(
+        session_id=sid,
+        reward=reward,
+        task_id=task.task_id,
+        group_id=task.task_id,
+        metrics=dict(list(metrics.items())[:64]),
+        group_size=task.group_size,
+    )
+
+
+class AgentRunner:
+    """Runs agents on a run's tasks until stopped (see the module docstring)."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: RunNames,
+        tasks_limits: StreamLimits,
+        config: AgentsConfig,
+        gateway_url: str,
+    ) -> None:
+        self._js = js
+        self._names = names
+        self._limits = tasks_limits
+        self._config = config
+        self.gateway_url = gateway_base(gateway_url)
+        self._health_url = self.gateway_url.removesuffix("/v1") + "/health"
+        self._agent: Agent | None = None
+        if config.agent is not None:
+            self._agent = load_agent(config.agent)
+        elif config.command is not None:
+            self._agent = CommandAgent(config.command)
+        self._http = httpx.AsyncClient(timeout=config.request_timeout_s)
+        self._client = openai.AsyncOpenAI(
+            base_url=self.gateway_url, api_key="unused", max_retries=0, http_client=self._http
+        )
+        self._model = config.model
+        self._progress_s = 30.0
+        self._stop = asyncio.Event()
+        self._abort = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
+        """Take tasks until ``stop`` is set; then let running tasks finish within
+        ``shutdown_grace_s`` and hand back the rest."""
+        try:
+            await self._consume(stop, on_ready)
+        finally:
+            await self._client.close()
+            log.info(kv("agents_stopped", run=self._names.run))
+
+    async def _consume(self, stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
+        try:
+            info = await self._js.consumer_info(self._names.tasks_stream, Durable.AGENTS)
+        except NotFoundError as exc:
+            raise AgentsError(
+                f"run {self._names.run!r} is not provisioned: no consumer {Durable.AGENTS} on "
+                f"{self._names.tasks_stream} (run `seamlessflow provision --run "
+                f"{self._names.run}`)"
+            ) from exc
+        self._progress_s = max(0.5, (info.config.ack_wait or 30.0) / 3)
+        self._stop = stop
+        ingress = tasks_ingress(
+            self._js,
+            self._names,
+            self._handle,
+            self._limits,
+            batch=self._config.max_tasks,
+            concurrency=self._config.max_tasks,
+            retry_delay=self._config.retry_delay_s,
+        )
+        # 1. Consume until stopped (or the ingress fails).
+        consuming = asyncio.create_task(ingress.run(stop))
+        log.info(kv("agents_started", run=self._names.run, gateway=self.gateway_url))
+        on_ready()
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({consuming, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            # 2. Stopped: running tasks get the grace period, then are cancelled and handed back.
+            if not consuming.done():
+                await asyncio.wait({consuming}, timeout=self._config.shutdown_grace_s)
+            if not consuming.done():
+                log.info(kv("agents_cancelling", after_s=self._config.shutdown_grace_s))
+        finally:
+            stopping.cancel()
+            self._abort.set()
+            await consuming
+
+    # -- one task ---------------------------------------------------------------------------
+    async def _handle(self, task: TaskSubmitted, delivery: Delivery) -> None:
+        # 1. Refuse what cannot be run: the ingress dead-letters it.
+        try:
+            verify = bind(task.reward)
+            agent, reward = self._agent_for(task.env)
+        except InvalidTaskError as exc:
+            TASKS.labels("rejected").inc()
+            raise InvalidMessageError(str(exc)) from exc
+        RUNNING.inc()
+        keepalive = asyncio.create_task(self._keep_in_progress(delivery))
+        try:
+            if self._stop.is_set():  # fetched while stopping: hand it back at once
+                raise RunnerStoppingError(f"task {task.task_id}: not started, runner stopping")
+            # 2. No attempt is scored against a gateway that is down.
+            model = await self._check_gateway()
+            # 3. Run and score the attempts.
+            ended = await self._attempts(task, delivery.num_delivered, agent, reward, verify, model)
+        except (GatewayUnavailableError, RunnerStoppingError) as exc:
+            TASKS.labels("retried").inc()
+            log.warning(
+                kv("task_retried", task=task.task_id, delivered=delivery.num_delivered, error=exc)
+            )
+            raise
+        finally:
+            keepalive.cancel()
+            RUNNING.dec()
+        # 4. Store every SessionEnded; the ingress acks the task after.
+        await asyncio.gather(*(self._publish(message) for message in ended))
+        TASKS.labels("done").inc()
+        log.info(
+            kv(
+                "task_done",
+                task=task.task_id,
+                attempts=len(ended),
+                rewards=",".join(f"{m.reward:g}" for m in ended),
+            )
+        )
+
+    def _agent_for(self, env: str) -> tuple[Agent, Reward]:
+        builtin = ENVIRONMENTS.get(env)
+        if self._agent is not None:
+            return self._agent, builtin.reward if builtin else binary_reward
+        if builtin is None:
+            raise InvalidTaskError(
+                f"env: no agent for env {env!r} (built-in: {', '.join(sorted(ENVIRONMENTS))}; "
+                "configure agents.agent or agents.command for others)"
+            )
+        return builtin.agent, builtin.reward
+
+    async def _check_gateway(self) -> str:
+        """The model name to call, once the gateway says it serves."""
+        try:
+            health = await self._http.get(self._health_url)
+            if health.status_code != 200:
+                raise GatewayUnavailableError(
+                    f"gateway {self._health_url} answered {health.status_code}: {health.text[:200]}"
+                )
+            if self._model is None:
+                models = await self._client.models.list()
+                self._model = models.data[0].id
+        except (httpx.HTTPError, openai.APIError, IndexError) as exc:
+            raise GatewayUnavailableError(
+                f"gateway {self.gateway_url} unavailable: {type(exc).__name__}: {exc}"
+            ) from exc
+        return self._model
+
+    async def _attempts(
+        self,
+        task: TaskSubmitted,
+        delivery: int,
+        agent: Agent,
+        reward: Reward,
+        verify: Callable[[str], bool],
+        model: str,
+    ) -> list[SessionEnded]:
+        """Every attempt's ``SessionEnded``; raises ``RunnerStoppingError`` when aborted and
+        ``GatewayUnavailableError`` (other attempts cancelled) when the gateway failed."""
+
+        async def group() -> list[SessionEnded]:
+            async with asyncio.TaskGroup() as tg:
+                attempts = [
+                    tg.create_task(
+                        self._attempt(
+                            task,
+                            session_id(task.task_id, i, delivery),
+                            agent,
+                            reward,
+                            verify,
+                            model,
+                        )
+                    )
+                    for i in range(task.group_size)
+                ]
+            return [a.result() for a in attempts]
+
+        running = asyncio.create_task(group())
+        aborted = asyncio.create_task(self._abort.wait())
+        try:
+            await asyncio.wait({running, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            if not running.done():
+                running.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await running
+        if running.cancelled():
+            raise RunnerStoppingError(f"task {task.task_id}: attempts cancelled, runner stopping")
+        try:
+            return running.result()
+        except ExceptionGroup as group_error:
+            unavailable = [
+                e for e in group_error.exceptions if isinstance(e, GatewayUnavailableError)
+            ]
+            if unavailable:
+                raise unavailable[0] from None
+            raise
+
+    async def _attempt(
+        self,
+        task: TaskSubmitted,
+        sid: str,
+        agent: Agent,
+        reward: Reward,
+        verify: Callable[[str], bool],
+        model: str,
+    ) -> SessionEnded:
+        ctx = AgentContext(
+            task=task,
+            session_id=sid,
+            gateway_url=self.gateway_url,
+            client=self._client.with_options(default_headers={SESSION_HEADER: sid}),
+            model=model,
+            temperature=self._config.temperature,
+            max_tokens=self._config.max_tokens,
+            verify=verify,
+        )
+        started = time.monotonic()
+        outcome, reason = "failed", ""
+        try:
+            async with asyncio.timeout(self._config.attempt_timeout_s):
+                result = await agent(ctx)
+            if not isinstance(result, AgentResult):
+                raise TypeError(f"the agent returned {type(result).__name__}, not AgentResult")
+        except GatewayUnavailableError:
+            ATTEMPTS.labels("unavailable").inc()
+            raise
+        except openai.APITimeoutError as exc:
+            reason = f"a gateway call timed out: {exc}"
+        except (openai.APIConnectionError, openai.InternalServerError) as exc:
+            ATTEMPTS.labels("unavailable").inc()
+            raise GatewayUnavailableError(
+                f"session {sid}: gateway failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        except TimeoutError:
+            outcome, reason = "timed_out", f"timed out after {self._config.attempt_timeout_s:g}s"
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            seconds = time.monotonic() - started
+            correct = verify(result.answer)
+            ended = scored(task, sid, result, correct, reward, seconds)
+            ATTEMPTS.labels("correct" if correct else "wrong").inc()
+            REWARD.observe(ended.reward)
+            TURNS.observe(result.turns)
+            ATTEMPT_SECONDS.observe(seconds)
+            return ended
+        seconds = time.monotonic() - started
+        ATTEMPTS.labels(outcome).inc()
+        ATTEMPT_SECONDS.observe(seconds)
+        log.warning(
+            kv("attempt_failed", task=task.task_id, session=sid, outcome=outcome, reason=reason)
+        )
+        return failed(task, sid, seconds)
+
+    async def _publish(self, message: SessionEnded, tries: int = 3) -> None:
+        """Store ``message``; a retried publish is de-duplicated by its session id."""
+        for attempt in range(1, tries + 1):
+            try:
+                await self._js.publish(
+                    self._names.traj_end,
+                    codec.encode(message),
+                    headers=codec.headers(msg_id=message.session_id),
+                )
+                return
+            except NatsError as exc:
+                if attempt == tries:
+                    raise
+                log.warning(kv("session_end_publish_failed", session=message.session_id, error=exc))
+
+    async def _keep_in_progress(self, delivery: Delivery) -> None:
+        """Keep the task from being redelivered while its attempts run."""
+        while True:
+            await asyncio.sleep(self._progress_s)
+            try:
+                await delivery.in_progress()
+            except NatsError as exc:
+                log.warning(kv("task_in_progress_failed", error=exc))
+
+
+async def serve_agents(
+    url: str,
+    run: "RunConfig",
+    config: AgentsConfig,
+    gateway_url: str,
+    metrics_port: int,
+    stop: asyncio.Event,
+) -> None:
+    """Run the agent runner of ``run`` until ``stop`` is set, serving /metrics."""
+    metrics = serve_metrics(metrics_port)
+    try:
+        async with session(url, "seamlessflow-agents") as nc:
+            runner = AgentRunner(
+                nc.jetstream(), RunNames(run.run), run.provision.tasks, config, gateway_url
+            )
+            ready = f"agents ready: run={run.run} metrics={metrics.url}"
+            await runner.run(stop, on_ready=lambda: print(ready, flush=True))
+    finally:
+        metrics.close()
+    print("agents stopped", flush=True)

@@ -1,0 +1,55 @@
+"""Verifiers: is an attempt's final answer right? Named by ``TaskSubmitted.reward.verifier``.
+
+Pure functions of ``(answer, reference)``. ``bind`` checks a task's reward spec once, when the
+task arrives, so a task that no verifier can score is refused before any agent runs.
+"""
+
+import re
+from collections.abc import Callable
+from decimal import Decimal
+
+from broker.messages import RewardSpec
+from rollout.agents.exceptions import InvalidTaskError
+
+Verifier = Callable[[str, str], bool]
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
+def exact_match(answer: str, reference: str) -> bool:
+    """The answer, stripped, equals the reference, stripped."""
+    return answer.strip() == reference.strip()
+
+
+def number(answer: str, reference: str) -> bool:
+    """The first number in the answer equals the reference number (``5.0`` equals ``5``)."""
+    found = _NUMBER.search(answer)
+    return found is not None and Decimal(found.group()) == Decimal(reference.strip())
+
+
+VERIFIERS: dict[str, Verifier] = {"exact_match": exact_match, "number": number}
+
+
+def bind(spec: RewardSpec) -> Callable[[str], bool]:
+    """The spec's verifier with its reference filled in; ``InvalidTaskError`` saying why when
+    the verifier is unknown or the reference does not suit it."""
+    verifier = VERIFIERS.get(spec.verifier)
+    if verifier is None:
+        known = ", ".join(sorted(VERIFIERS))
+        raise InvalidTaskError(
+            f"reward.verifier: unknown verifier {spec.verifier!r} (known: {known})"
+        )
+    reference = spec.reference
+    if reference is None:
+        raise InvalidTaskError(f"reward.reference: verifier {spec.verifier!r} needs a reference")
+    if verifier is number and not _NUMBER.fullmatch(reference.strip()):
+        raise InvalidTaskError(
+            f"reward.reference: verifier 'number' needs a number such as -12 or 3.5, "
+            f"got {reference[:60]!r}"
+        )
+    return lambda answer: verifier(answer, reference)
+
+
+def binary_reward(correct: bool, turns: int) -> float:
+    """1.0 for a right answer, else 0.0, however many turns it took."""
+    return 1.0 if correct else 0.0

@@ -1,0 +1,490 @@
+"""The agent runner on a real nats-server, a real gateway and a real rollout worker (hf, tiny
+model); verifiers, session ids and the arithmetic task generator as pure functions.
+
+The Python agents below (``flaky_agent``, ``sleepy_agent``) are loaded by the runner as
+``tests.test_agents:<name>``, as a user's ``module:function`` would be.
+"""
+
+import asyncio
+import random
+import re
+import shutil
+import socket
+import sys
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import REGISTRY
+from pydantic import ValidationError
+
+from broker import codec
+from broker.messages import (
+    CallRecorded,
+    ChatMessage,
+    MessageRejected,
+    RewardSpec,
+    SessionEnded,
+    TaskSubmitted,
+)
+from broker.subjects import NAME_PATTERN, RunNames
+from rollout.agents.agents import AgentContext, AgentResult, load_agent
+from rollout.agents.arithmetic import (
+    FEEDBACK,
+    arithmetic_reward,
+    arithmetic_task,
+    arithmetic_tasks,
+)
+from rollout.agents.config import AgentsConfig
+from rollout.agents.exceptions import AgentLoadError, InvalidTaskError
+from rollout.agents.runner import AgentRunner, session_id
+from rollout.agents.verifiers import bind, exact_match, number
+from seamlessflow.config import load_config
+from seamlessflow.processes import ServiceProcess
+from seamlessflow.submit import submit_tasks
+from tests.support import SMALL_RUN, eventually, metric, stream_messages
+
+# -- agents the runner loads by name ---------------------------------------------------------
+
+STARTED: list[str] = []
+"""Sessions ``sleepy_agent`` was started on."""
+
+
+async def flaky_agent(ctx: AgentContext) -> AgentResult:
+    """Attempt 0 raises; the others hang (until the attempt times out)."""
+    if ctx.session_id.endswith("-0"):
+        raise RuntimeError("agent crashed on purpose")
+    await asyncio.sleep(3600)
+    raise AssertionError("not reached")
+
+
+async def sleepy_agent(ctx: AgentContext) -> AgentResult:
+    """Answers "done" after ``metadata["sleep"]`` seconds, on the task's first delivery only."""
+    STARTED.append(ctx.session_id)
+    if "-d" not in ctx.session_id:
+        await asyncio.sleep(float(ctx.task.metadata["sleep"]))
+    return AgentResult(answer="done")
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def chat_task(
+    task_id: str,
+    *,
+    verifier: str = "exact_match",
+    reference: str | None = "done",
+    group_size: int = 1,
+    env: str = "chat",
+    **metadata: str,
+) -> TaskSubmitted:
+    return TaskSubmitted(
+        task_id=task_id,
+        messages=[ChatMessage(role="user", content="Say done.")],
+        env=env,
+        reward=RewardSpec(verifier=verifier, reference=reference),
+        group_size=group_size,
+        metadata=metadata,
+    )
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def sample(name: str, **labels: str) -> float:
+    """A sample of this process's registry (the in-process runner counts there)."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@asynccontextmanager
+async def runner(js, names: RunNames, gateway_url: str, **fields):
+    """An ``AgentRunner`` on this event loop; stopped (and awaited) on leaving."""
+    stop = asyncio.Event()
+    agents = AgentRunner(js, names, SMALL_RUN.tasks, AgentsConfig(**fields), gateway_url)
+    running = asyncio.create_task(agents.run(stop))
+    try:
+        yield stop, running
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 60)
+
+
+async def ended(js, names: RunNames, task_ids: set[str], count: int) -> list[SessionEnded]:
+    """The ``SessionEnded`` of these tasks, once there are ``count`` (and no more)."""
+    found: list[SessionEnded] = []
+
+    async def enough() -> bool:
+        nonlocal found
+        stored = await stream_messages(js, names.traj_stream, SessionEnded, names.traj_end)
+        found = [m for m in stored if m.task_id in task_ids]
+        return len(found) >= count
+
+    await eventually(enough, timeout=60)
+    assert len(found) == count
+    return found
+
+
+async def calls(js, names: RunNames, sid: str) -> list[CallRecorded]:
+    return await stream_messages(js, names.traj_stream, CallRecorded, names.traj_calls(sid))
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+# -- pure ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("answer", "reference", "exact", "numeric"),
+    [
+        ("12", "12", True, True),
+        ("  12\n", "12", True, True),
+        ("12 apples", "12", False, True),
+        ("x=12.0!", "12", False, True),
+        ("-3", "-3", True, True),
+        ("3-4", "-4", False, False),  # the first number is 3
+        ("1 2", "2", False, False),
+        ("twelve", "12", False, False),
+        ("", "0", False, False),
+    ],
+)
+def test_verifiers(answer, reference, exact, numeric):
+    assert exact_match(answer, reference) is exact
+    assert number(answer, reference) is numeric
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(-(10**9), 10**9), st.text(alphabet="abc =?!.\n", max_size=8))
+def test_number_compares_the_first_number(value, noise):
+    assert number(f"{noise} {value} 7", str(value))
+    assert number(f"{noise} {value}.0", f" {value} ")
+    assert not number(f"{noise} {value + 1} {value}", str(value))
+    assert bind(RewardSpec(verifier="number", reference=str(value)))(f"= {value}.")
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (RewardSpec(verifier="regex", reference="x"), "unknown verifier 'regex'"),
+        (RewardSpec(verifier="exact_match"), "needs a reference"),
+        (RewardSpec(verifier="number", reference="five"), "needs a number"),
+    ],
+)
+def test_unusable_reward_specs_are_refused(spec, says):
+    with pytest.raises(InvalidTaskError, match=says):
+        bind(spec)
+
+
+ids = st.from_regex(NAME_PATTERN, fullmatch=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids, ids, st.integers(0, 1023), st.integers(0, 1023), st.integers(1, 10_000))
+def test_session_ids_are_ids_and_never_shared(task_id, other_task, attempt, other, delivery):
+    sid = session_id(task_id, attempt, delivery)
+    assert re.fullmatch(NAME_PATTERN, sid)
+    assert sid == session_id(task_id, attempt, delivery)  # deterministic
+    assert sid != session_id(task_id, attempt, delivery + 1)  # a redelivery starts afresh
+    if (task_id, attempt) != (other_task, other):
+        assert sid != session_id(other_task, other, delivery)
+    if len(task_id) <= 60 and delivery == 1 and attempt < 100:
+        assert sid == f"{task_id}-{attempt}"
+
+
+def test_arithmetic_tasks():
+    tasks = arithmetic_tasks(
+        random.Random(7), 50, max_operand=20, group_size=3, max_turns=2, prefix="q"
+    )
+    again = arithmetic_tasks(
+        random.Random(7), 50, max_operand=20, group_size=3, max_turns=2, prefix="q"
+    )
+    assert tasks == again
+    assert [t.task_id for t in tasks] == [f"q-{i}" for i in range(50)]
+    for task in tasks:
+        (message,) = task.messages
+        a, b = (int(x) for x in message.content.removesuffix("=").split("+"))
+        assert message.role == "user" and message.content == f"{a}+{b}="
+        assert 0 <= a <= 20 and 0 <= b <= 20
+        assert task.reward.reference == str(a + b) and task.env == "arithmetic"
+        assert (task.group_size, task.max_turns) == (3, 2)
+    assert len({t.messages[0].content for t in tasks}) > 10
+    single = arithmetic_task("t", 4, 5, group_size=1, max_turns=3)
+    assert single.messages[0].content == "4+5=" and single.reward.reference == "9"
+    assert bind(single.reward)("9") and not bind(single.reward)("10")
+    assert FEEDBACK == "wrong"
+    assert [arithmetic_reward(c, t) for c, t in [(True, 1), (True, 2), (True, 5), (False, 1)]] == [
+        1.0,
+        0.5,
+        0.5,
+        0.0,
+    ]
+
+
+def test_config(tmp_path: Path):
+    with pytest.raises(ValidationError, match="at most one"):
+        AgentsConfig(agent="a:b", command=["x"])
+    with pytest.raises(ValidationError, match="agent"):
+        AgentsConfig(agent="not a reference")
+    toml = tmp_path / "run.toml"
+    toml.write_text('[agents]\ncommand = ["node", "agent.mjs"]\nmax_tasks = 2\n')
+    config = load_config(toml).agents
+    assert config.command == ["node", "agent.mjs"] and config.max_tasks == 2
+    assert config.temperature == 1.0  # the rest keeps its defaults
+    with pytest.raises(AgentLoadError, match="cannot be loaded"):
+        load_agent("tests.test_agents:no_such_agent")
+    with pytest.raises(AgentLoadError, match="async def"):
+        load_agent("json:dumps")
+
+
+# -- on a real broker, gateway and worker ----------------------------------------------------
+
+
+@pytest.mark.newest_nats
+async def test_arithmetic_groups_end_with_verified_rewards(stack, js, tok):
+    names = stack.names
+    prefix = unique("ar")
+    tasks = arithmetic_tasks(
+        random.Random(1), 2, max_operand=9, group_size=3, max_turns=2, prefix=prefix
+    )
+    before = {o: sample("sf_agents_attempts_total", outcome=o) for o in ("correct", "wrong")}
+    done_before = sample("sf_agents_tasks_total", outcome="done")
+    turns_before = sample("sf_agents_turns_count")
+    async with runner(js, names, stack.url):
+        await submit_tasks(js, names, tasks, progress=False)
+        sessions = await ended(js, names, {t.task_id for t in tasks}, 6)
+        await eventually(lambda: sample("sf_agents_tasks_total", outcome="done") == done_before + 2)
+    by_task = {t.task_id: t for t in tasks}
+    assert sorted(s.session_id for s in sessions) == sorted(
+        f"{t.task_id}-{i}" for t in tasks for i in range(3)
+    )
+    multi_turn = 0
+    for s in sessions:
+        task = by_task[s.task_id]
+        assert (s.group_id, s.group_size) == (task.task_id, 3)
+        recorded = await calls(js, names, s.session_id)
+        answers = [tok.decode(c.output_ids, skip_special_tokens=True) for c in recorded]
+        right = [number(a, task.reward.reference) for a in answers]
+        # the agent stops at the first right answer, or after max_turns
+        assert 1 <= len(recorded) <= 2 and not any(right[:-1])
+        assert len(recorded) == 2 or right[0]
+        assert s.reward == arithmetic_reward(right[-1], len(recorded))
+        assert s.reward in {0.0, 0.5, 1.0}
+        assert s.metrics["turns"] == len(recorded) and s.metrics["correct"] == right[-1]
+        assert "failed" not in s.metrics
+        if len(recorded) == 2:
+            multi_turn += 1
+            first, second = recorded
+            assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
+            fed_back = tok.decode(second.prompt_ids[len(first.prompt_ids) :])
+            assert FEEDBACK in fed_back and task.messages[0].content in tok.decode(first.prompt_ids)
+            if "\ufffd" not in answers[0]:  # a clean echo reuses the generated ids
+                turn = first.prompt_ids + first.output_ids
+                assert second.prompt_ids[: len(turn)] == turn
+    assert multi_turn >= 1  # the random tiny model is almost always wrong first
+    assert (await js.stream_info(names.tasks_stream)).state.messages == 0  # acked
+    after = {o: sample("sf_agents_attempts_total", outcome=o) for o in ("correct", "wrong")}
+    assert sum(after.values()) - sum(before.values()) == 6
+    assert sample("sf_agents_turns_count") - turns_before == 6
+
+
+@pytest.mark.newest_nats
+async def test_failed_attempts_still_end_their_sessions(stack, js):
+    names = stack.names
+    task = chat_task(unique("fl"), group_size=2)
+    failed_before = sample("sf_agents_attempts_total", outcome="failed")
+    timed_out_before = sample("sf_agents_attempts_total", outcome="timed_out")
+    async with runner(
+        js, names, stack.url, agent="tests.test_agents:flaky_agent", attempt_timeout_s=0.5
+    ):
+        await submit_tasks(js, names, [task], progress=False)
+        sessions = await ended(js, names, {task.task_id}, 2)
+        await eventually(
+            lambda: sample("sf_agents_attempts_total", outcome="timed_out") == timed_out_before + 1
+        )
+    assert sorted(s.session_id for s in sessions) == [f"{task.task_id}-0", f"{task.task_id}-1"]
+    for s in sessions:
+        assert s.reward == 0.0 and s.metrics["failed"] == 1.0
+        assert (s.group_id, s.group_size) == (task.task_id, 2)
+    assert sample("sf_agents_attempts_total", outcome="failed") == failed_before + 1
+    assert (await js.stream_info(names.tasks_stream)).state.messages == 0
+
+
+@pytest.mark.newest_nats
+async def test_tasks_that_cannot_be_run_are_dead_lettered(js, names):
+    tasks = [
+        chat_task("unknown-verifier", verifier="regex"),
+        chat_task("no-agent", env="maze"),
+        chat_task("bad-reference", verifier="number", reference="five"),
+    ]
+    rejected_before = sample("sf_agents_tasks_total", outcome="rejected")
+    # The gateway is never asked: these are refused before any agent runs.
+    async with runner(js, names, closed_port_url()):
+        await submit_tasks(js, names, tasks, progress=False)
+
+        async def all_dead() -> bool:
+            return len(await stream_messages(js, names.dead_stream, MessageRejected)) == 3
+
+        await eventually(all_dead)
+    dead = await stream_messages(js, names.dead_stream, MessageRejected)
+    reasons = {codec.decode(TaskSubmitted, d.payload).task_id: d.reason for d in dead}
+    assert set(reasons) == {"unknown-verifier", "no-agent", "bad-reference"}
+    assert "unknown verifier 'regex' (known: exact_match, number)" in reasons["unknown-verifier"]
+    assert "no agent for env 'maze'" in reasons["no-agent"]
+    assert "needs a number" in reasons["bad-reference"]
+    assert all(d.source == "tasks" for d in dead)
+    assert sample("sf_agents_tasks_total", outcome="rejected") == rejected_before + 3
+    assert (await js.stream_info(names.tasks_stream)).state.messages == 0
+    assert await stream_messages(js, names.traj_stream, SessionEnded, names.traj_end) == []
+
+
+@pytest.mark.newest_nats
+async def test_gateway_down_retries_the_task_and_publishes_nothing(js, names):
+    task = chat_task("while-down", group_size=2)
+    retried_before = sample("sf_agents_tasks_total", outcome="retried")
+    async with runner(js, names, closed_port_url(), retry_delay_s=0.1):
+        await submit_tasks(js, names, [task], progress=False)
+
+        async def given_up() -> bool:
+            return bool(await stream_messages(js, names.dead_stream, MessageRejected))
+
+        await eventually(given_up)
+    (dead,) = await stream_messages(js, names.dead_stream, MessageRejected)
+    max_deliver = SMALL_RUN.agents.max_deliver
+    assert f"handler failed on all {max_deliver} deliveries" in dead.reason
+    assert "GatewayUnavailableError" in dead.reason
+    assert sample("sf_agents_tasks_total", outcome="retried") == retried_before + max_deliver
+    assert await stream_messages(js, names.traj_stream, SessionEnded, names.traj_end) == []
+
+
+@pytest.mark.newest_nats
+async def test_stop_lets_attempts_finish_within_the_grace_then_hands_tasks_back(stack, js):
+    names = stack.names
+    # Within the grace: the attempt finishes, its session ends, the task is acked.
+    quick = chat_task(unique("gr"), sleep="1.0")
+    async with runner(js, names, stack.url, agent="tests.test_agents:sleepy_agent") as (
+        stop,
+        running,
+    ):
+        await submit_tasks(js, names, [quick], progress=False)
+        await eventually(lambda: f"{quick.task_id}-0" in STARTED)
+        stop.set()
+        await asyncio.wait_for(running, 30)
+    (s,) = await ended(js, names, {quick.task_id}, 1)
+    assert (s.session_id, s.reward) == (f"{quick.task_id}-0", 1.0)
+    assert (await js.stream_info(names.tasks_stream)).state.messages == 0
+
+    # Past the grace: the attempt is cancelled, nothing is published, the task goes back...
+    slow = chat_task(unique("hb"), sleep="3600")
+    async with runner(
+        js,
+        names,
+        stack.url,
+        agent="tests.test_agents:sleepy_agent",
+        shutdown_grace_s=0.2,
+        retry_delay_s=0.1,
+    ) as (stop, running):
+        await submit_tasks(js, names, [slow], progress=False)
+        await eventually(lambda: f"{slow.task_id}-0" in STARTED)
+        stop.set()
+        await asyncio.wait_for(running, 10)
+    stored = await stream_messages(js, names.traj_stream, SessionEnded, names.traj_end)
+    assert not [m for m in stored if m.task_id == slow.task_id]
+    assert (await js.stream_info(names.tasks_stream)).state.messages == 1
+    # ...and the next runner runs it afresh, in new sessions.
+    async with runner(js, names, stack.url, agent="tests.test_agents:sleepy_agent"):
+        (s,) = await ended(js, names, {slow.task_id}, 1)
+    assert re.fullmatch(rf"{slow.task_id}-0-d[2-9]", s.session_id) and s.reward == 1.0
+
+
+AGENT_SCRIPT = """
+import json, os, sys, urllib.request
+
+task = json.load(sys.stdin)
+if task["metadata"].get("mode") == "fail":
+    print("refusing on purpose", file=sys.stderr)
+    sys.exit(3)
+body = {"model": os.environ["SF_MODEL"], "messages": task["messages"], "max_tokens": 4}
+request = urllib.request.Request(
+    os.environ["SF_GATEWAY_URL"] + "/chat/completions",
+    data=json.dumps(body).encode(),
+    headers={"Content-Type": "application/json", "X-Session-Id": os.environ["SF_SESSION_ID"]},
+)
+reply = json.load(urllib.request.urlopen(request, timeout=60))
+print("the model said", json.dumps(reply["choices"][0]["message"]["content"]))
+print(int(task["metadata"]["a"]) + int(task["metadata"]["b"]))  # the answer: the last line
+"""
+
+
+@pytest.mark.newest_nats
+async def test_command_agent_through_the_cli(stack, js, broker, tmp_path: Path):
+    names = stack.names
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT_SCRIPT)
+    sums = arithmetic_task(unique("cmd"), 3, 4, group_size=2, max_turns=2)
+    fails = chat_task(unique("cmdfail"), mode="fail")
+    agents = ServiceProcess(
+        "agents",
+        "agents",
+        "--nats",
+        broker.url,
+        "--run",
+        names.run,
+        "--gateway",
+        stack.url.removesuffix("/v1"),
+        "--command",
+        f"{sys.executable} {script}",
+    )
+    try:
+        await asyncio.to_thread(agents.wait_ready, 60)
+        await submit_tasks(js, names, [sums, fails], progress=False)
+        sessions = await ended(js, names, {sums.task_id, fails.task_id}, 3)
+
+        async def counted() -> bool:
+            done = await metric(agents.metrics_url, "sf_agents_tasks_total", outcome="done")
+            return done == 2
+
+        await eventually(counted)
+        correct = await metric(agents.metrics_url, "sf_agents_attempts_total", outcome="correct")
+        failed = await metric(agents.metrics_url, "sf_agents_attempts_total", outcome="failed")
+    finally:
+        code = await asyncio.to_thread(agents.stop)
+    assert code == 0 and "agents stopped" in "".join(agents.output)
+    assert (correct, failed) == (2, 1)
+    by_id = {s.session_id: s for s in sessions}
+    for i in range(2):
+        s = by_id[f"{sums.task_id}-{i}"]
+        assert s.reward == 1.0 and s.metrics["turns"] == 1  # right on the first turn
+        (call,) = await calls(js, names, s.session_id)  # the command named its session
+        assert call.model == "tiny"
+    failure = by_id[f"{fails.task_id}-0"]
+    assert failure.reward == 0.0 and failure.metrics["failed"] == 1.0
+    assert await calls(js, names, failure.session_id) == []
+    assert "exited 3: refusing on purpose" in "".join(agents.output)
+    assert (await js.stream_info(names.tasks_stream)).state.messages == 0
+
+
+@pytest.mark.newest_nats
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js 18+ on PATH")
+async def test_the_documented_node_agent(stack, js, tok, tmp_path: Path):
+    """The Node.js agent of docs/protocol.md, section 10, as written there."""
+    doc = (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
+    source = doc.split("```js\n// agent.mjs", 1)[1].split("```", 1)[0]
+    script = tmp_path / "agent.mjs"
+    script.write_text("// agent.mjs" + source)
+    names = stack.names
+    task = chat_task(unique("node"), reference="x")
+    async with runner(js, names, stack.url, command=["node", str(script)]):
+        await submit_tasks(js, names, [task], progress=False)
+        (s,) = await ended(js, names, {task.task_id}, 1)
+    assert "failed" not in s.metrics and s.metrics["turns"] == 1
+    (call,) = await calls(js, names, s.session_id)
+    said = tok.decode(call.output_ids, skip_special_tokens=True).replace("\n", " ")
+    assert s.reward == (1.0 if exact_match(said, "x") else 0.0)
