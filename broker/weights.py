@@ -29,8 +29,20 @@ class WeightsIntegrityError(BrokerError):
     """A weight blob is missing, or its size or checksum differs from its event."""
 
 
+KEEP_VERSIONS = 4
+"""Blobs kept per run: older ones are deleted when a new version is published, so the store
+does not fill up (a worker still loading one of the kept versions is not cut off)."""
+
+
 def blob_name(version: int) -> str:
     return f"v{version}.safetensors"
+
+
+def _blob_version(name: str) -> int | None:
+    stem = name.removesuffix(".safetensors")
+    if name == stem or not stem.startswith("v") or not stem[1:].isdigit():
+        return None
+    return int(stem[1:])
 
 
 async def publish_weights(
@@ -40,8 +52,10 @@ async def publish_weights(
     blob: bytes,
     *,
     directory: Path | None = None,
+    keep: int = KEEP_VERSIONS,
 ) -> WeightsPublished:
-    """Store ``blob`` (safetensors bytes) as ``version`` and announce it on ``names.weights``.
+    """Store ``blob`` (safetensors bytes) as ``version`` and announce it on ``names.weights``,
+    then delete the blobs older than the newest ``keep`` versions.
 
     ``directory``: write the blob to this shared folder instead of the object store.
     """
@@ -63,7 +77,30 @@ async def publish_weights(
     await js.publish(
         names.weights, codec.encode(event), headers=codec.headers(msg_id=f"weights-v{version}")
     )
+    await _prune(js, names, directory, older_than=version - keep + 1)
     return event
+
+
+async def _prune(
+    js: JetStreamContext, names: RunNames, directory: Path | None, *, older_than: int
+) -> None:
+    """Delete the blobs of versions below ``older_than``."""
+    if directory is None:
+        store = await js.object_store(names.weights_store)
+        try:
+            infos = await store.list(ignore_deletes=True)
+        except NotFoundError:  # an empty store
+            return
+        for info in infos:
+            version = _blob_version(info.name)
+            if version is not None and version < older_than:
+                await store.delete(info.name)
+        return
+    paths = await asyncio.to_thread(lambda: list(Path(directory).glob("v*.safetensors")))
+    for path in paths:
+        version = _blob_version(path.name)
+        if version is not None and version < older_than:
+            await asyncio.to_thread(path.unlink, missing_ok=True)
 
 
 async def fetch_weights(js: JetStreamContext, event: WeightsPublished) -> bytes:

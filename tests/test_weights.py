@@ -28,3 +28,19 @@ async def test_publish_fetch_and_latest(js, names, tmp_path):
     elsewhere = first.model_copy(update={"location": "s3://bucket/v1"})
     with pytest.raises(WeightsIntegrityError, match=r"unsupported location 's3://bucket/v1'"):
         await fetch_weights(js, elsewhere)
+
+
+@pytest.mark.parametrize("shared_folder", [False, True], ids=["objstore", "folder"])
+async def test_old_versions_are_pruned_so_the_store_never_fills(js, names, tmp_path, shared_folder):
+    directory = tmp_path / "weights" if shared_folder else None
+    blob = b"x" * (3 << 20)  # 12 versions of 3 MiB would overflow the 32 MiB test store
+    events = []
+    for version in range(1, 13):
+        events.append(await publish_weights(js, names, version, blob, directory=directory, keep=2))
+    for event in events[-2:]:
+        assert await fetch_weights(js, event) == blob
+    for event in events[:-2]:
+        with pytest.raises(WeightsIntegrityError):
+            await fetch_weights(js, event)
+    if shared_folder:
+        assert sorted(p.name for p in directory.iterdir()) == ["v11.safetensors", "v12.safetensors"]
