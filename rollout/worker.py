@@ -45,8 +45,8 @@ from broker.messages import (
     Role,
     TokensGenerated,
     WeightsPublished,
-    WorkerRegistered,
 )
+from broker.registry import Registration
 from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights, latest_weights
 from rollout.engines import Engine, EngineError, GenerationChunk
@@ -127,6 +127,7 @@ class RolloutWorker:
         self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._stopping = False
         self._tried_version = -1
+        self._registration: Registration | None = None  # set once registered
 
     @property
     def worker_id(self) -> str:
@@ -138,8 +139,15 @@ class RolloutWorker:
         # 1. Serve the latest published weights before taking any request.
         if (event := await latest_weights(self._js, self._names)) is not None:
             await self._load_or_count(event)
-        kv_bucket = await self._js.key_value(self._names.workers_kv)
-        await self._register(kv_bucket)
+        registration = await Registration.open(
+            self._js,
+            self._names,
+            self.worker_id,
+            tags=self._config.tags,
+            role=Role.ROLLOUT,
+            metrics_url=self._metrics_url,
+        )
+        await self._register(registration)
         # 2. Follow cancellations and weight versions; consume requests; keep the entry alive.
         cancels = await self._nc.subscribe(self._names.gen_cancel_all, cb=self._on_cancel)
         weights = await self._js.subscribe(
@@ -163,7 +171,7 @@ class RolloutWorker:
         )
         ingress_stop = asyncio.Event()
         consuming = asyncio.create_task(ingress.run(ingress_stop))
-        heartbeat = asyncio.create_task(self._heartbeat(kv_bucket, stop))
+        heartbeat = asyncio.create_task(registration.keep_alive(self._config.heartbeat_s, stop))
         log.info(kv("worker_started", worker=self.worker_id, version=self._engine.version))
         on_ready()
         try:
@@ -179,7 +187,7 @@ class RolloutWorker:
             await asyncio.gather(heartbeat, return_exceptions=True)
             await cancels.unsubscribe()
             await weights.unsubscribe()
-            await kv_bucket.delete(self.worker_id)
+            await registration.delete()
             log.info(kv("worker_stopped", worker=self.worker_id))
 
     # -- requests ---------------------------------------------------------------------------
@@ -295,7 +303,8 @@ class RolloutWorker:
                 await self._engine.resume()
         seconds = time.monotonic() - started
         WEIGHT_LOAD.observe(seconds)
-        VERSION.set(self._engine.version)
+        if self._registration is not None:  # tell the registry now, not at the next heartbeat
+            await self._register(self._registration)
         log.info(
             kv(
                 "weights_loaded",
@@ -306,27 +315,11 @@ class RolloutWorker:
         )
 
     # -- registry ---------------------------------------------------------------------------
-    async def _register(self, bucket) -> None:
-        entry = WorkerRegistered(
-            worker_id=self.worker_id,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            tags=self._config.tags,
-            role=Role.ROLLOUT,
-            version=self._engine.version,
-            metrics_url=self._metrics_url,
-            heartbeat_at=time.time(),
-        )
-        await bucket.put(self.worker_id, codec.encode(entry))
+    async def _register(self, registration: Registration) -> None:
+        """Write the entry with the version the engine serves now."""
+        await registration.put(version=self._engine.version)
+        self._registration = registration
         VERSION.set(self._engine.version)
-
-    async def _heartbeat(self, bucket, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await asyncio.sleep(self._config.heartbeat_s)
-            try:
-                await self._register(bucket)
-            except NatsError as exc:
-                log.warning(kv("heartbeat_failed", worker=self.worker_id, error=exc))
 
 
 def _request_id(request: GenerationRequested) -> str:
