@@ -1,0 +1,252 @@
+"""The trainer: data-parallel equivalence on CPU (2 gloo ranks), the service on a real broker
+(batches, staleness, duplicates, dead letters, acks, weight publication, a real rollout worker
+following it), and resume after ``kill -9`` of the ``seamlessflow trainer`` process."""
+
+import asyncio
+import hashlib
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load, save_file
+
+from broker import codec
+from broker.config import ConsumerLimits
+from broker.messages import MessageRejected, SampleReady, WeightsPublished, WorkerRegistered
+from broker.provision import provision_run
+from broker.subjects import Durable, RunNames
+from broker.weights import fetch_weights
+from seamlessflow.config import RunConfig
+from seamlessflow.processes import ServiceProcess, worker_process
+from tests.support import SMALL_RUN, eventually, metric, stream_messages
+from tests.test_losses import sample
+from trainer import checkpoint
+from trainer.batcher import plan_step
+from trainer.config import StalenessMode, TrainerConfig
+
+
+async def publish(js, names: RunNames, *samples: SampleReady, msg_id: bool = True) -> None:
+    for s in samples:
+        headers = codec.headers(msg_id=s.sample_id if msg_id else None)
+        await js.publish(names.samples, codec.encode(s), headers=headers)
+
+
+def group(gid: str, size: int, *, version: int = 0, base: int = 0) -> list[SampleReady]:
+    """``size`` single-sample sessions with rewards 0, 1, 2, ... and distinct completions."""
+    return [
+        sample(
+            f"{gid}-{i}",
+            gid,
+            versions=(version,) * 3,
+            reward=float(i),
+            group_size=size,
+            completion=(40 + base + i, 41 + i, 42),
+        )
+        for i in range(size)
+    ]
+
+
+# -- data parallel ------------------------------------------------------------------------------
+DP_CONFIG = TrainerConfig(lr=1.0, adam_eps=1.0, max_grad_norm=1e6, max_staleness=100)
+
+
+def dp_items():
+    samples = group("dp", 5)
+    samples[1] = sample("dp-1", "dp", reward=3.0, group_size=5, prompt=(9, 8, 7, 6, 5))
+    items, _, _ = plan_step([samples], 0, DP_CONFIG)
+    return items
+
+
+def _dp_rank(rank: int, init: str, model: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from trainer.backends import build_backend
+    from trainer.step import train_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    backend = build_backend(Path(model), DP_CONFIG)
+    train_step(backend, dp_items(), 0, DP_CONFIG)
+    save_file(backend.hf_state_dict(), f"{out}/rank{rank}.safetensors")
+    dist.destroy_process_group()
+
+
+def test_two_rank_data_parallel_step_equals_one_rank(tiny_model_dir, tmp_path):
+    from trainer.backends import build_backend
+    from trainer.ranks import _free_port
+    from trainer.step import train_step
+
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    torch.multiprocessing.spawn(
+        _dp_rank, args=(init, str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True
+    )
+    single = build_backend(tiny_model_dir, DP_CONFIG)
+    before = single.hf_state_dict()
+    train_step(single, dp_items(), 0, DP_CONFIG)
+    one = single.hf_state_dict()
+    ranks = [load((tmp_path / f"rank{r}.safetensors").read_bytes()) for r in range(2)]
+    moved = max(float((one[k] - before[k]).abs().max()) for k in one)
+    assert moved > 1e-3  # the step did something, so the comparison below means something
+    for name, tensor in one.items():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        assert torch.allclose(ranks[0][name], tensor, atol=1e-5, rtol=0), name
+
+
+# -- the service, in process --------------------------------------------------------------------
+async def _registered(js, names: RunNames, worker_id: str) -> WorkerRegistered | None:
+    kv = await js.key_value(names.workers_kv)
+    try:
+        return codec.decode(WorkerRegistered, (await kv.get(worker_id)).value)
+    except Exception:
+        return None
+
+
+async def _consumer_settled(js, names: RunNames) -> bool:
+    info = await js.consumer_info(names.samples_stream, Durable.TRAINER)
+    return info.num_pending == 0 and info.num_ack_pending == 0
+
+
+@pytest.mark.newest_nats
+async def test_service_trains_groups_and_settles_every_sample(
+    broker, js, names, tiny_model_dir, tmp_path
+):
+    from trainer.service import serve_trainer
+
+    config = TrainerConfig(
+        lr=1e-3,
+        groups_per_step=2,
+        max_staleness=0,
+        staleness_mode=StalenessMode.DROP,
+        checkpoint_dir=tmp_path / "ckpt",
+        worker_id="trainer-t",
+        progress_interval=0.5,
+    )
+    run = RunConfig(run=names.run)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(serve_trainer(broker.url, run, config, tiny_model_dir, 0, stop))
+    await eventually(lambda: _registered(js, names, "trainer-t"), watch=serving, timeout=60)
+    url = (await _registered(js, names, "trainer-t")).metrics_url
+    before = {o: await metric(url, "sf_trainer_samples_total", outcome=o) for o in
+              ("trained", "stale_dropped", "duplicate")}  # fmt: skip
+    worker = worker_process(broker.url, names.run, tiny_model_dir, "w1").wait_ready()
+    try:
+        a, b = group("a", 2), group("b", 3)
+        # A fourth session in a group of three (refused), and garbage.
+        extra = sample("b-x", "b", "b-extra", group_size=3)
+        await publish(js, names, a[0], b[0], b[1], b[2], extra, a[1])
+        await js.publish(names.samples, b"\x93not a sample")
+        await eventually(lambda: _consumer_settled(js, names), watch=serving, timeout=60)
+        await eventually(lambda: metric(url, "sf_trainer_version"), watch=serving)  # published
+        events = await stream_messages(js, names.weights_stream, WeightsPublished)
+        assert [e.version for e in events] == [1]
+        blob = await fetch_weights(js, events[0])
+        original = (tiny_model_dir / "model.safetensors").read_bytes()
+        assert (
+            load(blob)["model.embed_tokens.weight"].shape
+            == load(original)["model.embed_tokens.weight"].shape
+        )
+        assert "lm_head.weight" not in load(blob)  # tied: the engines tie it themselves
+        assert not torch.equal(
+            load(blob)["model.embed_tokens.weight"], load(original)["model.embed_tokens.weight"]
+        )
+        dead = await stream_messages(js, names.dead_stream, MessageRejected)
+        assert len(dead) == 2 and any("sample b-x" in d.reason for d in dead)
+        steps = checkpoint.read_steps(config.checkpoint_dir)
+        assert [(s.version, sorted(s.sample_ids)) for s in steps] == [
+            (1, sorted(s.sample_id for s in a + b))
+        ]
+        # The rollout worker loads v1; the trainer sees it serve it.
+        await eventually(
+            lambda: metric(url, "sf_trainer_weights_serving_seconds_count"), timeout=60
+        )
+        # Stale (version 0 < trainer version 1, bound 0): dropped and acked, no step.
+        await publish(js, names, *group("c", 2), *group("d", 1))
+        # Already trained, redelivered as a new message: acked as a duplicate.
+        await publish(js, names, a[0], msg_id=False)
+        await eventually(lambda: _consumer_settled(js, names), watch=serving, timeout=30)
+        after = {o: await metric(url, "sf_trainer_samples_total", outcome=o) for o in before}
+        assert {o: after[o] - before[o] for o in before} == {
+            "trained": 5, "stale_dropped": 3, "duplicate": 1
+        }  # fmt: skip
+        assert (await _registered(js, names, "trainer-t")).version == 1
+        assert await metric(url, "sf_trainer_version") == 1
+    finally:
+        worker.stop()
+        stop.set()
+        await serving
+    assert await _registered(js, names, "trainer-t") is None
+
+
+# -- kill -9 and resume -------------------------------------------------------------------------
+def _trainer_process(url: str, run: str, model: Path, config: Path) -> ServiceProcess:
+    args = ["trainer", "--nats", url, "--run", run, "--model", str(model), "--config", str(config)]
+    return ServiceProcess("trainer", *args)
+
+
+@pytest.mark.newest_nats
+async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
+    broker, nc, js, run_name, tiny_model_dir, tmp_path
+):
+    # Samples the killed trainer held come back after ack_wait: make it short.
+    quick = ConsumerLimits(ack_wait_s=3, max_deliver=10, max_ack_pending=8192)
+    await provision_run(js, run_name, SMALL_RUN.model_copy(update={"trainer": quick}))
+    names = RunNames(run_name)
+    ckpt = tmp_path / "ckpt"
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'[trainer]\ncheckpoint_dir = "{ckpt}"\nweights_dir = "{tmp_path / "weights"}"\n'
+        'groups_per_step = 1\nlr = 1e-3\nmax_staleness = 1000\nworker_id = "trainer-k"\n'
+        "progress_interval = 1.0\n"
+    )
+    first = [group(f"g{i}", 2, base=i) for i in range(6)]
+    second = [group(f"h{i}", 2, base=i) for i in range(4)]
+    everything = {s.sample_id for g in first + second for s in g}
+    published: list[WeightsPublished] = []  # the stream keeps only the last: watch them all
+
+    async def on_weights(msg) -> None:
+        published.append(codec.decode(WeightsPublished, msg.data))
+
+    await nc.subscribe(names.weights, cb=on_weights)
+
+    proc = await asyncio.to_thread(
+        _trainer_process(broker.url, names.run, tiny_model_dir, config).wait_ready
+    )
+    assert "version=0" in "".join(proc.output)
+    await publish(js, names, *[s for g in first for s in g])
+    await eventually(lambda: len(checkpoint.read_steps(ckpt)) >= 2, timeout=60)
+    proc.stop(signal.SIGKILL)
+    await publish(js, names, *[s for g in second for s in g])
+
+    restarted = await asyncio.to_thread(
+        _trainer_process(broker.url, names.run, tiny_model_dir, config).wait_ready
+    )
+    try:
+        ready = next(line for line in restarted.output if "trainer ready:" in line)
+        resumed_at = int(re.search(r"version=(\d+)", ready).group(1))
+        assert resumed_at >= 2
+        await eventually(
+            lambda: sum(len(s.sample_ids) for s in checkpoint.read_steps(ckpt)) >= len(everything),
+            timeout=120,
+        )
+        await eventually(lambda: _consumer_settled(js, names), timeout=30)
+    finally:
+        assert restarted.stop() == 0, "".join(restarted.output)
+    steps = checkpoint.read_steps(ckpt)
+    trained = [sid for s in steps for sid in s.sample_ids]
+    assert sorted(trained) == sorted(everything)  # none twice, none lost
+    versions = [s.version for s in steps]
+    assert versions == list(range(1, len(steps) + 1))
+    assert len(steps) == len(first) + len(second)
+    # Every version was published, and a version published twice carries the same content.
+    await eventually(lambda: published and published[-1].version == versions[-1])
+    by_version: dict[int, set[str]] = {}
+    for e in published:
+        by_version.setdefault(e.version, set()).add(e.sha256)
+    assert sorted(by_version) == versions
+    assert all(len(shas) == 1 for shas in by_version.values())
+    last = published[-1]
+    assert hashlib.sha256(await fetch_weights(js, last)).hexdigest() == last.sha256
+    assert time.time() >= last.published_at

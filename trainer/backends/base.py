@@ -1,0 +1,88 @@
+"""The interface every trainer backend implements (``torch`` here, ``megatron`` elsewhere).
+
+A backend owns the model, the optimizer and the data-parallel gradient reduction; the trainer
+owns everything else (batching, advantages, losses, checkpoints, NATS). Layout conventions:
+
+- A ``TokenBatch`` is right-padded: ``input_ids`` and ``attention_mask`` are ``(B, T)``.
+- ``token_logprobs`` returns ``(B, T)`` float32 where ``[b, t]`` is the log-probability of
+  ``input_ids[b, t]`` given ``input_ids[b, :t]``; column 0 (no context) and padding are 0. This
+  is the same position convention as ``SampleReady.logprobs``, so the two line up index by index.
+- The trainer builds each rank's loss already divided by the GLOBAL number of loss tokens (all
+  ranks), so ``apply`` must SUM gradients over the data-parallel group (not average them): then
+  N ranks on N shards give the same update as one rank on the whole batch.
+- ``hf_state_dict`` uses Hugging Face parameter names and float tensors on CPU, full (not
+  sharded) on every rank that calls it; tied embeddings appear once (``lm_head.weight`` may be
+  omitted when tied).
+
+Construction: each backend module exposes ``build(model: Path, config: TrainerConfig) ->
+TrainerBackend`` (see ``trainer.backends.build_backend``); ``torch.distributed`` is already
+initialised when ``build`` is called with ``world_size > 1``. Backend methods are blocking: the
+trainer calls them off the event loop.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Right-padded token ids of some samples, on CPU; the backend moves them to its device."""
+
+    input_ids: torch.Tensor  # (B, T) int64
+    attention_mask: torch.Tensor  # (B, T) int64, 1 on real tokens
+
+
+@dataclass(frozen=True)
+class ApplyStats:
+    """What one optimizer step reports."""
+
+    grad_norm: float  # total gradient norm before clipping (after the data-parallel reduction)
+    lr: float
+
+
+@runtime_checkable
+class TrainerBackend(Protocol):
+    """A policy model with its optimizer, one per trainer rank."""
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index in the data-parallel group (0 when alone)."""
+        ...
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks in the data-parallel group; the trainer gives each its own shard of a batch."""
+        ...
+
+    def token_logprobs(self, batch: TokenBatch, grad: bool) -> torch.Tensor:
+        """Per-token log-probabilities ``(B, T)`` (see the module docstring); with ``grad`` the
+        result is attached to the graph for ``apply``, without it it is computed under no_grad.
+        The result may live on the backend's device."""
+        ...
+
+    def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """Like ``token_logprobs(batch, grad=False)`` but from the frozen reference model, which
+        exists only when ``config.kl_coef > 0``; raises ``BackendError`` otherwise."""
+        ...
+
+    def apply(self, loss: torch.Tensor | None) -> ApplyStats:
+        """Backward ``loss``, sum gradients over the data-parallel group, clip to
+        ``config.max_grad_norm``, take one optimizer step and zero the gradients. ``None``: this
+        rank had no samples in this minibatch; it contributes zero gradients but still joins the
+        reduction and the step (every rank calls ``apply`` the same number of times)."""
+        ...
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights under Hugging Face names (CPU tensors), for publication."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """Everything a checkpoint needs to resume this rank exactly (model + optimizer),
+        as a ``torch.save``-able object."""
+        ...
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what ``state`` returned."""
+        ...

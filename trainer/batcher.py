@@ -1,0 +1,199 @@
+"""Complete groups into training batches, pure Python (no NATS): which samples a step takes, with
+which advantage and weight.
+
+A group is complete when it holds samples from ``group_size`` distinct sessions, each with all of
+its ``session_samples``. Groups leave in the order they completed. At step time every sample is
+checked against the staleness bound: its lag is the trainer's version minus the oldest version of
+its loss tokens.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+from broker.messages import SampleReady
+from trainer.backends.base import TokenBatch
+from trainer.config import StalenessMode, TrainerConfig
+from trainer.exceptions import BatchError
+from trainer.losses import group_advantages
+
+
+class Outcome(StrEnum):
+    """What became of a sample (the label of ``sf_trainer_samples``)."""
+
+    TRAINED = "trained"
+    DOWNWEIGHTED = "downweighted"
+    STALE_DROPPED = "stale_dropped"
+    DUPLICATE = "duplicate"
+
+
+@dataclass
+class _Group:
+    size: int
+    sessions: dict[str, dict[str, SampleReady]] = field(default_factory=dict)
+    session_samples: dict[str, int] = field(default_factory=dict)
+
+    def complete(self) -> bool:
+        return len(self.sessions) == self.size and all(
+            len(samples) == self.session_samples[s] for s, samples in self.sessions.items()
+        )
+
+    def samples(self) -> list[SampleReady]:
+        return [s for samples in self.sessions.values() for s in samples.values()]
+
+
+class Batcher:
+    """Samples in, complete groups out. ``add`` refuses a sample that contradicts its group."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, _Group] = {}
+        self._complete: OrderedDict[str, list[SampleReady]] = OrderedDict()
+        self._held: set[str] = set()
+
+    @property
+    def complete_groups(self) -> int:
+        return len(self._complete)
+
+    def holds(self, sample_id: str) -> bool:
+        return sample_id in self._held
+
+    def add(self, sample: SampleReady) -> None:
+        """Hold ``sample`` until its group completes. Raises ``BatchError`` if it is held already
+        or disagrees with its group (size, session sample count, one session too many)."""
+        if sample.sample_id in self._held:
+            raise BatchError(f"sample {sample.sample_id} is already held")
+        if sample.group_id in self._complete:
+            raise BatchError(f"sample {sample.sample_id}: group {sample.group_id} is complete")
+        group = self._open.setdefault(sample.group_id, _Group(sample.group_size))
+        where = f"sample {sample.sample_id} of group {sample.group_id}"
+        if sample.group_size != group.size:
+            raise BatchError(f"{where}: group_size {sample.group_size}, the group has {group.size}")
+        known = group.session_samples.setdefault(sample.session_id, sample.session_samples)
+        if known != sample.session_samples:
+            raise BatchError(
+                f"{where}: session_samples {sample.session_samples}, session "
+                f"{sample.session_id} said {known}"
+            )
+        session = group.sessions.get(sample.session_id)
+        if session is None:
+            if len(group.sessions) == group.size:
+                del group.session_samples[sample.session_id]
+                raise BatchError(f"{where}: more than group_size={group.size} sessions")
+            session = group.sessions[sample.session_id] = {}
+        if len(session) == sample.session_samples:
+            raise BatchError(
+                f"{where}: session {sample.session_id} already has its "
+                f"{sample.session_samples} samples"
+            )
+        session[sample.sample_id] = sample
+        self._held.add(sample.sample_id)
+        if group.complete():
+            del self._open[sample.group_id]
+            self._complete[sample.group_id] = group.samples()
+
+    def take(self, groups: int) -> list[list[SampleReady]] | None:
+        """The ``groups`` oldest complete groups, or None while fewer are complete."""
+        if len(self._complete) < groups:
+            return None
+        taken = [self._complete.popitem(last=False)[1] for _ in range(groups)]
+        for group in taken:
+            self._held.difference_update(s.sample_id for s in group)
+        return taken
+
+
+@dataclass(frozen=True)
+class TrainItem:
+    """A sample as a step trains it."""
+
+    sample: SampleReady
+    advantage: float
+    weight: float  # 1.0, or stale_weight past the staleness bound
+
+
+def lag(sample: SampleReady, version: int) -> int:
+    """Versions the sample's oldest loss token lags ``version`` (0 without loss tokens)."""
+    versions = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
+    return max(0, version - min(versions)) if versions else 0
+
+
+def plan_step(
+    groups: list[list[SampleReady]], version: int, config: TrainerConfig
+) -> tuple[list[TrainItem], dict[str, Outcome], list[int]]:
+    """Advantages over each whole group, then the staleness bound per sample. Returns the items
+    to train, every sample's outcome, and every sample's lag."""
+    items: list[TrainItem] = []
+    outcomes: dict[str, Outcome] = {}
+    lags: list[int] = []
+    for group in groups:
+        rewards = [s.reward for s in group]
+        advantages = group_advantages(rewards, config.advantage, config.std_eps)
+        for sample, advantage in zip(group, advantages, strict=True):
+            behind = lag(sample, version)
+            lags.append(behind)
+            if behind <= config.max_staleness:
+                outcomes[sample.sample_id] = Outcome.TRAINED
+                items.append(TrainItem(sample, advantage, 1.0))
+            elif config.staleness_mode is StalenessMode.DROP:
+                outcomes[sample.sample_id] = Outcome.STALE_DROPPED
+            else:
+                outcomes[sample.sample_id] = Outcome.DOWNWEIGHTED
+                items.append(TrainItem(sample, advantage, config.stale_weight))
+    return items, outcomes, lags
+
+
+@dataclass(frozen=True)
+class BatchTensors:
+    """Items collated, right-padded to the longest."""
+
+    tokens: TokenBatch
+    mask: torch.Tensor  # (B, T) float, 1 on loss tokens
+    behaviour: torch.Tensor  # (B, T) float
+    versions: torch.Tensor  # (B, T) int64, -1 off loss tokens
+    advantages: torch.Tensor  # (B, 1) float
+    weights: torch.Tensor  # (B,) float
+
+    @property
+    def loss_tokens(self) -> int:
+        return int(self.mask.sum())
+
+
+def collate(items: list[TrainItem]) -> BatchTensors:
+    if not items:
+        raise BatchError("cannot collate an empty list of samples")
+    width = max(len(i.sample.token_ids) for i in items)
+    shape = (len(items), width)
+    ids = torch.zeros(shape, dtype=torch.long)
+    attention = torch.zeros(shape, dtype=torch.long)
+    mask = torch.zeros(shape)
+    behaviour = torch.zeros(shape)
+    versions = torch.full(shape, -1, dtype=torch.long)
+    for row, item in enumerate(items):
+        s = item.sample
+        n = len(s.token_ids)
+        ids[row, :n] = torch.tensor(s.token_ids)
+        attention[row, :n] = 1
+        mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        behaviour[row, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+        versions[row, :n] = torch.tensor(s.versions)
+    mask[:, 0] = 0  # the first token has no context to be predicted from
+    return BatchTensors(
+        tokens=TokenBatch(ids, attention),
+        mask=mask,
+        behaviour=behaviour,
+        versions=versions,
+        advantages=torch.tensor([[i.advantage] for i in items]),
+        weights=torch.tensor([i.weight for i in items]),
+    )
+
+
+def split(items: list[TrainItem], parts: int) -> list[list[TrainItem]]:
+    """``items`` in ``parts`` contiguous chunks of near-equal size (some may be empty)."""
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        end = start + base + (1 if p < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out

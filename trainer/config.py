@@ -1,0 +1,108 @@
+"""The trainer's typed configuration: the ``[trainer]`` section of a run's TOML."""
+
+import os
+import socket
+from enum import StrEnum
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from broker.subjects import NAME_PATTERN
+
+
+class Advantage(StrEnum):
+    """How a sample's reward becomes its advantage within its group."""
+
+    GRPO = "grpo"  # (reward - group mean) / (group std + eps)
+    BASELINE = "baseline"  # reward - group mean
+
+
+class StalenessMode(StrEnum):
+    """What happens to a sample whose tokens lag the trainer by more than ``max_staleness``."""
+
+    DROP = "drop"
+    DOWNWEIGHT = "downweight"
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: Literal["torch", "megatron"] = Field(
+        default="torch", description="torch: HF model, DP over torch.distributed; megatron: GPU"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="auto: cuda when available, else cpu"
+    )
+    world_size: int = Field(
+        default=1, ge=1, le=1024, description="data-parallel train ranks (local processes)"
+    )
+    threads: int | None = Field(
+        default=None, ge=1, le=1024, description="torch threads per rank; None: OMP_NUM_THREADS"
+    )
+    seed: int = Field(default=0, ge=0, description="torch seed (model init of the reference)")
+
+    lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas")
+    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="gradient clipping norm")
+
+    groups_per_step: int = Field(
+        default=4, ge=1, le=1 << 16, description="complete groups per training step"
+    )
+    minibatches: int = Field(
+        default=1, ge=1, le=1024, description="optimizer steps per training step (batch split)"
+    )
+    advantage: Advantage = Field(default=Advantage.GRPO, description="grpo or baseline")
+    std_eps: float = Field(default=1e-6, gt=0, description="added to the group std (grpo)")
+    clip_eps_low: float = Field(default=0.2, ge=0, lt=1, description="ratio floor is 1 - this")
+    clip_eps_high: float = Field(default=0.28, ge=0, description="ratio ceiling is 1 + this")
+    importance_cap: float = Field(
+        default=5.0, gt=0, description="cap of the behaviour->proximal importance weight"
+    )
+    kl_coef: float = Field(
+        default=0.0, ge=0, description="k3 KL to a frozen reference model; 0: none loaded"
+    )
+
+    max_staleness: int = Field(
+        default=4, ge=0, description="versions a sample's oldest loss token may lag the trainer"
+    )
+    staleness_mode: StalenessMode = Field(
+        default=StalenessMode.DROP, description="drop or downweight samples past max_staleness"
+    )
+    stale_weight: float = Field(
+        default=0.5, ge=0, le=1, description="loss multiplier of stale samples (downweight)"
+    )
+
+    checkpoint_dir: Path | None = Field(
+        default=None, description="checkpoint after every step here; None: no checkpoints"
+    )
+    keep_trained_steps: int = Field(
+        default=64, ge=1, description="steps whose sample ids a checkpoint remembers (dedup)"
+    )
+    weights_dir: Path | None = Field(
+        default=None, description="shared folder for weight blobs; None: the run's object store"
+    )
+    max_pending_samples: int = Field(
+        default=4096, ge=1, description="samples held un-acked while their groups fill"
+    )
+    worker_id: str = Field(
+        default_factory=lambda: f"trainer-{socket.gethostname()}-{os.getpid()}"[-64:],
+        pattern=NAME_PATTERN,
+        description="this trainer's key in the worker registry",
+    )
+    tags: list[str] = Field(default_factory=lambda: ["train"], max_length=64)
+    heartbeat_s: float = Field(default=5.0, gt=0, description="worker registry renewal period")
+    progress_interval: float = Field(
+        default=5.0, gt=0, description="seconds between in_progress() of held samples"
+    )
+
+    @model_validator(mode="after")
+    def _minibatches_fit(self) -> Self:
+        if self.minibatches > self.groups_per_step:
+            raise ValueError(
+                f"minibatches={self.minibatches} exceeds groups_per_step={self.groups_per_step}: "
+                "each minibatch needs at least one group"
+            )
+        return self

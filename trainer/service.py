@@ -1,0 +1,408 @@
+"""The trainer as a service: samples from NATS into steps, each step checkpointed, acknowledged
+and published as a new weight version.
+
+Per sample (``Ingress`` handler): skip-and-ack one already trained (redelivered after a restart),
+else hold it in the ``Batcher`` and wait, un-acked and kept in progress, until the step that used
+it is committed. Per step (``Trainer.run``):
+
+1. take ``groups_per_step`` complete groups; advantages, staleness bound;
+2. train on every rank (off the event loop);
+3. checkpoint (model, optimizer, version v+1, the ids of recent steps), atomically;
+4. release the samples' handlers: the ingress acks them;
+5. publish version v+1 and time how long until every rollout worker serves it.
+"""
+
+import asyncio
+import logging
+import math
+import time
+from pathlib import Path
+
+from nats.js import JetStreamContext
+from prometheus_client import Counter, Gauge, Histogram
+from safetensors.torch import save
+
+from broker.client import session
+from broker.exceptions import InvalidMessageError
+from broker.ingress import Delivery, Ingress
+from broker.messages import Role, SampleReady, WorkerRegistered
+from broker.registry import Registration, watch_workers
+from broker.subjects import Durable, RunNames
+from broker.weights import latest_weights, publish_weights
+from seamlessflow.config import RunConfig
+from seamlessflow.log import kv
+from seamlessflow.metrics import serve_metrics
+from trainer import checkpoint
+from trainer.batcher import Batcher, Outcome, plan_step
+from trainer.checkpoint import Checkpoint, StepRecord
+from trainer.config import TrainerConfig
+from trainer.exceptions import BatchError, TrainerError
+from trainer.ranks import RankGroup, set_threads
+
+log = logging.getLogger(__name__)
+
+_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+STEPS = Counter("sf_trainer_steps", "Training steps committed")
+VERSION = Gauge("sf_trainer_version", "Weight version the trainer holds")
+SAMPLES = Counter("sf_trainer_samples", "Samples consumed, by outcome", ["outcome"])
+INVALID = Counter(
+    "sf_trainer_invalid_samples", "Samples refused because they contradict their group"
+)
+HELD = Gauge("sf_trainer_samples_held", "Samples held un-acked until their step commits")
+LOSS = Gauge("sf_trainer_loss", "Policy loss per loss token of the last step (rank 0's shard)")
+REWARD = Gauge("sf_trainer_reward_mean", "Mean reward of the last step's samples")
+ADV_STD = Gauge("sf_trainer_advantage_std", "Std of the last step's advantages")
+KL = Gauge("sf_trainer_kl", "Mean k3 KL to the reference model in the last step")
+GRAD_NORM = Gauge("sf_trainer_grad_norm", "Gradient norm before clipping, last optimizer step")
+MISMATCH = Gauge(
+    "sf_trainer_mismatch",
+    "Behaviour vs proximal logprobs on same-version tokens, last step",
+    ["stat"],  # mean_abs, max_abs, kl
+)
+MISMATCH_HIST = Histogram(
+    "sf_trainer_mismatch_mean_abs",
+    "Per step: mean |behaviour - proximal| logprob on same-version tokens",
+    buckets=(1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
+)
+STALENESS = Histogram(
+    "sf_trainer_sample_staleness",
+    "Versions a sample's oldest loss token lags the trainer",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)
+STEP_SECONDS = Histogram(
+    "sf_trainer_step_seconds", "Training (all ranks) per step", buckets=_SECONDS
+)
+CHECKPOINT_SECONDS = Histogram(
+    "sf_trainer_checkpoint_seconds", "Writing one checkpoint", buckets=_SECONDS
+)
+PUBLISH_SECONDS = Histogram(
+    "sf_trainer_weight_publish_seconds", "Serialising and publishing one version", buckets=_SECONDS
+)
+SERVING_SECONDS = Histogram(
+    "sf_trainer_weights_serving_seconds",
+    "From an optimizer step to every rollout worker serving its version",
+    buckets=_SECONDS,
+)
+TOKENS = Counter("sf_trainer_tokens", "Loss tokens trained")
+
+
+class ServingWatch:
+    """Times each version from its optimizer step until every live rollout worker in the
+    registry reports it (a worker counts as live until ``ttl`` after its last heartbeat)."""
+
+    def __init__(self, ttl: float, keep: int = 16) -> None:
+        self._ttl = ttl
+        self._keep = keep
+        self._workers: dict[str, WorkerRegistered] = {}
+        self._pending: dict[int, float] = {}  # version -> time.monotonic() of its step
+
+    def stepped(self, version: int, at: float) -> list[tuple[int, float]]:
+        self._pending[version] = at
+        while len(self._pending) > self._keep:
+            del self._pending[min(self._pending)]
+        return self._settle()
+
+    def seen(self, worker_id: str, entry: WorkerRegistered | None) -> list[tuple[int, float]]:
+        if entry is None or entry.role is not Role.ROLLOUT:
+            self._workers.pop(worker_id, None)
+        else:
+            self._workers[worker_id] = entry
+        return self._settle()
+
+    def _settle(self) -> list[tuple[int, float]]:
+        """(version, seconds) of each pending version every live rollout worker now serves."""
+        now = time.time()
+        live = [w for w in self._workers.values() if now - w.heartbeat_at <= self._ttl]
+        if not live:
+            return []
+        serving = min(w.version if w.version is not None else -1 for w in live)
+        done = [v for v in self._pending if v <= serving]
+        return [(v, time.monotonic() - self._pending.pop(v)) for v in sorted(done)]
+
+
+class Trainer:
+    """Rank 0's loop; see the module docstring."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: RunNames,
+        config: TrainerConfig,
+        ranks: RankGroup,
+        registration: Registration,
+        watch: ServingWatch,
+        start: Checkpoint | None,
+    ) -> None:
+        self._js = js
+        self._names = names
+        self._config = config
+        self._ranks = ranks
+        self._registration = registration
+        self._watch = watch
+        self.version = start.version if start else 0
+        self._recent: list[StepRecord] = list(start.recent) if start else []
+        self._trained = start.trained_ids() if start else set()
+        self._batcher = Batcher()
+        self._waiting: dict[str, asyncio.Future[None]] = {}
+        self._wake = asyncio.Event()
+
+    # -- samples ----------------------------------------------------------------------------
+    async def on_sample(self, sample: SampleReady, delivery: Delivery) -> None:
+        """Ingress handler: returns (-> ack) once the step that consumed the sample is committed."""
+        # 1. Trained before this (re)delivery: acknowledge it again, train nothing.
+        if sample.sample_id in self._trained:
+            SAMPLES.labels(Outcome.DUPLICATE.value).inc()
+            log.info(kv("sample_duplicate", sample=sample.sample_id, seq=delivery.stream_seq))
+            return
+        # 2. Held already (a second delivery while its group fills): share the first's outcome.
+        future = self._waiting.get(sample.sample_id)
+        if future is None:
+            try:
+                self._batcher.add(sample)
+            except BatchError as exc:
+                INVALID.inc()
+                raise InvalidMessageError(str(exc)) from exc  # dead-lettered with the reason
+            future = self._waiting[sample.sample_id] = asyncio.get_running_loop().create_future()
+            HELD.inc()
+            self._wake.set()
+        # 3. Wait for the commit, keeping the message from being redelivered meanwhile.
+        while True:
+            try:
+                await asyncio.wait_for(asyncio.shield(future), self._config.progress_interval)
+                return
+            except TimeoutError:
+                await delivery.in_progress()
+
+    def _release(self, sample_ids: list[str], error: BaseException | None = None) -> None:
+        for sid in sample_ids:
+            future = self._waiting.pop(sid, None)
+            if future is None or future.done():
+                continue
+            HELD.dec()
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+    # -- steps ------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """Step whenever enough groups are complete, until ``stop``; then hand every held
+        sample back (nak: another trainer run takes it)."""
+        try:
+            while not stop.is_set():
+                groups = self._batcher.take(self._config.groups_per_step)
+                if groups is None:
+                    self._wake.clear()
+                    waiter = asyncio.create_task(self._wake.wait())
+                    stopper = asyncio.create_task(stop.wait())
+                    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    stopper.cancel()
+                    continue
+                await self._step(groups)
+        finally:
+            self._release(list(self._waiting), TrainerError("trainer stopping"))
+
+    async def _step(self, groups: list[list[SampleReady]]) -> None:
+        consumed = [s.sample_id for g in groups for s in g]
+        # 1. Advantages and the staleness bound.
+        items, outcomes, lags = plan_step(groups, self.version, self._config)
+        for behind in lags:
+            STALENESS.observe(behind)
+        for outcome in outcomes.values():
+            SAMPLES.labels(outcome.value).inc()
+        if not items:  # everything was past the bound: nothing to train, nothing to publish
+            self._trained.update(consumed)
+            self._release(consumed)
+            log.info(kv("step_skipped", samples=len(consumed), reason="all stale"))
+            return
+        # 2. Train on every rank.
+        started = time.monotonic()
+        try:
+            stats = await asyncio.to_thread(self._ranks.step, items, self.version)
+        except Exception as exc:
+            self._release(consumed, exc)
+            raise
+        stepped = time.monotonic()
+        STEP_SECONDS.observe(stepped - started)
+        version = self.version + 1
+        # 3. Commit: the checkpoint, then the acks.
+        record = StepRecord(version, tuple(consumed))
+        self._recent = [*self._recent, record][-self._config.keep_trained_steps :]
+        await self._checkpoint(version)
+        self.version = version
+        self._trained = {sid for r in self._recent for sid in r.sample_ids}
+        self._release(consumed)
+        # 4. Publish the new version; audit log; metrics.
+        await self._publish(version)
+        for _, seconds in self._watch.stepped(version, stepped):
+            SERVING_SECONDS.observe(seconds)
+        if self._config.checkpoint_dir is not None:
+            await asyncio.to_thread(checkpoint.append_steps, self._config.checkpoint_dir, [record])
+        await self._registration.put(version=version)
+        self._report(items, stats, stepped - started)
+
+    async def _checkpoint(self, version: int) -> None:
+        directory = self._config.checkpoint_dir
+        if directory is None:
+            return
+        started = time.monotonic()
+        state = await asyncio.to_thread(self._ranks.backend.state)
+        ckpt = Checkpoint(version, state, tuple(self._recent))
+        await asyncio.to_thread(checkpoint.save, directory, ckpt)
+        CHECKPOINT_SECONDS.observe(time.monotonic() - started)
+
+    async def _publish(self, version: int) -> None:
+        started = time.monotonic()
+        blob = await asyncio.to_thread(lambda: save(self._ranks.backend.hf_state_dict()))
+        await publish_weights(
+            self._js, self._names, version, blob, directory=self._config.weights_dir
+        )
+        PUBLISH_SECONDS.observe(time.monotonic() - started)
+        VERSION.set(version)
+        log.info(kv("weights_published", version=version, bytes=len(blob)))
+
+    def _report(self, items, stats, seconds: float) -> None:
+        rewards = [i.sample.reward for i in items]
+        advantages = [i.advantage for i in items]
+        mean_adv = sum(advantages) / len(advantages)
+        adv_std = math.sqrt(sum((a - mean_adv) ** 2 for a in advantages) / len(advantages))
+        reward_mean = sum(rewards) / len(rewards)
+        STEPS.inc()
+        TOKENS.inc(stats.loss_tokens)
+        LOSS.set(stats.loss)
+        REWARD.set(reward_mean)
+        ADV_STD.set(adv_std)
+        KL.set(stats.kl)
+        GRAD_NORM.set(stats.grad_norm)
+        m = stats.mismatch
+        if m.tokens:
+            MISMATCH.labels("mean_abs").set(m.mean_abs)
+            MISMATCH.labels("max_abs").set(m.max_abs)
+            MISMATCH.labels("kl").set(m.kl)
+            MISMATCH_HIST.observe(m.mean_abs)
+        log.info(
+            kv(
+                "train_step",
+                version=self.version,
+                samples=stats.samples,
+                tokens=stats.loss_tokens,
+                reward_mean=round(reward_mean, 4),
+                loss=round(stats.loss, 6),
+                kl=round(stats.kl, 6),
+                grad_norm=round(stats.grad_norm, 4),
+                mismatch_tokens=m.tokens,
+                mismatch_mean_abs=round(m.mean_abs, 6),
+                mismatch_max_abs=round(m.max_abs, 6),
+                mismatch_kl=round(m.kl, 8),
+                seconds=round(seconds, 3),
+            )
+        )
+
+    # -- start ------------------------------------------------------------------------------
+    async def publish_if_missing(self) -> None:
+        """After a restart: publish the checkpoint's version if the weights stream lacks it
+        (the process died between the checkpoint and the publication)."""
+        latest = await latest_weights(self._js, self._names)
+        published = latest.version if latest else 0
+        if published > self.version:
+            raise TrainerError(
+                f"the weights stream of run {self._names.run} already has v{published} but this "
+                f"trainer starts at v{self.version} (checkpoint_dir="
+                f"{self._config.checkpoint_dir}): use the checkpoint that produced it or a new run"
+            )
+        if self.version > published:
+            await self._publish(self.version)
+        VERSION.set(self.version)
+
+    async def follow_workers(self) -> None:
+        async for worker_id, entry in watch_workers(self._js, self._names):
+            for _, seconds in self._watch.seen(worker_id, entry):
+                SERVING_SECONDS.observe(seconds)
+
+
+async def serve_trainer(
+    url: str,
+    run: RunConfig,
+    config: TrainerConfig,
+    model: Path,
+    metrics_port: int,
+    stop: asyncio.Event,
+) -> None:
+    """Run the trainer (all its ranks) until ``stop``: /metrics, ranks, checkpoint, NATS."""
+    set_threads(config)
+    metrics = serve_metrics(metrics_port)
+    ranks = await asyncio.to_thread(RankGroup, model, config)
+    try:
+        # 1. Resume from the newest checkpoint, on every rank.
+        start, path = None, None
+        if config.checkpoint_dir is not None:
+            path = checkpoint.latest_path(config.checkpoint_dir)
+            start = await asyncio.to_thread(checkpoint.load_file, path) if path else None
+        await asyncio.to_thread(ranks.load, start, path)
+        if start is not None:
+            # The process may have died between a checkpoint and its line in the steps log.
+            await asyncio.to_thread(checkpoint.append_steps, config.checkpoint_dir, start.recent)
+        async with session(url, f"seamlessflow-{config.worker_id}") as nc:
+            js = nc.jetstream()
+            names = RunNames(run.run)
+            # 2. Register, publish what a crash may have left unpublished, consume.
+            registration = await Registration.open(
+                js,
+                names,
+                config.worker_id,
+                tags=config.tags,
+                role=Role.TRAIN,
+                version=start.version if start else 0,
+                metrics_url=metrics.url,
+            )
+            await registration.put()
+            watch = ServingWatch(run.provision.workers_ttl_s)
+            trainer = Trainer(js, names, config, ranks, registration, watch, start)
+            await trainer.publish_if_missing()
+            ingress = Ingress(
+                js,
+                names,
+                source="trainer",
+                stream=names.samples_stream,
+                durable=Durable.TRAINER,
+                schema=SampleReady,
+                handler=trainer.on_sample,
+                max_payload=run.provision.samples.max_payload,
+                batch=256,
+                concurrency=config.max_pending_samples,
+                fetch_timeout=0.5,
+            )
+            ingress_stop = asyncio.Event()
+            tasks = [
+                asyncio.create_task(ingress.run(ingress_stop)),
+                asyncio.create_task(registration.keep_alive(config.heartbeat_s, stop)),
+                asyncio.create_task(trainer.follow_workers()),
+            ]
+            stepping = asyncio.create_task(trainer.run(stop))
+            log.info(kv("trainer_started", run=run.run, version=trainer.version))
+            print(
+                f"trainer ready: run={run.run} version={trainer.version} metrics={metrics.url}",
+                flush=True,
+            )
+            try:
+                await asyncio.wait(
+                    {stepping, asyncio.create_task(stop.wait())},
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                # 3. Finish the step in progress, hand back held samples, stop consuming.
+                stop.set()
+                await asyncio.gather(stepping, return_exceptions=True)
+                ingress_stop.set()
+                await tasks[0]
+                for task in tasks[1:]:
+                    task.cancel()
+                await asyncio.gather(*tasks[1:], return_exceptions=True)
+                await registration.delete()
+            if stepping.exception() is not None:
+                raise TrainerError(f"training failed: {stepping.exception()!r}")
+    finally:
+        await asyncio.to_thread(ranks.close)
+        metrics.close()
+    print("trainer stopped", flush=True)
