@@ -126,7 +126,9 @@ class Ingress(Generic[M]):
     def _room(self) -> int:
         if self._concurrency == 1:
             return self._batch
-        return min(self._batch, self._concurrency - len(self._running))
+        # A fetch can return more than asked (messages of an earlier, expired pull request),
+        # so more than ``concurrency`` may be running: then there is no room at all.
+        return max(0, min(self._batch, self._concurrency - len(self._running)))
 
     async def _settle_logged(self, msg: Msg) -> None:
         try:
