@@ -29,9 +29,9 @@ class WeightsIntegrityError(BrokerError):
     """A weight blob is missing, or its size or checksum differs from its event."""
 
 
-KEEP_VERSIONS = 4
-"""Blobs kept per run: older ones are deleted when a new version is published, so the store
-does not fill up (a worker still loading one of the kept versions is not cut off)."""
+KEEP_VERSIONS = 3
+"""Blobs kept per run, the new one included: older ones are deleted before a new version is
+stored, so the store never holds more than this many (size the store for them)."""
 
 
 def blob_name(version: int) -> str:
@@ -54,11 +54,12 @@ async def publish_weights(
     directory: Path | None = None,
     keep: int = KEEP_VERSIONS,
 ) -> WeightsPublished:
-    """Store ``blob`` (safetensors bytes) as ``version`` and announce it on ``names.weights``,
-    then delete the blobs older than the newest ``keep`` versions.
+    """Delete the blobs older than the newest ``keep`` versions (this one included), store
+    ``blob`` (safetensors bytes) as ``version`` and announce it on ``names.weights``.
 
     ``directory``: write the blob to this shared folder instead of the object store.
     """
+    await _prune(js, names, directory, older_than=version - keep + 1)
     if directory is None:
         store = await js.object_store(names.weights_store)
         await store.put(blob_name(version), blob)
@@ -77,7 +78,6 @@ async def publish_weights(
     await js.publish(
         names.weights, codec.encode(event), headers=codec.headers(msg_id=f"weights-v{version}")
     )
-    await _prune(js, names, directory, older_than=version - keep + 1)
     return event
 
 
