@@ -177,7 +177,7 @@ def smollm2_model(cache: Path | None = None) -> Path:
     # The weights are already dequantized to float32; drop the GGUF marker so they can be saved.
     model.hf_quantizer = None
     del model.config.quantization_config
-    _atomic_save(target, model, tokenizer)
+    save_model(target, model, tokenizer)
     log.info(kv("smollm2_unpacked", gguf=gguf, path=target))
     return target
 
@@ -192,7 +192,8 @@ def tiny_model(cache: Path | None = None) -> Path:
     return target
 
 
-def _atomic_save(target: Path, model, tokenizer) -> None:
+def save_model(target: Path, model, tokenizer) -> None:
+    """Save an HF model and tokenizer as the folder ``target``, atomically."""
     with tempfile.TemporaryDirectory(dir=_parent(target)) as tmp:
         staging = Path(tmp) / "model"
         model.save_pretrained(staging, safe_serialization=True)

@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,8 @@ from broker.messages import TaskSubmitted
 from broker.provision import provision_run, run_status
 from broker.schema import export_schemas
 from broker.subjects import RunNames
+from rollout.agents.config import AgentsConfig
+from rollout.agents.runner import serve_agents
 from rollout.engines import ENGINES, EngineConfig
 from rollout.gateway import GatewayConfig, serve_gateway
 from rollout.models import MODELS, resolve_model
@@ -23,13 +26,16 @@ from seamlessflow.config import DEFAULT_RUN, ConfigError, load_config
 from seamlessflow.exceptions import SeamlessFlowError
 from seamlessflow.launcher import (
     print_status,
-    run_local,
     serve_broker,
     serve_until_signalled,
     serve_worker,
 )
 from seamlessflow.log import setup_logging
+from seamlessflow.run import run_rl
 from seamlessflow.submit import SubmitReport, parse_tasks, submit_tasks
+from trainer.config import TrainerConfig
+from trainer.service import serve_trainer
+from trajectory.manager import serve_trajectory
 
 
 def _add_nats(p: argparse.ArgumentParser, *, embedded: bool = False) -> None:
@@ -107,9 +113,40 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("model", help="build or unpack a model for CPU and print its folder")
     p.add_argument("name", choices=sorted(MODELS))
 
-    p = sub.add_parser("run", help="run everything on this machine (embedded broker by default)")
-    p.add_argument("config", nargs="?", type=Path, help="TOML run config")
+    p = sub.add_parser("trajectory", help="run the trajectory manager until Ctrl-C")
+    _add_nats(p)
+    _add_run(p)
+    p.add_argument("--config", type=Path, help="TOML run config (its [trajectory] section)")
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one)")
+
+    p = sub.add_parser("agents", help="run agents on a run's tasks against a gateway until Ctrl-C")
+    _add_nats(p)
+    _add_run(p)
+    p.add_argument("--gateway", required=True, help="gateway URL (with or without /v1)")
+    p.add_argument("--config", type=Path, help="TOML run config (its [agents] section)")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--agent", help="'module:function': an async agent for every task")
+    kind.add_argument(
+        "--command",
+        dest="agent_command",  # not `command`: that one names the subcommand
+        help="an external agent command, run once per attempt",
+    )
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one)")
+
+    p = sub.add_parser("trainer", help="run the trainer (all its ranks) until Ctrl-C")
+    _add_nats(p)
+    _add_run(p)
+    p.add_argument("--model", default="tiny", help="'tiny', 'smollm2' or an HF model folder")
+    p.add_argument("--config", type=Path, help="TOML run config (its [trainer] section)")
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one)")
+    p.add_argument("--world-size", type=int, help="local data-parallel ranks (default: config)")
+
+    p = sub.add_parser(
+        "run", help="run the whole RL loop on this machine (embedded broker by default)"
+    )
+    p.add_argument("config", nargs="?", type=Path, help="TOML run config (default: quickstart)")
     _add_nats(p, embedded=True)
+    _add_run(p)
     return parser
 
 
@@ -219,8 +256,54 @@ def _model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trajectory(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    run = config.model_copy(update={"run": args.run or config.run})
+    asyncio.run(serve_until_signalled(serve_trajectory, args.nats, run, args.metrics_port))
+    return 0
+
+
+def _agents(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    run = config.model_copy(update={"run": args.run or config.run})
+    fields = config.agents.model_dump()
+    if args.agent:
+        fields.update(agent=args.agent, command=None)
+    if args.agent_command:
+        fields.update(agent=None, command=shlex.split(args.agent_command))
+    try:
+        agents = AgentsConfig.model_validate(fields)
+    except ValidationError as exc:
+        raise ConfigError(f"agents settings: {exc}") from exc
+    asyncio.run(
+        serve_until_signalled(serve_agents, args.nats, run, agents, args.gateway, args.metrics_port)
+    )
+    return 0
+
+
+def _trainer(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    run = config.model_copy(update={"run": args.run or config.run})
+    trainer = config.trainer
+    if args.world_size is not None:
+        try:
+            trainer = TrainerConfig.model_validate(
+                {**trainer.model_dump(), "world_size": args.world_size}
+            )
+        except ValidationError as exc:
+            raise ConfigError(f"trainer settings: {exc}") from exc
+    model = resolve_model(args.model)
+    asyncio.run(
+        serve_until_signalled(serve_trainer, args.nats, run, trainer, model, args.metrics_port)
+    )
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
-    asyncio.run(run_local(load_config(args.config), args.nats))
+    config = load_config(args.config)
+    if args.run:
+        config = config.model_copy(update={"run": args.run})
+    asyncio.run(run_rl(config, args.config, args.nats))
     return 0
 
 
@@ -233,6 +316,9 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "worker": _worker,
     "gateway": _gateway,
     "model": _model,
+    "trajectory": _trajectory,
+    "agents": _agents,
+    "trainer": _trainer,
     "run": _run,
 }
 

@@ -2,13 +2,17 @@
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
 from broker.subjects import NAME_PATTERN
+from rollout.agents.config import AgentsConfig
 from seamlessflow.exceptions import SeamlessFlowError
+from trainer.config import TrainerConfig
+from trainer.warmstart import WarmStartConfig
+from trajectory.config import TrajectoryConfig
 
 
 class ConfigError(SeamlessFlowError):
@@ -16,6 +20,53 @@ class ConfigError(SeamlessFlowError):
 
 
 DEFAULT_RUN = "quickstart"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    """The policy: a built-in model or an HF folder, optionally warm-started."""
+
+    name: str = Field(default="tiny", description="'tiny', 'smollm2' or an HF model folder")
+    served_name: str = Field(
+        default="policy", min_length=1, max_length=256, description="the name agents ask for"
+    )
+    max_model_len: int = Field(default=512, ge=16, description="context length of the engines")
+    warm_start: WarmStartConfig = Field(
+        default_factory=lambda: WarmStartConfig(steps=70),
+        description="SFT on the task's demonstrations before RL (cached)",
+    )
+
+
+class RolloutConfig(_Section):
+    """The rollout workers ``seamlessflow run`` starts."""
+
+    engine: Literal["hf", "vllm"] = "hf"
+    workers: int = Field(default=1, ge=0, le=64, description="rollout worker processes")
+    max_running: int = Field(default=32, ge=1, description="requests each worker runs at once")
+    threads: int = Field(default=1, ge=1, description="torch threads per worker")
+
+
+class TasksConfig(_Section):
+    """The built-in task feed of ``seamlessflow run`` (tasks may also come from any client)."""
+
+    env: Literal["arithmetic", "none"] = Field(
+        default="arithmetic", description="'none': submit no tasks (publish your own)"
+    )
+    max_operand: int = Field(default=4, ge=0, le=10**6, description="a, b in [0, max_operand]")
+    group_size: int = Field(default=8, ge=1, le=1024, description="attempts per task")
+    max_turns: int = Field(default=2, ge=1, le=64)
+    backlog: int = Field(default=16, ge=1, description="tasks kept queued; more raises staleness")
+    seed: int = Field(default=0, ge=0)
+
+
+class StopConfig(_Section):
+    """When ``seamlessflow run`` ends (whichever comes first)."""
+
+    max_steps: int = Field(default=150, ge=1, description="trainer steps (weight versions)")
+    max_seconds: float = Field(default=600.0, gt=0, description="wall-clock limit of RL")
 
 
 class RunConfig(BaseModel):
@@ -26,6 +77,20 @@ class RunConfig(BaseModel):
     )
     broker: EmbeddedBrokerConfig = Field(default_factory=EmbeddedBrokerConfig)
     provision: ProvisionConfig = Field(default_factory=ProvisionConfig)
+    agents: AgentsConfig = Field(default_factory=AgentsConfig)
+    trajectory: TrajectoryConfig = Field(default_factory=TrajectoryConfig)
+    trainer: TrainerConfig = Field(
+        # The quickstart's tiny model learns at a higher rate than the library default.
+        default_factory=lambda: TrainerConfig(lr=1e-4, groups_per_step=8, threads=1),
+        description="the trainer (defaults tuned for the quickstart)",
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
+    stop: StopConfig = Field(default_factory=StopConfig)
+    output_dir: Path | None = Field(
+        default=None, description="summary and reward curve; default: <state dir>/runs/<run>"
+    )
 
 
 def load_config(path: Path | None) -> RunConfig:

@@ -1,5 +1,5 @@
-"""Long-running local commands: the embedded broker, a rollout worker, and ``run`` (everything on
-one machine)."""
+"""Long-running local commands (the embedded broker, a rollout worker) and what they share:
+signal handling and the broker URL of a local run."""
 
 import asyncio
 import signal
@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig
 from broker.metrics import StreamDepthCollector
-from broker.provision import RunStatus, provision_run, run_status
+from broker.provision import RunStatus
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from rollout.engines import EngineConfig, start_engine
@@ -101,21 +101,6 @@ async def serve_worker(
         await loaded.close()
         metrics.close()
     print(f"worker {worker.worker_id} stopped", flush=True)
-
-
-async def run_local(config: RunConfig, nats: str | None) -> RunStatus:
-    """Start the embedded broker unless ``nats`` is given, provision the run, print its status."""
-    async with nats_url(nats, config.broker) as url, session(url, "seamlessflow-run") as nc:
-        js = nc.jetstream()
-        report = await provision_run(js, config.run, config.provision)
-        print(
-            f"run {config.run!r} on {url}: {len(report.created)} created, "
-            f"{len(report.unchanged)} already there",
-            flush=True,
-        )
-        status = await run_status(js, config.run)
-    print_status(status)
-    return status
 
 
 def print_status(status: RunStatus, out=sys.stdout) -> None:

@@ -70,9 +70,9 @@ class ServiceProcess:
         if self._ready.wait(timeout) and self.metrics_url:
             return self
         self.stop()
-        raise ServiceProcessError(
-            f"{self.name} did not start within {timeout:g}s:\n{''.join(self.output)}"
-        )
+        code = self.proc.returncode
+        problem = f"exited with code {code}" if code else f"did not start within {timeout:g}s"
+        raise ServiceProcessError(f"{self.name} {problem}:\n{''.join(self.output)}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Send ``sig`` (SIGTERM: a clean stop) and wait; SIGKILL and raise past ``timeout``."""

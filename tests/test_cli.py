@@ -114,24 +114,6 @@ def test_schema_export_cli(tmp_path):
     assert schema["required"] == ["task_id", "messages"]
 
 
-def test_run_starts_an_embedded_broker_provisions_and_prints_status(tmp_path, nats_binary):
-    config = _config(tmp_path, "quick")
-    env = {
-        "SEAMLESSFLOW_STATE_DIR": str(tmp_path / "state"),
-        "SEAMLESSFLOW_NATS_SERVER": str(nats_binary),
-    }
-    done = sf("run", str(config), env=env)
-    assert done.returncode == 0, done.stderr
-    assert "run 'quick' on nats://127.0.0.1:" in done.stdout
-    assert "12 created" in done.stdout
-    assert "SF_quick_TASKS" in done.stdout and "OBJ_sf-quick-weights" in done.stdout
-    assert (tmp_path / "state" / "broker" / "jetstream").is_dir()
-    # Second run: the store survived, nothing new is created.
-    done = sf("run", str(config), env=env)
-    assert done.returncode == 0, done.stderr
-    assert "0 created, 12 already there" in done.stdout
-
-
 @pytest.mark.newest_nats
 async def test_gateway_and_model_commands(broker, names, tmp_path):
     env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}

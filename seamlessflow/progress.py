@@ -1,0 +1,95 @@
+"""What a run is doing, read from the data plane alone: rewards, tokens, versions, staleness.
+
+``RunStats`` is the pure core: fed the run's own messages (samples, call records, weight events)
+it keeps the reward per policy version and gives the live progress line and the summary. The
+launcher feeds it from core NATS subscriptions; nothing here reads another process's internals.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from broker.messages import CallRecorded, SampleReady, WeightsPublished
+
+TOKENS_WINDOW_S = 10.0
+"""Tokens per second are averaged over this window."""
+REWARD_WINDOW = 64
+"""The progress line's reward mean is over this many latest sessions."""
+
+
+@dataclass(frozen=True)
+class SessionPoint:
+    """One scored session: when its sample arrived, the policy version that produced it (the
+    newest version among its generated tokens), the trainer's version then, and its reward."""
+
+    at: float
+    policy_version: int
+    trainer_version: int
+    reward: float
+
+
+@dataclass
+class RunStats:
+    started_at: float = field(default_factory=time.time)
+    version: int = 0
+    sessions: list[SessionPoint] = field(default_factory=list)
+    samples: int = 0
+    generated_tokens: int = 0
+    calls: int = 0
+    _seen_sessions: set[str] = field(default_factory=set)
+    _tokens: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def on_weights(self, event: WeightsPublished, now: float) -> None:
+        self.version = max(self.version, event.version)
+
+    def on_call(self, call: CallRecorded, now: float) -> None:
+        self.calls += 1
+        self.generated_tokens += len(call.output_ids)
+        self._tokens.append((now, len(call.output_ids)))
+
+    def on_sample(self, sample: SampleReady, now: float) -> None:
+        self.samples += 1
+        if sample.session_id in self._seen_sessions:
+            return  # a session with several leaves is scored once
+        self._seen_sessions.add(sample.session_id)
+        versions = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
+        self.sessions.append(
+            SessionPoint(now, max(versions, default=self.version), self.version, sample.reward)
+        )
+
+    def tokens_per_second(self, now: float) -> float:
+        while self._tokens and self._tokens[0][0] < now - TOKENS_WINDOW_S:
+            self._tokens.popleft()
+        span = min(TOKENS_WINDOW_S, max(now - self.started_at, 1e-9))
+        return sum(n for _, n in self._tokens) / span
+
+    def reward_mean(self, last: int = REWARD_WINDOW) -> float | None:
+        recent = self.sessions[-last:]
+        return sum(p.reward for p in recent) / len(recent) if recent else None
+
+    def staleness(self, last: int = REWARD_WINDOW) -> float | None:
+        """Mean versions between the trainer and the policy that generated recent sessions."""
+        recent = self.sessions[-last:]
+        if not recent:
+            return None
+        return sum(p.trainer_version - p.policy_version for p in recent) / len(recent)
+
+    def line(self, now: float) -> str:
+        reward, stale = self.reward_mean(), self.staleness()
+        return (
+            f"step {self.version:4d} | reward {_fmt(reward)} (last {REWARD_WINDOW}) | "
+            f"{self.tokens_per_second(now):6.1f} tok/s | version {self.version} | "
+            f"staleness {_fmt(stale, 1)} | sessions {len(self.sessions)} | "
+            f"{now - self.started_at:5.0f}s"
+        )
+
+    def curve(self) -> list[tuple[int, float, int]]:
+        """``(policy version, mean reward, sessions)`` per version that produced sessions."""
+        by_version: dict[int, list[float]] = {}
+        for p in self.sessions:
+            by_version.setdefault(p.policy_version, []).append(p.reward)
+        return [(v, sum(r) / len(r), len(r)) for v, r in sorted(by_version.items())]
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "  -  " if value is None else f"{value:.{digits}f}"

@@ -1,0 +1,159 @@
+"""``seamlessflow run``: the whole RL loop (warm start, trajectory manager, trainer, hf rollout
+worker, gateway, agent runner) on the tiny model for a few steps through a real nats-server, then
+the data it left on the broker is checked for consistent versions and labels."""
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load, load_file
+
+from broker.messages import SampleReady, SessionEnded, WeightsPublished
+from broker.subjects import RunNames
+from broker.weights import fetch_weights
+from seamlessflow.progress import RunStats
+from tests.support import stream_messages
+
+STEPS = 4
+GROUP = 4
+
+CONFIG = """
+run = "{run}"
+output_dir = "{out}"
+
+[model]
+max_model_len = 256
+[model.warm_start]
+steps = 30
+
+[tasks]
+group_size = {group}
+backlog = 4
+
+[trainer]
+groups_per_step = 2
+max_staleness = 2
+
+[stop]
+max_steps = {steps}
+max_seconds = 240
+
+[provision]
+weights_store_max_bytes = 50331648
+"""
+SMALL_STREAMS = "".join(
+    f"[provision.{part}]\nmax_bytes = 4194304\nmax_age_s = 3600.0\n"
+    for part in ("tasks", "gen", "traj", "samples", "weights", "dead")
+)
+
+
+@pytest.mark.newest_nats
+@pytest.mark.timeout(420)
+async def test_run_trains_the_tiny_model_through_the_data_plane(broker, js, run_name, tmp_path):
+    out = tmp_path / "out"
+    config = tmp_path / "run.toml"
+    config.write_text(
+        CONFIG.format(run=run_name, out=out, group=GROUP, steps=STEPS) + SMALL_STREAMS
+    )
+    env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "seamlessflow.cli", "run", str(config), "--nats", broker.url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert f"max_steps ({STEPS})" in done.stdout
+    assert "step " in done.stdout and "tok/s" in done.stdout  # the progress line
+    assert (out / "summary.json").is_file()
+    assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    names = RunNames(run_name)
+    weights = await stream_messages(js, names.weights_stream, WeightsPublished)
+    last = weights[-1].version
+    assert last >= STEPS
+    ended = await stream_messages(js, names.traj_stream, SessionEnded, subject=names.traj_end)
+    samples = await stream_messages(js, names.samples_stream, SampleReady)
+    assert samples
+
+    # Every sample: labels consistent with the mask, versions within what was published.
+    for s in samples:
+        for mask, logprob, version in zip(s.loss_mask, s.logprobs, s.versions, strict=True):
+            if mask:
+                assert 0 <= version <= last and logprob <= 0.0
+            else:
+                assert version == -1 and logprob == 0.0
+        loss_versions = {v for v, m in zip(s.versions, s.loss_mask, strict=True) if m}
+        assert s.on_policy == (len(loss_versions) == 1)
+        assert s.reward in (0.0, 0.5, 1.0) and s.group_size == GROUP
+
+    # Groups are whole: GROUP sessions per task, one SessionEnded each, rewards that agree.
+    rewards = {e.session_id: e.reward for e in ended}
+    sessions_by_group = defaultdict(set)
+    for s in samples:
+        assert rewards[s.session_id] == s.reward
+        sessions_by_group[s.group_id].add(s.session_id)
+    complete = [g for g in sessions_by_group.values() if len(g) == GROUP]
+    assert len(complete) >= 2 * STEPS  # groups_per_step complete groups per trainer step
+
+    # Later policy versions generated tokens: rollout followed the trainer.
+    generated = {v for s in samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m}
+    assert len(generated) >= 2 and max(generated) >= 1
+
+    # Reward statistics move: the policy trained on varied rewards and its weights changed.
+    assert len({e.reward for e in ended}) >= 2
+    (start,) = (tmp_path / "models").glob("tiny-llama-warm-*")  # the warm-started policy
+    first = load_file(start / "model.safetensors")
+    final = load(await fetch_weights(js, weights[-1]))
+    assert final.keys() <= first.keys()
+    assert any(not torch.equal(first[k], final[k]) for k in final)
+
+
+def test_progress_core_scores_a_session_once_and_tracks_staleness():
+    def sample(session: str, versions: list[int], reward: float) -> SampleReady:
+        n = len(versions) + 1
+        return SampleReady(
+            sample_id=f"{session}-{len(versions)}",
+            session_id=session,
+            group_id="g",
+            token_ids=list(range(n)),
+            loss_mask=[0] + [1] * (n - 1),
+            logprobs=[0.0] + [-0.5] * (n - 1),
+            versions=[-1, *versions],
+            reward=reward,
+            on_policy=len(set(versions)) == 1,
+        )
+
+    stats = RunStats(started_at=0.0)
+    stats.on_weights(
+        WeightsPublished(
+            version=3, location="file:///w", sha256="0" * 64, size_bytes=1, published_at=1.0
+        ),
+        1.0,
+    )
+    stats.on_sample(sample("a", [1, 2], 1.0), 2.0)
+    stats.on_sample(sample("a", [2], 1.0), 2.0)  # a second leaf of the same session
+    stats.on_sample(sample("b", [3], 0.0), 3.0)
+    assert len(stats.sessions) == 2 and stats.samples == 3
+    assert stats.reward_mean() == 0.5
+    assert stats.staleness() == 0.5  # (3 - 2) and (3 - 3)
+    assert stats.curve() == [(2, 1.0, 1), (3, 0.0, 1)]
+    assert "version 3" in stats.line(4.0)
+
+
+def test_run_refuses_a_bad_config(tmp_path: Path):
+    config = tmp_path / "bad.toml"
+    config.write_text("[tasks]\ngroup_size = 0\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "seamlessflow.cli", "run", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "group_size" in done.stderr and "Traceback" not in done.stderr
