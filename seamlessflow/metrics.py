@@ -4,7 +4,10 @@ from dataclasses import dataclass
 from threading import Thread
 from wsgiref.simple_server import WSGIServer
 
+import httpx
 from prometheus_client import start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 
 @dataclass
@@ -33,3 +36,15 @@ def serve_metrics(port: int = 0, host: str = "127.0.0.1") -> MetricsEndpoint:
     """Serve the default registry on ``host:port`` (0 picks a free port) in a daemon thread."""
     server, thread = start_http_server(port, addr=host)
     return MetricsEndpoint(server=server, thread=thread)
+
+
+async def scrape(url: str) -> list[Sample]:
+    """Every sample a ``/metrics`` endpoint serves now."""
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        body = (await http.get(url)).raise_for_status().text
+    return [sample for family in text_string_to_metric_families(body) for sample in family.samples]
+
+
+def metric_sum(samples: list[Sample], name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` that carry at least ``labels``."""
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())

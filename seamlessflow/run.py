@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -40,9 +41,10 @@ from seamlessflow.config import RunConfig
 from seamlessflow.exceptions import SeamlessFlowError
 from seamlessflow.launcher import nats_url, stop_on_signals
 from seamlessflow.log import kv
+from seamlessflow.metrics import scrape
 from seamlessflow.processes import ServiceProcess, worker_process
 from seamlessflow.progress import RunStats
-from seamlessflow.report import RunSummary, print_summary, summarize
+from seamlessflow.report import RunSummary, print_summary, summarize, trainer_report
 from seamlessflow.submit import submit_tasks
 from trainer.warmstart import warm_start
 
@@ -101,9 +103,10 @@ async def run_rl(config: RunConfig, config_path: Path | None, nats: str | None) 
             await services.start()
             stats.started_at = time.time()
             stopped_by = await _watch(nc, names, config, services, stats, stop)
+            trainer = await _trainer_report(services)
         finally:
             await asyncio.to_thread(services.stop)
-    summary = summarize(config.run, stats, time.time() - started, out, stopped_by)
+    summary = summarize(config.run, stats, time.time() - started, out, stopped_by, trainer)
     print_summary(summary)
     return summary
 
@@ -148,6 +151,14 @@ async def _watch(
             print(flush=True)
         for sub in subs:
             await sub.unsubscribe()
+
+
+async def _trainer_report(services: "Services") -> dict[str, float]:
+    try:
+        return trainer_report(await scrape(services.named("trainer").metrics_url))
+    except httpx.HTTPError as exc:
+        log.warning(kv("trainer_metrics_unreadable", error=exc))
+        return {}
 
 
 def _feed(schema: type[Message], handle: Callable) -> Callable:
@@ -263,6 +274,9 @@ class Services:
     @staticmethod
     async def _ready(procs: list[ServiceProcess]) -> None:
         await asyncio.gather(*(asyncio.to_thread(p.wait_ready, 600.0) for p in procs))
+
+    def named(self, name: str) -> ServiceProcess:
+        return next(p for p in self.running if p.name == name)
 
     def check(self) -> None:
         """Raise if a process has exited."""

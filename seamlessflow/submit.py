@@ -84,7 +84,7 @@ async def submit_tasks(
                 else:
                     report.published += 1
             bar.update(len(chunk))
-    log.info(
+    log.debug(  # the CLI prints its own line; the run's task feed would flood the console
         kv(
             "tasks_submitted",
             run=names.run,

@@ -12,10 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-import httpx
 import openai
 from nats.js import JetStreamContext
-from prometheus_client.parser import text_string_to_metric_families
 
 from broker import codec
 from broker.client import session
@@ -25,6 +23,7 @@ from broker.provision import provision_run
 from broker.server import find_nats_server, server_version
 from broker.subjects import RunNames
 from rollout.gateway import Gateway, GatewayConfig
+from seamlessflow.metrics import metric_sum, scrape
 from seamlessflow.processes import worker_process
 
 
@@ -129,14 +128,7 @@ def greedy(model_dir: Path, prompt: list[int], n: int, weights: bytes | None = N
 async def metric(url: str, name: str, **labels: str) -> float:
     """The sum of the samples named ``name`` (with at least these labels) that ``url`` serves.
     Async, so it also reads a /metrics served by the test's own event loop."""
-    async with httpx.AsyncClient(timeout=5) as http:
-        body = (await http.get(url)).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(body)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
+    return metric_sum(await scrape(url), name, **labels)
 
 
 # -- a gateway stack ------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 worker, gateway, agent runner) on the tiny model for a few steps through a real nats-server, then
 the data it left on the broker is checked for consistent versions and labels."""
 
+import json
 import os
 import subprocess
 import sys
@@ -70,7 +71,9 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(broker, js, run_
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert f"max_steps ({STEPS})" in done.stdout
     assert "step " in done.stdout and "tok/s" in done.stdout  # the progress line
-    assert (out / "summary.json").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] >= STEPS and summary["sessions"] >= 2 * STEPS * GROUP
+    assert summary["trainer"]["samples trained"] >= 2 * STEPS * GROUP  # read from its /metrics
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     names = RunNames(run_name)
