@@ -8,9 +8,12 @@ import pytest
 from prometheus_client import REGISTRY
 
 import broker.metrics  # noqa: F401  (each import registers its process's metrics)
+import rollout.agents.runner
 import rollout.engines.base
 import rollout.gateway
 import rollout.worker  # noqa: F401
+import trainer.service  # noqa: F401
+import trajectory.manager  # noqa: F401
 from broker.metrics import StreamDepthCollector
 
 DASHBOARDS = sorted((Path(__file__).parents[1] / "dashboards" / "grafana").glob("*.json"))
