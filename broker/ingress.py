@@ -7,6 +7,8 @@ Each message gets exactly one outcome:
                                    ``MessageRejected`` with the reason, then ``term``
 - handler raises                -> ``nak`` with a delay: retried; on the consumer's last
                                    delivery it is dead-lettered and terminated instead
+- handler raises ``HandBack``    -> ``nak`` at once, counted ``returned``: the process is
+                                   stopping and another consumer should take the message
 
 The loop never stops on bad input, and a message is terminated only once its dead letter is
 stored, so nothing is lost. With ``concurrency`` above 1, that many messages are handled at once,
@@ -59,6 +61,11 @@ class Delivery:
 
 
 Handler = Callable[[M, Delivery], Awaitable[None]]
+
+
+class HandBack(Exception):
+    """Raised by a handler to give its message back unprocessed (e.g. the process is stopping):
+    it is redelivered at once, to any consumer, and not counted as a failure."""
 
 
 class Ingress(Generic[M]):
@@ -161,6 +168,12 @@ class Ingress(Generic[M]):
             await self._handler(message, delivery)
         except InvalidMessageError as exc:
             await self._reject(msg, exc.reason, content_type)
+            return
+        except HandBack as exc:
+            await msg.nak()
+            INGRESS_MESSAGES.labels(self.source, "returned").inc()
+            seq = meta.sequence.stream
+            log.info(kv("ingress_handed_back", source=self.source, seq=seq, why=exc))
             return
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"

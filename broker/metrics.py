@@ -20,7 +20,8 @@ INGRESS_MESSAGES = Counter(
     "sf_ingress_messages",
     "Messages seen at a validated ingress, by outcome: accepted (handled and acked), "
     "rejected (dead-lettered and terminated: invalid, or the handler failed on the last "
-    "delivery), failed (the handler raised; counted on every failed delivery)",
+    "delivery), failed (the handler raised; counted on every failed delivery), returned "
+    "(handed back unprocessed by a stopping process)",
     ["source", "outcome"],
 )
 

@@ -5,6 +5,7 @@ register the same way."""
 import asyncio
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +21,12 @@ from broker.subjects import RunNames
 from seamlessflow.log import kv
 
 log = logging.getLogger(__name__)
+
+
+def default_worker_id(prefix: str = "") -> str:
+    """``<prefix><host>-<pid>``, a valid id whatever the host name (``a.local`` -> ``a-local``)."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())
+    return f"{prefix}{host}-{os.getpid()}"[-64:]
 
 
 class Registration:

@@ -114,7 +114,8 @@ class EmbeddedBroker:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
+                start_new_session=True,  # Ctrl-C goes to the launcher, which stops it last
             )
         try:
             self._wait_healthy(ports_dir)
@@ -211,8 +212,9 @@ class EmbeddedBroker:
             return "<no log>"
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM the server when the process that started it dies (even by SIGKILL)."""
+def die_with_parent() -> None:
+    """Linux: SIGTERM this (child) process when the process that started it dies, even by
+    SIGKILL. A ``preexec_fn`` for ``subprocess.Popen``."""
     if sys.platform.startswith("linux"):
         import ctypes
 

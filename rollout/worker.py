@@ -18,8 +18,6 @@ bucket and renews the entry every ``heartbeat_s``; it deletes it when it stops.
 
 import asyncio
 import logging
-import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -46,7 +44,7 @@ from broker.messages import (
     TokensGenerated,
     WeightsPublished,
 )
-from broker.registry import Registration
+from broker.registry import Registration, default_worker_id
 from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights, latest_weights
 from rollout.engines import Engine, EngineError, GenerationChunk
@@ -86,7 +84,7 @@ class WorkerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     worker_id: str = Field(
-        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}"[-64:],
+        default_factory=default_worker_id,
         pattern=NAME_PATTERN,
     )
     tags: list[str] = Field(default_factory=lambda: ["rollout"], max_length=64)
@@ -280,7 +278,7 @@ class RolloutWorker:
         counted, and the engine keeps serving the version it has."""
         try:
             await self._load(event)
-        except (BrokerError, EngineError) as exc:
+        except (BrokerError, EngineError, NatsError) as exc:
             WEIGHT_ERRORS.inc()
             log.error(kv("weights_load_failed", version=event.version, error=exc))
 
@@ -289,6 +287,12 @@ class RolloutWorker:
         that failed is not tried again). Called at start, then from the weights subscription,
         whose callbacks run one at a time: loads never overlap."""
         if event.version <= max(self._engine.version, self._tried_version):
+            return
+        latest = await latest_weights(self._js, self._names)
+        if latest is not None and latest.version > event.version:
+            # Superseded while queued (the trainer steps faster than this worker loads, and old
+            # blobs are pruned): the newer event is next; load that one instead.
+            log.info(kv("weights_superseded", version=event.version, latest=latest.version))
             return
         self._tried_version = event.version
         started = time.monotonic()

@@ -14,6 +14,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
+from broker.server import die_with_parent
 from seamlessflow.exceptions import SeamlessFlowError
 
 READY = "ready:"
@@ -50,6 +51,10 @@ class ServiceProcess:
             stderr=subprocess.STDOUT,
             text=True,
             env=full_env,
+            # Its own session: Ctrl-C reaches the launcher, which stops children in order; and it
+            # dies with the launcher even when that is killed.
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         self.output: deque[str] = deque(maxlen=400)
         self.metrics_url = ""

@@ -40,7 +40,7 @@ from rollout.agents.arithmetic import (
 )
 from rollout.agents.config import AgentsConfig
 from rollout.agents.exceptions import AgentLoadError, InvalidTaskError
-from rollout.agents.runner import AgentRunner, session_id
+from rollout.agents.runner import AgentRunner, group_id, session_id
 from rollout.agents.verifiers import bind, exact_match, number
 from seamlessflow.config import load_config
 from seamlessflow.processes import ServiceProcess
@@ -197,6 +197,10 @@ def test_session_ids_are_ids_and_never_shared(task_id, other_task, attempt, othe
         assert sid != session_id(other_task, other, delivery)
     if len(task_id) <= 60 and delivery == 1 and attempt < 100:
         assert sid == f"{task_id}-{attempt}"
+    group = group_id(task_id, delivery)
+    assert re.fullmatch(NAME_PATTERN, group)
+    assert (group == task_id) == (delivery == 1)  # a redelivered task is a new group
+    assert group != group_id(task_id, delivery + 1)
 
 
 def test_arithmetic_tasks():

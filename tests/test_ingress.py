@@ -11,7 +11,7 @@ from nats.js.errors import APIError
 from prometheus_client import REGISTRY
 
 from broker.client import session
-from broker.ingress import Delivery, Ingress, tasks_ingress
+from broker.ingress import Delivery, HandBack, Ingress, tasks_ingress
 from broker.messages import MessageRejected, TaskSubmitted
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
@@ -137,6 +137,24 @@ async def test_handler_failures_are_retried_then_dead_lettered(js, names):
     assert f"handler failed on all {max_deliver} deliveries" in letter.reason
     assert "handler trouble with ok-2" in letter.reason
     assert _count("tasks", "failed") - failed0 == 1 + max_deliver
+
+
+async def test_a_handed_back_message_is_redelivered_at_once_and_not_a_failure(js, names):
+    await js.publish(names.tasks, msgpack.packb(_task_dict(0)))
+    failed0, returned0 = _count("tasks", "failed"), _count("tasks", "returned")
+    seen: list[int] = []
+
+    async def handler(task: TaskSubmitted, delivery: Delivery) -> None:
+        seen.append(delivery.num_delivered)
+        if delivery.num_delivered < 3:
+            raise HandBack("stopping")
+
+    # retry_delay is 0.1 s for failures; a hand-back must not wait for it (nor be dead-lettered).
+    await _run_until(_ingress(js, names, handler), lambda: len(seen) == 3)
+    assert seen == [1, 2, 3]
+    assert _count("tasks", "returned") - returned0 == 2
+    assert _count("tasks", "failed") == failed0
+    assert await stream_messages(js, names.dead_stream, MessageRejected) == []
 
 
 async def test_payload_over_the_stream_limit_is_refused_to_the_publisher(js, names):

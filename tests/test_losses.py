@@ -209,6 +209,26 @@ def test_contradicting_samples_are_refused_with_a_reason():
         b.add(sample("a5", "a", "s3", group_size=2))
 
 
+def test_a_group_missing_a_session_is_closed_after_the_timeout():
+    b = Batcher()
+    b.add(sample("a1", "a", "s1", group_size=3))
+    b.add(sample("a2", "a", "s2", group_size=3))  # the third session ended without samples
+    assert b.expire(60.0) == 0 and b.take(1) is None
+    assert b.expire(0.0) == 1
+    (group,) = b.take(1)
+    assert sorted(s.sample_id for s in group) == ["a1", "a2"]
+
+
+def test_advantages_count_each_session_once_however_many_leaves_it_has():
+    group = [sample("a", "g", "s1", reward=1.0, group_size=2)] + [
+        sample(f"b{i}", "g", "s2", reward=0.0, group_size=2, session_samples=3) for i in range(3)
+    ]
+    items, _, _ = plan_step([group], 0, TrainerConfig())
+    by_session = {i.sample.session_id: i.advantage for i in items}
+    assert by_session["s1"] == pytest.approx(-by_session["s2"])  # mean 0.5 over 2 sessions
+    assert by_session["s1"] > 0
+
+
 # -- learning -----------------------------------------------------------------------------------
 def test_grpo_steps_raise_the_rewarded_completion(tiny_model_dir):
     from trainer.backends import build_backend

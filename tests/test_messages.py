@@ -198,3 +198,16 @@ def test_tasks_payloads_are_plain_msgpack_maps():
         "tool_call_id": None,
         "tool_calls": [],
     }
+
+
+def test_default_worker_ids_are_valid_whatever_the_host_name(monkeypatch):
+    import re
+    import socket
+
+    from broker.registry import default_worker_id
+    from broker.subjects import NAME_PATTERN
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "MacBook-Pro.local")
+    for prefix in ("", "trainer-"):
+        worker_id = default_worker_id(prefix)
+        assert re.fullmatch(NAME_PATTERN, worker_id) and "MacBook-Pro-local" in worker_id

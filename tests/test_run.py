@@ -16,6 +16,7 @@ from safetensors.torch import load, load_file
 from broker.messages import SampleReady, SessionEnded, WeightsPublished
 from broker.subjects import RunNames
 from broker.weights import fetch_weights
+from seamlessflow.config import RunConfig, load_config
 from seamlessflow.progress import RunStats
 from tests.support import stream_messages
 
@@ -160,3 +161,10 @@ def test_run_refuses_a_bad_config(tmp_path: Path):
     )
     assert done.returncode == 2
     assert "group_size" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_example_configs_load_and_the_quickstart_one_is_the_defaults():
+    examples = Path(__file__).parent.parent / "examples"
+    assert load_config(examples / "run.toml") == RunConfig()
+    smollm2 = load_config(examples / "smollm2.toml")
+    assert smollm2.model.name == "smollm2" and smollm2.rollout.engine == "vllm"

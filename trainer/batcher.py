@@ -2,11 +2,14 @@
 which advantage and weight.
 
 A group is complete when it holds samples from ``group_size`` distinct sessions, each with all of
-its ``session_samples``. Groups leave in the order they completed. At step time every sample is
+its ``session_samples``, or when it has waited ``group_timeout_s`` (some session ended without
+samples). Groups leave in the order they completed. Advantages are computed over the group's
+sessions (one reward each), not its samples. At step time every sample is
 checked against the staleness bound: its lag is the trainer's version minus the oldest version of
 its loss tokens.
 """
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -32,6 +35,7 @@ class Outcome(StrEnum):
 @dataclass
 class _Group:
     size: int
+    opened_at: float
     sessions: dict[str, dict[str, SampleReady]] = field(default_factory=dict)
     session_samples: dict[str, int] = field(default_factory=dict)
 
@@ -66,7 +70,9 @@ class Batcher:
             raise BatchError(f"sample {sample.sample_id} is already held")
         if sample.group_id in self._complete:
             raise BatchError(f"sample {sample.sample_id}: group {sample.group_id} is complete")
-        group = self._open.setdefault(sample.group_id, _Group(sample.group_size))
+        group = self._open.get(sample.group_id)
+        if group is None:
+            group = self._open[sample.group_id] = _Group(sample.group_size, time.monotonic())
         where = f"sample {sample.sample_id} of group {sample.group_id}"
         if sample.group_size != group.size:
             raise BatchError(f"{where}: group_size {sample.group_size}, the group has {group.size}")
@@ -92,6 +98,16 @@ class Batcher:
         if group.complete():
             del self._open[sample.group_id]
             self._complete[sample.group_id] = group.samples()
+
+    def expire(self, timeout_s: float) -> int:
+        """Close the groups opened more than ``timeout_s`` ago with the sessions they have (a
+        session can end without samples: its agent failed before its first call). Returns how
+        many were closed."""
+        now = time.monotonic()
+        expired = [g for g, group in self._open.items() if now - group.opened_at > timeout_s]
+        for group_id in expired:
+            self._complete[group_id] = self._open.pop(group_id).samples()
+        return len(expired)
 
     def take(self, groups: int) -> list[list[SampleReady]] | None:
         """The ``groups`` oldest complete groups, or None while fewer are complete."""
@@ -127,9 +143,17 @@ def plan_step(
     outcomes: dict[str, Outcome] = {}
     lags: list[int] = []
     for group in groups:
-        rewards = [s.reward for s in group]
-        advantages = group_advantages(rewards, config.advantage, config.std_eps)
-        for sample, advantage in zip(group, advantages, strict=True):
+        # One reward per session (a session with several leaves is still one attempt).
+        rewards = {s.session_id: s.reward for s in group}
+        by_session = dict(
+            zip(
+                rewards,
+                group_advantages(list(rewards.values()), config.advantage, config.std_eps),
+                strict=True,
+            )
+        )
+        for sample in group:
+            advantage = by_session[sample.session_id]
             behind = lag(sample, version)
             lags.append(behind)
             if behind <= config.max_staleness:

@@ -1,13 +1,12 @@
 """The trainer's typed configuration: the ``[trainer]`` section of a run's TOML."""
 
-import os
-import socket
 from enum import StrEnum
 from pathlib import Path
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from broker.registry import default_worker_id
 from broker.subjects import NAME_PATTERN
 
 
@@ -40,7 +39,6 @@ class TrainerConfig(BaseModel):
     threads: int | None = Field(
         default=None, ge=1, le=1024, description="torch threads per rank; None: OMP_NUM_THREADS"
     )
-    seed: int = Field(default=0, ge=0, description="torch seed (model init of the reference)")
 
     lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
@@ -84,11 +82,17 @@ class TrainerConfig(BaseModel):
     weights_dir: Path | None = Field(
         default=None, description="shared folder for weight blobs; None: the run's object store"
     )
+    group_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="a group still incomplete this long after its first sample is trained with "
+        "the sessions it has (a session can end without samples)",
+    )
     max_pending_samples: int = Field(
         default=4096, ge=1, description="samples held un-acked while their groups fill"
     )
     worker_id: str = Field(
-        default_factory=lambda: f"trainer-{socket.gethostname()}-{os.getpid()}"[-64:],
+        default_factory=lambda: default_worker_id("trainer-"),
         pattern=NAME_PATTERN,
         description="this trainer's key in the worker registry",
     )

@@ -24,7 +24,7 @@ from safetensors.torch import save
 
 from broker.client import session
 from broker.exceptions import InvalidMessageError
-from broker.ingress import Delivery, Ingress
+from broker.ingress import Delivery, HandBack, Ingress
 from broker.messages import Role, SampleReady, WorkerRegistered
 from broker.registry import Registration, watch_workers
 from broker.subjects import Durable, RunNames
@@ -84,6 +84,9 @@ SERVING_SECONDS = Histogram(
     buckets=_SECONDS,
 )
 TOKENS = Counter("sf_trainer_tokens", "Loss tokens trained")
+GROUPS_EXPIRED = Counter(
+    "sf_trainer_groups_expired", "Groups trained incomplete after group_timeout_s"
+)
 
 
 class ServingWatch:
@@ -145,10 +148,13 @@ class Trainer:
         self._batcher = Batcher()
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._wake = asyncio.Event()
+        self._stopping = False
 
     # -- samples ----------------------------------------------------------------------------
     async def on_sample(self, sample: SampleReady, delivery: Delivery) -> None:
         """Ingress handler: returns (-> ack) once the step that consumed the sample is committed."""
+        if self._stopping:  # after the hand-back: nobody would release it
+            raise HandBack("trainer stopping")
         # 1. Trained before this (re)delivery: acknowledge it again, train nothing.
         if sample.sample_id in self._trained:
             SAMPLES.labels(Outcome.DUPLICATE.value).inc()
@@ -188,20 +194,29 @@ class Trainer:
     async def run(self, stop: asyncio.Event) -> None:
         """Step whenever enough groups are complete, until ``stop``; then hand every held
         sample back (nak: another trainer run takes it)."""
+        timeout = self._config.group_timeout_s
         try:
             while not stop.is_set():
+                if expired := self._batcher.expire(timeout):
+                    GROUPS_EXPIRED.inc(expired)
+                    log.warning(kv("groups_expired", groups=expired, after_s=timeout))
                 groups = self._batcher.take(self._config.groups_per_step)
                 if groups is None:
                     self._wake.clear()
                     waiter = asyncio.create_task(self._wake.wait())
                     stopper = asyncio.create_task(stop.wait())
-                    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        {waiter, stopper},
+                        timeout=min(timeout, 5.0),  # also wakes to expire groups
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
                     waiter.cancel()
                     stopper.cancel()
                     continue
                 await self._step(groups)
         finally:
-            self._release(list(self._waiting), TrainerError("trainer stopping"))
+            self._stopping = True
+            self._release(list(self._waiting), HandBack("trainer stopping"))
 
     async def _step(self, groups: list[list[SampleReady]]) -> None:
         consumed = [s.sample_id for g in groups for s in g]
@@ -386,8 +401,9 @@ async def serve_trainer(
                 flush=True,
             )
             try:
+                # Training, consuming and following workers must all keep running.
                 await asyncio.wait(
-                    {stepping, asyncio.create_task(stop.wait())},
+                    {stepping, tasks[0], tasks[2], asyncio.create_task(stop.wait())},
                     return_when=asyncio.FIRST_COMPLETED,
                 )
             finally:
@@ -402,6 +418,9 @@ async def serve_trainer(
                 await registration.delete()
             if stepping.exception() is not None:
                 raise TrainerError(f"training failed: {stepping.exception()!r}")
+            for task, what in ((tasks[0], "consuming samples"), (tasks[2], "following workers")):
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise TrainerError(f"{what} failed: {task.exception()!r}")
     finally:
         await asyncio.to_thread(ranks.close)
         metrics.close()

@@ -58,6 +58,8 @@ def train_step(
     rank_tokens = clipped = capped = 0
     grad_norm = 0.0
     for total, entry in zip(totals, prepared, strict=True):
+        if total == 0:  # no loss token on any rank: no optimizer step (AdamW would still move)
+            continue
         if entry is None:
             grad_norm = backend.apply(None).grad_norm
             continue

@@ -1,5 +1,6 @@
 """Errors raised by the agent runner."""
 
+from broker.ingress import HandBack
 from rollout.exceptions import RolloutError
 
 
@@ -24,5 +25,5 @@ class GatewayUnavailableError(AgentsError):
     """The gateway cannot serve calls now; the task is retried later rather than scored."""
 
 
-class RunnerStoppingError(AgentsError):
+class RunnerStoppingError(AgentsError, HandBack):
     """The runner is stopping: the task's attempts were cancelled and the task handed back."""

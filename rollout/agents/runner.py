@@ -118,7 +118,16 @@ def session_id(task_id: str, attempt: int, delivery: int = 1) -> str:
     """The session of attempt ``attempt`` at a task: ``<task_id>-<attempt>``, with ``-d<n>`` for
     the ``n``-th delivery of the task (a retried task starts fresh sessions). A task id too long
     to fit the 64-character id is cut and completed with its hash."""
-    suffix = f"-{attempt}" if delivery <= 1 else f"-{attempt}-d{delivery}"
+    return _suffixed(task_id, f"-{attempt}" if delivery <= 1 else f"-{attempt}-d{delivery}")
+
+
+def group_id(task_id: str, delivery: int = 1) -> str:
+    """The group of a task's attempts: the task id, with ``-d<n>`` from its ``n``-th delivery on
+    (so a retried task's fresh sessions never join the sessions of an earlier delivery)."""
+    return task_id if delivery <= 1 else _suffixed(task_id, f"-d{delivery}")
+
+
+def _suffixed(task_id: str, suffix: str) -> str:
     if len(task_id) + len(suffix) <= 64:
         return task_id + suffix
     digest = hashlib.sha256(task_id.encode()).hexdigest()[:24]
@@ -352,7 +361,7 @@ class AgentRunner:
         if running.cancelled():
             raise RunnerStoppingError(f"task {task.task_id}: attempts cancelled, runner stopping")
         try:
-            return running.result()
+            ended = running.result()
         except ExceptionGroup as group_error:
             unavailable = [
                 e for e in group_error.exceptions if isinstance(e, GatewayUnavailableError)
@@ -360,6 +369,8 @@ class AgentRunner:
             if unavailable:
                 raise unavailable[0] from None
             raise
+        group = group_id(task.task_id, delivery)
+        return [e.model_copy(update={"group_id": group}) for e in ended]
 
     async def _attempt(
         self,
