@@ -41,7 +41,7 @@ from rollout.agents.arithmetic import (
 from rollout.agents.config import AgentsConfig
 from rollout.agents.exceptions import AgentLoadError, InvalidTaskError
 from rollout.agents.runner import AgentRunner, group_id, session_id
-from rollout.agents.verifiers import bind, exact_match, number
+from rollout.agents.verifiers import bind, exact_match, last_number, number
 from seamlessflow.config import load_config
 from seamlessflow.processes import ServiceProcess
 from seamlessflow.submit import submit_tasks
@@ -168,6 +168,15 @@ def test_number_compares_the_first_number(value, noise):
     assert number(f"{noise} {value}.0", f" {value} ")
     assert not number(f"{noise} {value + 1} {value}", str(value))
     assert bind(RewardSpec(verifier="number", reference=str(value)))(f"= {value}.")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(-(10**9), 10**9), st.text(alphabet="abc =?!.\n", max_size=8))
+def test_last_number_compares_the_result_of_a_worked_answer(value, noise):
+    assert last_number(f"{noise} 3+4={value}", str(value))
+    assert last_number(f"The answer is {value}.{noise}", f" {value} ")
+    assert not last_number(f"{value} then {value + 1}", str(value))
+    assert bind(RewardSpec(verifier="last_number", reference=str(value)))(f"2+2={value}")
 
 
 @pytest.mark.parametrize(
@@ -340,7 +349,8 @@ async def test_tasks_that_cannot_be_run_are_dead_lettered(js, names):
     dead = await stream_messages(js, names.dead_stream, MessageRejected)
     reasons = {codec.decode(TaskSubmitted, d.payload).task_id: d.reason for d in dead}
     assert set(reasons) == {"unknown-verifier", "no-agent", "bad-reference"}
-    assert "unknown verifier 'regex' (known: exact_match, number)" in reasons["unknown-verifier"]
+    known = "(known: exact_match, last_number, number)"
+    assert f"unknown verifier 'regex' {known}" in reasons["unknown-verifier"]
     assert "no agent for env 'maze'" in reasons["no-agent"]
     assert "needs a number" in reasons["bad-reference"]
     assert all(d.source == "tasks" for d in dead)

@@ -1,7 +1,7 @@
 """The quickstart environment ``arithmetic``: add two integers, with feedback.
 
 A task asks ``f"{a}+{b}="`` in one user message; the reference is ``str(a + b)``, checked by the
-``number`` verifier. The built-in agent asks the model; while the answer is wrong and turns
+``last_number`` verifier. The built-in agent asks the model; while the answer is wrong and turns
 remain, it echoes the reply and says ``"wrong"`` and asks again. Reward: 1.0 when right on the
 first turn, 0.5 when right on a later one, else 0.0.
 
@@ -21,7 +21,8 @@ ANSWER = "{total}"
 """The reference answer, formatted with ``total = a + b``."""
 FEEDBACK = "wrong"
 """The user message after a wrong answer."""
-VERIFIER = "number"
+VERIFIER = "last_number"
+"""A worked answer (``3+4=7``) restates the operands; its result is the last number."""
 MAX_TOKENS = 8
 """Tokens the agent asks for per turn: enough for a number."""
 

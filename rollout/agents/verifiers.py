@@ -27,7 +27,18 @@ def number(answer: str, reference: str) -> bool:
     return found is not None and Decimal(found.group()) == Decimal(reference.strip())
 
 
-VERIFIERS: dict[str, Verifier] = {"exact_match": exact_match, "number": number}
+def last_number(answer: str, reference: str) -> bool:
+    """The last number in the answer equals the reference number: the result of a worked
+    answer (``3+4=7``, ``The answer is 7.``)."""
+    found = _NUMBER.findall(answer)
+    return bool(found) and Decimal(found[-1]) == Decimal(reference.strip())
+
+
+VERIFIERS: dict[str, Verifier] = {
+    "exact_match": exact_match,
+    "number": number,
+    "last_number": last_number,
+}
 
 
 def bind(spec: RewardSpec) -> Callable[[str], bool]:
@@ -42,9 +53,9 @@ def bind(spec: RewardSpec) -> Callable[[str], bool]:
     reference = spec.reference
     if reference is None:
         raise InvalidTaskError(f"reward.reference: verifier {spec.verifier!r} needs a reference")
-    if verifier is number and not _NUMBER.fullmatch(reference.strip()):
+    if verifier in (number, last_number) and not _NUMBER.fullmatch(reference.strip()):
         raise InvalidTaskError(
-            f"reward.reference: verifier 'number' needs a number such as -12 or 3.5, "
+            f"reward.reference: verifier {spec.verifier!r} needs a number such as -12 or 3.5, "
             f"got {reference[:60]!r}"
         )
     return lambda answer: verifier(answer, reference)
