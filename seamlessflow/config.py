@@ -58,6 +58,9 @@ class TasksConfig(_Section):
     max_operand: int = Field(default=4, ge=0, le=10**6, description="a, b in [0, max_operand]")
     group_size: int = Field(default=8, ge=1, le=1024, description="attempts per task")
     max_turns: int = Field(default=2, ge=1, le=64)
+    max_tokens: int = Field(
+        default=8, ge=1, le=4096, description="tokens per answer (a number needs few)"
+    )
     backlog: int = Field(default=16, ge=1, description="tasks kept queued; more raises staleness")
     seed: int = Field(default=0, ge=0)
 

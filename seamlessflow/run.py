@@ -197,6 +197,7 @@ class TaskFeed:
             max_operand=self._config.max_operand,
             group_size=self._config.group_size,
             max_turns=self._config.max_turns,
+            max_tokens=self._config.max_tokens,
             prefix=f"t{self._next}",
         )
         self._next += 1

@@ -24,7 +24,8 @@ FEEDBACK = "wrong"
 VERIFIER = "last_number"
 """A worked answer (``3+4=7``) restates the operands; its result is the last number."""
 MAX_TOKENS = 8
-"""Tokens the agent asks for per turn: enough for a number."""
+"""Tokens the agent asks for per turn, unless the task's ``metadata["max_tokens"]`` says
+otherwise: enough for a number (a model that answers in sentences needs more)."""
 
 
 def question(a: int, b: int) -> str:
@@ -36,9 +37,15 @@ def answer(a: int, b: int) -> str:
 
 
 def arithmetic_task(
-    task_id: str, a: int, b: int, *, group_size: int, max_turns: int
+    task_id: str,
+    a: int,
+    b: int,
+    *,
+    group_size: int,
+    max_turns: int,
+    max_tokens: int = MAX_TOKENS,
 ) -> TaskSubmitted:
-    """The task ``a + b``."""
+    """The task ``a + b``; answers of up to ``max_tokens`` tokens per turn."""
     return TaskSubmitted(
         task_id=task_id,
         messages=[ChatMessage(role="user", content=question(a, b))],
@@ -46,7 +53,7 @@ def arithmetic_task(
         reward=RewardSpec(verifier=VERIFIER, reference=answer(a, b)),
         group_size=group_size,
         max_turns=max_turns,
-        metadata={"a": str(a), "b": str(b)},
+        metadata={"a": str(a), "b": str(b), "max_tokens": str(max_tokens)},
     )
 
 
@@ -58,6 +65,7 @@ def arithmetic_tasks(
     group_size: int,
     max_turns: int,
     prefix: str,
+    max_tokens: int = MAX_TOKENS,
 ) -> list[TaskSubmitted]:
     """``n`` tasks ``<prefix>-<i>`` with operands drawn from ``[0, max_operand]``."""
     return [
@@ -67,6 +75,7 @@ def arithmetic_tasks(
             rng.randint(0, max_operand),
             group_size=group_size,
             max_turns=max_turns,
+            max_tokens=max_tokens,
         )
         for i in range(n)
     ]
@@ -88,7 +97,7 @@ async def arithmetic_agent(ctx: AgentContext) -> AgentResult:
         reply = await ctx.client.chat.completions.create(
             model=ctx.model,
             messages=messages,
-            max_tokens=MAX_TOKENS,
+            max_tokens=int(ctx.task.metadata.get("max_tokens", MAX_TOKENS)),
             temperature=ctx.temperature,
         )
         text = reply.choices[0].message.content or ""

@@ -86,3 +86,16 @@ class TrainerBackend(Protocol):
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore what ``state`` returned."""
         ...
+
+
+def logprobs_from_logits(logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+    """``[b, t]`` = log p(ids[b, t] | ids[b, :t]) from ``[b, t, vocab]`` logits; column 0 and
+    padding are 0. The one reading of logits for every backend."""
+    ids = batch.input_ids.to(logits.device)
+    attention = batch.attention_mask.to(logits.device)
+    shifted = logits[:, :-1].float()
+    picked = shifted.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    logp = picked - torch.logsumexp(shifted, dim=-1)
+    out = torch.zeros(ids.shape, dtype=logp.dtype, device=logits.device)
+    out[:, 1:] = logp * attention[:, 1:]
+    return out

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from seamlessflow.log import kv
-from trainer.backends.base import ApplyStats, TokenBatch
+from trainer.backends.base import ApplyStats, TokenBatch, logprobs_from_logits
 from trainer.backends.torch import resolve_device
 from trainer.config import TrainerConfig
 from trainer.exceptions import BackendError
@@ -139,13 +139,13 @@ class MegatronBackend:
 
     def token_logprobs(self, batch: TokenBatch, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return _token_logprobs(_logits(self.model, batch, self._device), batch)
+            return logprobs_from_logits(_logits(self.model, batch, self._device), batch)
 
     def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         if self._reference is None:
             raise BackendError("no reference model: it is loaded only when kl_coef > 0")
         with torch.no_grad():
-            return _token_logprobs(_logits(self._reference, batch, self._device), batch)
+            return logprobs_from_logits(_logits(self._reference, batch, self._device), batch)
 
     def apply(self, loss: torch.Tensor | None) -> ApplyStats:
         if loss is not None:
@@ -231,15 +231,3 @@ def _logits(model: torch.nn.Module, batch: TokenBatch, device: torch.device) -> 
     positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
     # Causal attention, no mask: real tokens never attend to the right padding after them.
     return model(ids, positions, None)
-
-
-def _token_logprobs(logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
-    """``[b, t]`` = log p(ids[b, t] | ids[b, :t]); column 0 and padding are 0."""
-    ids = batch.input_ids.to(logits.device)
-    attention = batch.attention_mask.to(logits.device)
-    shifted = logits[:, :-1].float()
-    picked = shifted.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    logp = picked - torch.logsumexp(shifted, dim=-1)
-    out = torch.zeros(ids.shape, dtype=logp.dtype, device=logits.device)
-    out[:, 1:] = logp * attention[:, 1:]
-    return out

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.backends.base import ApplyStats, TokenBatch
+from trainer.backends.base import ApplyStats, TokenBatch, logprobs_from_logits
 from trainer.config import TrainerConfig
 from trainer.exceptions import BackendError
 
@@ -107,11 +107,5 @@ class TorchBackend:
 
 
 def _logprobs(model: torch.nn.Module, batch: TokenBatch, device: torch.device) -> torch.Tensor:
-    ids = batch.input_ids.to(device)
-    attention = batch.attention_mask.to(device)
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-    picked = logits.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    logp = picked - torch.logsumexp(logits, dim=-1)
-    out = torch.zeros(ids.shape, dtype=logp.dtype, device=device)
-    out[:, 1:] = logp * attention[:, 1:]
-    return out
+    ids, attention = batch.input_ids.to(device), batch.attention_mask.to(device)
+    return logprobs_from_logits(model(input_ids=ids, attention_mask=attention).logits, batch)
