@@ -9,6 +9,7 @@ worker that starts after some versions were published.
 
 import asyncio
 import hashlib
+import io
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -109,7 +110,11 @@ async def fetch_weights(js: JetStreamContext, event: WeightsPublished) -> bytes:
     try:
         if url.scheme == OBJSTORE:
             store = await js.object_store(url.netloc)
-            blob = (await store.get(url.path.lstrip("/"))).data or b""
+            # Into a buffer: without ``writeinto`` nats-py appends chunk to chunk with bytes +=,
+            # quadratic in the size (minutes for a 500 MB model).
+            buffer = io.BytesIO()
+            await store.get(url.path.lstrip("/"), writeinto=buffer)
+            blob = buffer.getvalue()
         elif url.scheme == "file":
             blob = await asyncio.to_thread(Path(url.path).read_bytes)
         else:

@@ -61,7 +61,13 @@ class TasksConfig(_Section):
     max_tokens: int = Field(
         default=8, ge=1, le=4096, description="tokens per answer (a number needs few)"
     )
-    backlog: int = Field(default=16, ge=1, description="tasks kept queued; more raises staleness")
+    backlog: int = Field(default=16, ge=1, description="tasks kept queued, at most")
+    steps_ahead: int = Field(
+        default=2,
+        ge=1,
+        description="admission control: groups not yet taken by the trainer, in trainer steps "
+        "(groups_per_step each); more keeps rollout busier and raises staleness",
+    )
     seed: int = Field(default=0, ge=0)
 
 

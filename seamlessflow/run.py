@@ -175,21 +175,33 @@ def _feed(schema: type[Message], handle: Callable) -> Callable:
 
 
 class TaskFeed:
-    """Keeps ``tasks.backlog`` built-in tasks waiting for the agent runner (no feed for 'none')."""
+    """Feeds the built-in tasks (none for env 'none'), one group per task, with admission
+    control: the groups not yet taken by the trainer (tasks queued or being run, samples the
+    trainer has not settled) stay within ``tasks.steps_ahead`` trainer steps, so rollout never
+    runs far past the staleness bound while the trainer works. Both counts are the broker's
+    consumer states; nothing is asked of the other processes."""
 
     def __init__(self, nc: Client, names: RunNames, config: RunConfig) -> None:
         self._js = nc.jetstream()
         self._names = names
         self._config = config.tasks
+        self._limit = config.tasks.steps_ahead * config.trainer.groups_per_step
         self._rng = random.Random(config.tasks.seed)
         self._next = 0
 
     async def top_up(self) -> None:
         if self._config.env == "none":
             return
-        info = await self._js.consumer_info(self._names.tasks_stream, Durable.AGENTS)
-        missing = self._config.backlog - info.num_pending
-        if missing <= self._config.backlog // 2:
+        tasks_info = await self._js.consumer_info(self._names.tasks_stream, Durable.AGENTS)
+        samples_info = await self._js.consumer_info(self._names.samples_stream, Durable.TRAINER)
+        unsettled = samples_info.num_pending + samples_info.num_ack_pending
+        outstanding = (
+            tasks_info.num_pending
+            + tasks_info.num_ack_pending
+            + unsettled // self._config.group_size
+        )
+        missing = min(self._limit - outstanding, self._config.backlog - tasks_info.num_pending)
+        if missing <= 0:
             return
         tasks = arithmetic.arithmetic_tasks(
             self._rng,
