@@ -4,7 +4,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
 from broker.subjects import NAME_PATTERN
@@ -97,6 +97,17 @@ class RunConfig(BaseModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     stop: StopConfig = Field(default_factory=StopConfig)
+
+    @model_validator(mode="after")
+    def _one_temperature(self) -> "RunConfig":
+        if self.trainer.temperature != self.agents.temperature:
+            raise ValueError(
+                f"trainer.temperature ({self.trainer.temperature}) must equal agents.temperature "
+                f"({self.agents.temperature}): the trainer scores tokens at the temperature they "
+                "were sampled at"
+            )
+        return self
+
     output_dir: Path | None = Field(
         default=None, description="summary and reward curve; default: <state dir>/runs/<run>"
     )

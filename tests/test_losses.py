@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.messages import SampleReady
+from trainer.backends.base import TokenBatch, logprobs_from_logits
 from trainer.batcher import Batcher, Outcome, lag, plan_step
 from trainer.config import Advantage, StalenessMode, TrainerConfig
 from trainer.exceptions import BatchError
@@ -172,6 +173,20 @@ def test_staleness_bound_drops_or_downweights(mode):
         assert [(i.sample.sample_id, i.weight) for i in items] == [("fresh", 1.0), ("old", 0.25)]
     # The advantage still comes from the whole group.
     assert items[0].advantage > 0
+
+
+def test_logprobs_are_read_at_the_sampling_temperature():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    ids = torch.randint(0, 11, (2, 5))
+    batch = TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids))
+    for temperature in (1.0, 0.7):
+        got = logprobs_from_logits(logits, batch, temperature)
+        want = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None])
+        assert torch.allclose(got[:, 1:], want[..., 0], atol=1e-6) and (got[:, 0] == 0).all()
+    assert not torch.allclose(
+        logprobs_from_logits(logits, batch, 1.0), logprobs_from_logits(logits, batch, 0.7)
+    )
 
 
 # -- batching -----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from safetensors.torch import load, load_file
 from broker.messages import SampleReady, SessionEnded, WeightsPublished
 from broker.subjects import RunNames
 from broker.weights import fetch_weights
-from seamlessflow.config import RunConfig, load_config
+from seamlessflow.config import ConfigError, RunConfig, load_config
 from seamlessflow.progress import RunStats
 from tests.support import stream_messages
 
@@ -161,6 +161,15 @@ def test_run_refuses_a_bad_config(tmp_path: Path):
     )
     assert done.returncode == 2
     assert "group_size" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_trainer_must_score_at_the_agents_sampling_temperature(tmp_path: Path):
+    config = tmp_path / "run.toml"
+    config.write_text("[agents]\ntemperature = 0.7\n")
+    with pytest.raises(ConfigError, match=r"trainer.temperature \(1.0\) must equal"):
+        load_config(config)
+    config.write_text("[agents]\ntemperature = 0.7\n[trainer]\ntemperature = 0.7\n")
+    assert load_config(config).trainer.temperature == 0.7
 
 
 def test_example_configs_load_and_the_quickstart_one_is_the_defaults():

@@ -46,6 +46,12 @@ class TrainerConfig(BaseModel):
     adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon")
     max_grad_norm: float = Field(default=1.0, gt=0, description="gradient clipping norm")
 
+    temperature: float = Field(
+        default=1.0,
+        gt=0,
+        description="the rollout sampling temperature: logits are divided by it, so proximal "
+        "logprobs are those of the distribution sampled from (the behaviour logprobs' own)",
+    )
     groups_per_step: int = Field(
         default=4, ge=1, le=1 << 16, description="complete groups per training step"
     )

@@ -88,12 +88,15 @@ class TrainerBackend(Protocol):
         ...
 
 
-def logprobs_from_logits(logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
-    """``[b, t]`` = log p(ids[b, t] | ids[b, :t]) from ``[b, t, vocab]`` logits; column 0 and
-    padding are 0. The one reading of logits for every backend."""
+def logprobs_from_logits(
+    logits: torch.Tensor, batch: TokenBatch, temperature: float = 1.0
+) -> torch.Tensor:
+    """``[b, t]`` = log p(ids[b, t] | ids[b, :t]) from ``[b, t, vocab]`` logits at the sampling
+    ``temperature`` (the distribution rollout sampled from, as its behaviour logprobs are);
+    column 0 and padding are 0. The one reading of logits for every backend."""
     ids = batch.input_ids.to(logits.device)
     attention = batch.attention_mask.to(logits.device)
-    shifted = logits[:, :-1].float()
+    shifted = logits[:, :-1].float() / temperature
     picked = shifted.gather(-1, ids[:, 1:, None]).squeeze(-1)
     logp = picked - torch.logsumexp(shifted, dim=-1)
     out = torch.zeros(ids.shape, dtype=logp.dtype, device=logits.device)

@@ -139,13 +139,17 @@ class MegatronBackend:
 
     def token_logprobs(self, batch: TokenBatch, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return logprobs_from_logits(_logits(self.model, batch, self._device), batch)
+            return logprobs_from_logits(
+                _logits(self.model, batch, self._device), batch, self._config.temperature
+            )
 
     def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         if self._reference is None:
             raise BackendError("no reference model: it is loaded only when kl_coef > 0")
         with torch.no_grad():
-            return logprobs_from_logits(_logits(self._reference, batch, self._device), batch)
+            return logprobs_from_logits(
+                _logits(self._reference, batch, self._device), batch, self._config.temperature
+            )
 
     def apply(self, loss: torch.Tensor | None) -> ApplyStats:
         if loss is not None:

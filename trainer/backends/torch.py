@@ -63,13 +63,13 @@ class TorchBackend:
 
     def token_logprobs(self, batch: TokenBatch, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return _logprobs(self.model, batch, self._device)
+            return _logprobs(self.model, batch, self._device, self._config.temperature)
 
     def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         if self._reference is None:
             raise BackendError("no reference model: it is loaded only when kl_coef > 0")
         with torch.no_grad():
-            return _logprobs(self._reference, batch, self._device)
+            return _logprobs(self._reference, batch, self._device, self._config.temperature)
 
     def apply(self, loss: torch.Tensor | None) -> ApplyStats:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -106,6 +106,9 @@ class TorchBackend:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-def _logprobs(model: torch.nn.Module, batch: TokenBatch, device: torch.device) -> torch.Tensor:
+def _logprobs(
+    model: torch.nn.Module, batch: TokenBatch, device: torch.device, temperature: float
+) -> torch.Tensor:
     ids, attention = batch.input_ids.to(device), batch.attention_mask.to(device)
-    return logprobs_from_logits(model(input_ids=ids, attention_mask=attention).logits, batch)
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    return logprobs_from_logits(logits, batch, temperature)
