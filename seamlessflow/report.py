@@ -135,7 +135,7 @@ def print_summary(summary: RunSummary) -> None:
         ("generated tokens", str(summary.generated_tokens)),
         (f"reward, first {EDGE} versions", fmt(summary.reward_first)),
         (f"reward, last {EDGE} versions", fmt(summary.reward_last)),
-        *((f"trainer: {k}", f"{v:.3g}") for k, v in summary.trainer.items()),
+        *((f"trainer: {k}", f"{v:,.0f}" if v >= 100 else f"{v:.3g}") for k, v in summary.trainer.items()),
         ("summary", summary.summary_path),
         ("reward curve", summary.curve_path),
     ]
