@@ -120,6 +120,10 @@ def plot_curve(curve: list[tuple[int, float, int]], path: Path, *, title: str) -
     plt.close(fig)
 
 
+def fmt_stat(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def print_summary(summary: RunSummary) -> None:
     def fmt(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
@@ -135,7 +139,7 @@ def print_summary(summary: RunSummary) -> None:
         ("generated tokens", str(summary.generated_tokens)),
         (f"reward, first {EDGE} versions", fmt(summary.reward_first)),
         (f"reward, last {EDGE} versions", fmt(summary.reward_last)),
-        *((f"trainer: {k}", f"{v:,.0f}" if v >= 100 else f"{v:.3g}") for k, v in summary.trainer.items()),
+        *((f"trainer: {k}", fmt_stat(v)) for k, v in summary.trainer.items()),
         ("summary", summary.summary_path),
         ("reward curve", summary.curve_path),
     ]
