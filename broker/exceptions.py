@@ -19,6 +19,10 @@ class BrokerStartError(BrokerError):
     """The embedded ``nats-server`` did not start or did not become healthy."""
 
 
+class RunNotProvisionedError(BrokerError):
+    """A run's stream or durable consumer is missing: ``seamlessflow provision`` it first."""
+
+
 class ProvisionConflictError(BrokerError):
     """A run's stream, consumer or bucket exists with another configuration than asked."""
 

@@ -13,6 +13,7 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
+    ConsumerInfo,
     DiscardPolicy,
     KeyValueConfig,
     ObjectStoreConfig,
@@ -24,7 +25,7 @@ from nats.js.api import (
 from nats.js.errors import APIError, NotFoundError
 
 from broker.config import ConsumerLimits, ProvisionConfig, StreamLimits
-from broker.exceptions import BrokerError, ProvisionConflictError
+from broker.exceptions import BrokerError, ProvisionConflictError, RunNotProvisionedError
 from broker.subjects import Durable, RunNames
 from seamlessflow.log import kv
 
@@ -283,3 +284,17 @@ async def stream_status(js: JetStreamContext, info: StreamInfo) -> StreamStatus:
         for c in await js.consumers_info(info.config.name)
     ]
     return StreamStatus(info.config.name, info.state.messages, info.state.bytes, consumers)
+
+
+async def durable_info(
+    js: JetStreamContext, names: RunNames, stream: str, durable: str
+) -> ConsumerInfo:
+    """The info of one of the run's durable consumers; ``RunNotProvisionedError`` saying what to
+    do when it is missing. Long-running consumers call it before saying they are ready."""
+    try:
+        return await js.consumer_info(stream, durable)
+    except NotFoundError as exc:
+        raise RunNotProvisionedError(
+            f"run {names.run!r} is not provisioned: no consumer {durable} on {stream} "
+            f"(run `seamlessflow provision --run {names.run}`)"
+        ) from exc

@@ -6,6 +6,7 @@ import signal
 import pytest
 
 from broker import codec
+from broker.exceptions import RunNotProvisionedError
 from broker.messages import (
     CallRecorded,
     FinishReason,
@@ -19,7 +20,6 @@ from seamlessflow.metrics import serve_metrics
 from seamlessflow.processes import ServiceProcess
 from tests.support import SMALL_RUN, eventually, metric, stream_messages
 from trajectory.config import TrajectoryConfig
-from trajectory.exceptions import TrajectoryError
 from trajectory.manager import TrajectoryManager
 
 pytestmark = pytest.mark.newest_nats
@@ -191,7 +191,7 @@ async def test_cli_serves_until_sigterm(broker, js, names):
 
 async def test_unprovisioned_run_is_a_clear_error(js):
     manager = TrajectoryManager(js, RunNames("nope"), SMALL_RUN.traj, TrajectoryConfig())
-    with pytest.raises(TrajectoryError, match="run 'nope' is not provisioned"):
+    with pytest.raises(RunNotProvisionedError, match="run 'nope' is not provisioned"):
         await manager.run(asyncio.Event())
 
 

@@ -26,6 +26,7 @@ from broker.client import session
 from broker.exceptions import InvalidMessageError
 from broker.ingress import Delivery, HandBack, Ingress
 from broker.messages import Role, SampleReady, WorkerRegistered
+from broker.provision import durable_info
 from broker.registry import Registration, watch_workers
 from broker.subjects import Durable, RunNames
 from broker.weights import latest_weights, publish_weights
@@ -361,6 +362,7 @@ async def serve_trainer(
         async with session(url, f"seamlessflow-{config.worker_id}") as nc:
             js = nc.jetstream()
             names = RunNames(run.run)
+            await durable_info(js, names, names.samples_stream, Durable.TRAINER)
             # 2. Register, publish what a crash may have left unpublished, consume.
             registration = await Registration.open(
                 js,

@@ -29,12 +29,12 @@ from broker.config import StreamLimits
 from broker.exceptions import InvalidMessageError
 from broker.ingress import Delivery, Ingress, dead_letter
 from broker.messages import CallRecorded, SessionEnded
+from broker.provision import durable_info
 from broker.subjects import Durable, RunNames
 from seamlessflow.config import RunConfig
 from seamlessflow.log import kv
 from seamlessflow.metrics import serve_metrics
 from trajectory.config import TrajectoryConfig
-from trajectory.exceptions import TrajectoryError
 from trajectory.tree import SessionBuild, build_session
 
 log = logging.getLogger(__name__)
@@ -116,14 +116,7 @@ class TrajectoryManager:
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
         """Handle ended sessions until ``stop`` is set; ``on_ready`` once the durable is found."""
-        try:
-            await self._js.consumer_info(self._names.traj_stream, Durable.TRAJECTORY)
-        except NotFoundError as exc:
-            raise TrajectoryError(
-                f"run {self._names.run!r} is not provisioned: no consumer {Durable.TRAJECTORY} "
-                f"on {self._names.traj_stream} (run `seamlessflow provision --run "
-                f"{self._names.run}`)"
-            ) from exc
+        await durable_info(self._js, self._names, self._names.traj_stream, Durable.TRAJECTORY)
         on_ready()
         await self._ingress.run(stop)
 

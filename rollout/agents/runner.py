@@ -32,7 +32,6 @@ import httpx
 import openai
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Gauge, Histogram
 
 from broker import codec
@@ -41,6 +40,7 @@ from broker.config import StreamLimits
 from broker.exceptions import InvalidMessageError
 from broker.ingress import Delivery, tasks_ingress
 from broker.messages import SessionEnded, TaskSubmitted
+from broker.provision import durable_info
 from broker.subjects import Durable, RunNames
 from rollout.agents.agents import (
     Agent,
@@ -54,7 +54,6 @@ from rollout.agents.arithmetic import ENV as ARITHMETIC
 from rollout.agents.arithmetic import arithmetic_agent, arithmetic_reward
 from rollout.agents.config import AgentsConfig
 from rollout.agents.exceptions import (
-    AgentsError,
     GatewayUnavailableError,
     InvalidTaskError,
     RunnerStoppingError,
@@ -216,14 +215,8 @@ class AgentRunner:
             log.info(kv("agents_stopped", run=self._names.run))
 
     async def _consume(self, stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
-        try:
-            info = await self._js.consumer_info(self._names.tasks_stream, Durable.AGENTS)
-        except NotFoundError as exc:
-            raise AgentsError(
-                f"run {self._names.run!r} is not provisioned: no consumer {Durable.AGENTS} on "
-                f"{self._names.tasks_stream} (run `seamlessflow provision --run "
-                f"{self._names.run}`)"
-            ) from exc
+        names = self._names
+        info = await durable_info(self._js, names, names.tasks_stream, Durable.AGENTS)
         self._progress_s = max(0.5, (info.config.ack_wait or 30.0) / 3)
         self._stop = stop
         ingress = tasks_ingress(
