@@ -828,6 +828,9 @@ def test_streamed_tool_calls_are_held_back_and_parsed_at_the_end():
 async def test_weights_change_mid_response_is_one_ordinary_response(
     engine, broker, js, names, tiny_model_dir, tok
 ):
+    # The response must outlast publishing, fetching and loading a version (about 1 s here, and
+    # several times that on a loaded machine), so it is long: 300 tokens lost that race in CI.
+    n_tokens = 1500
     blob = perturbed_weights(tiny_model_dir, seed=1)
     worker = worker_process(broker.url, names.run, tiny_model_dir, "pw1", "--engine", engine)
     await asyncio.to_thread(worker.wait_ready, 300)
@@ -838,7 +841,7 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
             stream = await client.chat.completions.create(
                 model=MODEL,
                 messages=HELLO,
-                max_tokens=300,
+                max_tokens=n_tokens,
                 temperature=0,
                 logprobs=True,
                 stream=True,
@@ -866,7 +869,7 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
     # ...the record says which tokens came from which weights...
     versions = record.output_versions
     switch = versions.index(1)
-    assert 8 <= switch < 300 and versions == [0] * switch + [1] * (300 - switch)
+    assert 8 <= switch < n_tokens and versions == [0] * switch + [1] * (n_tokens - switch)
     assert record.interruptions == 1
     # ...and the rest is what the new weights continue from prompt + tokens so far.
     before = greedy(tiny_model_dir, record.prompt_ids, switch)
