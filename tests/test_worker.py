@@ -111,15 +111,16 @@ async def test_weight_update_mid_request_relabels_the_rest(
     broker, worker, nc, js, names, tiny_model_dir
 ):
     blob = perturbed_weights(tiny_model_dir, seed=1)
-    call = await Call(nc, names, "c1", max_tokens=400, temperature=0).start()
+    n_tokens = 1500  # long enough to outlast publishing and loading a version on a busy machine
+    call = await Call(nc, names, "c1", max_tokens=n_tokens, temperature=0).start()
     await eventually(lambda: len(call.tokens) >= 5)
     event = await publish_weights(js, names, 1, blob)
     assert event.sha256 == hashlib.sha256(blob).hexdigest()
     last = await call.finished()
-    assert last.finish_reason is FinishReason.LENGTH and len(call.tokens) == 400
+    assert last.finish_reason is FinishReason.LENGTH and len(call.tokens) == n_tokens
     versions = [c.version for c in call.chunks for _ in c.token_ids]
     switch = versions.index(1)
-    assert 5 <= switch < 400 and versions == [0] * switch + [1] * (400 - switch)
+    assert 5 <= switch < n_tokens and versions == [0] * switch + [1] * (n_tokens - switch)
     # The tokens after the switch are the new weights' greedy continuation.
     prefix = PROMPT + call.tokens[:switch]
     assert call.tokens[switch : switch + 20] == greedy(tiny_model_dir, prefix, 20, blob)
