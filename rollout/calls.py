@@ -330,6 +330,8 @@ class Call:
         worker has it yet (so JetStream does not deliver it again)."""
         attempt = self._attempt
         assert attempt is not None
+        if not self.nc.is_connected:
+            return  # the broker is unreachable: waiting for it here would delay the error
         cancel = GenerationCancelled(call_id=self.call_id, attempt=attempt.number, reason=reason)
         await _quietly(self.nc.publish(self.names.gen_cancel(self.call_id), codec.encode(cancel)))
         await _quietly(self.js.delete_msg(self.names.gen_stream, attempt.stream_seq))
