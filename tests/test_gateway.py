@@ -826,53 +826,75 @@ def test_streamed_tool_calls_are_held_back_and_parsed_at_the_end():
     ],
 )
 async def test_weights_change_mid_response_is_one_ordinary_response(
-    engine, broker, js, names, tiny_model_dir, tok
+    engine, broker, js, names, tiny_model_dir, tok, tmp_path
 ):
-    # The response must outlast publishing, fetching and loading a version (about 1 s here, and
-    # several times that on a loaded machine), so it is long: 300 tokens lost that race in CI.
-    n_tokens = 1500
-    blob = perturbed_weights(tiny_model_dir, seed=1)
+    # A version is published once the agent has seen 8 tokens. Whether the response outlasts
+    # publishing, fetching and loading it is a real race (vLLM makes 1000 tokens of the tiny model
+    # in about a second), so a response that ends first is tried again with the next version.
+    # The blobs go to a shared folder: a 10 MB object-store fetch took 0.6-1 s in a vLLM worker.
+    n_tokens = 1000
+    blobs = {0: None} | {v: perturbed_weights(tiny_model_dir, seed=v) for v in (1, 2, 3)}
     worker = worker_process(broker.url, names.run, tiny_model_dir, "pw1", "--engine", engine)
     await asyncio.to_thread(worker.wait_ready, 300)
+
+    async def serves(version: int) -> bool:
+        return await metric(worker.metrics_url, "sf_rollout_weight_version") == version
+
     try:
         async with Gateway(config(tiny_model_dir, names.run), broker.url) as gw:
             client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
-            sid = session_id()
-            stream = await client.chat.completions.create(
-                model=MODEL,
-                messages=HELLO,
-                max_tokens=n_tokens,
-                temperature=0,
-                logprobs=True,
-                stream=True,
-                extra_headers={"X-Session-Id": sid},
-            )
-            text, logprobs, finishes, published = "", [], [], False
-            async for chunk in stream:
-                for choice in chunk.choices:
-                    text += choice.delta.content or ""
-                    logprobs += [
-                        t.logprob for t in (choice.logprobs and choice.logprobs.content) or []
-                    ]
-                    finishes += [choice.finish_reason] if choice.finish_reason else []
-                if not published and len(logprobs) >= 8:
-                    await publish_weights(js, names, 1, blob)  # as the trainer would
-                    published = True
-            (record,) = await records(js, names, sid)
+            for version in (1, 2, 3):
+                text, logprobs, finishes, record = await stream_across_a_new_version(
+                    client, js, names, n_tokens, version, blobs[version], tmp_path
+                )
+                # The agent saw one ordinary response...
+                assert finishes == ["length"] and text == tok.decode(
+                    record.output_ids, skip_special_tokens=True
+                )
+                assert logprobs == pytest.approx(record.output_logprobs, abs=1e-6)
+                if record.interruptions:
+                    break
+                # ...which ended before the new version was loaded: all of it is the old one.
+                assert record.output_versions == [version - 1] * n_tokens
+                await eventually(lambda v=version: serves(v))
     finally:
         worker.stop()
-    # The agent saw one ordinary response...
-    assert finishes == ["length"] and text == tok.decode(
-        record.output_ids, skip_special_tokens=True
-    )
-    assert logprobs == pytest.approx(record.output_logprobs, abs=1e-6)
     # ...the record says which tokens came from which weights...
     versions = record.output_versions
-    switch = versions.index(1)
-    assert 8 <= switch < n_tokens and versions == [0] * switch + [1] * (n_tokens - switch)
+    switch = versions.index(version)
+    assert 8 <= switch < n_tokens
+    assert versions == [version - 1] * switch + [version] * (n_tokens - switch)
     assert record.interruptions == 1
     # ...and the rest is what the new weights continue from prompt + tokens so far.
-    before = greedy(tiny_model_dir, record.prompt_ids, switch)
-    after = greedy(tiny_model_dir, record.prompt_ids + record.output_ids[:switch], 16, blob)
+    before = greedy(tiny_model_dir, record.prompt_ids, switch, blobs[version - 1])
+    prefix = record.prompt_ids + record.output_ids[:switch]
+    after = greedy(tiny_model_dir, prefix, 16, blobs[version])
     assert record.output_ids[:switch] == before
     assert record.output_ids[switch : switch + 16] == after
+
+
+async def stream_across_a_new_version(client, js, names, n_tokens, version, blob, folder):
+    """One streamed greedy response (new session) during which ``version`` is published once 8
+    tokens have arrived: what the agent saw (text, logprobs, finish reasons) and the record."""
+    sid = session_id()
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        max_tokens=n_tokens,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+        extra_headers={"X-Session-Id": sid},
+    )
+    text, logprobs, finishes, published = "", [], [], False
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            logprobs += [t.logprob for t in (choice.logprobs and choice.logprobs.content) or []]
+            finishes += [choice.finish_reason] if choice.finish_reason else []
+        if not published and len(logprobs) >= 8:
+            # as the trainer would, to a shared folder
+            await publish_weights(js, names, version, blob, directory=folder)
+            published = True
+    (record,) = await records(js, names, sid)
+    return text, logprobs, finishes, record
