@@ -297,6 +297,7 @@ class RolloutWorker:
         self._tried_version = event.version
         started = time.monotonic()
         blob = await fetch_weights(self._js, event)
+        fetched = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="sf-weights-") as folder:
             await asyncio.to_thread((Path(folder) / "model.safetensors").write_bytes, blob)
             INTERRUPTIONS.labels("weight_update").inc(len(self._attempts))
@@ -314,6 +315,7 @@ class RolloutWorker:
                 "weights_loaded",
                 version=event.version,
                 seconds=round(seconds, 3),
+                fetch_seconds=round(fetched - started, 3),
                 in_flight=len(self._attempts),
             )
         )
