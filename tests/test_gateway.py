@@ -826,12 +826,11 @@ def test_streamed_tool_calls_are_held_back_and_parsed_at_the_end():
     ],
 )
 async def test_weights_change_mid_response_is_one_ordinary_response(
-    engine, broker, js, names, tiny_model_dir, tok, tmp_path
+    engine, broker, js, names, tiny_model_dir, tok
 ):
-    # A version is published once the agent has seen 8 tokens. Whether the response outlasts
-    # publishing, fetching and loading it is a real race (vLLM makes 1000 tokens of the tiny model
-    # in about a second), so a response that ends first is tried again with the next version.
-    # The blobs go to a shared folder: a 10 MB object-store fetch took 0.6-1 s in a vLLM worker.
+    # A version is published as soon as a worker has started the response. Whether it is loaded
+    # while the response still runs is a real race (vLLM makes 1000 tiny-model tokens in about a
+    # second), so a response that one version did not split is tried again with the next one.
     n_tokens = 1000
     blobs = {0: None} | {v: perturbed_weights(tiny_model_dir, seed=v) for v in (1, 2, 3)}
     worker = worker_process(broker.url, names.run, tiny_model_dir, "pw1", "--engine", engine)
@@ -845,24 +844,24 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
             client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
             for version in (1, 2, 3):
                 text, logprobs, finishes, record = await stream_across_a_new_version(
-                    client, js, names, n_tokens, version, blobs[version], tmp_path
+                    client, js, names, n_tokens, version, blobs[version]
                 )
                 # The agent saw one ordinary response...
                 assert finishes == ["length"] and text == tok.decode(
                     record.output_ids, skip_special_tokens=True
                 )
                 assert logprobs == pytest.approx(record.output_logprobs, abs=1e-6)
-                if record.interruptions:
+                if len(set(record.output_versions)) > 1:
                     break
-                # ...which ended before the new version was loaded: all of it is the old one.
-                assert record.output_versions == [version - 1] * n_tokens
+                # ...which the load did not split: it is all one version, old or new.
+                assert record.interruptions == 0
+                assert record.output_versions in ([version - 1] * n_tokens, [version] * n_tokens)
                 await eventually(lambda v=version: serves(v))
     finally:
         worker.stop()
     # ...the record says which tokens came from which weights...
     versions = record.output_versions
     switch = versions.index(version)
-    assert 8 <= switch < n_tokens
     assert versions == [version - 1] * switch + [version] * (n_tokens - switch)
     assert record.interruptions == 1
     # ...and the rest is what the new weights continue from prompt + tokens so far.
@@ -873,9 +872,10 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
     assert record.output_ids[switch : switch + 16] == after
 
 
-async def stream_across_a_new_version(client, js, names, n_tokens, version, blob, folder):
-    """One streamed greedy response (new session) during which ``version`` is published once 8
-    tokens have arrived: what the agent saw (text, logprobs, finish reasons) and the record."""
+async def stream_across_a_new_version(client, js, names, n_tokens, version, blob):
+    """One streamed greedy response (new session) during which ``version`` is published, as soon
+    as a worker has started it: what the agent saw (text, logprobs, finish reasons) and the
+    record."""
     sid = session_id()
     stream = await client.chat.completions.create(
         model=MODEL,
@@ -886,15 +886,14 @@ async def stream_across_a_new_version(client, js, names, n_tokens, version, blob
         stream=True,
         extra_headers={"X-Session-Id": sid},
     )
-    text, logprobs, finishes, published = "", [], [], False
+    # The gateway answers once a worker has taken the call: it is generating now. (The agent's
+    # view of the stream can lag the worker by seconds on a busy machine.)
+    await publish_weights(js, names, version, blob)  # as the trainer would
+    text, logprobs, finishes = "", [], []
     async for chunk in stream:
         for choice in chunk.choices:
             text += choice.delta.content or ""
             logprobs += [t.logprob for t in (choice.logprobs and choice.logprobs.content) or []]
             finishes += [choice.finish_reason] if choice.finish_reason else []
-        if not published and len(logprobs) >= 8:
-            # as the trainer would, to a shared folder
-            await publish_weights(js, names, version, blob, directory=folder)
-            published = True
     (record,) = await records(js, names, sid)
     return text, logprobs, finishes, record
