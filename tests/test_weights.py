@@ -44,3 +44,16 @@ async def test_old_versions_are_pruned_so_the_store_never_fills(js, names, tmp_p
             await fetch_weights(js, event)
     if shared_folder:
         assert sorted(p.name for p in directory.iterdir()) == ["v11.safetensors", "v12.safetensors"]
+
+
+async def test_a_blob_of_many_chunks_arrives_whole_and_in_order(js, names, monkeypatch):
+    monkeypatch.setattr("broker.weights.PULL_BYTES", 8 * 1024)  # 8 chunks a pull: 13 pulls
+    blob = bytes(range(256)) * 401  # 100 full 1 KiB chunks and a short last one
+    event = await publish_weights(js, names, 1, blob, chunk_bytes=1024)
+    assert await fetch_weights(js, event) == blob
+    # Version 2 under the same store: the reader follows v2's chunks only.
+    other = bytes(reversed(blob))
+    assert (
+        await fetch_weights(js, await publish_weights(js, names, 2, other, chunk_bytes=1024))
+        == other
+    )
