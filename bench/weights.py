@@ -1,11 +1,14 @@
 """Weight broadcast through the run's object store: publish (trainer) and fetch (worker) seconds
 per blob size and chunk size, compared in one run as ratios.
 
-Two readers: ``broker.weights.fetch_weights`` (batched pulls) and nats-py's ``ObjectStore.get``
-(an ordered push consumer, what fetch_weights used before), both checking the SHA-256. A rollout
-worker fetches while its event loop also streams tokens, so every fetch is measured twice: on an
-idle loop, and on a loop that a second task keeps busy in 2 ms slices (as an engine's output
-handling does).
+Three readers, each checking the SHA-256:
+- ``natspy``: nats-py's ``ObjectStore.get`` (an ordered push consumer), what workers used before;
+- ``pull``: ``broker.weights.fetch_weights`` (batched pulls) on the caller's connection;
+- ``apart``: ``broker.weights.fetch_weights_apart``, the same in a thread with its own
+  connection and event loop (what rollout workers use).
+A rollout worker fetches while its event loop also streams tokens, so every fetch is measured
+twice: on an idle loop, and on a loop that a second task keeps busy in 2 ms slices (as an
+engine's output handling does).
 
 Usage: python bench/weights.py [--sizes-mb 10 100] [--rounds 3]
 Prints a table and writes bench/results/weights.json.
@@ -21,6 +24,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from broker.client import session
@@ -29,12 +33,21 @@ from broker.messages import WeightsPublished
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
-from broker.weights import DEFAULT_CHUNK_BYTES, OBJSTORE, fetch_weights, publish_weights
+from broker.weights import (
+    DEFAULT_CHUNK_BYTES,
+    OBJSTORE,
+    fetch_weights,
+    fetch_weights_apart,
+    publish_weights,
+)
 
 RESULTS = Path(__file__).parent / "results"
 KiB, MiB = 1024, 1024 * 1024
 NATS_PY_DEFAULT = 128 * KiB
 CHUNKS = sorted({NATS_PY_DEFAULT, DEFAULT_CHUNK_BYTES, 1 * MiB, 4 * MiB})
+LOOPS = ("idle", "busy")
+
+Reader = Callable[[WeightsPublished], Awaitable[bytes]]
 
 
 async def _busy(stop: asyncio.Event) -> None:
@@ -55,14 +68,11 @@ async def natspy_fetch(js, event: WeightsPublished) -> bytes:
     return blob
 
 
-READERS = {"pull": fetch_weights, "natspy": natspy_fetch}
-
-
-async def _fetch_seconds(js, event, reader: str, busy: bool) -> float:
+async def _fetch_seconds(reader: Reader, event: WeightsPublished, busy: bool) -> float:
     stop = asyncio.Event()
     hog = asyncio.create_task(_busy(stop)) if busy else None
     start = time.perf_counter()
-    await READERS[reader](js, event)
+    await reader(event)
     seconds = time.perf_counter() - start
     stop.set()
     if hog is not None:
@@ -74,12 +84,17 @@ async def bench(url: str, sizes_mb: list[int], rounds: int) -> list[dict]:
     rows = []
     async with session(url, "bench") as nc:
         js = nc.jetstream()
+        readers: dict[str, Reader] = {
+            "natspy": lambda e: natspy_fetch(js, e),
+            "pull": lambda e: fetch_weights(js, e),
+            "apart": lambda e: fetch_weights_apart(url, e),
+        }
         names = RunNames("bench-weights")
         await provision_run(js, names.run)
         version = 0
         for size_mb in sizes_mb:
             blob = os.urandom(size_mb * MiB)
-            keys = ["publish"] + [f"{r}_{loop}" for r in READERS for loop in ("idle", "busy")]
+            keys = ["publish"] + [f"{r}_{loop}" for r in readers for loop in LOOPS]
             times = {c: {k: [] for k in keys} for c in CHUNKS}
             for _ in range(rounds):  # interleaved, so drift on a shared machine hits all alike
                 for chunk in CHUNKS:
@@ -89,10 +104,10 @@ async def bench(url: str, sizes_mb: list[int], rounds: int) -> list[dict]:
                         js, names, version, blob, keep=1, chunk_bytes=chunk
                     )
                     times[chunk]["publish"].append(time.perf_counter() - start)
-                    for reader in READERS:
-                        for loop in ("idle", "busy"):
-                            seconds = await _fetch_seconds(js, event, reader, loop == "busy")
-                            times[chunk][f"{reader}_{loop}"].append(seconds)
+                    for name, reader in readers.items():
+                        for loop in LOOPS:
+                            seconds = await _fetch_seconds(reader, event, loop == "busy")
+                            times[chunk][f"{name}_{loop}"].append(seconds)
             old = {k: statistics.median(v) for k, v in times[NATS_PY_DEFAULT].items()}
             for chunk in CHUNKS:
                 med = {k: statistics.median(v) for k, v in times[chunk].items()}
@@ -102,9 +117,12 @@ async def bench(url: str, sizes_mb: list[int], rounds: int) -> list[dict]:
                         "chunk_kib": chunk // KiB,
                         **{f"{k}_s": v for k, v in med.items()},
                         "publish_speedup": old["publish"] / med["publish"],
-                        # against what workers did before: nats-py get, 128 KiB chunks
-                        "idle_speedup": old["natspy_idle"] / med["pull_idle"],
-                        "busy_speedup": old["natspy_busy"] / med["pull_busy"],
+                        # against what workers did before: nats-py get of 128 KiB chunks
+                        **{
+                            f"{r}_{loop}_speedup": old[f"natspy_{loop}"] / med[f"{r}_{loop}"]
+                            for r in ("pull", "apart")
+                            for loop in LOOPS
+                        },
                     }
                 )
     return rows
@@ -121,18 +139,19 @@ def main() -> None:
     ):
         rows = asyncio.run(bench(broker.url, args.sizes_mb, args.rounds))
         server = ".".join(map(str, broker.version))
-    print("seconds (median); speed-up = nats-py get with 128 KiB chunks / this chunk size and pull")
-    print(
-        f"{'MB':>5}{'chunk KiB':>10}{'publish':>9}{'nats-py get':>12}{'busy':>7}{'pull':>7}"
-        f"{'busy':>7}{'speed-up: publish':>19}{'fetch':>7}{'busy':>7}"
-    )
+    print("median seconds; speed-up: against nats-py get of 128 KiB chunks on the same loop")
+    readers = ("natspy", "pull", "apart")
+    columns = [("publish", "publish_s", ".3f")]
+    columns += [(f"{r} {loop}", f"{r}_{loop}_s", ".3f") for r in readers for loop in LOOPS]
+    columns += [("x publish", "publish_speedup", ".2f")]
+    columns += [
+        (f"x {r} {loop}", f"{r}_{loop}_speedup", ".2f") for r in readers[1:] for loop in LOOPS
+    ]
+    header = f"{'MB':>5}{'chunk KiB':>10}" + "".join(f"{c[0]:>13}" for c in columns)
+    print(header)
     for r in rows:
-        print(
-            f"{r['size_mb']:>5}{r['chunk_kib']:>10}{r['publish_s']:>9.3f}"
-            f"{r['natspy_idle_s']:>12.3f}{r['natspy_busy_s']:>7.3f}{r['pull_idle_s']:>7.3f}"
-            f"{r['pull_busy_s']:>7.3f}{r['publish_speedup']:>19.2f}{r['idle_speedup']:>7.2f}"
-            f"{r['busy_speedup']:>7.2f}"
-        )
+        cells = "".join(f"{r[key]:>13{fmt}}" for _, key, fmt in columns)
+        print(f"{r['size_mb']:>5}{r['chunk_kib']:>10}{cells}")
     RESULTS.mkdir(exist_ok=True)
     result = {
         "machine": {

@@ -21,6 +21,7 @@ from nats.js.errors import NotFoundError
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from broker import codec
+from broker.client import session
 from broker.exceptions import BrokerError
 from broker.messages import WeightsPublished
 from broker.subjects import RunNames
@@ -142,6 +143,20 @@ async def fetch_weights(js: JetStreamContext, event: WeightsPublished) -> bytes:
             f"{digest}, the event says {event.size_bytes} bytes with sha256 {event.sha256}"
         )
     return blob
+
+
+async def fetch_weights_apart(url: str, event: WeightsPublished) -> bytes:
+    """``fetch_weights`` in a thread, on a NATS connection and event loop of its own.
+
+    For a process whose event loop is busy (a rollout worker streaming tokens): there, reading a
+    100 MB blob took 2.8 s against 0.45 s apart (``bench/weights.py``).
+    """
+
+    async def fetch() -> bytes:
+        async with session(url, "seamlessflow-weights") as nc:
+            return await fetch_weights(nc.jetstream(), event)
+
+    return await asyncio.to_thread(asyncio.run, fetch())
 
 
 async def _read_object(js: JetStreamContext, bucket: str, name: str) -> bytes:

@@ -46,7 +46,7 @@ from broker.messages import (
 )
 from broker.registry import Registration, default_worker_id
 from broker.subjects import Durable, RunNames
-from broker.weights import fetch_weights, latest_weights
+from broker.weights import fetch_weights_apart, latest_weights
 from rollout.engines import Engine, EngineError, GenerationChunk
 from seamlessflow.log import kv
 
@@ -113,8 +113,10 @@ class RolloutWorker:
         config: WorkerConfig,
         gen_limits: StreamLimits,
         *,
+        nats_url: str,
         metrics_url: str | None = None,
     ) -> None:
+        self._nats_url = nats_url  # weights are fetched on a connection of their own
         self._nc = nc
         self._js = nc.jetstream()
         self._names = names
@@ -296,7 +298,7 @@ class RolloutWorker:
             return
         self._tried_version = event.version
         started = time.monotonic()
-        blob = await fetch_weights(self._js, event)
+        blob = await fetch_weights_apart(self._nats_url, event)
         fetched = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="sf-weights-") as folder:
             await asyncio.to_thread((Path(folder) / "model.safetensors").write_bytes, blob)

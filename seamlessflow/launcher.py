@@ -90,6 +90,7 @@ async def serve_worker(
                 loaded,
                 worker,
                 run.provision.gen,
+                nats_url=url,
                 metrics_url=metrics.url,
             )
             ready = (

@@ -2,7 +2,13 @@
 
 import pytest
 
-from broker.weights import WeightsIntegrityError, fetch_weights, latest_weights, publish_weights
+from broker.weights import (
+    WeightsIntegrityError,
+    fetch_weights,
+    fetch_weights_apart,
+    latest_weights,
+    publish_weights,
+)
 
 
 async def test_publish_fetch_and_latest(js, names, tmp_path):
@@ -57,3 +63,11 @@ async def test_a_blob_of_many_chunks_arrives_whole_and_in_order(js, names, monke
         await fetch_weights(js, await publish_weights(js, names, 2, other, chunk_bytes=1024))
         == other
     )
+
+
+async def test_fetch_apart_uses_its_own_connection_and_loop(broker, js, names):
+    event = await publish_weights(js, names, 1, b"apart" * 1000)
+    assert await fetch_weights_apart(broker.url, event) == b"apart" * 1000
+    missing = event.model_copy(update={"location": f"objstore://{names.weights_store}/v7.x"})
+    with pytest.raises(WeightsIntegrityError, match=r"weights v1: cannot read objstore://"):
+        await fetch_weights_apart(broker.url, missing)
