@@ -163,7 +163,7 @@ async def _read_object(js: JetStreamContext, bucket: str, name: str) -> bytes:
     """An object's bytes, read through an ephemeral pull consumer on its chunks.
 
     Not nats-py's ``ObjectStore.get``: its ordered push consumer receives about 20 MB/s here and
-    hands each chunk to a thread; batched pulls are 9-13x faster (``bench/weights.py``).
+    hands each chunk to a thread; batched pulls were 4-13x faster here (``bench/weights.py``).
     """
     info = await (await js.object_store(bucket)).get_info(name)
     if info.is_link() or not info.nuid:
