@@ -153,15 +153,22 @@ class Call:
         return self.finish_reason is not None
 
     async def start(self) -> None:
-        """Subscribe, publish attempt 0 and wait until a worker starts it."""
+        """Subscribe, publish attempt 0 and wait until a worker starts it. When none does, the
+        request is off the queue before the error is raised: no worker starts it afterwards."""
         self._started_at = time.time()
         _check_connected(self.nc)
         self._sub = await self.nc.subscribe(self.names.gen_out(self.call_id), cb=self._queue.put)
         await self._publish_attempt(0)
-        while not self._taken and not self.finished:
-            tokens = await self._step()
-            if tokens is not None:
-                self._ready.append(tokens)
+        try:
+            while not self._taken and not self.finished:
+                tokens = await self._step()
+                if tokens is not None:
+                    self._ready.append(tokens)
+        except Exception:
+            if not self._taken and self._attempt is not None:
+                await self._cancel_attempt("not started")
+                self._attempt = None  # withdrawn: ``close`` has nothing left to cancel
+            raise
 
     async def tokens(self) -> AsyncIterator[Tokens]:
         """The call's tokens as they arrive, until it finishes."""

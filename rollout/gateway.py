@@ -393,7 +393,6 @@ class OpenAIService:
     ) -> None:
         """Run one call to its end, putting its output on ``events``; the last event has the
         finish reason or the error. Remember the turn for the session when it finished."""
-        not_started: Exception | None = None
         try:
             try:
                 await call.start()
@@ -401,7 +400,7 @@ class OpenAIService:
                 started.cancel()
                 raise
             except Exception as exc:
-                not_started = exc
+                started.set_exception(exc)
                 return
             started.set_result(None)
             try:
@@ -416,10 +415,6 @@ class OpenAIService:
                 await call.close()
             except RecordUnavailableError as exc:
                 last = _Event(spec.index, error=exc)
-            finally:
-                # Told only once the request is off the queue: no worker starts it after a 503.
-                if not_started is not None:
-                    started.set_exception(not_started)
         try:
             if last.error is None and prompt.text is not None:
                 output_text = self.tokenizer.decode(call.output_ids, skip_special_tokens=False)
