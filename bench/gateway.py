@@ -48,9 +48,10 @@ from broker.messages import CallRecorded, SamplingParams
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
+from common.models import load_tokenizer, resolve_model
 from rollout.engines import ENGINES, Engine, EngineConfig, start_engine
-from rollout.gateway import SESSION_HEADER, Gateway, GatewayConfig, default_stop_token_ids
-from rollout.models import load_tokenizer, resolve_model
+from rollout.gateway import Gateway, GatewayConfig, default_stop_token_ids
+from rollout.openai_api import SESSION_HEADER
 from seamlessflow.processes import worker_process
 
 RESULTS = Path(__file__).parent / "results"

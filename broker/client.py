@@ -10,7 +10,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
 from broker.exceptions import BrokerUnavailableError
-from seamlessflow.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -1,23 +1,16 @@
 """Typed configuration of the embedded broker and of a run's streams, consumers and buckets."""
 
-import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from common.paths import default_state_dir
 
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 HOUR = 3600.0
 DAY = 24 * HOUR
-
-
-def default_state_dir() -> Path:
-    """``$SEAMLESSFLOW_STATE_DIR``, else ``$XDG_STATE_HOME/seamlessflow`` (``~/.local/state``)."""
-    if explicit := os.environ.get("SEAMLESSFLOW_STATE_DIR"):
-        return Path(explicit)
-    xdg = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
-    return Path(xdg) / "seamlessflow"
 
 
 class _Config(BaseModel):

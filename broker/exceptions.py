@@ -1,6 +1,6 @@
 """Errors raised by the data plane."""
 
-from seamlessflow.exceptions import SeamlessFlowError
+from common.exceptions import SeamlessFlowError
 
 
 class BrokerError(SeamlessFlowError):

@@ -34,7 +34,7 @@ from broker.exceptions import InvalidMessageError
 from broker.messages import HEADER_MAX, REASON_MAX, Message, MessageRejected, TaskSubmitted
 from broker.metrics import INGRESS_MESSAGES
 from broker.subjects import Durable, RunNames
-from seamlessflow.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

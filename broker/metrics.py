@@ -7,14 +7,16 @@ from collections.abc import Iterable
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from broker.provision import StreamStatus, stream_status
-from seamlessflow.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
+
+REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
 INGRESS_MESSAGES = Counter(
     "sf_ingress_messages",
@@ -23,6 +25,7 @@ INGRESS_MESSAGES = Counter(
     "delivery), failed (the handler raised; counted on every failed delivery), returned "
     "(handed back unprocessed by a stopping process)",
     ["source", "outcome"],
+    registry=REGISTRY,
 )
 
 

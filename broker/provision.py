@@ -27,7 +27,7 @@ from nats.js.errors import APIError, NotFoundError
 from broker.config import ConsumerLimits, ProvisionConfig, StreamLimits
 from broker.exceptions import BrokerError, ProvisionConflictError, RunNotProvisionedError
 from broker.subjects import Durable, RunNames
-from seamlessflow.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from broker import codec
 from broker.exceptions import InvalidMessageError
 from broker.messages import Role, WorkerRegistered
 from broker.subjects import RunNames
-from seamlessflow.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from types import TracebackType
 
 from broker.config import EmbeddedBrokerConfig
 from broker.exceptions import BrokerNotFoundError, BrokerStartError
-from seamlessflow.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Rollout: inference engines behind one interface (``rollout.engines``), the models for CPU
-(``rollout.models``), the rollout worker that serves generation requests from
+(``common.models``), the rollout worker that serves generation requests from
 ``sf.<run>.gen.req`` (``rollout.worker``), and the OpenAI-compatible gateway agents call
 (``rollout.gateway``, with its pure cores ``prompts`` and ``detok`` and the NATS side ``calls``).
 

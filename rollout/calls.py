@@ -26,7 +26,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker import codec
@@ -40,14 +40,16 @@ from broker.messages import (
     TokensGenerated,
 )
 from broker.subjects import RunNames
+from common.log import kv
 from rollout.exceptions import (
     GenerationFailedError,
     GenerationUnavailableError,
     RecordUnavailableError,
 )
-from seamlessflow.log import kv
 
 log = logging.getLogger(__name__)
+
+REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
 ERRORS = Counter(
     "sf_gateway_errors",
@@ -56,17 +58,20 @@ ERRORS = Counter(
     "(a worker chunk that does not decode), record_failed (a call record could not be stored; "
     "its response was withheld)",
     ["type"],
+    registry=REGISTRY,
 )
 CONTINUATIONS = Counter(
     "sf_gateway_continuations",
     "Attempts continued on another worker, by reason: abort, stall, gap",
     ["reason"],
+    registry=REGISTRY,
 )
 CALL_SECONDS = Histogram(
     "sf_gateway_call_seconds",
     "Duration of a call from its first request to its last token, by finish reason",
     ["finish_reason"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+    registry=REGISTRY,
 )
 
 RECORD_ATTEMPTS = 3

@@ -31,7 +31,12 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    generate_latest,
+)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -42,7 +47,12 @@ from broker.client import connect, disconnect
 from broker.codec import describe
 from broker.messages import FinishReason, SamplingParams, ToolCall
 from broker.subjects import NAME_PATTERN, RunNames
+from common.exceptions import ModelError
+from common.log import kv
+from common.metrics import process_registry
+from common.models import eos_token_ids, load_tokenizer, model_info
 from rollout.calls import ERRORS, Call, CallLimits
+from rollout.calls import REGISTRY as CALL_METRICS
 from rollout.detok import Detokenizer
 from rollout.exceptions import (
     ClientDisconnectedError,
@@ -50,13 +60,12 @@ from rollout.exceptions import (
     GenerationFailedError,
     GenerationUnavailableError,
     InvalidRequestError,
-    ModelError,
     ModelNotFoundError,
     RecordUnavailableError,
     RolloutError,
 )
-from rollout.models import eos_token_ids, load_tokenizer, model_info
 from rollout.openai_api import (
+    SESSION_HEADER,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -82,22 +91,26 @@ from rollout.openai_api import (
     to_json,
 )
 from rollout.prompts import Prompt, SessionStore, render_chat
-from seamlessflow.log import kv
 
 log = logging.getLogger(__name__)
 
+REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
+
 REQUESTS = Counter(
-    "sf_gateway_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"]
+    "sf_gateway_requests",
+    "HTTP requests by endpoint and status code",
+    ["endpoint", "status"],
+    registry=REGISTRY,
 )
-TOKENS_OUT = Counter("sf_gateway_tokens_out", "Tokens generated for clients")
+TOKENS_OUT = Counter("sf_gateway_tokens_out", "Tokens generated for clients", registry=REGISTRY)
 PROMPT_TOKENS = Counter(
     "sf_gateway_prompt_tokens",
     "Prompt tokens by source: reused (ids of a session's earlier turns), tokenized, or "
     "client_ids (sent as ids)",
     ["source"],
+    registry=REGISTRY,
 )
 
-SESSION_HEADER = "X-Session-Id"
 _SESSION_ID = re.compile(NAME_PATTERN)
 _CONTEXT_IDS = 5
 """Prompt ids the detokenizer sees before the output (word-start markers need them)."""
@@ -763,11 +776,13 @@ def _endpoint(name: str, handler: Callable[[Request], Awaitable[Response]]):
     return endpoint
 
 
-async def _metrics(request: Request) -> Response:
-    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
-
-
 def build_app(service: OpenAIService) -> Starlette:
+    # The gateway serves its own metrics and its calls', on its own HTTP port.
+    served = process_registry(REGISTRY, CALL_METRICS)
+
+    async def _metrics(request: Request) -> Response:
+        return Response(generate_latest(served), media_type=CONTENT_TYPE_LATEST)
+
     return Starlette(
         routes=[
             Route(

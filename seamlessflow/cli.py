@@ -16,21 +16,21 @@ from broker.messages import TaskSubmitted
 from broker.provision import provision_run, run_status
 from broker.schema import export_schemas
 from broker.subjects import RunNames
+from common.exceptions import SeamlessFlowError
+from common.log import setup_logging
+from common.models import MODELS, resolve_model
 from rollout.agents.config import AgentsConfig
 from rollout.agents.runner import serve_agents
 from rollout.engines import ENGINES, EngineConfig
 from rollout.gateway import GatewayConfig, serve_gateway
-from rollout.models import MODELS, resolve_model
 from rollout.worker import WorkerConfig
 from seamlessflow.config import DEFAULT_RUN, ConfigError, load_config
-from seamlessflow.exceptions import SeamlessFlowError
 from seamlessflow.launcher import (
     print_status,
     serve_broker,
     serve_until_signalled,
     serve_worker,
 )
-from seamlessflow.log import setup_logging
 from seamlessflow.run import run_rl
 from seamlessflow.submit import SubmitReport, parse_tasks, submit_tasks
 from trainer.config import TrainerConfig
@@ -209,7 +209,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    run = config.model_copy(update={"run": args.run or config.run})
+    run = args.run or config.run
     options = dict(_key_value(option) for option in args.engine_option)
     engine_config = EngineConfig(
         model=resolve_model(args.model), max_model_len=args.max_model_len, options=options
@@ -258,14 +258,18 @@ def _model(args: argparse.Namespace) -> int:
 
 def _trajectory(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    run = config.model_copy(update={"run": args.run or config.run})
-    asyncio.run(serve_until_signalled(serve_trajectory, args.nats, run, args.metrics_port))
+    run = args.run or config.run
+    asyncio.run(
+        serve_until_signalled(
+            serve_trajectory, args.nats, run, config.provision, config.trajectory, args.metrics_port
+        )
+    )
     return 0
 
 
 def _agents(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    run = config.model_copy(update={"run": args.run or config.run})
+    run = args.run or config.run
     fields = config.agents.model_dump()
     if args.agent:
         fields.update(agent=args.agent, command=None)
@@ -276,14 +280,16 @@ def _agents(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise ConfigError(f"agents settings: {exc}") from exc
     asyncio.run(
-        serve_until_signalled(serve_agents, args.nats, run, agents, args.gateway, args.metrics_port)
+        serve_until_signalled(
+            serve_agents, args.nats, run, config.provision, agents, args.gateway, args.metrics_port
+        )
     )
     return 0
 
 
 def _trainer(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    run = config.model_copy(update={"run": args.run or config.run})
+    run = args.run or config.run
     trainer = config.trainer
     if args.world_size is not None:
         try:
@@ -294,7 +300,9 @@ def _trainer(args: argparse.Namespace) -> int:
             raise ConfigError(f"trainer settings: {exc}") from exc
     model = resolve_model(args.model)
     asyncio.run(
-        serve_until_signalled(serve_trainer, args.nats, run, trainer, model, args.metrics_port)
+        serve_until_signalled(
+            serve_trainer, args.nats, run, config.provision, trainer, model, args.metrics_port
+        )
     )
     return 0
 

@@ -8,8 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
 from broker.subjects import NAME_PATTERN
+from common.exceptions import SeamlessFlowError
 from rollout.agents.config import AgentsConfig
-from seamlessflow.exceptions import SeamlessFlowError
 from trainer.config import TrainerConfig
 from trainer.warmstart import WarmStartConfig
 from trajectory.config import TrajectoryConfig

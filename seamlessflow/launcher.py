@@ -7,18 +7,21 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from prometheus_client import REGISTRY
+from prometheus_client import CollectorRegistry
 
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig
+from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
+from common.metrics import serve_metrics
 from rollout.engines import EngineConfig, start_engine
+from rollout.engines.base import REGISTRY as ENGINE_METRICS
+from rollout.worker import REGISTRY as WORKER_METRICS
 from rollout.worker import RolloutWorker, WorkerConfig
 from seamlessflow.config import RunConfig
-from seamlessflow.metrics import serve_metrics
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -54,8 +57,9 @@ async def serve_broker(config: EmbeddedBrokerConfig, metrics_port: int) -> None:
     stop = stop_on_signals()
     with EmbeddedBroker(config) as broker:
         collector = StreamDepthCollector()
-        REGISTRY.register(collector)
-        metrics = serve_metrics(metrics_port)
+        depths = CollectorRegistry()
+        depths.register(collector)
+        metrics = serve_metrics(depths, port=metrics_port)
         try:
             async with session(broker.url, "seamlessflow-broker") as nc:
                 print(
@@ -66,7 +70,6 @@ async def serve_broker(config: EmbeddedBrokerConfig, metrics_port: int) -> None:
                 await collector.poll(nc.jetstream(), stop)
         finally:
             metrics.close()
-            REGISTRY.unregister(collector)
     print("broker stopped", flush=True)
 
 
@@ -80,7 +83,7 @@ async def serve_worker(
 ) -> None:
     """Run one rollout worker until SIGINT/SIGTERM: engine, /metrics, then the worker loop."""
     stop = stop_on_signals()
-    metrics = serve_metrics(metrics_port)
+    metrics = serve_metrics(WORKER_METRICS, ENGINE_METRICS, INGRESS_METRICS, port=metrics_port)
     loaded = await start_engine(engine, engine_config)
     try:
         async with session(url, f"seamlessflow-worker-{worker.worker_id}") as nc:

@@ -15,7 +15,7 @@ from collections import deque
 from pathlib import Path
 
 from broker.server import die_with_parent
-from seamlessflow.exceptions import SeamlessFlowError
+from common.exceptions import SeamlessFlowError
 
 READY = "ready:"
 """What a long-running ``seamlessflow`` command prints once it is serving."""

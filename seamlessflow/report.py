@@ -6,7 +6,7 @@ from pathlib import Path
 
 from prometheus_client.samples import Sample
 
-from seamlessflow.metrics import metric_sum
+from common.metrics import metric_sum
 from seamlessflow.progress import RunStats
 
 EDGE = 10

@@ -29,19 +29,19 @@ from nats.aio.msg import Msg
 
 from broker import codec
 from broker.client import session
-from broker.config import default_state_dir
 from broker.exceptions import InvalidMessageError
 from broker.messages import CallRecorded, Message, SampleReady, WeightsPublished
 from broker.provision import provision_run
 from broker.subjects import Durable, RunNames
 from broker.weights import latest_weights
+from common.exceptions import SeamlessFlowError
+from common.log import kv
+from common.metrics import scrape
+from common.models import resolve_model
+from common.paths import default_state_dir
 from rollout.agents import arithmetic
-from rollout.models import resolve_model
 from seamlessflow.config import RunConfig
-from seamlessflow.exceptions import SeamlessFlowError
 from seamlessflow.launcher import nats_url, stop_on_signals
-from seamlessflow.log import kv
-from seamlessflow.metrics import scrape
 from seamlessflow.processes import ServiceProcess, worker_process
 from seamlessflow.progress import RunStats
 from seamlessflow.report import RunSummary, print_summary, summarize, trainer_report

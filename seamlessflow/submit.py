@@ -14,7 +14,7 @@ from broker import codec
 from broker.exceptions import BrokerError, InvalidMessageError
 from broker.messages import TaskSubmitted
 from broker.subjects import RunNames
-from seamlessflow.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama (seed 0), built once per test session."""
-    from rollout.models import build_tiny_model
+    from common.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
@@ -48,7 +48,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tok(tiny_model_dir: Path):
     """The tiny model's tokenizer."""
-    from rollout.models import load_tokenizer
+    from common.models import load_tokenizer
 
     return load_tokenizer(tiny_model_dir)
 

@@ -10,7 +10,7 @@ is ``async def check_<name>(engine, model_dir) -> None`` and raises ``AssertionE
 breach; the runner aborts whatever a check left running and resumes the engine, so each check
 starts clean. Checks that load other weights put the model's own back before they return.
 
-``model_dir`` must be a model with tied embeddings (``rollout.models.build_tiny_model``): the
+``model_dir`` must be a model with tied embeddings (``common.models.build_tiny_model``): the
 weight checks save perturbed weights with and without ``lm_head.weight``; the latter catches an
 engine whose output projection keeps the old embedding. Expected numbers come from a
 transformers float32 forward pass over prompt + output with the same weights, scored as the
@@ -35,9 +35,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from broker.messages import FinishReason, SamplingParams
+from common.log import setup_logging
 from rollout.engines import ENGINES, Engine, EngineConfig, EngineError, start_engine
 from rollout.engines.base import GenerationChunk
-from seamlessflow.log import setup_logging
 
 MAX_MODEL_LEN = 128
 """The engine's max_model_len here: small, so the length limit is cheap to reach."""

@@ -22,8 +22,8 @@ from broker.messages import Message
 from broker.provision import provision_run
 from broker.server import find_nats_server, server_version
 from broker.subjects import RunNames
+from common.metrics import metric_sum, scrape
 from rollout.gateway import Gateway, GatewayConfig
-from seamlessflow.metrics import metric_sum, scrape
 from seamlessflow.processes import worker_process
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
 from broker import codec
@@ -30,7 +29,9 @@ from broker.messages import (
     SessionEnded,
     TaskSubmitted,
 )
+from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.subjects import NAME_PATTERN, RunNames
+from rollout.agents import runner as runner_module
 from rollout.agents.agents import AgentContext, AgentResult, load_agent
 from rollout.agents.arithmetic import (
     FEEDBACK,
@@ -96,8 +97,9 @@ def unique(prefix: str) -> str:
 
 
 def sample(name: str, **labels: str) -> float:
-    """A sample of this process's registry (the in-process runner counts there)."""
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    """A sample of the runner's or the ingress's registry (the runner under test runs here)."""
+    registries = (runner_module.REGISTRY, INGRESS_METRICS)
+    return sum(r.get_sample_value(name, labels) or 0.0 for r in registries)
 
 
 @asynccontextmanager

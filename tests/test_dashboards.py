@@ -5,15 +5,15 @@ from pathlib import Path
 
 import promql_parser
 import pytest
-from prometheus_client import REGISTRY
 
-import broker.metrics  # noqa: F401  (each import registers its process's metrics)
+import broker.metrics
 import rollout.agents.runner
+import rollout.calls
 import rollout.engines.base
 import rollout.gateway
-import rollout.worker  # noqa: F401
-import trainer.service  # noqa: F401
-import trajectory.manager  # noqa: F401
+import rollout.worker
+import trainer.service
+import trajectory.manager
 from broker.metrics import StreamDepthCollector
 
 DASHBOARDS = sorted((Path(__file__).parents[1] / "dashboards" / "grafana").glob("*.json"))
@@ -21,7 +21,10 @@ DASHBOARDS = sorted((Path(__file__).parents[1] / "dashboards" / "grafana").glob(
 
 def _exported() -> set[str]:
     names = set()
-    for family in [*REGISTRY.collect(), *StreamDepthCollector().collect()]:
+    parts = (broker.metrics, rollout.agents.runner, rollout.calls, rollout.engines.base)
+    parts += (rollout.gateway, rollout.worker, trainer.service, trajectory.manager)
+    families = [f for part in parts for f in part.REGISTRY.collect()]
+    for family in [*families, *StreamDepthCollector().collect()]:
         suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
         names.update(family.name + s for s in suffixes.get(family.type, [""]))
     return names

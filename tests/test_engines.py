@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from prometheus_client import REGISTRY
 from safetensors.torch import load_file, save_file
 
 from broker.messages import FinishReason, SamplingParams
 from rollout.engines import EngineConfig, EngineError, start_engine
+from rollout.engines.base import REGISTRY
 from tests.engine_contract import CHECK_NAMES
 
 CONTRACT_TIMEOUT_S = 600

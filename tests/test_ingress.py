@@ -8,11 +8,11 @@ import socket
 import msgpack
 import pytest
 from nats.js.errors import APIError
-from prometheus_client import REGISTRY
 
 from broker.client import session
 from broker.ingress import Delivery, HandBack, Ingress, tasks_ingress
 from broker.messages import MessageRejected, TaskSubmitted
+from broker.metrics import REGISTRY
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollout.exceptions import ModelError
-from rollout.models import (
+from common.exceptions import ModelError
+from common.models import (
     EOS,
     build_tiny_model,
     load_tokenizer,

@@ -14,12 +14,11 @@ import torch
 from safetensors.torch import load, save_file
 
 from broker import codec
-from broker.config import ConsumerLimits
+from broker.config import ConsumerLimits, ProvisionConfig
 from broker.messages import MessageRejected, SampleReady, WeightsPublished, WorkerRegistered
 from broker.provision import provision_run
 from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights
-from seamlessflow.config import RunConfig
 from seamlessflow.processes import ServiceProcess, worker_process
 from tests.support import SMALL_RUN, eventually, metric, stream_messages
 from tests.test_losses import sample
@@ -124,9 +123,10 @@ async def test_service_trains_groups_and_settles_every_sample(
         worker_id="trainer-t",
         progress_interval=0.5,
     )
-    run = RunConfig(run=names.run)
     stop = asyncio.Event()
-    serving = asyncio.create_task(serve_trainer(broker.url, run, config, tiny_model_dir, 0, stop))
+    serving = asyncio.create_task(
+        serve_trainer(broker.url, names.run, ProvisionConfig(), config, tiny_model_dir, 0, stop)
+    )
     await eventually(lambda: _registered(js, names, "trainer-t"), watch=serving, timeout=60)
     url = (await _registered(js, names, "trainer-t")).metrics_url
     before = {o: await metric(url, "sf_trainer_samples_total", outcome=o) for o in

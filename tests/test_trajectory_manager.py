@@ -14,13 +14,14 @@ from broker.messages import (
     SampleReady,
     SessionEnded,
 )
+from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.subjects import Durable, RunNames
+from common.metrics import serve_metrics
 from seamlessflow.config import ConfigError, load_config
-from seamlessflow.metrics import serve_metrics
 from seamlessflow.processes import ServiceProcess
 from tests.support import SMALL_RUN, eventually, metric, stream_messages
 from trajectory.config import TrajectoryConfig
-from trajectory.manager import TrajectoryManager
+from trajectory.manager import REGISTRY, TrajectoryManager
 
 pytestmark = pytest.mark.newest_nats
 
@@ -60,7 +61,7 @@ async def samples(js, names: RunNames) -> list[SampleReady]:
 @pytest.fixture(scope="module")
 def metrics_url():
     """This process's registry: the manager under test runs in it."""
-    endpoint = serve_metrics(0)
+    endpoint = serve_metrics(REGISTRY, INGRESS_METRICS)
     yield endpoint.url
     endpoint.close()
 

@@ -1,6 +1,6 @@
 """Errors raised by the trainer."""
 
-from seamlessflow.exceptions import SeamlessFlowError
+from common.exceptions import SeamlessFlowError
 
 
 class TrainerError(SeamlessFlowError):

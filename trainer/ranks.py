@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from broker.messages import SampleReady
-from seamlessflow.log import kv, setup_logging
+from common.log import kv, setup_logging
 from trainer.backends import TrainerBackend, build_backend
 from trainer.batcher import TrainItem
 from trainer.checkpoint import Checkpoint, load_file

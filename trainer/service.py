@@ -19,20 +19,21 @@ import time
 from pathlib import Path
 
 from nats.js import JetStreamContext
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from safetensors.torch import save
 
 from broker.client import session
+from broker.config import ProvisionConfig
 from broker.exceptions import InvalidMessageError
 from broker.ingress import Delivery, HandBack, Ingress
 from broker.messages import Role, SampleReady, WorkerRegistered
+from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.registry import Registration, watch_workers
 from broker.subjects import Durable, RunNames
 from broker.weights import latest_weights, publish_weights
-from seamlessflow.config import RunConfig
-from seamlessflow.log import kv
-from seamlessflow.metrics import serve_metrics
+from common.log import kv
+from common.metrics import serve_metrics
 from trainer import checkpoint
 from trainer.batcher import Batcher, Outcome, plan_step
 from trainer.checkpoint import Checkpoint, StepRecord
@@ -43,50 +44,75 @@ from trainer.ranks import RankGroup, set_threads
 log = logging.getLogger(__name__)
 
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-STEPS = Counter("sf_trainer_steps", "Training steps committed")
-VERSION = Gauge("sf_trainer_version", "Weight version the trainer holds")
-SAMPLES = Counter("sf_trainer_samples", "Samples consumed, by outcome", ["outcome"])
-INVALID = Counter(
-    "sf_trainer_invalid_samples", "Samples refused because they contradict their group"
+REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
+
+STEPS = Counter("sf_trainer_steps", "Training steps committed", registry=REGISTRY)
+VERSION = Gauge("sf_trainer_version", "Weight version the trainer holds", registry=REGISTRY)
+SAMPLES = Counter(
+    "sf_trainer_samples", "Samples consumed, by outcome", ["outcome"], registry=REGISTRY
 )
-HELD = Gauge("sf_trainer_samples_held", "Samples held un-acked until their step commits")
-LOSS = Gauge("sf_trainer_loss", "Policy loss per loss token of the last step (rank 0's shard)")
-REWARD = Gauge("sf_trainer_reward_mean", "Mean reward of the last step's samples")
-ADV_STD = Gauge("sf_trainer_advantage_std", "Std of the last step's advantages")
-KL = Gauge("sf_trainer_kl", "Mean k3 KL to the reference model in the last step")
-GRAD_NORM = Gauge("sf_trainer_grad_norm", "Gradient norm before clipping, last optimizer step")
+INVALID = Counter(
+    "sf_trainer_invalid_samples",
+    "Samples refused because they contradict their group",
+    registry=REGISTRY,
+)
+HELD = Gauge(
+    "sf_trainer_samples_held", "Samples held un-acked until their step commits", registry=REGISTRY
+)
+LOSS = Gauge(
+    "sf_trainer_loss",
+    "Policy loss per loss token of the last step (rank 0's shard)",
+    registry=REGISTRY,
+)
+REWARD = Gauge(
+    "sf_trainer_reward_mean", "Mean reward of the last step's samples", registry=REGISTRY
+)
+ADV_STD = Gauge("sf_trainer_advantage_std", "Std of the last step's advantages", registry=REGISTRY)
+KL = Gauge("sf_trainer_kl", "Mean k3 KL to the reference model in the last step", registry=REGISTRY)
+GRAD_NORM = Gauge(
+    "sf_trainer_grad_norm", "Gradient norm before clipping, last optimizer step", registry=REGISTRY
+)
 MISMATCH = Gauge(
     "sf_trainer_mismatch",
     "Behaviour vs proximal logprobs on same-version tokens, last step",
     ["stat"],  # mean_abs, max_abs, kl
+    registry=REGISTRY,
 )
 MISMATCH_HIST = Histogram(
     "sf_trainer_mismatch_mean_abs",
     "Per step: mean |behaviour - proximal| logprob on same-version tokens",
     buckets=(1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
+    registry=REGISTRY,
 )
 STALENESS = Histogram(
     "sf_trainer_sample_staleness",
     "Versions a sample's oldest loss token lags the trainer",
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+    registry=REGISTRY,
 )
 STEP_SECONDS = Histogram(
-    "sf_trainer_step_seconds", "Training (all ranks) per step", buckets=_SECONDS
+    "sf_trainer_step_seconds", "Training (all ranks) per step", buckets=_SECONDS, registry=REGISTRY
 )
 CHECKPOINT_SECONDS = Histogram(
-    "sf_trainer_checkpoint_seconds", "Writing one checkpoint", buckets=_SECONDS
+    "sf_trainer_checkpoint_seconds", "Writing one checkpoint", buckets=_SECONDS, registry=REGISTRY
 )
 PUBLISH_SECONDS = Histogram(
-    "sf_trainer_weight_publish_seconds", "Serialising and publishing one version", buckets=_SECONDS
+    "sf_trainer_weight_publish_seconds",
+    "Serialising and publishing one version",
+    buckets=_SECONDS,
+    registry=REGISTRY,
 )
 SERVING_SECONDS = Histogram(
     "sf_trainer_weights_serving_seconds",
     "From an optimizer step to every rollout worker serving its version",
     buckets=_SECONDS,
+    registry=REGISTRY,
 )
-TOKENS = Counter("sf_trainer_tokens", "Loss tokens trained")
+TOKENS = Counter("sf_trainer_tokens", "Loss tokens trained", registry=REGISTRY)
 GROUPS_EXPIRED = Counter(
-    "sf_trainer_groups_expired", "Groups trained incomplete after group_timeout_s"
+    "sf_trainer_groups_expired",
+    "Groups trained incomplete after group_timeout_s",
+    registry=REGISTRY,
 )
 
 
@@ -339,7 +365,8 @@ class Trainer:
 
 async def serve_trainer(
     url: str,
-    run: RunConfig,
+    run: str,
+    provision: ProvisionConfig,
     config: TrainerConfig,
     model: Path,
     metrics_port: int,
@@ -347,7 +374,7 @@ async def serve_trainer(
 ) -> None:
     """Run the trainer (all its ranks) until ``stop``: /metrics, ranks, checkpoint, NATS."""
     set_threads(config)
-    metrics = serve_metrics(metrics_port)
+    metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
     ranks = await asyncio.to_thread(RankGroup, model, config)
     try:
         # 1. Resume from the newest checkpoint, on every rank.
@@ -361,7 +388,7 @@ async def serve_trainer(
             await asyncio.to_thread(checkpoint.append_steps, config.checkpoint_dir, start.recent)
         async with session(url, f"seamlessflow-{config.worker_id}") as nc:
             js = nc.jetstream()
-            names = RunNames(run.run)
+            names = RunNames(run)
             await durable_info(js, names, names.samples_stream, Durable.TRAINER)
             # 2. Register, publish what a crash may have left unpublished, consume.
             registration = await Registration.open(
@@ -374,7 +401,7 @@ async def serve_trainer(
                 metrics_url=metrics.url,
             )
             await registration.put()
-            watch = ServingWatch(run.provision.workers_ttl_s)
+            watch = ServingWatch(provision.workers_ttl_s)
             trainer = Trainer(js, names, config, ranks, registration, watch, start)
             await trainer.publish_if_missing()
             ingress = Ingress(
@@ -385,7 +412,7 @@ async def serve_trainer(
                 durable=Durable.TRAINER,
                 schema=SampleReady,
                 handler=trainer.on_sample,
-                max_payload=run.provision.samples.max_payload,
+                max_payload=provision.samples.max_payload,
                 batch=256,
                 concurrency=config.max_pending_samples,
                 fetch_timeout=0.5,
@@ -397,9 +424,9 @@ async def serve_trainer(
                 asyncio.create_task(trainer.follow_workers()),
             ]
             stepping = asyncio.create_task(trainer.run(stop))
-            log.info(kv("trainer_started", run=run.run, version=trainer.version))
+            log.info(kv("trainer_started", run=run, version=trainer.version))
             print(
-                f"trainer ready: run={run.run} version={trainer.version} metrics={metrics.url}",
+                f"trainer ready: run={run} version={trainer.version} metrics={metrics.url}",
                 flush=True,
             )
             try:

@@ -16,8 +16,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
-from rollout.models import load_tokenizer, model_cache_dir, save_model
-from seamlessflow.log import kv
+from common.log import kv
+from common.models import load_tokenizer, model_cache_dir, save_model
 
 log = logging.getLogger(__name__)
 

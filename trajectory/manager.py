@@ -21,19 +21,19 @@ from collections.abc import Callable
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from broker import codec
 from broker.client import session
-from broker.config import StreamLimits
+from broker.config import ProvisionConfig, StreamLimits
 from broker.exceptions import InvalidMessageError
 from broker.ingress import Delivery, Ingress, dead_letter
 from broker.messages import CallRecorded, SessionEnded
+from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.subjects import Durable, RunNames
-from seamlessflow.config import RunConfig
-from seamlessflow.log import kv
-from seamlessflow.metrics import serve_metrics
+from common.log import kv
+from common.metrics import serve_metrics
 from trajectory.config import TrajectoryConfig
 from trajectory.tree import SessionBuild, build_session
 
@@ -45,47 +45,57 @@ SOURCE = "trajectory"
 KEEPALIVE_EVERY = 1000
 """Messages read or published between two ``in_progress`` signals for one session."""
 
+REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
+
 SESSIONS = Counter(
     "sf_trajectory_sessions",
     "Sessions ended, by outcome: sampled (samples published), no_calls (no call record on the "
     "stream), no_samples (calls, but no generated token to train on)",
     ["outcome"],
+    registry=REGISTRY,
 )
 SAMPLES = Counter(
     "sf_trajectory_samples",
     "SampleReady publishes, by outcome: stored, or duplicate (already on the stream: a rebuilt "
     "session)",
     ["outcome"],
+    registry=REGISTRY,
 )
 SAMPLES_SKIPPED = Counter(
     "sf_trajectory_samples_skipped",
     "Leaf paths not emitted because they hold no loss token (only context)",
+    registry=REGISTRY,
 )
 TOKENS = Counter(
     "sf_trajectory_tokens",
     "Tokens of the samples built, by kind: loss (generated, in the loss mask) or context",
     ["kind"],
+    registry=REGISTRY,
 )
 SHARED_TOKENS = Counter(
     "sf_trajectory_shared_tokens",
     "Call-record tokens that matched a token already in their session's tree (shared prefixes, "
     "stored once)",
+    registry=REGISTRY,
 )
 GENERATED_SHARED = Counter(
     "sf_trajectory_generated_shared_tokens",
     "Generated tokens that matched a stored token (same token, same place) and kept its "
     "first writer's label",
+    registry=REGISTRY,
 )
 CALLS = Counter(
     "sf_trajectory_calls",
     "Call records read back, by outcome: inserted, duplicate (a call id seen before in the "
     "session), invalid (undecodable or for another session: dead-lettered)",
     ["outcome"],
+    registry=REGISTRY,
 )
 BUILD_SECONDS = Histogram(
     "sf_trajectory_session_build_seconds",
     "From a SessionEnded to its samples stored: reading calls, building, publishing",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    registry=REGISTRY,
 )
 
 
@@ -236,16 +246,19 @@ class TrajectoryManager:
 
 
 async def serve_trajectory(
-    url: str, run: RunConfig, metrics_port: int, stop: asyncio.Event
+    url: str,
+    run: str,
+    provision: ProvisionConfig,
+    config: TrajectoryConfig,
+    metrics_port: int,
+    stop: asyncio.Event,
 ) -> None:
     """Run the trajectory manager of ``run`` on the broker at ``url`` until ``stop`` is set."""
-    metrics = serve_metrics(metrics_port)
+    metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
     try:
-        async with session(url, f"seamlessflow-trajectory-{run.run}") as nc:
-            manager = TrajectoryManager(
-                nc.jetstream(), RunNames(run.run), run.provision.traj, run.trajectory
-            )
-            ready = f"trajectory ready: run={run.run} metrics={metrics.url}"
+        async with session(url, f"seamlessflow-trajectory-{run}") as nc:
+            manager = TrajectoryManager(nc.jetstream(), RunNames(run), provision.traj, config)
+            ready = f"trajectory ready: run={run} metrics={metrics.url}"
             await manager.run(stop, on_ready=lambda: print(ready, flush=True))
     finally:
         metrics.close()

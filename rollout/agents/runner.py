@@ -26,22 +26,24 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import httpx
 import openai
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from broker import codec
 from broker.client import session
-from broker.config import StreamLimits
+from broker.config import ProvisionConfig, StreamLimits
 from broker.exceptions import InvalidMessageError
 from broker.ingress import Delivery, tasks_ingress
 from broker.messages import SessionEnded, TaskSubmitted
+from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.subjects import Durable, RunNames
+from common.log import kv
+from common.metrics import serve_metrics
 from rollout.agents.agents import (
     Agent,
     AgentContext,
@@ -59,39 +61,45 @@ from rollout.agents.exceptions import (
     RunnerStoppingError,
 )
 from rollout.agents.verifiers import binary_reward, bind
-from rollout.gateway import SESSION_HEADER
-from seamlessflow.log import kv
-from seamlessflow.metrics import serve_metrics
-
-if TYPE_CHECKING:
-    from seamlessflow.config import RunConfig
+from rollout.openai_api import SESSION_HEADER
 
 log = logging.getLogger(__name__)
+
+REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
 TASKS = Counter(
     "sf_agents_tasks",
     "Tasks by outcome: done (every attempt's SessionEnded stored), retried (gateway unavailable "
     "or runner stopping: handed back), rejected (cannot be run: dead-lettered)",
     ["outcome"],
+    registry=REGISTRY,
 )
 ATTEMPTS = Counter(
     "sf_agents_attempts",
     "Attempts by outcome: correct, wrong, failed (the agent raised or exited non-zero), "
     "timed_out, unavailable (the gateway failed: the task is retried)",
     ["outcome"],
+    registry=REGISTRY,
 )
 REWARD = Histogram(
-    "sf_agents_reward", "Reward of each scored attempt", buckets=(0.0, 0.25, 0.5, 0.75, 1.0)
+    "sf_agents_reward",
+    "Reward of each scored attempt",
+    buckets=(0.0, 0.25, 0.5, 0.75, 1.0),
+    registry=REGISTRY,
 )
 TURNS = Histogram(
-    "sf_agents_turns", "Turns of each finished attempt", buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64)
+    "sf_agents_turns",
+    "Turns of each finished attempt",
+    buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64),
+    registry=REGISTRY,
 )
 ATTEMPT_SECONDS = Histogram(
     "sf_agents_attempt_seconds",
     "Wall time of each attempt, failed ones included",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+    registry=REGISTRY,
 )
-RUNNING = Gauge("sf_agents_tasks_running", "Tasks whose attempts are running")
+RUNNING = Gauge("sf_agents_tasks_running", "Tasks whose attempts are running", registry=REGISTRY)
 
 Reward = Callable[[bool, int], float]
 """``(correct, turns) -> reward``."""
@@ -449,20 +457,21 @@ class AgentRunner:
 
 async def serve_agents(
     url: str,
-    run: "RunConfig",
+    run: str,
+    provision: ProvisionConfig,
     config: AgentsConfig,
     gateway_url: str,
     metrics_port: int,
     stop: asyncio.Event,
 ) -> None:
     """Run the agent runner of ``run`` until ``stop`` is set, serving /metrics."""
-    metrics = serve_metrics(metrics_port)
+    metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
     try:
         async with session(url, "seamlessflow-agents") as nc:
             runner = AgentRunner(
-                nc.jetstream(), RunNames(run.run), run.provision.tasks, config, gateway_url
+                nc.jetstream(), RunNames(run), provision.tasks, config, gateway_url
             )
-            ready = f"agents ready: run={run.run} metrics={metrics.url}"
+            ready = f"agents ready: run={run} metrics={metrics.url}"
             await runner.run(stop, on_ready=lambda: print(ready, flush=True))
     finally:
         metrics.close()

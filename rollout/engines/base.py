@@ -28,22 +28,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 
 from broker.messages import FinishReason, SamplingParams
-from seamlessflow.exceptions import SeamlessFlowError
+from common.exceptions import SeamlessFlowError
+
+REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
 ENGINE_REQUESTS = Counter(
     "sf_engine_requests",
     "Generation requests by engine and outcome: stop, length, abort (aborted, closed, or the "
     "consumer left), error (generation failed), rejected (bad input, refused before generating)",
     ["engine", "outcome"],
+    registry=REGISTRY,
 )
 ENGINE_WEIGHT_LOADS = Counter(
     "sf_engine_weight_loads",
     "Weight loads by engine and outcome: loaded, rejected (bad files, refused before touching "
     "the model; the old weights stay), failed (the engine raised while loading)",
     ["engine", "outcome"],
+    registry=REGISTRY,
 )
 
 

@@ -24,6 +24,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Cache
 
 from broker.messages import FinishReason, SamplingParams
+from common.log import kv
+from common.models import eos_token_ids
 from rollout.engines.base import (
     ENGINE_REQUESTS,
     ENGINE_WEIGHT_LOADS,
@@ -31,8 +33,6 @@ from rollout.engines.base import (
     EngineError,
     GenerationChunk,
 )
-from rollout.models import eos_token_ids
-from seamlessflow.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -47,6 +47,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from broker.messages import FinishReason, SamplingParams
+from common.log import kv
 from rollout.engines.base import (
     ENGINE_REQUESTS,
     ENGINE_WEIGHT_LOADS,
@@ -55,7 +56,6 @@ from rollout.engines.base import (
     GenerationChunk,
 )
 from rollout.engines.vllm_worker import WeightReloader
-from seamlessflow.log import kv
 
 log = logging.getLogger(__name__)
 

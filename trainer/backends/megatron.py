@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from seamlessflow.log import kv
+from common.log import kv
 from trainer.backends.base import ApplyStats, TokenBatch, logprobs_from_logits
 from trainer.backends.torch import resolve_device
 from trainer.config import TrainerConfig

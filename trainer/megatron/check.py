@@ -43,7 +43,7 @@ def build_untied_gqa_model(path: Path, *, seed: int = 0) -> Path:
     non-default RoPE theta (no tokenizer: the backends need none)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rollout.models import TINY_VOCAB
+    from common.models import TINY_VOCAB
 
     config = LlamaConfig(
         vocab_size=TINY_VOCAB,
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # compare float32 with float32
     torch.backends.cudnn.allow_tf32 = False
-    from rollout.models import build_tiny_model
+    from common.models import build_tiny_model
 
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:

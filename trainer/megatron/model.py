@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from seamlessflow.log import kv
+from common.log import kv
 from trainer.megatron.convert import LlamaSpec, hf_to_megatron, pipeline_stage, shard_tp
 from trainer.megatron.exceptions import ConversionError, MegatronError
 

@@ -1,11 +1,22 @@
-"""Prometheus ``/metrics`` for every long-running process."""
+"""Prometheus ``/metrics`` for every long-running process, each exporting only its own metrics.
+
+Every part keeps its metrics in its own ``CollectorRegistry`` (never the global default one), and
+a process serves the registries of the parts it runs, plus its own process/platform/GC metrics:
+a trainer exports no ``sf_rollout_*`` family, a gateway no ``sf_trainer_*``.
+"""
 
 from dataclasses import dataclass
 from threading import Thread
 from wsgiref.simple_server import WSGIServer
 
 import httpx
-from prometheus_client import start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    start_http_server,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -32,9 +43,19 @@ class MetricsEndpoint:
         self.thread.join(timeout=5)
 
 
-def serve_metrics(port: int = 0, host: str = "127.0.0.1") -> MetricsEndpoint:
-    """Serve the default registry on ``host:port`` (0 picks a free port) in a daemon thread."""
-    server, thread = start_http_server(port, addr=host)
+def process_registry(*parts: CollectorRegistry) -> CollectorRegistry:
+    """One registry for a process: the given parts' registries and the process's own metrics."""
+    served = CollectorRegistry(auto_describe=False)
+    for collector in (*parts, PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        served.register(collector)
+    return served
+
+
+def serve_metrics(
+    *parts: CollectorRegistry, port: int = 0, host: str = "127.0.0.1"
+) -> MetricsEndpoint:
+    """Serve ``parts`` (see ``process_registry``) on ``host:port`` (0: a free port), in a thread."""
+    server, thread = start_http_server(port, addr=host, registry=process_registry(*parts))
     return MetricsEndpoint(server=server, thread=thread)
 
 

@@ -3,3 +3,7 @@
 
 class SeamlessFlowError(Exception):
     """Base class of all SeamlessFlow errors; each package derives its own from it."""
+
+
+class ModelError(SeamlessFlowError):
+    """A model cannot be built, found or loaded."""

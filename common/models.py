@@ -18,9 +18,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from broker.config import default_state_dir
-from rollout.exceptions import ModelError
-from seamlessflow.log import kv
+from common.exceptions import ModelError
+from common.log import kv
+from common.paths import default_state_dir
 
 log = logging.getLogger(__name__)
 
