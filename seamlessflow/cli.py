@@ -221,7 +221,11 @@ def _worker(args: argparse.Namespace) -> int:
         worker = WorkerConfig(**fields)
     except ValidationError as exc:
         raise ConfigError(f"worker settings: {exc}") from exc
-    asyncio.run(serve_worker(args.nats, run, args.engine, engine_config, worker, args.metrics_port))
+    asyncio.run(
+        serve_worker(
+            args.nats, run, config.provision, args.engine, engine_config, worker, args.metrics_port
+        )
+    )
     return 0
 
 

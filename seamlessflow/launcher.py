@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from prometheus_client import CollectorRegistry
 
 from broker.client import session
-from broker.config import EmbeddedBrokerConfig
+from broker.config import EmbeddedBrokerConfig, ProvisionConfig
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus
@@ -21,7 +21,6 @@ from rollout.engines import EngineConfig, start_engine
 from rollout.engines.base import REGISTRY as ENGINE_METRICS
 from rollout.worker import REGISTRY as WORKER_METRICS
 from rollout.worker import RolloutWorker, WorkerConfig
-from seamlessflow.config import RunConfig
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -75,7 +74,8 @@ async def serve_broker(config: EmbeddedBrokerConfig, metrics_port: int) -> None:
 
 async def serve_worker(
     url: str,
-    run: RunConfig,
+    run: str,
+    provision: ProvisionConfig,
     engine: str,
     engine_config: EngineConfig,
     worker: WorkerConfig,
@@ -89,16 +89,16 @@ async def serve_worker(
         async with session(url, f"seamlessflow-worker-{worker.worker_id}") as nc:
             rollout = RolloutWorker(
                 nc,
-                RunNames(run.run),
+                RunNames(run),
                 loaded,
                 worker,
-                run.provision.gen,
+                provision.gen,
                 nats_url=url,
                 metrics_url=metrics.url,
             )
             ready = (
                 f"worker {worker.worker_id} ready: engine={engine} model={engine_config.model} "
-                f"run={run.run} metrics={metrics.url}"
+                f"run={run} metrics={metrics.url}"
             )
             await rollout.run(stop, on_ready=lambda: print(ready, flush=True))
     finally:
