@@ -112,8 +112,16 @@ def describe(exc: ValidationError, limit: int = 5) -> str:
 
 
 def _short(value: Any, width: int = 60) -> str:
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
+    """``value`` as JSON, cut to ``width``: never a Python repr (bytes show as their text, or as
+    hex when they are not UTF-8; other objects as their type)."""
+    text = json.dumps(value, default=_plain, ensure_ascii=False)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _plain(value: Any) -> str:
+    if isinstance(value, bytes | bytearray):
+        try:
+            return bytes(value).decode()
+        except UnicodeDecodeError:
+            return f"{len(value)} bytes 0x{bytes(value[:32]).hex()}"
+    return f"<{type(value).__name__}>"

@@ -75,7 +75,21 @@ async def test_malformed_tasks_are_dead_lettered_and_the_rest_handled(js, names)
             "over the 4096-byte limit",
         ),
         (json.dumps(_task_dict(92)).encode(), None, "JSON senders must set Content-Type"),
-        (b"{not json", "application/json", "Invalid JSON"),
+        (
+            b"{not json",
+            "application/json",
+            'Invalid JSON: key must be a string at line 1 column 2 (got "{not json")',
+        ),
+        (
+            b"\xff\xfe",
+            "application/json",
+            'expected value at line 1 column 1 (got "2 bytes 0xfffe")',
+        ),
+        (
+            msgpack.packb({**_task_dict(94), "task_id": b"ok-94"}),
+            None,
+            'task_id: Input should be a valid string (got "ok-94")',
+        ),
         (msgpack.packb(_task_dict(93)), "text/csv; " + "x" * 1000, "unsupported Content-Type"),
     ]
     # Interleave: good, bad, good, bad, ... so valid tasks sit on both sides of each bad one.
@@ -108,6 +122,7 @@ async def test_malformed_tasks_are_dead_lettered_and_the_rest_handled(js, names)
     assert len(dead) == len(bad)
     for letter, (payload, ctype, needle) in zip(dead, bad, strict=True):
         assert needle in letter.reason
+        assert "b'" not in letter.reason and 'b"' not in letter.reason  # never a Python repr
         assert letter.source == "tasks" and letter.subject == names.tasks
         assert letter.payload == payload[: len(letter.payload)]
         assert letter.payload_size == len(payload)
