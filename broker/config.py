@@ -23,6 +23,12 @@ class EmbeddedBrokerConfig(_Config):
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=0, ge=0, le=65535, description="client port; 0 picks a free one")
     monitor_port: int = Field(default=0, ge=0, le=65535, description="HTTP monitoring; 0: free")
+    metrics_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Prometheus /metrics (stream and consumer depths) on host 127.0.0.1; 0: free",
+    )
     state_dir: Path = Field(
         default_factory=lambda: default_state_dir() / "broker",
         description="holds the JetStream file store, the server config and its log",

@@ -60,12 +60,25 @@ ERRORS = Counter(
     ["type"],
     registry=REGISTRY,
 )
+for _type in (  # the documented types, exported from the start at 0
+    "invalid_request",
+    "model_not_found",
+    "context_length_exceeded",
+    "unavailable",
+    "generation_failed",
+    "client_disconnected",
+    "invalid_chunk",
+    "record_failed",
+):
+    ERRORS.labels(_type)
 CONTINUATIONS = Counter(
     "sf_gateway_continuations",
     "Attempts continued on another worker, by reason: abort, stall, gap",
     ["reason"],
     registry=REGISTRY,
 )
+for _reason in ("abort", "stall", "gap"):  # exported from the start, at 0
+    CONTINUATIONS.labels(_reason)
 CALL_SECONDS = Histogram(
     "sf_gateway_call_seconds",
     "Duration of a call from its first request to its last token, by finish reason",

@@ -81,6 +81,8 @@ INTERRUPTIONS = Counter(
     ["cause"],
     registry=REGISTRY,
 )
+for _cause in ("weight_update", "stopping", "cancelled"):  # exported from the start, at 0
+    INTERRUPTIONS.labels(_cause)
 VERSION = Gauge("sf_rollout_weight_version", "Weight version the engine serves", registry=REGISTRY)
 WEIGHT_ERRORS = Counter(
     "sf_rollout_weight_errors",

@@ -195,9 +195,14 @@ async def _publish(url: str, names: RunNames, tasks: list[TaskSubmitted]) -> Sub
 
 def _broker(args: argparse.Namespace) -> int:
     fields = {"host": args.host, "port": args.port, "binary": args.nats_server}
+    fields["metrics_port"] = args.metrics_port
     if args.state_dir:
         fields["state_dir"] = args.state_dir
-    asyncio.run(serve_broker(EmbeddedBrokerConfig(**fields), args.metrics_port))
+    try:
+        config = EmbeddedBrokerConfig(**fields)
+    except ValidationError as exc:
+        raise ConfigError(f"broker settings: {exc}") from exc
+    asyncio.run(serve_broker(config))
     return 0
 
 

@@ -6,6 +6,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
@@ -16,7 +17,7 @@ from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
-from common.metrics import serve_metrics
+from common.metrics import MetricsEndpoint, serve_metrics
 from rollout.engines import EngineConfig, start_engine
 from rollout.engines.base import REGISTRY as ENGINE_METRICS
 from rollout.worker import REGISTRY as WORKER_METRICS
@@ -37,38 +38,60 @@ async def serve_until_signalled(serve, *args) -> None:
     await serve(*args, stop_on_signals())
 
 
+@dataclass(frozen=True)
+class Broker:
+    """The broker a local run uses: its client URL, and its ``/metrics`` when embedded."""
+
+    url: str
+    metrics_url: str | None
+
+
 @asynccontextmanager
-async def nats_url(explicit: str | None, broker: EmbeddedBrokerConfig) -> AsyncIterator[str]:
-    """``explicit`` when given; otherwise an embedded broker's URL for the duration."""
+async def local_broker(explicit: str | None, config: EmbeddedBrokerConfig) -> AsyncIterator[Broker]:
+    """The broker at ``explicit`` when given (the user's, with its own metrics); otherwise an
+    embedded broker serving ``/metrics`` like ``seamlessflow broker``, for the duration."""
     if explicit:
-        yield explicit
+        yield Broker(explicit, None)
         return
     # Started from this (main) thread: the server is tied to it and dies with it.
-    embedded = EmbeddedBroker(broker).start()
+    with EmbeddedBroker(config) as embedded:
+        async with broker_metrics(embedded.url, config.metrics_port) as metrics:
+            yield Broker(embedded.url, metrics.url)
+
+
+@asynccontextmanager
+async def broker_metrics(url: str, port: int) -> AsyncIterator[MetricsEndpoint]:
+    """``/metrics`` on ``port`` (0: a free one) with the depth of every stream and consumer of
+    the broker at ``url``, polled in the background while the context is open."""
+    collector = StreamDepthCollector()
+    depths = CollectorRegistry()
+    depths.register(collector)
+    metrics = serve_metrics(depths, port=port)
     try:
-        yield embedded.url
+        async with session(url, "seamlessflow-broker-metrics") as nc:
+            done = asyncio.Event()
+            poll = asyncio.create_task(collector.poll(nc.jetstream(), done))
+            try:
+                yield metrics
+            finally:
+                done.set()
+                await poll
     finally:
         embedded.stop()
 
 
-async def serve_broker(config: EmbeddedBrokerConfig, metrics_port: int) -> None:
-    """Run the embedded broker until SIGINT/SIGTERM, reporting stream depths on /metrics."""
+async def serve_broker(config: EmbeddedBrokerConfig) -> None:
+    """Run the embedded broker until SIGINT/SIGTERM, reporting stream depths on /metrics
+    (``config.metrics_port``)."""
     stop = stop_on_signals()
     with EmbeddedBroker(config) as broker:
-        collector = StreamDepthCollector()
-        depths = CollectorRegistry()
-        depths.register(collector)
-        metrics = serve_metrics(depths, port=metrics_port)
-        try:
-            async with session(broker.url, "seamlessflow-broker") as nc:
-                print(
-                    f"broker ready: nats={broker.url} monitoring={broker.monitoring_url} "
-                    f"metrics={metrics.url} store={broker.store_dir}",
-                    flush=True,
-                )
-                await collector.poll(nc.jetstream(), stop)
-        finally:
-            metrics.close()
+        async with broker_metrics(broker.url, config.metrics_port) as metrics:
+            print(
+                f"broker ready: nats={broker.url} monitoring={broker.monitoring_url} "
+                f"store={broker.store_dir} metrics={metrics.url}",
+                flush=True,
+            )
+            await stop.wait()
     print("broker stopped", flush=True)
 
 

@@ -40,6 +40,8 @@ class ServiceProcess:
         env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
+        self.command = args[0]
+        """The ``seamlessflow`` subcommand it runs (``worker``, ``trainer``, ...)."""
         command = [sys.executable, "-m", "seamlessflow.cli", *args]
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         if threads is not None:

@@ -4,7 +4,9 @@
 2. Start the embedded broker (a fresh store under the run's output folder) or use ``--nats``,
    and provision the run.
 3. Start the processes with fixed roles: trajectory manager, trainer, rollout workers, gateway,
-   agent runner (each a ``seamlessflow`` child process serving ``/metrics``).
+   agent runner (each a ``seamlessflow`` child process serving ``/metrics``), and list every
+   ``/metrics`` (the embedded broker's too, and workers that join through the registry) in
+   ``scrape_targets.json`` for Prometheus (``seamlessflow.targets``).
 4. Keep a small backlog of tasks queued, and show a live progress line built from the data plane
    (samples, call records, weight events) until the trainer reaches ``stop.max_steps``, time is
    up, a process dies, or Ctrl-C.
@@ -41,11 +43,12 @@ from common.models import resolve_model
 from common.paths import default_state_dir
 from rollout.agents import arithmetic
 from seamlessflow.config import RunConfig
-from seamlessflow.launcher import nats_url, stop_on_signals
+from seamlessflow.launcher import local_broker, stop_on_signals
 from seamlessflow.processes import ServiceProcess, worker_process
 from seamlessflow.progress import RunStats
 from seamlessflow.report import RunSummary, print_summary, summarize, trainer_report
 from seamlessflow.submit import submit_tasks
+from seamlessflow.targets import ScrapeTargets
 from trainer.warmstart import warm_start
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,8 @@ log = logging.getLogger(__name__)
 TICK_S = 1.0
 PLAIN_LINE_EVERY_S = 10.0
 """Without a terminal the progress line is printed as a new line this often."""
+SCRAPE_TARGETS = "scrape_targets.json"
+"""The run's Prometheus ``file_sd`` targets, in its output folder (``seamlessflow.targets``)."""
 
 
 class RunFailedError(SeamlessFlowError):
@@ -87,7 +92,11 @@ async def run_rl(config: RunConfig, config_path: Path | None, nats: str | None) 
         shutil.rmtree(out / "broker", ignore_errors=True)  # every run starts from a fresh store
     broker = config.broker.model_copy(update={"state_dir": out / "broker"})
     names = RunNames(config.run)
-    async with nats_url(nats, broker) as url, session(url, "seamlessflow-run") as nc:
+    async with (
+        local_broker(nats, broker) as embedded,
+        session(embedded.url, "seamlessflow-run") as nc,
+    ):
+        url = embedded.url
         js = nc.jetstream()
         await provision_run(js, config.run, config.provision)
         if (existing := await latest_weights(js, names)) is not None:
@@ -95,17 +104,26 @@ async def run_rl(config: RunConfig, config_path: Path | None, nats: str | None) 
                 f"run {config.run!r} on {url} already has weight version {existing.version}: "
                 "choose another run name for a new run"
             )
+        targets = ScrapeTargets(out / SCRAPE_TARGETS, config.run)
+        if embedded.metrics_url:
+            targets.add(embedded.metrics_url, "broker")
         print(f"broker {url}, model {model}, output {out}", flush=True)
+        print(f"prometheus targets (file_sd): {targets.path}", flush=True)
+        follow = asyncio.create_task(targets.follow(js, names))
         services = Services(url, config, config_path, model)
         stats = RunStats()
         started = time.time()
         try:
-            await services.start()
+            await services.start(targets)
             stats.started_at = time.time()
             stopped_by = await _watch(nc, names, config, services, stats, stop)
             trainer = await _trainer_report(services)
         finally:
             await asyncio.to_thread(services.stop)
+            follow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follow
+            targets.clear()
     summary = summarize(config.run, stats, time.time() - started, out, stopped_by, trainer)
     print_summary(summary)
     return summary
@@ -228,7 +246,8 @@ class Services:
     def __post_init__(self) -> None:
         self.running: list[ServiceProcess] = []
 
-    async def start(self) -> None:
+    async def start(self, targets: ScrapeTargets) -> None:
+        """Start every process; each becomes a scrape target once it serves."""
         cfg = self.config
         config_args = ["--config", str(self.config_path)] if self.config_path else []
         where = ["--nats", self.url, "--run", cfg.run]
@@ -277,10 +296,13 @@ class Services:
         )
         self.running = [*first, gateway]
         await self._ready(self.running)
+        for proc in self.running:
+            targets.add(proc.metrics_url, proc.command)
         gateway_url = gateway.metrics_url.removesuffix("/metrics") + "/v1"
         agents = ServiceProcess("agents", "agents", *common, "--gateway", gateway_url)
         self.running.append(agents)
         await self._ready([agents])
+        targets.add(agents.metrics_url, agents.command)
         for proc in self.running:
             print(f"  {proc.name:12s} pid {proc.proc.pid:7d}  {proc.metrics_url}", flush=True)
 

@@ -1,4 +1,6 @@
-"""Every query in the dashboards parses, and names only metrics SeamlessFlow exports."""
+"""Every query in the dashboards parses, filters by the dashboard's run, job and instance
+variables, and names only metrics that one kind of process exports together (checked against
+the registries each process kind serves, not one merged registry)."""
 
 import json
 from pathlib import Path
@@ -15,41 +17,121 @@ import rollout.worker
 import trainer.service
 import trajectory.manager
 from broker.metrics import StreamDepthCollector
+from seamlessflow.targets import KINDS
 
 DASHBOARDS = sorted((Path(__file__).parents[1] / "dashboards" / "grafana").glob("*.json"))
 
+SERVED = {
+    "broker": [StreamDepthCollector()],
+    "worker": [rollout.worker.REGISTRY, rollout.engines.base.REGISTRY, broker.metrics.REGISTRY],
+    "gateway": [rollout.gateway.REGISTRY, rollout.calls.REGISTRY],
+    "trajectory": [trajectory.manager.REGISTRY, broker.metrics.REGISTRY],
+    "trainer": [trainer.service.REGISTRY, broker.metrics.REGISTRY],
+    "agents": [rollout.agents.runner.REGISTRY, broker.metrics.REGISTRY],
+}
+"""What each kind of process serves (besides process_/python_ metrics): the registries its
+``serve_*`` function passes to ``common.metrics.serve_metrics``."""
 
-def _exported() -> set[str]:
+OWN_PREFIXES = {
+    "broker": ("sf_broker_", "sf_stream_", "sf_consumer_"),
+    "worker": ("sf_rollout_", "sf_engine_", "sf_ingress_"),
+    "gateway": ("sf_gateway_",),
+    "trajectory": ("sf_trajectory_", "sf_ingress_"),
+    "trainer": ("sf_trainer_", "sf_ingress_"),
+    "agents": ("sf_agents_", "sf_ingress_"),
+}
+"""The only ``sf_`` families each kind may export: its own part's, ``sf_ingress_`` where it
+runs a validated ingress, ``sf_engine_`` for workers."""
+
+BROKER_SERIES = OWN_PREFIXES["broker"]
+"""Served by a broker, which can carry many runs: filtered by run through the stream name."""
+
+
+def family_names(collectors) -> set[str]:
+    """The sample names the collectors export (``_total``, ``_bucket``, ... included)."""
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
     names = set()
-    parts = (broker.metrics, rollout.agents.runner, rollout.calls, rollout.engines.base)
-    parts += (rollout.gateway, rollout.worker, trainer.service, trajectory.manager)
-    families = [f for part in parts for f in part.REGISTRY.collect()]
-    for family in [*families, *StreamDepthCollector().collect()]:
-        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
-        names.update(family.name + s for s in suffixes.get(family.type, [""]))
+    for collector in collectors:
+        for family in collector.collect():
+            names.update(family.name + s for s in suffixes.get(family.type, [""]))
     return names
 
 
-def _selectors(expr) -> set[str]:
+EXPORTED = {kind: family_names(parts) for kind, parts in SERVED.items()}
+
+
+def dashboard_queries(path: Path) -> list[tuple[str, str]]:
+    """``(panel title, expr)`` of every target of a dashboard."""
+    dashboard = json.loads(path.read_text())
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p["targets"]]
+
+
+def query_kinds(expr: str) -> set[str]:
+    """The process kinds whose series a query reads: those exporting every metric it names."""
+    names = {s.name for s in selectors(promql_parser.parse(expr))}
+    return {kind for kind, exported in EXPORTED.items() if names <= exported}
+
+
+def selectors(expr) -> list:
     if isinstance(expr, promql_parser.VectorSelector):
-        return {expr.name}
-    found = set()
+        return [expr]
+    found = []
     for attr in ("expr", "lhs", "rhs", "param", "vector_selector"):
         child = getattr(expr, attr, None)
         if child is not None:
-            found |= _selectors(child)
+            found += selectors(child)
     for arg in getattr(expr, "args", None) or ():
-        found |= _selectors(arg)
+        found += selectors(arg)
     return found
 
 
+def test_each_kind_exports_only_its_own_families():
+    for kind, exported in EXPORTED.items():
+        sf = {name for name in exported if name.startswith("sf_")}
+        assert sf == exported, kind  # nothing but sf_ families in the parts' registries
+        foreign = {n for n in sf if not n.startswith(OWN_PREFIXES[kind])}
+        assert not foreign, f"{kind} exports {foreign}"
+        assert any(n.startswith(OWN_PREFIXES[kind][0]) for n in sf), kind
+    assert set(SERVED) == set(KINDS)
+
+
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
-def test_dashboard_queries_parse_and_use_exported_metrics(path):
-    dashboard = json.loads(path.read_text())
-    exported = _exported()
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    assert exprs
-    for expr in exprs:
-        names = _selectors(promql_parser.parse(expr))
-        assert names, expr
-        assert names <= exported, f"{path.name}: {expr} uses {names - exported}"
+def test_dashboard_has_run_job_and_instance_variables(path):
+    variables = {v["name"]: v for v in json.loads(path.read_text())["templating"]["list"]}
+    assert {"datasource", "run", "job", "instance"} <= variables.keys()
+    assert "run" in variables["run"]["definition"]
+    for name in ("job", "instance"):  # several at once, or all
+        assert variables[name]["multi"] and variables[name]["includeAll"]
+        assert "$run" in variables[name]["definition"]
+    # "All" means the jobs the variable lists, not every job of the Prometheus server
+    assert f'job=~"{variables["job"]["allValue"]}"' in variables["job"]["definition"]
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_dashboard_queries_filter_and_read_one_kind_of_process(path):
+    queries = dashboard_queries(path)
+    assert queries
+    for title, expr in queries:
+        found = selectors(promql_parser.parse(expr))
+        assert found, expr
+        kinds = query_kinds(expr)
+        assert kinds, f"{path.name} {title!r}: no process kind exports all of {expr}"
+        for selector in found:
+            matchers = {
+                (m.name, str(m.op).rsplit(".", 1)[-1], m.value) for m in selector.matchers.matchers
+            }
+            assert ("job", "Re", "$job") in matchers, f"{title!r}: {selector} lacks job"
+            assert ("instance", "Re", "$instance") in matchers, f"{title!r}: {selector}"
+            if selector.name.startswith(BROKER_SERIES):
+                by_stream = ("stream", "Re", "SF_${run}_.*") in matchers
+                assert by_stream or selector.name == "sf_broker_up", f"{title!r}: {selector}"
+            else:
+                assert ("run", "Equal", "$run") in matchers, f"{title!r}: {selector} lacks run"
+
+
+def test_every_kind_has_a_dashboard_query():
+    covered = set()
+    for path in DASHBOARDS:
+        for _, expr in dashboard_queries(path):
+            covered |= query_kinds(expr)
+    assert covered == set(KINDS)

@@ -51,6 +51,8 @@ VERSION = Gauge("sf_trainer_version", "Weight version the trainer holds", regist
 SAMPLES = Counter(
     "sf_trainer_samples", "Samples consumed, by outcome", ["outcome"], registry=REGISTRY
 )
+for _outcome in Outcome:  # every outcome exported from the start, at 0
+    SAMPLES.labels(_outcome.value)
 INVALID = Counter(
     "sf_trainer_invalid_samples",
     "Samples refused because they contradict their group",
@@ -81,7 +83,8 @@ MISMATCH = Gauge(
 MISMATCH_HIST = Histogram(
     "sf_trainer_mismatch_mean_abs",
     "Per step: mean |behaviour - proximal| logprob on same-version tokens",
-    buckets=(1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
+    # fp32 on one device agrees to ~1e-7 (observed ~5e-7): the buckets reach well below that
+    buckets=(1e-9, 1e-8, 1e-7, 3e-7, 1e-6, 3e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
     registry=REGISTRY,
 )
 STALENESS = Histogram(

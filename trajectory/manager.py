@@ -54,6 +54,8 @@ SESSIONS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+for _outcome in ("sampled", "no_calls", "no_samples"):  # exported from the start, at 0
+    SESSIONS.labels(_outcome)
 SAMPLES = Counter(
     "sf_trajectory_samples",
     "SampleReady publishes, by outcome: stored, or duplicate (already on the stream: a rebuilt "
@@ -61,6 +63,8 @@ SAMPLES = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+for _outcome in ("stored", "duplicate"):  # every known label value exported from the start
+    SAMPLES.labels(_outcome)
 SAMPLES_SKIPPED = Counter(
     "sf_trajectory_samples_skipped",
     "Leaf paths not emitted because they hold no loss token (only context)",
@@ -91,6 +95,8 @@ CALLS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+for _outcome in ("inserted", "duplicate", "invalid"):  # exported from the start, at 0
+    CALLS.labels(_outcome)
 BUILD_SECONDS = Histogram(
     "sf_trajectory_session_build_seconds",
     "From a SessionEnded to its samples stored: reading calls, building, publishing",

@@ -74,6 +74,8 @@ TASKS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+for _outcome in ("done", "retried", "rejected"):  # exported from the start, at 0
+    TASKS.labels(_outcome)
 ATTEMPTS = Counter(
     "sf_agents_attempts",
     "Attempts by outcome: correct, wrong, failed (the agent raised or exited non-zero), "
@@ -81,6 +83,8 @@ ATTEMPTS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+for _outcome in ("correct", "wrong", "failed", "timed_out", "unavailable"):  # at 0 from the start
+    ATTEMPTS.labels(_outcome)
 REWARD = Histogram(
     "sf_agents_reward",
     "Reward of each scored attempt",
