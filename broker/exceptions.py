@@ -7,11 +7,17 @@ class BrokerError(SeamlessFlowError):
     """Something about the broker or a message on it is wrong."""
 
 
+class UnavailableError(SeamlessFlowError):
+    """A part the work needs (the broker, the gateway, an engine) cannot serve now. It says
+    nothing about the message: an ingress handler that raises it has its message held, never
+    failed nor dead-lettered, and the ingress stops taking work until the part answers again."""
+
+
 class BrokerNotFoundError(BrokerError):
     """No usable ``nats-server`` binary was found."""
 
 
-class BrokerUnavailableError(BrokerError):
+class BrokerUnavailableError(BrokerError, UnavailableError):
     """The NATS server at the given URL cannot be reached."""
 
 

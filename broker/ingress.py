@@ -9,6 +9,13 @@ Each message gets exactly one outcome:
                                    delivery it is dead-lettered and terminated instead
 - handler raises ``HandBack``    -> ``nak`` at once, counted ``returned``: the process is
                                    stopping and another consumer should take the message
+- handler raises ``UnavailableError`` (or a NATS connection error): a part the work needs is
+  down, which is no fault of the message. The message is held (kept in progress, its delivery
+  not spent), the ingress pauses (fetches nothing), and the handler is called again on it after
+  an exponential, capped backoff; the first call that does not find a part unavailable resumes
+  the ingress. A pause is one ``ingress_paused`` line and ``sf_ingress_paused{source} 1``; the
+  resume one ``ingress_resumed`` line. A broker connection that drops pauses the ingress the
+  same way until the client has reconnected. Stopping while paused hands the held messages back.
 
 The loop never stops on bad input, and a message is terminated only once its dead letter is
 stored, so nothing is lost. With ``concurrency`` above 1, that many messages are handled at once,
@@ -17,22 +24,26 @@ each in its own task, and the loop fetches only as many as there are free slots,
 """
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from nats import errors as nats_errors
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
+from nats.js.errors import ServiceUnavailableError
 
 from broker import codec
 from broker.config import StreamLimits
-from broker.exceptions import InvalidMessageError
+from broker.exceptions import InvalidMessageError, UnavailableError
 from broker.messages import HEADER_MAX, REASON_MAX, Message, MessageRejected, TaskSubmitted
-from broker.metrics import INGRESS_MESSAGES
+from broker.metrics import INGRESS_MESSAGES, INGRESS_PAUSED
 from broker.subjects import Durable, RunNames
 from common.log import kv
 
@@ -42,6 +53,19 @@ M = TypeVar("M", bound=Message)
 
 DEAD_LETTER_KEEP = 64 * 1024
 """Bytes of a rejected payload kept in its dead letter."""
+
+BROKER_DOWN = (
+    nats_errors.ConnectionClosedError,
+    nats_errors.ConnectionReconnectingError,
+    nats_errors.NoServersError,
+    nats_errors.NoRespondersError,
+    nats_errors.OutboundBufferLimitError,
+    nats_errors.StaleConnectionError,
+    nats_errors.TimeoutError,
+    ServiceUnavailableError,
+)
+"""NATS errors that mean the broker cannot serve now (reconnecting, JetStream not answering): a
+handler that raises one is treated as having raised ``UnavailableError``."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +78,9 @@ class Delivery:
     published_at: float
     """When JetStream stored the message (Unix seconds)."""
     _msg: Msg
+    retry: int = 0
+    """Calls of the handler on this delivery before this one, each of which found a part it
+    needs unavailable (the message was held, not redelivered)."""
 
     async def in_progress(self) -> None:
         """Reset the ack timer: call it more often than the consumer's ack_wait."""
@@ -84,6 +111,8 @@ class Ingress(Generic[M]):
         concurrency: int = 1,
         fetch_timeout: float = 1.0,
         retry_delay: float = 5.0,
+        backoff: float = 0.5,
+        backoff_max: float = 5.0,
     ) -> None:
         self._js = js
         self._dead_subject = names.dead(source)
@@ -98,24 +127,52 @@ class Ingress(Generic[M]):
         self._running: set[asyncio.Task] = set()
         self._fetch_timeout = fetch_timeout
         self._retry_delay = retry_delay
+        self._backoff = backoff
+        self._backoff_max = backoff_max
+        self._nc = js._nc  # the connection the context uses: is the broker reachable now?
         self._max_deliver = 0  # read from the consumer when the loop starts; <= 0: unlimited
+        self._ack_wait = 30.0  # likewise (seconds)
+        self._stop = asyncio.Event()
+        self._unsettled: dict[str, Msg] = {}  # by ack subject: fetched, not yet settled
+        self._paused_since: float | None = None  # time.monotonic() of the pause; None: running
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._broker_down = False
+        self._keeping: asyncio.Task | None = None  # keeps unsettled messages in progress
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until ``stop`` is set; returns after the current batch is settled."""
+        self._stop = stop
         sub = await self._js.pull_subscribe_bind(self._durable, self._stream)
-        self._max_deliver = (await sub.consumer_info()).config.max_deliver or 0
+        consumer = (await sub.consumer_info()).config
+        self._max_deliver = consumer.max_deliver or 0
+        self._ack_wait = consumer.ack_wait or self._ack_wait
+        INGRESS_PAUSED.labels(self.source).set(0)
         log.info(
             kv("ingress_started", source=self.source, stream=self._stream, durable=self._durable)
         )
         try:
+            delay = self._backoff
             while not stop.is_set():
-                # 1. Fetch what there is room for; a timeout only means nothing yet.
+                # 1. Take no work while the broker or a part the handler needs is down.
+                if not self._broker_reachable():
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(delay):
+                            await stop.wait()
+                    delay = min(2 * delay, self._backoff_max)
+                    continue
+                delay = self._backoff
+                if self._paused_since is not None:
+                    await _wait_any(stop, self._resumed)
+                    continue
+                # 2. Fetch what there is room for; a timeout only means nothing yet.
                 room = self._room()
                 if room == 0:
                     await asyncio.wait(self._running, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 msgs = await self._fetch(sub, room)
-                # 2. Settle each message with exactly one outcome.
+                self._unsettled.update((msg.reply, msg) for msg in msgs)
+                # 3. Settle each message with exactly one outcome.
                 for msg in msgs:
                     if self._concurrency == 1:
                         await self._settle_logged(msg)
@@ -123,12 +180,70 @@ class Ingress(Generic[M]):
                         task = asyncio.create_task(self._settle_logged(msg))
                         self._running.add(task)
                         task.add_done_callback(self._running.discard)
-            # 3. Let the messages in hand finish.
+            # 4. Let the messages in hand finish.
             if self._running:
                 await asyncio.wait(self._running)
         finally:
+            self._unpause()
             await sub.unsubscribe()
             log.info(kv("ingress_stopped", source=self.source))
+
+    # -- pausing ----------------------------------------------------------------------------
+    def _broker_reachable(self) -> bool:
+        """Whether the connection is up; pauses the ingress when it went down, resumes it when it
+        came back (the client reconnects by itself)."""
+        if self._nc.is_connected:
+            if self._broker_down:
+                self._broker_down = False
+                self._resume()
+            return True
+        if not self._broker_down:
+            self._broker_down = True
+            self._pause("broker disconnected: the client is reconnecting")
+        return False
+
+    def _pause(self, reason: str) -> None:
+        if self._paused_since is not None:
+            return
+        self._paused_since = time.monotonic()
+        self._resumed.clear()
+        INGRESS_PAUSED.labels(self.source).set(1)
+        self._keeping = asyncio.create_task(self._keep_unsettled())
+        log.warning(kv("ingress_paused", source=self.source, reason=reason))
+
+    def _resume(self) -> None:
+        if self._paused_since is None:
+            return
+        after = time.monotonic() - self._paused_since
+        self._unpause()
+        log.info(kv("ingress_resumed", source=self.source, after_s=round(after, 1)))
+
+    def _unpause(self) -> None:
+        self._paused_since = None
+        self._resumed.set()
+        INGRESS_PAUSED.labels(self.source).set(0)
+        if self._keeping is not None:
+            self._keeping.cancel()
+            self._keeping = None
+
+    async def _keep_unsettled(self) -> None:
+        """While paused, keep every message in hand from being redelivered (a held one, and the
+        rest of a batch waiting behind it). Errors are the outage itself: already logged."""
+        while True:
+            await asyncio.sleep(max(0.1, self._ack_wait / 3))
+            for msg in list(self._unsettled.values()):
+                with contextlib.suppress(NatsError):
+                    await msg.in_progress()
+
+    async def _held(self, exc: Exception, retry: int) -> bool:
+        """Pause for ``exc`` (a part is unavailable) and wait before the ``retry``-th call of the
+        handler on a held message: True to call it again, False when stopping."""
+        self._pause(f"{type(exc).__name__}: {exc}")
+        delay = min(self._backoff * 2 ** (retry - 1), self._backoff_max)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await _wait_any(self._stop, self._resumed)
+        return not self._stop.is_set()
 
     def _room(self) -> int:
         if self._concurrency == 1:
@@ -143,6 +258,8 @@ class Ingress(Generic[M]):
         except NatsError as exc:
             # The broker went away mid-settle: JetStream redelivers after ack_wait.
             log.warning(kv("ingress_settle_failed", source=self.source, error=exc))
+        finally:
+            self._unsettled.pop(msg.reply, None)
 
     async def _fetch(self, sub: JetStreamContext.PullSubscription, count: int) -> list[Msg]:
         try:
@@ -161,40 +278,68 @@ class Ingress(Generic[M]):
             message = codec.decode(
                 self._schema, msg.data, content_type=content_type, max_size=self._max_payload
             )
-            stored_at = meta.timestamp.timestamp()
-            delivery = Delivery(
-                msg.subject, meta.sequence.stream, meta.num_delivered, stored_at, msg
-            )
-            await self._handler(message, delivery)
         except InvalidMessageError as exc:
             await self._reject(msg, exc.reason, content_type)
             return
-        except HandBack as exc:
-            await msg.nak()
-            INGRESS_MESSAGES.labels(self.source, "returned").inc()
-            seq = meta.sequence.stream
-            log.info(kv("ingress_handed_back", source=self.source, seq=seq, why=exc))
+        stored_at = meta.timestamp.timestamp()
+        delivery = Delivery(msg.subject, meta.sequence.stream, meta.num_delivered, stored_at, msg)
+        while True:
+            called = time.monotonic()
+            try:
+                await self._handler(message, delivery)
+            except (UnavailableError, *BROKER_DOWN) as exc:
+                # Not the message's fault: hold it (its delivery not spent) and call again.
+                retry = delivery.retry + 1
+                if await self._held(exc, retry):
+                    delivery = dataclasses.replace(delivery, retry=retry)
+                    continue
+                await self._hand_back(msg, f"stopping while paused: {type(exc).__name__}")
+                return
+            except Exception as exc:
+                self._answered(called)
+                await self._settle_raised(msg, exc, content_type)
+                return
+            self._answered(called)
+            await msg.ack()
+            INGRESS_MESSAGES.labels(self.source, "accepted").inc()
             return
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            INGRESS_MESSAGES.labels(self.source, "failed").inc()
-            log.exception(
-                kv(
-                    "ingress_handler_failed",
-                    source=self.source,
-                    seq=meta.sequence.stream,
-                    delivered=meta.num_delivered,
-                    error=error,
-                )
-            )
-            if 0 < self._max_deliver <= meta.num_delivered:
-                reason = f"handler failed on all {meta.num_delivered} deliveries; last: {error}"
-                await self._reject(msg, reason, content_type)
-            else:
-                await msg.nak(delay=self._retry_delay)
+
+    def _answered(self, called: float) -> None:
+        """A handler call made since the pause found every part it needs: resume."""
+        if self._paused_since is not None and called >= self._paused_since:
+            self._resume()
+
+    async def _settle_raised(self, msg: Msg, exc: Exception, content_type: str | None) -> None:
+        meta = msg.metadata
+        if isinstance(exc, InvalidMessageError):
+            await self._reject(msg, exc.reason, content_type)
             return
-        await msg.ack()
-        INGRESS_MESSAGES.labels(self.source, "accepted").inc()
+        if isinstance(exc, HandBack):
+            await self._hand_back(msg, str(exc))
+            return
+        error = f"{type(exc).__name__}: {exc}"
+        INGRESS_MESSAGES.labels(self.source, "failed").inc()
+        log.error(
+            kv(
+                "ingress_handler_failed",
+                source=self.source,
+                seq=meta.sequence.stream,
+                delivered=meta.num_delivered,
+                error=error,
+            ),
+            exc_info=exc,
+        )
+        if 0 < self._max_deliver <= meta.num_delivered:
+            reason = f"handler failed on all {meta.num_delivered} deliveries; last: {error}"
+            await self._reject(msg, reason, content_type)
+        else:
+            await msg.nak(delay=self._retry_delay)
+
+    async def _hand_back(self, msg: Msg, why: str) -> None:
+        await msg.nak()
+        INGRESS_MESSAGES.labels(self.source, "returned").inc()
+        seq = msg.metadata.sequence.stream
+        log.info(kv("ingress_handed_back", source=self.source, seq=seq, why=why))
 
     async def _reject(self, msg: Msg, reason: str, content_type: str | None) -> None:
         seq = msg.metadata.sequence.stream
@@ -260,6 +405,16 @@ async def dead_letter(
     )
 
 
+async def _wait_any(*events: asyncio.Event) -> None:
+    """Return once any of ``events`` is set."""
+    waits = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
 def tasks_ingress(
     js: JetStreamContext,
     names: RunNames,
@@ -268,7 +423,8 @@ def tasks_ingress(
     **options: float,
 ) -> Ingress[TaskSubmitted]:
     """The validated ingress of a run's task stream (durable ``agents``), sized by the run's
-    ``tasks`` limits. ``options``: ``batch``, ``fetch_timeout``, ``retry_delay``."""
+    ``tasks`` limits. ``options``: ``batch``, ``concurrency``, ``fetch_timeout``,
+    ``retry_delay``, ``backoff``, ``backoff_max``."""
     return Ingress(
         js,
         names,

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -25,6 +25,13 @@ INGRESS_MESSAGES = Counter(
     "delivery), failed (the handler raised; counted on every failed delivery), returned "
     "(handed back unprocessed by a stopping process)",
     ["source", "outcome"],
+    registry=REGISTRY,
+)
+INGRESS_PAUSED = Gauge(
+    "sf_ingress_paused",
+    "1 while a validated ingress takes no new work because a part it needs (the broker, the "
+    "gateway, an engine) is unavailable; its messages in hand wait, none is failed",
+    ["source"],
     registry=REGISTRY,
 )
 

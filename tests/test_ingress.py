@@ -3,13 +3,16 @@ good tasks around them are all handled, and the consumer keeps going."""
 
 import asyncio
 import json
+import logging
 import socket
+import uuid
 
 import msgpack
 import pytest
 from nats.js.errors import APIError
 
 from broker.client import session
+from broker.exceptions import UnavailableError
 from broker.ingress import Delivery, HandBack, Ingress, tasks_ingress
 from broker.messages import MessageRejected, TaskSubmitted
 from broker.metrics import REGISTRY
@@ -179,9 +182,11 @@ async def test_payload_over_the_stream_limit_is_refused_to_the_publisher(js, nam
     assert (await js.stream_info(names.tasks_stream)).state.messages == 0
 
 
-async def test_ingress_survives_a_broker_restart(tmp_path, nats_binary):
+async def test_ingress_survives_a_broker_restart(tmp_path, nats_binary, caplog):
     """Stop the server under a running ingress, start it again on the same port and store:
-    tasks published before and after are all handled, none twice."""
+    tasks published before and after are all handled, none twice; the ingress pauses while the
+    broker is away, with one line when it goes and one when it comes back."""
+    caplog.set_level(logging.INFO, logger="broker.ingress")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -200,10 +205,12 @@ async def test_ingress_survives_a_broker_restart(tmp_path, nats_binary):
             await eventually(lambda: len(handler.seen) == 5, watch=run)
 
             server.stop()
-            await asyncio.sleep(1.0)  # the ingress keeps polling a broker that is gone
+            await asyncio.sleep(1.0)  # the ingress waits for a broker that is gone
             assert not run.done(), run.exception() if run.done() else None
+            assert _paused() == 1.0
             server = EmbeddedBroker(cfg).start()
             await eventually(lambda: nc.is_connected)
+            await eventually(lambda: _paused() == 0.0, watch=run)
 
             for i in range(5, 10):
                 await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
@@ -214,3 +221,87 @@ async def test_ingress_survives_a_broker_restart(tmp_path, nats_binary):
         stop.set()
         server.stop()
     assert sorted(t.task_id for t, _ in handler.seen) == sorted(f"ok-{i}" for i in range(10))
+    lines = [r.getMessage() for r in caplog.records]
+    (paused,) = [line for line in lines if line.startswith("ingress_paused")]
+    assert "broker disconnected" in paused
+    assert len([line for line in lines if line.startswith("ingress_resumed")]) == 1
+    assert not [line for line in lines if line.startswith("ingress_fetch_failed")]
+
+
+class Outage:
+    """A handler whose part (a gateway, say) is down until ``up`` is set: an injected fault,
+    since the ingress under test knows nothing of what its handler calls. Records every call."""
+
+    def __init__(self) -> None:
+        self.up = asyncio.Event()
+        self.calls: list[tuple[str, int, int]] = []  # (task id, num_delivered, retry)
+
+    async def __call__(self, task: TaskSubmitted, delivery: Delivery) -> None:
+        self.calls.append((task.task_id, delivery.num_delivered, delivery.retry))
+        if not self.up.is_set():
+            raise UnavailableError("the part is down (injected)")
+
+
+def _paused(source: str = "tasks") -> float:
+    return REGISTRY.get_sample_value("sf_ingress_paused", {"source": source}) or 0.0
+
+
+async def test_an_unavailable_part_pauses_the_ingress_and_spends_no_delivery(js, caplog):
+    """A short ack_wait and max_deliver 2: if the outage spent deliveries or let ack timers run
+    out, JetStream would redeliver, then drop the tasks. It does neither, and nothing is failed,
+    dead-lettered or logged with a traceback."""
+    names = RunNames("t" + uuid.uuid4().hex[:12])
+    limits = SMALL_RUN.agents.model_copy(update={"ack_wait_s": 1.0, "max_deliver": 2})
+    await provision_run(js, names.run, SMALL_RUN.model_copy(update={"agents": limits}))
+    for i in range(3):
+        await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
+    failed0, rejected0 = _count("tasks", "failed"), _count("tasks", "rejected")
+    handler = Outage()
+    ingress = tasks_ingress(
+        js, names, handler, SMALL_RUN.tasks, fetch_timeout=0.2, backoff=0.05, backoff_max=0.2
+    )
+    stop = asyncio.Event()
+    caplog.set_level(logging.INFO, logger="broker.ingress")
+    run = asyncio.create_task(ingress.run(stop))
+    try:
+        await eventually(lambda: _paused() == 1.0, watch=run)
+        await asyncio.sleep(3.0)  # three ack_waits
+        # Paused: the first task is held and retried, the rest of its batch waits behind it.
+        assert {task for task, _, _ in handler.calls} == {"ok-0"}
+        assert len(handler.calls) >= 10  # the backoff is capped
+        assert [retry for _, _, retry in handler.calls] == list(range(len(handler.calls)))
+        info = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
+        assert (info.num_redelivered, info.num_ack_pending) == (0, 3)
+        handler.up.set()
+        await eventually(lambda: {t for t, _, _ in handler.calls} == {"ok-0", "ok-1", "ok-2"})
+        await eventually(lambda: _paused() == 0.0, watch=run)
+    finally:
+        stop.set()
+        await asyncio.wait_for(run, 10)
+    assert all(delivered == 1 for _, delivered, _ in handler.calls)
+    assert (await js.stream_info(names.tasks_stream)).state.messages == 0  # all acked
+    assert await stream_messages(js, names.dead_stream, MessageRejected) == []
+    assert (_count("tasks", "failed"), _count("tasks", "rejected")) == (failed0, rejected0)
+    events = [r.getMessage().split()[0] for r in caplog.records]
+    assert events.count("ingress_paused") == 1 and events.count("ingress_resumed") == 1
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    (paused,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ingress_p")]
+    assert "source=tasks" in paused and "UnavailableError" in paused
+
+
+async def test_stopping_while_paused_hands_the_held_task_back(js, names):
+    await js.publish(names.tasks, msgpack.packb(_task_dict(0)))
+    returned0, failed0 = _count("tasks", "returned"), _count("tasks", "failed")
+    handler = Outage()
+    ingress = tasks_ingress(js, names, handler, SMALL_RUN.tasks, fetch_timeout=0.2, backoff=0.05)
+    await _run_until(ingress, lambda: _paused() == 1.0)
+    assert _paused() == 0.0  # a stopped ingress is not paused
+    assert _count("tasks", "returned") - returned0 == 1
+    assert _count("tasks", "failed") == failed0
+    assert await stream_messages(js, names.dead_stream, MessageRejected) == []
+    # Back in the queue at once: the next consumer takes it on its next delivery.
+    handler.up.set()
+    handler.calls.clear()
+    again = tasks_ingress(js, names, handler, SMALL_RUN.tasks, fetch_timeout=0.2)
+    await _run_until(again, lambda: handler.calls == [("ok-0", 2, 0)])
+    assert (await js.stream_info(names.tasks_stream)).state.messages == 0
