@@ -6,11 +6,13 @@ The Python agents below (``flaky_agent``, ``sleepy_agent``) are loaded by the ru
 """
 
 import asyncio
+import logging
 import random
 import re
 import shutil
 import socket
 import sys
+import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -30,7 +32,7 @@ from broker.messages import (
     TaskSubmitted,
 )
 from broker.metrics import REGISTRY as INGRESS_METRICS
-from broker.subjects import NAME_PATTERN, RunNames
+from broker.subjects import NAME_PATTERN, Durable, RunNames
 from rollout.agents import runner as runner_module
 from rollout.agents.agents import AgentContext, AgentResult, load_agent
 from rollout.agents.arithmetic import (
@@ -46,7 +48,14 @@ from rollout.agents.verifiers import bind, exact_match, last_number, number
 from seamlessflow.config import load_config
 from seamlessflow.processes import ServiceProcess
 from seamlessflow.submit import submit_tasks
-from tests.support import SMALL_RUN, eventually, metric, stream_messages
+from tests.support import (
+    SMALL_RUN,
+    GatewayThread,
+    eventually,
+    gateway_config,
+    metric,
+    stream_messages,
+)
 
 # -- agents the runner loads by name ---------------------------------------------------------
 
@@ -198,20 +207,30 @@ ids = st.from_regex(NAME_PATTERN, fullmatch=True)
 
 
 @settings(max_examples=150, deadline=None)
-@given(ids, ids, st.integers(0, 1023), st.integers(0, 1023), st.integers(1, 10_000))
-def test_session_ids_are_ids_and_never_shared(task_id, other_task, attempt, other, delivery):
-    sid = session_id(task_id, attempt, delivery)
+@given(
+    ids,
+    ids,
+    st.integers(0, 1023),
+    st.integers(0, 1023),
+    st.integers(1, 10_000),
+    st.integers(0, 10_000),
+)
+def test_session_ids_are_ids_and_never_shared(task_id, other_task, attempt, other, delivery, retry):
+    sid = session_id(task_id, attempt, delivery, retry)
     assert re.fullmatch(NAME_PATTERN, sid)
-    assert sid == session_id(task_id, attempt, delivery)  # deterministic
-    assert sid != session_id(task_id, attempt, delivery + 1)  # a redelivery starts afresh
+    assert sid == session_id(task_id, attempt, delivery, retry)  # deterministic
+    assert sid != session_id(task_id, attempt, delivery + 1, retry)  # a redelivery starts afresh
+    assert sid != session_id(task_id, attempt, delivery, retry + 1)  # so does a held retry
+    assert sid != session_id(task_id, attempt, delivery + 1, 0)
     if (task_id, attempt) != (other_task, other):
-        assert sid != session_id(other_task, other, delivery)
-    if len(task_id) <= 60 and delivery == 1 and attempt < 100:
+        assert sid != session_id(other_task, other, delivery, retry)
+    if len(task_id) <= 60 and delivery == 1 and retry == 0 and attempt < 100:
         assert sid == f"{task_id}-{attempt}"
-    group = group_id(task_id, delivery)
+    group = group_id(task_id, delivery, retry)
     assert re.fullmatch(NAME_PATTERN, group)
-    assert (group == task_id) == (delivery == 1)  # a redelivered task is a new group
-    assert group != group_id(task_id, delivery + 1)
+    assert (group == task_id) == (delivery == 1 and retry == 0)  # a retried task: a new group
+    assert group != group_id(task_id, delivery + 1, retry)
+    assert group != group_id(task_id, delivery, retry + 1)
 
 
 def test_arithmetic_tasks():
@@ -362,22 +381,57 @@ async def test_tasks_that_cannot_be_run_are_dead_lettered(js, names):
 
 
 @pytest.mark.newest_nats
-async def test_gateway_down_retries_the_task_and_publishes_nothing(js, names):
-    task = chat_task("while-down", group_size=2)
-    retried_before = sample("sf_agents_tasks_total", outcome="retried")
-    async with runner(js, names, closed_port_url(), retry_delay_s=0.1):
-        await submit_tasks(js, names, [task], progress=False)
-
-        async def given_up() -> bool:
-            return bool(await stream_messages(js, names.dead_stream, MessageRejected))
-
-        await eventually(given_up)
-    (dead,) = await stream_messages(js, names.dead_stream, MessageRejected)
-    max_deliver = SMALL_RUN.agents.max_deliver
-    assert f"handler failed on all {max_deliver} deliveries" in dead.reason
-    assert "GatewayUnavailableError" in dead.reason
-    assert sample("sf_agents_tasks_total", outcome="retried") == retried_before + max_deliver
-    assert await stream_messages(js, names.traj_stream, SessionEnded, names.traj_end) == []
+async def test_a_gateway_outage_holds_the_tasks_and_runs_every_one_when_it_returns(
+    stack, js, broker, tiny_model_dir, caplog
+):
+    """The gateway goes away for 60 s with tasks queued: the runner takes no more tasks, runs
+    none, fails and dead-letters none, logs one line for the pause and one for the resume (no
+    traceback), and runs every task once a gateway serves again on the same port."""
+    names = stack.names
+    url = closed_port_url()
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    config = gateway_config(tiny_model_dir, names.run).model_copy(update={"port": port})
+    warm = chat_task(unique("warm"))
+    tasks = [chat_task(unique("out"), group_size=2) for _ in range(4)]
+    ids = {t.task_id for t in tasks}
+    retried0 = sample("sf_agents_tasks_total", outcome="retried")
+    caplog.set_level(logging.INFO)
+    async with runner(js, names, url, max_tasks=2, max_tokens=4) as (_, running):
+        with GatewayThread(config, broker.url):
+            await submit_tasks(js, names, [warm], progress=False)
+            await ended(js, names, {warm.task_id}, 1)
+        # The gateway is gone: 2 tasks are taken (max_tasks) and held, the other 2 stay queued.
+        down = time.monotonic()
+        await submit_tasks(js, names, tasks, progress=False)
+        await eventually(lambda: sample("sf_ingress_paused", source="tasks") == 1, watch=running)
+        await asyncio.sleep(60 - (time.monotonic() - down))
+        stored = await stream_messages(js, names.traj_stream, SessionEnded, names.traj_end)
+        assert not [m for m in stored if m.task_id in ids]
+        info = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
+        assert (info.num_ack_pending, info.num_pending, info.num_redelivered) == (2, 2, 0)
+        assert sample("sf_agents_tasks_total", outcome="retried") - retried0 >= 2 * 6
+        with GatewayThread(config, broker.url):
+            sessions = await ended(js, names, ids, 2 * len(tasks))
+            await eventually(lambda: sample("sf_ingress_paused", source="tasks") == 0)
+    by_task: dict[str, list[SessionEnded]] = {}
+    for s in sessions:
+        by_task.setdefault(s.task_id, []).append(s)
+    assert {t: len(ss) for t, ss in by_task.items()} == dict.fromkeys(ids, 2)
+    held = {t for t, ss in by_task.items() if re.search(r"-r\d+$", ss[0].session_id)}
+    assert len(held) == 2  # the two taken during the outage ran in new sessions
+    for t, ss in by_task.items():
+        suffix = re.search(r"-r\d+$", ss[0].session_id).group() if t in held else ""
+        assert sorted(s.session_id for s in ss) == [f"{t}-{i}{suffix}" for i in range(2)]
+        assert {s.group_id for s in ss} == {t + suffix} and "failed" not in ss[0].metrics
+    assert await stream_messages(js, names.dead_stream, MessageRejected) == []
+    assert (await js.stream_info(names.tasks_stream)).state.messages == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "broker.ingress"]
+    (paused,) = [line for line in lines if line.startswith("ingress_paused")]
+    assert "source=tasks" in paused and "GatewayUnavailableError" in paused
+    (resumed,) = [line for line in lines if line.startswith("ingress_resumed")]
+    assert float(re.search(r"after_s=([\d.]+)", resumed).group(1)) >= 55
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not [r for r in caplog.records if r.getMessage().startswith("task_retried")]
 
 
 @pytest.mark.newest_nats

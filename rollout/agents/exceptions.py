@@ -1,5 +1,6 @@
 """Errors raised by the agent runner."""
 
+from broker.exceptions import UnavailableError
 from broker.ingress import HandBack
 from rollout.exceptions import RolloutError
 
@@ -21,8 +22,9 @@ class AgentFailedError(AgentsError):
     """An attempt's agent failed (raised, exited non-zero, or timed out)."""
 
 
-class GatewayUnavailableError(AgentsError):
-    """The gateway cannot serve calls now; the task is retried later rather than scored."""
+class GatewayUnavailableError(AgentsError, UnavailableError):
+    """The gateway cannot serve calls now: the task is held and run again once it serves (the
+    ingress pauses meanwhile), never scored against the outage nor dead-lettered for it."""
 
 
 class RunnerStoppingError(AgentsError, HandBack):

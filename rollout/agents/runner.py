@@ -6,12 +6,13 @@ once:
 
 1. refuse what cannot be run (unknown verifier, unusable reference, no agent for the env): the
    ingress dead-letters it with the reason, before any agent runs;
-2. check the gateway serves (``/health``): if not, the task is retried later (nak), never
-   scored against an outage;
+2. check the gateway serves (``/health``): if not, ``GatewayUnavailableError`` pauses the
+   ingress, which holds the task (its delivery not spent, never dead-lettered for the outage)
+   and runs it again once the gateway serves; it is never scored against an outage;
 3. run ``group_size`` attempts at once, each in its own session (``session_id``), and verify
    each final answer. An agent that raises, exits non-zero or times out ends its attempt with
    reward 0.0 and ``{"failed": 1}``; a gateway failure in any attempt cancels the others and
-   retries the whole task (nothing is published for it);
+   the whole task is run again as in 2, in new sessions (nothing is published for it);
 4. publish one ``SessionEnded`` per attempt (``Nats-Msg-Id`` = session id); the ingress acks the
    task once all are stored.
 
@@ -69,8 +70,9 @@ REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
 TASKS = Counter(
     "sf_agents_tasks",
-    "Tasks by outcome: done (every attempt's SessionEnded stored), retried (gateway unavailable "
-    "or runner stopping: handed back), rejected (cannot be run: dead-lettered)",
+    "Tasks by outcome: done (every attempt's SessionEnded stored), retried (gateway unavailable: "
+    "held and run again; or runner stopping: handed back), rejected (cannot be run: "
+    "dead-lettered)",
     ["outcome"],
     registry=REGISTRY,
 )
@@ -125,17 +127,23 @@ ENVIRONMENTS: dict[str, Environment] = {
 here is then scored with ``binary_reward``."""
 
 
-def session_id(task_id: str, attempt: int, delivery: int = 1) -> str:
+def session_id(task_id: str, attempt: int, delivery: int = 1, retry: int = 0) -> str:
     """The session of attempt ``attempt`` at a task: ``<task_id>-<attempt>``, with ``-d<n>`` for
-    the ``n``-th delivery of the task (a retried task starts fresh sessions). A task id too long
-    to fit the 64-character id is cut and completed with its hash."""
-    return _suffixed(task_id, f"-{attempt}" if delivery <= 1 else f"-{attempt}-d{delivery}")
+    the ``n``-th delivery of the task and ``-r<k>`` for its ``k``-th run after an outage on one
+    delivery (a retried task starts fresh sessions). A task id too long to fit the 64-character
+    id is cut and completed with its hash."""
+    return _suffixed(task_id, f"-{attempt}{_retried(delivery, retry)}")
 
 
-def group_id(task_id: str, delivery: int = 1) -> str:
-    """The group of a task's attempts: the task id, with ``-d<n>`` from its ``n``-th delivery on
-    (so a retried task's fresh sessions never join the sessions of an earlier delivery)."""
-    return task_id if delivery <= 1 else _suffixed(task_id, f"-d{delivery}")
+def group_id(task_id: str, delivery: int = 1, retry: int = 0) -> str:
+    """The group of a task's attempts: the task id, with ``-d<n>``/``-r<k>`` once it is retried
+    (so a retried task's fresh sessions never join the sessions of an earlier run)."""
+    suffix = _retried(delivery, retry)
+    return _suffixed(task_id, suffix) if suffix else task_id
+
+
+def _retried(delivery: int, retry: int) -> str:
+    return (f"-d{delivery}" if delivery > 1 else "") + (f"-r{retry}" if retry > 0 else "")
 
 
 def _suffixed(task_id: str, suffix: str) -> str:
@@ -274,8 +282,11 @@ class AgentRunner:
             # 2. No attempt is scored against a gateway that is down.
             model = await self._check_gateway()
             # 3. Run and score the attempts.
-            ended = await self._attempts(task, delivery.num_delivered, agent, reward, verify, model)
-        except (GatewayUnavailableError, RunnerStoppingError) as exc:
+            ended = await self._attempts(task, delivery, agent, reward, verify, model)
+        except GatewayUnavailableError:
+            TASKS.labels("retried").inc()  # the ingress pauses and logs it, once
+            raise
+        except RunnerStoppingError as exc:
             TASKS.labels("retried").inc()
             log.warning(
                 kv("task_retried", task=task.task_id, delivered=delivery.num_delivered, error=exc)
@@ -327,7 +338,7 @@ class AgentRunner:
     async def _attempts(
         self,
         task: TaskSubmitted,
-        delivery: int,
+        delivery: Delivery,
         agent: Agent,
         reward: Reward,
         verify: Callable[[str], bool],
@@ -342,7 +353,7 @@ class AgentRunner:
                     tg.create_task(
                         self._attempt(
                             task,
-                            session_id(task.task_id, i, delivery),
+                            session_id(task.task_id, i, delivery.num_delivered, delivery.retry),
                             agent,
                             reward,
                             verify,
@@ -374,7 +385,7 @@ class AgentRunner:
             if unavailable:
                 raise unavailable[0] from None
             raise
-        group = group_id(task.task_id, delivery)
+        group = group_id(task.task_id, delivery.num_delivered, delivery.retry)
         return [e.model_copy(update={"group_id": group}) for e in ended]
 
     async def _attempt(
