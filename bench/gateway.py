@@ -49,7 +49,7 @@ from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from common.models import load_tokenizer, resolve_model
-from rollout.engines import ENGINES, Engine, EngineConfig, start_engine
+from rollout.engines import ENGINE_CONFIGS, ENGINES, Engine, EngineConfig, start_engine
 from rollout.gateway import Gateway, GatewayConfig, default_stop_token_ids
 from rollout.openai_api import SESSION_HEADER
 from seamlessflow.processes import worker_process
@@ -318,9 +318,10 @@ async def run_bench(nats_url: str, model: Path, s: Settings) -> dict:
     # The worker's engine gets torch's default threads, like the in-process one.
     worker = worker_process(nats_url, RUN, model, "bench-w1", *args, threads=None)
     try:
-        config = EngineConfig(model=model, max_model_len=s.max_model_len)
+        settings = ENGINE_CONFIGS[s.engine]()
+        config = EngineConfig(model=model, max_model_len=s.max_model_len, settings=settings)
         started, ready = await asyncio.gather(
-            start_engine(s.engine, config),
+            start_engine(config),
             asyncio.to_thread(worker.wait_ready, s.start_timeout_s),
             return_exceptions=True,
         )

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from broker import codec
 from broker.config import StreamLimits
 from broker.exceptions import BrokerError, InvalidMessageError
-from broker.ingress import Delivery, Ingress
+from broker.ingress import Delivery, HandBack, Ingress
 from broker.messages import (
     NAME_PATTERN,
     FinishReason,
@@ -48,7 +48,7 @@ from broker.registry import Registration, default_worker_id
 from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights_apart, latest_weights
 from common.log import kv
-from rollout.engines import Engine, EngineError, GenerationChunk
+from rollout.engines import Engine, EngineError, EngineSettings, GenerationChunk, HFEngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +99,17 @@ class WorkerConfig(BaseModel):
     worker_id: str = Field(
         default_factory=default_worker_id,
         pattern=NAME_PATTERN,
+        description="this worker's key in the worker registry; default: <host>-<pid>",
     )
-    tags: list[str] = Field(default_factory=lambda: ["rollout"], max_length=64)
-    max_running: int = Field(default=16, ge=1, description="requests generated at once")
+    tags: list[str] = Field(
+        default_factory=lambda: ["rollout"], max_length=64, description="capability tags"
+    )
+    max_running: int = Field(default=32, ge=1, description="requests generated at once")
     keepalive_s: float = Field(default=1.0, gt=0, description="empty chunk after this silence")
     heartbeat_s: float = Field(default=5.0, gt=0, description="worker KV renewal period")
+    engine: EngineSettings = Field(
+        default_factory=HFEngineConfig, description="the engine (its kind) and its own options"
+    )
 
 
 @dataclass
@@ -206,9 +212,12 @@ class RolloutWorker:
     # -- requests ---------------------------------------------------------------------------
     async def _generate(self, request: GenerationRequested, delivery: Delivery) -> None:
         key = (request.call_id, request.attempt)
-        if key in self._attempts or self._stopping:
-            # A duplicate delivery of an attempt running here, or too late: hand it back.
-            raise RuntimeError(f"attempt {key} cannot start on {self.worker_id} now")
+        if self._stopping:  # fetched while stopping: another worker takes it, at once
+            raise HandBack(f"attempt {key}: {self.worker_id} is stopping")
+        if key in self._attempts:
+            # A duplicate delivery of an attempt running here: that run answers its reply_to.
+            log.info(kv("duplicate_request", call=request.call_id, attempt=request.attempt))
+            return
         attempt = _Attempt(request, delivery)
         self._attempts[key] = attempt
         QUEUE_WAIT.observe(max(0.0, time.time() - delivery.published_at))

@@ -77,7 +77,7 @@ async def broker_metrics(url: str, port: int) -> AsyncIterator[MetricsEndpoint]:
                 done.set()
                 await poll
     finally:
-        embedded.stop()
+        metrics.close()
 
 
 async def serve_broker(config: EmbeddedBrokerConfig) -> None:
@@ -99,7 +99,6 @@ async def serve_worker(
     url: str,
     run: str,
     provision: ProvisionConfig,
-    engine: str,
     engine_config: EngineConfig,
     worker: WorkerConfig,
     metrics_port: int = 0,
@@ -107,7 +106,7 @@ async def serve_worker(
     """Run one rollout worker until SIGINT/SIGTERM: engine, /metrics, then the worker loop."""
     stop = stop_on_signals()
     metrics = serve_metrics(WORKER_METRICS, ENGINE_METRICS, INGRESS_METRICS, port=metrics_port)
-    loaded = await start_engine(engine, engine_config)
+    loaded = await start_engine(engine_config)
     try:
         async with session(url, f"seamlessflow-worker-{worker.worker_id}") as nc:
             rollout = RolloutWorker(
@@ -120,8 +119,8 @@ async def serve_worker(
                 metrics_url=metrics.url,
             )
             ready = (
-                f"worker {worker.worker_id} ready: engine={engine} model={engine_config.model} "
-                f"run={run} metrics={metrics.url}"
+                f"worker {worker.worker_id} ready: engine={engine_config.settings.kind} "
+                f"model={engine_config.model} run={run} metrics={metrics.url}"
             )
             await rollout.run(stop, on_ready=lambda: print(ready, flush=True))
     finally:

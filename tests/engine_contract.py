@@ -36,7 +36,14 @@ from safetensors.torch import load_file, save_file
 
 from broker.messages import FinishReason, SamplingParams
 from common.log import setup_logging
-from rollout.engines import ENGINES, Engine, EngineConfig, EngineError, start_engine
+from rollout.engines import (
+    ENGINE_CONFIGS,
+    ENGINES,
+    Engine,
+    EngineConfig,
+    EngineError,
+    start_engine,
+)
 from rollout.engines.base import GenerationChunk
 
 MAX_MODEL_LEN = 128
@@ -659,8 +666,9 @@ async def run_contract(kind: str, model_dir: Path) -> dict[str, object]:
     results["checks"] = checks
     started = time.perf_counter()
     try:
+        settings = ENGINE_CONFIGS[kind]()
         engine = await start_engine(
-            kind, EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN)
+            EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN, settings=settings)
         )
     except Exception as exc:
         message = f"the engine did not start: {type(exc).__name__}: {exc}"

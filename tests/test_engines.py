@@ -13,10 +13,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import load_file, save_file
 
 from broker.messages import FinishReason, SamplingParams
-from rollout.engines import EngineConfig, EngineError, start_engine
+from rollout.engines import (
+    EngineConfig,
+    EngineError,
+    EngineSettings,
+    HFEngineConfig,
+    VLLMEngineConfig,
+    start_engine,
+)
 from rollout.engines.base import REGISTRY
 from tests.engine_contract import CHECK_NAMES
 
@@ -72,7 +80,7 @@ def _count(name: str, outcome: str) -> float:
 
 async def test_hf_counts_requests_and_weight_loads_by_outcome(tiny_model_dir: Path, tmp_path: Path):
     """Refused prompts and weight folders are counted (the hf engine is safe in-process)."""
-    engine = await start_engine("hf", EngineConfig(model=tiny_model_dir, max_model_len=64))
+    engine = await start_engine(EngineConfig(model=tiny_model_dir, max_model_len=64))
     try:
         before = {o: _count("sf_engine_requests", o) for o in ("rejected", "length")}
         with pytest.raises(EngineError, match=r"token ids \[9999\] are outside the vocabulary"):
@@ -96,12 +104,24 @@ async def test_hf_counts_requests_and_weight_loads_by_outcome(tiny_model_dir: Pa
         await engine.close()
 
 
-async def test_hf_refuses_differing_tied_weights_options_and_duplicate_ids(
+def test_engine_configs_validate_their_own_options():
+    """An engine is chosen by its config's ``kind``; each config takes its own options only."""
+    adapter = TypeAdapter(EngineSettings)
+    vllm = adapter.validate_python({"kind": "vllm", "kv_cache_memory_bytes": "4096"})
+    assert isinstance(vllm, VLLMEngineConfig) and vllm.kv_cache_memory_bytes == 4096
+    assert adapter.validate_python({"kind": "hf"}) == HFEngineConfig()
+    with pytest.raises(ValidationError, match=r"hf\.kv_cache_memory_bytes\s+Extra inputs"):
+        adapter.validate_python({"kind": "hf", "kv_cache_memory_bytes": 1})
+    with pytest.raises(ValidationError, match=r"vllm\.max_num_seqs\s+Input should be greater"):
+        adapter.validate_python({"kind": "vllm", "max_num_seqs": 0})
+    with pytest.raises(ValidationError, match="does not match any of the expected tags"):
+        adapter.validate_python({"kind": "sglang"})
+
+
+async def test_hf_refuses_differing_tied_weights_and_duplicate_ids(
     tiny_model_dir: Path, tmp_path: Path
 ):
-    with pytest.raises(EngineError, match="takes no options"):
-        await start_engine("hf", EngineConfig(model=tiny_model_dir, options={"threads": "1"}))
-    engine = await start_engine("hf", EngineConfig(model=tiny_model_dir, max_model_len=64))
+    engine = await start_engine(EngineConfig(model=tiny_model_dir, max_model_len=64))
     try:
         state = load_file(tiny_model_dir / "model.safetensors")
         embedding = state["model.embed_tokens.weight"]

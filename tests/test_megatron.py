@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from trainer.backends import build_backend
-from trainer.config import TrainerConfig
+from trainer.config import MegatronBackendConfig, TrainerConfig
 from trainer.exceptions import BackendError
 from trainer.megatron import (
     ConversionError,
@@ -307,7 +307,7 @@ def test_llama3_rope_scaling_is_read() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_backend_without_cuda_says_why(tiny_model_dir: Path) -> None:
     with pytest.raises(BackendError, match="megatron backend needs a CUDA GPU"):
-        build_backend(tiny_model_dir, TrainerConfig(backend="megatron"))
+        build_backend(tiny_model_dir, TrainerConfig(backend=MegatronBackendConfig()))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit status without CUDA")

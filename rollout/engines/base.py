@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from broker.messages import FinishReason, SamplingParams
 from common.exceptions import SeamlessFlowError
+from rollout.engines.config import EngineSettings, HFEngineConfig
 
 REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
@@ -71,13 +72,12 @@ class EngineConfig:
 
     model: Path
     """An HF model folder (config.json, *.safetensors, tokenizer files)."""
+    max_model_len: int
+    """Prompt plus output tokens, at most."""
     version: int = 0
     """The version the weights in ``model`` are."""
-    max_model_len: int = 2048
-    """Prompt plus output tokens, at most."""
-    seed: int = 0
-    options: dict[str, str] = field(default_factory=dict)
-    """Engine-specific settings, e.g. vLLM's ``kv_cache_memory_bytes``."""
+    settings: EngineSettings = field(default_factory=HFEngineConfig)
+    """Which engine (``settings.kind``) and its own options."""
 
 
 class Engine(Protocol):

@@ -45,8 +45,6 @@ GREEDY_BELOW = 1e-5
 
 async def start(config: EngineConfig) -> "HFEngine":
     """Load ``config.model`` on the engine thread and start the scheduler."""
-    if config.options:
-        raise EngineError(f"the hf engine takes no options, got {sorted(config.options)}")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
     try:
         model = await asyncio.get_running_loop().run_in_executor(executor, _load_model, config)
@@ -111,7 +109,7 @@ class HFEngine:
         self._eos_ids = eos_token_ids(config.model)
         self._shapes, self._aliases = _parameter_layout(model)
         self._requests: dict[str, _Request] = {}
-        self._seeds = itertools.count(config.seed)
+        self._seeds = itertools.count(config.settings.seed)
         self._step_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._paused = False

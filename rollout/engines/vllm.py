@@ -55,19 +55,13 @@ from rollout.engines.base import (
     EngineError,
     GenerationChunk,
 )
+from rollout.engines.config import VLLMEngineConfig
 from rollout.engines.vllm_worker import WeightReloader
 
 log = logging.getLogger(__name__)
 
 ENGINE = "vllm"
 
-
-OPTIONS = {
-    "kv_cache_memory_bytes": "bytes of KV cache (default 1 GiB)",
-    "max_num_seqs": "most requests generating at once (default: vLLM's)",
-}
-"""``EngineConfig.options`` this engine understands, all positive integers."""
-DEFAULT_OPTIONS = {"kv_cache_memory_bytes": 1 << 30}
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 CLOSE_ABORT_TIMEOUT_S = 10.0
@@ -80,7 +74,12 @@ async def start(config: EngineConfig) -> "VLLMEngine":
     model = Path(config.model)
     if not (model / "config.json").is_file():
         raise EngineError(f"{model} is not an HF model folder (no config.json)")
-    options = parse_options(config.options)
+    settings = config.settings
+    if not isinstance(settings, VLLMEngineConfig):
+        raise EngineError(f"the vllm engine was given a {settings.kind!r} engine config")
+    options = {"kv_cache_memory_bytes": settings.kv_cache_memory_bytes}
+    if settings.max_num_seqs is not None:
+        options["max_num_seqs"] = settings.max_num_seqs
     layout = await asyncio.to_thread(WeightLayout.of_model, model)
     rpc_dir = Path(tempfile.mkdtemp(prefix="sf-vllm-rpc-"))
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
@@ -90,7 +89,7 @@ async def start(config: EngineConfig) -> "VLLMEngine":
         dtype="float32",
         max_model_len=config.max_model_len,
         enforce_eager=True,
-        seed=config.seed,
+        seed=settings.seed,
         logprobs_mode="processed_logprobs",
         worker_extension_cls=f"{WeightReloader.__module__}.{WeightReloader.__qualname__}",
         disable_log_stats=True,
@@ -113,24 +112,6 @@ async def start(config: EngineConfig) -> "VLLMEngine":
         raise
     log.info(kv("vllm_engine_started", model=model, version=config.version, **options))
     return VLLMEngine(llm, layout, config.version, rpc_dir)
-
-
-def parse_options(options: dict[str, str]) -> dict[str, int]:
-    """``DEFAULT_OPTIONS`` updated with ``options``, as vLLM engine arguments."""
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise EngineError(
-            f"unknown vllm option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)}"
-        )
-    parsed = dict(DEFAULT_OPTIONS)
-    for name, text in options.items():
-        try:
-            parsed[name] = int(text)
-        except ValueError:
-            raise EngineError(f"vllm option {name}={text!r} is not an integer") from None
-        if parsed[name] <= 0:
-            raise EngineError(f"vllm option {name}={text!r} must be positive")
-    return parsed
 
 
 @dataclass(frozen=True)

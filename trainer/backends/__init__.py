@@ -10,6 +10,6 @@ __all__ = ["ApplyStats", "TokenBatch", "TrainerBackend", "build_backend"]
 
 
 def build_backend(model: Path, config: TrainerConfig) -> TrainerBackend:
-    """The backend ``config.backend`` names, loaded from ``model`` (an HF folder)."""
-    module = importlib.import_module(f"trainer.backends.{config.backend}")
+    """The backend ``config.backend`` chooses, loaded from ``model`` (an HF folder)."""
+    module = importlib.import_module(f"trainer.backends.{config.backend.kind}")
     return module.build(model, config)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from common.log import kv
 from trainer.backends.base import ApplyStats, TokenBatch, logprobs_from_logits
 from trainer.backends.torch import resolve_device
-from trainer.config import TrainerConfig
+from trainer.config import MegatronBackendConfig, TrainerConfig
 from trainer.exceptions import BackendError
 from trainer.megatron import convert
 from trainer.megatron.exceptions import MegatronError
@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 
 
 def build(model: Path, config: TrainerConfig) -> "MegatronBackend":
-    return MegatronBackend(model, config)
+    if not isinstance(config.backend, MegatronBackendConfig):
+        raise BackendError(f"the megatron backend was given a {config.backend.kind!r} config")
+    parallel = ParallelConfig(tensor_parallel=config.backend.tensor_parallel)
+    return MegatronBackend(model, config, parallel)
 
 
 def require_cuda() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from trainer.backends.base import TokenBatch
-from trainer.config import TrainerConfig
+from trainer.config import MegatronBackendConfig, TrainerConfig
 from trainer.exceptions import BackendError
 
 LR = 1e-4
@@ -79,7 +79,7 @@ def compare(name: str, folder: Path) -> list[Row]:
     from trainer.backends.torch import TorchBackend
     from trainer.megatron.convert import megatron_to_hf
 
-    config = TrainerConfig(backend="megatron", device="cuda", lr=LR, max_grad_norm=1e9)
+    config = TrainerConfig(backend=MegatronBackendConfig(), device="cuda", lr=LR, max_grad_norm=1e9)
     megatron = MegatronBackend(folder, config)  # first: on CPU its error names the reason
     try:
         reference = TorchBackend(folder, config)
