@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from broker import codec
+from broker.ingress import Ingress
 from broker.messages import (
     FinishReason,
     GenerationCancelled,
@@ -18,10 +19,19 @@ from broker.messages import (
     WeightsPublished,
     WorkerRegistered,
 )
-from broker.subjects import RunNames
+from broker.metrics import REGISTRY as INGRESS_METRICS
+from broker.subjects import Durable, RunNames
 from broker.weights import publish_weights
+from rollout.worker import RolloutWorker, WorkerConfig
 from seamlessflow.processes import worker_process
-from tests.support import eventually, greedy, metric, perturbed_weights, stream_messages
+from tests.support import (
+    SMALL_RUN,
+    eventually,
+    greedy,
+    metric,
+    perturbed_weights,
+    stream_messages,
+)
 
 pytestmark = pytest.mark.newest_nats
 
@@ -192,3 +202,43 @@ async def _stream_has(js, stream: str, n: int) -> bool:
 async def _registered_version(js, names, worker_id: str, version: int) -> bool:
     entry = await registered(js, names, worker_id)
     return entry is not None and entry.version == version
+
+
+async def test_a_stopping_worker_hands_requests_back_unfailed(nc, js, names):
+    """A request fetched while the worker stops goes back to the queue at once, for another
+    worker: counted returned, never failed, retried after a delay nor dead-lettered. The worker
+    runs in this process, put in its stopping state as ``run`` does on stop; its engine is never
+    reached, so it has none."""
+    worker = RolloutWorker(
+        nc, names, None, WorkerConfig(worker_id="w-stopping"), SMALL_RUN.gen, nats_url=""
+    )
+    worker._stopping = True
+    ingress = Ingress(
+        js,
+        names,
+        source="gen",
+        stream=names.gen_stream,
+        durable=Durable.ROLLOUT,
+        schema=GenerationRequested,
+        handler=worker._generate,
+        max_payload=SMALL_RUN.gen.max_payload,
+        fetch_timeout=0.2,
+        retry_delay=0.1,
+    )
+    returned0, failed0 = _ingress_count("returned"), _ingress_count("failed")
+    await Call(nc, names, "c-stop", max_tokens=4).start()
+    stop = asyncio.Event()
+    run = asyncio.create_task(ingress.run(stop))
+    try:
+        await eventually(lambda: _ingress_count("returned") > returned0, watch=run)
+    finally:
+        stop.set()
+        await asyncio.wait_for(run, 10)
+    assert _ingress_count("failed") == failed0
+    assert await stream_messages(js, names.dead_stream, MessageRejected) == []
+    assert await _stream_has(js, names.gen_stream, 1)  # still queued
+
+
+def _ingress_count(outcome: str) -> float:
+    labels = {"source": "gen", "outcome": outcome}
+    return INGRESS_METRICS.get_sample_value("sf_ingress_messages_total", labels) or 0.0
