@@ -10,6 +10,8 @@ from broker.config import EmbeddedBrokerConfig, ProvisionConfig
 from broker.subjects import NAME_PATTERN
 from common.exceptions import SeamlessFlowError
 from rollout.agents.config import AgentsConfig
+from rollout.gateway.config import GatewaySettings
+from rollout.worker import WorkerConfig
 from trainer.config import TrainerConfig
 from trainer.warmstart import WarmStartConfig
 from trajectory.config import TrajectoryConfig
@@ -29,11 +31,21 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """The policy: a built-in model or an HF folder, optionally warm-started."""
 
-    name: str = Field(default="tiny", description="'tiny', 'smollm2' or an HF model folder")
-    served_name: str = Field(
-        default="policy", min_length=1, max_length=256, description="the name agents ask for"
+    name: str = Field(
+        default="tiny",
+        description="'tiny', 'smollm2' or an HF model folder",
+        json_schema_extra={"flag": "model"},
     )
-    max_model_len: int = Field(default=512, ge=16, description="context length of the engines")
+    served_name: str = Field(
+        default="policy",
+        min_length=1,
+        max_length=256,
+        description="the model name clients (agents) ask the gateway for",
+        json_schema_extra={"flag": "served-model-name"},
+    )
+    max_model_len: int = Field(
+        default=512, ge=16, description="prompt + output tokens, at most (engines and gateway)"
+    )
     warm_start: WarmStartConfig = Field(
         default_factory=lambda: WarmStartConfig(steps=70),
         description="SFT on the task's demonstrations before RL (cached)",
@@ -41,11 +53,9 @@ class ModelConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    """The rollout workers ``seamlessflow run`` starts."""
+    """How many rollout workers ``seamlessflow run`` starts (each configured by ``[worker]``)."""
 
-    engine: Literal["hf", "vllm"] = "hf"
     workers: int = Field(default=1, ge=0, le=64, description="rollout worker processes")
-    max_running: int = Field(default=32, ge=1, description="requests each worker runs at once")
     threads: int = Field(default=1, ge=1, description="torch threads per worker")
 
 
@@ -95,6 +105,8 @@ class RunConfig(BaseModel):
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     stop: StopConfig = Field(default_factory=StopConfig)
 
@@ -124,15 +136,22 @@ def load_config(path: Path | None) -> RunConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
     try:
-        # The file overrides the defaults key by key, so a partial section keeps the rest.
-        return RunConfig.model_validate(_merge(RunConfig().model_dump(), data))
+        return override(RunConfig(), data)
     except ValidationError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
 
 
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+def override(config: RunConfig, changes: dict[str, Any]) -> RunConfig:
+    """``config`` with ``changes`` (nested like the TOML) applied key by key, so a partial section
+    keeps the rest, and validated as a whole; raises pydantic's ``ValidationError``."""
+    return RunConfig.model_validate(_merge(config.model_dump(), changes))
+
+
+def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    if changes.get("kind", base.get("kind")) != base.get("kind"):
+        return dict(changes)  # another kind of engine or backend: none of the old options apply
     out = dict(base)
-    for key, value in override.items():
+    for key, value in changes.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):
             out[key] = _merge(base[key], value)
         else:

@@ -270,13 +270,7 @@ class Services:
                 cfg.run,
                 self.model,
                 f"rollout-{i}",
-                "--engine",
-                cfg.rollout.engine,
-                "--max-running",
-                str(cfg.rollout.max_running),
-                "--max-model-len",
-                str(cfg.model.max_model_len),
-                *config_args,
+                *config_args,  # its [model] and [worker] sections
                 threads=cfg.rollout.threads,
             )
             for i in range(cfg.rollout.workers)
@@ -284,15 +278,11 @@ class Services:
         gateway = ServiceProcess(
             "gateway",
             "gateway",
-            *where,  # the gateway takes no run config
+            *common,  # its [model] and [gateway] sections
             "--model",
             str(self.model),
-            "--served-model-name",
-            cfg.model.served_name,
             "--port",
             "0",
-            "--max-model-len",
-            str(cfg.model.max_model_len),
         )
         self.running = [*first, gateway]
         await self._ready(self.running)

@@ -3,17 +3,24 @@
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
+import msgpack
 import pytest
 
+from broker.ingress import tasks_ingress
 from broker.messages import TaskSubmitted
 from broker.subjects import RunNames
-from tests.support import stream_messages
+from rollout.engines import HFEngineConfig, VLLMEngineConfig
+from seamlessflow import cli
+from seamlessflow.cli import build_parser
+from tests.support import SMALL_RUN, eventually, stream_messages
+from trainer.config import MegatronBackendConfig
 
 SMALL_TOML = 'run = "{run}"\n[provision]\nweights_store_max_bytes = 8388608\n' + "".join(
     f"[provision.{stream}]\nmax_bytes = 4194304\n"
@@ -146,3 +153,188 @@ async def test_gateway_and_model_commands(broker, names, tmp_path):
     finally:
         gateway.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(gateway.wait, 30) == 0
+
+
+# -- dead letters ---------------------------------------------------------------------------
+
+
+async def test_dead_letters_lists_real_dead_letters_with_decoded_payloads(broker, js, names):
+    """Bad tasks go through a real ingress to the dead-letter stream; the command reads them
+    back with their reasons and payloads decoded, never as Python reprs."""
+    bad = [
+        (b"\xc1\xc1", None),  # neither msgpack nor JSON
+        (msgpack.packb({"task_id": "m", "messages": [], "group_size": "many"}), None),
+        (json.dumps({"task_id": "j", "messages": "x"}).encode(), "application/json"),
+        (json.dumps({"task_id": "h", "messages": []}).encode(), None),  # JSON, no header
+        (msgpack.packb({"task_id": "b", "messages": [], "blob": b"\x00\xff"}), None),
+    ]
+    for payload, ctype in bad:
+        headers = {"Content-Type": ctype} if ctype else None
+        await js.publish(names.tasks, payload, headers=headers)
+
+    async def refuse(task, delivery):
+        raise AssertionError(f"no valid task was sent, got {task}")
+
+    ingress = tasks_ingress(js, names, refuse, SMALL_RUN.tasks, fetch_timeout=0.2)
+    stop = asyncio.Event()
+    running = asyncio.create_task(ingress.run(stop))
+
+    async def all_dead() -> bool:
+        return (await js.stream_info(names.dead_stream)).state.messages == len(bad)
+
+    try:
+        await eventually(all_dead, watch=running)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 10)
+
+    done = await asyncio.to_thread(
+        sf, "dead-letters", "--nats", broker.url, "--run", names.run, "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    letters = json.loads(done.stdout)
+    assert [letter["source"] for letter in letters] == ["tasks"] * len(bad)
+    assert [letter["stream_seq"] for letter in letters] == [1, 2, 3, 4, 5]
+    assert [letter["subject"] for letter in letters] == [names.dead("tasks")] * len(bad)
+    raw, wrong_type, json_schema, json_no_header, nested = letters
+    assert raw["payload_encoding"] == "base64" and raw["payload"] == "wcE="
+    assert "not valid msgpack" in raw["reason"]
+    assert wrong_type["payload_encoding"] == "msgpack"
+    assert wrong_type["payload"] == {"task_id": "m", "messages": [], "group_size": "many"}
+    assert "group_size" in wrong_type["reason"]
+    assert json_schema["payload"] == {"task_id": "j", "messages": "x"}
+    assert json_schema["content_type"] == "application/json"
+    assert json_no_header["payload_encoding"] == "json"
+    assert "JSON senders must set Content-Type" in json_no_header["reason"]
+    assert nested["payload"]["blob"] == {"base64": "AP8="}
+    assert all(
+        letter["payload_size"] == len(p) and not letter["truncated"]
+        for letter, (p, _) in zip(letters, bad, strict=True)
+    )
+
+    text = await asyncio.to_thread(sf, "dead-letters", "--nats", broker.url, "--run", names.run)
+    assert text.returncode == 0, text.stderr
+    assert 'payload (base64): "wcE="' in text.stdout
+    assert '"group_size": "many"' in text.stdout
+    assert f"5 dead letters on {names.dead_stream}" in text.stdout
+    assert not re.search(r"\bb'|\\x[0-9a-f]{2}", text.stdout), text.stdout  # no bytes repr
+
+
+def test_dead_letters_of_a_missing_run_is_one_line_error(broker, run_name):
+    done = sf("dead-letters", "--nats", broker.url, "--run", run_name)
+    assert done.returncode == 2
+    assert f"run '{run_name}' is not provisioned: no stream SF_{run_name}_DEAD" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# -- flags are config keys ------------------------------------------------------------------
+
+
+def test_service_flags_override_config_keys_through_the_same_models(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        '[worker]\nmax_running = 4\nkeepalive_s = 2.5\n[worker.engine]\nkind = "vllm"\n'
+        "max_num_seqs = 3\n[model]\nmax_model_len = 128\n"
+    )
+    argv = ["worker", "--nats", "x", "--config", str(config), "--max-running", "8"]
+    args = build_parser().parse_args([*argv, "--tags", "rollout gpu", "--engine-max-num-seqs", "9"])
+    worker = cli._settings(args).worker
+    assert (worker.max_running, worker.keepalive_s, worker.tags) == (8, 2.5, ["rollout", "gpu"])
+    assert worker.engine == VLLMEngineConfig(max_num_seqs=9)
+    assert cli._settings(args).model.max_model_len == 128
+    # Another kind drops the file's options of the old kind.
+    args = build_parser().parse_args([*argv, "--engine", "hf"])
+    assert cli._settings(args).worker.engine == HFEngineConfig()
+    args = build_parser().parse_args(["trainer", "--nats", "x", "--backend", "megatron"])
+    assert cli._settings(args).trainer.backend == MegatronBackendConfig()
+
+
+def test_bad_flags_are_one_line_errors_naming_the_flag():
+    done = sf("worker", "--nats", "nats://127.0.0.1:1", "--max-running", "0")
+    assert done.returncode == 2, done.stderr
+    assert "--max-running '0': Input should be greater than or equal to 1" in done.stderr
+    done = sf("worker", "--nats", "nats://127.0.0.1:1", "--engine-kv-cache-memory-bytes", "5")
+    assert done.returncode == 2, done.stderr
+    assert "--engine-kv-cache-memory-bytes '5': Extra inputs are not permitted" in done.stderr
+    done = sf("trainer", "--nats", "nats://127.0.0.1:1", "--backend", "megatron", "--device", "cpu")
+    assert done.returncode == 2, done.stderr
+    assert "trainer: Value error, the megatron backend runs on CUDA only" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = sf("worker", "--nats", "x", "--engine", "sglang")
+    assert done.returncode == 2 and "invalid choice: 'sglang'" in done.stderr
+
+
+# -- the base install -----------------------------------------------------------------------
+
+NO_TORCH = '''
+import sys
+
+
+class Absent:
+    """Makes torch, transformers and vllm (and their submodules) look not installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {"torch", "transformers", "vllm"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Absent())
+'''
+
+
+def test_base_commands_run_without_torch(broker, js, run_name, tmp_path):
+    """``pip install seamlessflow`` without torch, simulated: this venv's Python with a
+    ``sitecustomize`` on PYTHONPATH that makes ``import torch`` / ``transformers`` / ``vllm``
+    raise ModuleNotFoundError, as in an environment that lacks them. (The other base
+    dependencies are this venv's; a fresh venv is not built, so an undeclared dependency other
+    than these three would not be caught here.) Runs the installed ``seamlessflow`` script."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(NO_TORCH)
+    script = Path(sys.executable).with_name("seamlessflow")
+    env = {**os.environ, "PYTHONPATH": str(hook)}
+
+    def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+        done = subprocess.run(
+            [str(script), *args], input=stdin, capture_output=True, text=True, timeout=60, env=env
+        )
+        assert "No module named" not in done.stderr, done.stderr
+        return done
+
+    # The hook works: the same Python cannot import torch.
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch"], capture_output=True, text=True, env=env
+    )
+    assert probe.returncode == 1 and "No module named 'torch'" in probe.stderr
+
+    assert run("--help").returncode == 0
+    for command in ("worker", "gateway", "trainer", "agents", "trajectory", "broker"):
+        assert run(command, "--help").returncode == 0
+    assert run("schema", "export", str(tmp_path / "schemas")).returncode == 0
+    config = _config(tmp_path, run_name)
+    done = run("provision", "--nats", broker.url, "--config", str(config))
+    assert done.returncode == 0 and "12 created" in done.stdout, done.stderr
+    task = json.dumps({"task_id": "a", "messages": [{"role": "user", "content": "1+1"}]})
+    done = run("submit", "--nats", broker.url, "--run", run_name, "-", stdin=task + "\n")
+    assert done.returncode == 0 and "submitted 1 tasks" in done.stdout, done.stderr
+    assert run("status", "--nats", broker.url, "--run", run_name).returncode == 0
+    done = run("dead-letters", "--nats", broker.url, "--run", run_name)
+    assert done.returncode == 0 and "0 dead letters" in done.stdout, done.stderr
+
+    standalone = subprocess.Popen(
+        [str(script), "broker", "--state-dir", str(tmp_path / "b"), "--binary", str(broker.binary)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        lines = []
+        while not lines or ("broker ready:" not in lines[-1] and lines[-1]):
+            lines.append(standalone.stdout.readline())
+        assert "broker ready: nats=nats://" in lines[-1], "".join(lines)
+    finally:
+        standalone.send_signal(signal.SIGTERM)
+        rest = standalone.communicate(timeout=30)[0]
+    assert standalone.returncode == 0 and "broker stopped" in rest, rest

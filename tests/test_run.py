@@ -16,9 +16,11 @@ from safetensors.torch import load, load_file
 from broker.messages import SampleReady, SessionEnded, WeightsPublished
 from broker.subjects import RunNames
 from broker.weights import fetch_weights
+from rollout.engines import VLLMEngineConfig
 from seamlessflow.config import ConfigError, RunConfig, load_config
 from seamlessflow.progress import RunStats
 from tests.support import stream_messages
+from trainer.config import MegatronBackendConfig, TorchBackendConfig
 
 STEPS = 4
 GROUP = 4
@@ -176,4 +178,22 @@ def test_example_configs_load_and_the_quickstart_one_is_the_defaults():
     examples = Path(__file__).parent.parent / "examples"
     assert load_config(examples / "run.toml") == RunConfig()
     smollm2 = load_config(examples / "smollm2.toml")
-    assert smollm2.model.name == "smollm2" and smollm2.rollout.engine == "vllm"
+    assert smollm2.model.name == "smollm2" and smollm2.worker.engine == VLLMEngineConfig()
+    assert smollm2.worker.max_running == 64 and smollm2.trainer.backend == TorchBackendConfig()
+
+
+def test_a_kind_chosen_section_takes_only_its_own_options(tmp_path: Path):
+    """Engines and trainer backends are chosen by ``kind``; changing the kind drops the default
+    kind's options, and an option of another kind is an error naming the key."""
+    config = tmp_path / "run.toml"
+    config.write_text("[trainer.backend]\nkind = 'megatron'\ntensor_parallel = 1\n")
+    assert load_config(config).trainer.backend == MegatronBackendConfig()
+    config.write_text("[worker.engine]\nkind = 'hf'\nkv_cache_memory_bytes = 1\n")
+    with pytest.raises(ConfigError, match=r"worker.engine.hf.kv_cache_memory_bytes\s+Extra inputs"):
+        load_config(config)
+    config.write_text("[trainer.backend]\nkind = 'deepspeed'\n")
+    with pytest.raises(ConfigError, match=r"trainer.backend\s+Input tag 'deepspeed' found"):
+        load_config(config)
+    config.write_text("[trainer]\ndevice = 'cpu'\n[trainer.backend]\nkind = 'megatron'\n")
+    with pytest.raises(ConfigError, match="the megatron backend runs on CUDA only"):
+        load_config(config)
