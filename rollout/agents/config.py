@@ -42,7 +42,10 @@ class AgentsConfig(BaseModel):
         default=256, ge=1, description="max_tokens of the built-in chat agent's reply"
     )
     retry_delay_s: float = Field(
-        default=5.0, gt=0, description="a task is retried this much later when the gateway fails"
+        default=5.0,
+        gt=0,
+        description="a task whose run failed is retried this much later (a gateway outage is "
+        "not a failure: the task waits for the gateway)",
     )
     shutdown_grace_s: float = Field(
         default=30.0,
