@@ -5,8 +5,10 @@ assistant message can give other ids than the ones generated (a BPE tokenizer me
 model emitted one by one), and training on ids the model never produced breaks PPO. So the
 gateway remembers, per session, every turn it served and builds new prompts on top of them:
 
-- a turn is (prompt text, prompt ids, output text, output ids), the output text decoded from the
-  output ids with special tokens kept;
+- a turn is (prompt text, prompt ids, output text, output ids), where the output text is exactly
+  what an echo of the output the client was given renders to after the prompt (``echoed_turn``),
+  and the output ids are the ids generated, whatever that text leaves out (special tokens, a stop
+  string, bytes that are not valid UTF-8, the form of a tool call);
 - for a new rendered prompt, the longest stored boundary (a turn's prompt end, or its prompt +
   output end) whose text is a prefix of the new text is found, and the prompt ids are that
   boundary's ids followed by the tokenization of the rest of the text (no special tokens added);
@@ -19,7 +21,7 @@ of sessions and stored tokens.
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,19 +46,55 @@ def render_chat(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     tool_choice: Any = None,
+    generation_prompt: bool = True,
 ) -> str:
     """The model's chat template applied to ``messages`` (with ``tools`` and ``tool_choice``
-    passed to the template), ending with the generation prompt."""
+    passed to the template), ending with the generation prompt unless ``generation_prompt`` is
+    False."""
     extra = {} if tool_choice is None else {"tool_choice": tool_choice}
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **extra
+            messages,
+            tools=tools,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **extra,
         )
     except Exception as exc:  # jinja raises TemplateError and anything a template's code raises
         raise InvalidRequestError(
             f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
             param="messages",
         ) from exc
+
+
+def echoed_turn(
+    prompt_text: str,
+    rendered: str,
+    output_ids: Sequence[int],
+    end_markers: Mapping[str, int],
+) -> tuple[str, list[int]] | None:
+    """The assistant turn a chat client echoes, as a stored output: (its text after the prompt,
+    up to and including the template's end-of-turn marker; the ids that text stands for).
+
+    ``rendered`` is the conversation of ``prompt_text`` with the assistant message the client
+    was given appended, rendered without a generation prompt; ``end_markers`` maps the text of
+    each stop token to its id. The ids are the output ids, which end with the marker's id when
+    generation stopped on it; else (cut by length or a stop string, or stopped on another stop
+    token) the marker's id is added, as an echo renders it. The text before the marker is
+    whatever the template makes of the message, so special tokens and stop strings the client
+    never saw, bytes shown as U+FFFD and tool calls in the template's own form all map to the
+    ids generated. None when the rendering does not extend the prompt or has no marker."""
+    if not rendered.startswith(prompt_text):
+        return None
+    turn = rendered[len(prompt_text) :]
+    ends = [(turn.rfind(m) + len(m), m) for m in end_markers if m and m in turn]
+    if not ends:
+        return None
+    end, marker = max(ends)
+    ids = list(output_ids)
+    if not ids or ids[-1] != end_markers[marker]:
+        ids.append(end_markers[marker])
+    return turn[:end], ids
 
 
 @dataclass(eq=False)

@@ -233,8 +233,11 @@ async def test_next_turn_reuses_the_generated_token_ids(stack, js, tok):
     earlier = one.prompt_ids + one.output_ids
     assert two.prompt_ids[: len(earlier)] == earlier
     assert tok.decode(two.prompt_ids, skip_special_tokens=False) == render(tok, turn2)
+    # the echoed turn is reused through its end marker, which a cut output lacks
+    cut = first.choices[0].finish_reason == "length"
+    assert two.prompt_ids[len(earlier) - (not cut)] == tok.eos_token_id
     reused = await metric(metrics_url(stack.url), "sf_gateway_prompt_tokens_total", source="reused")
-    assert reused - reused_before == len(earlier)
+    assert reused - reused_before == len(earlier) + cut
 
 
 async def test_completions_with_token_ids_and_logprobs(stack, js, tok):

@@ -1,0 +1,284 @@
+"""What differs between ``/v1/chat/completions`` and ``/v1/completions``: a formatter per
+endpoint turns the one request path's parts into that endpoint's shapes.
+
+A formatter says where the prompt comes from (the chat template, or the client's text or ids),
+how the output the client was given reads when the client echoes it in a later prompt, and how
+the events of the choices become a response body or stream chunks.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from broker.messages import ToolCall
+from rollout.gateway.choices import Event
+from rollout.openai_api import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatMessageIn,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    DeltaToolCall,
+    TokenLogprob,
+    Usage,
+    new_id,
+    now,
+    to_json,
+)
+from rollout.prompts import echoed_turn, render_chat
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def joined_text(events: list[Event]) -> str:
+    return "".join(event.text for event in events)
+
+
+class Format(ABC):
+    """One request's endpoint-specific parts. ``prompt_source`` and ``echo`` use the tokenizer
+    and run on the gateway's tokenizer thread; the rest runs on the event loop."""
+
+    prompt_param: ClassVar[str]
+    """The request field a too-long prompt is blamed on."""
+    _id_prefix: ClassVar[str]
+
+    def __init__(self, body: Any, model: str, tokenizer: Any) -> None:
+        self.body = body
+        self.model = model
+        self.tokenizer = tokenizer
+        self.id = new_id(self._id_prefix)
+        self.created = now()
+
+    # -- the request ----------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def requested_max_tokens(self) -> int | None: ...
+
+    parse_tools: bool = False
+    parallel_tool_calls: bool = True
+
+    @abstractmethod
+    def prompt_source(self) -> str | list[int]:
+        """The prompt as text (ids are built on the session's turns) or as the client's ids."""
+
+    @abstractmethod
+    def echo(
+        self, prompt_text: str, content: str, tool_calls: list[ToolCall], output_ids: list[int]
+    ) -> tuple[str, list[int]] | None:
+        """The text that follows ``prompt_text`` when the client echoes the output it was given
+        (``content`` and ``tool_calls``), and the ids that text stands for: the output ids
+        (plus any the echo adds). None: an echo cannot be recognised."""
+
+    # -- the response ---------------------------------------------------------------------
+
+    @abstractmethod
+    def reply(self, events: list[list[Event]], usage: Usage) -> BaseModel:
+        """The whole response: each choice's events, in order."""
+
+    def opening(self) -> list[str]:
+        """Stream chunks before any output."""
+        return []
+
+    @abstractmethod
+    def chunk(self, event: Event) -> str | None:
+        """The stream chunk of ``event`` (None: nothing to send)."""
+
+    @abstractmethod
+    def usage_chunk(self, usage: Usage) -> str: ...
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+class ChatFormat(Format):
+    prompt_param = "messages"
+    _id_prefix = "chatcmpl"
+    body: ChatCompletionRequest
+
+    def __init__(
+        self,
+        body: ChatCompletionRequest,
+        model: str,
+        tokenizer: Any,
+        end_markers: Mapping[str, int],
+    ) -> None:
+        super().__init__(body, model, tokenizer)
+        self.end_markers = end_markers
+        self.messages = [m.for_template() for m in body.messages]
+        self.tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        choice = body.tool_choice
+        self.tool_choice = choice.model_dump() if isinstance(choice, BaseModel) else choice
+        self.parse_tools = body.parses_tool_calls
+        self.parallel_tool_calls = body.parallel_tool_calls
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.body.requested_max_tokens
+
+    def prompt_source(self) -> str:
+        return render_chat(self.tokenizer, self.messages, self.tools, self.tool_choice)
+
+    def echo(
+        self, prompt_text: str, content: str, tool_calls: list[ToolCall], output_ids: list[int]
+    ) -> tuple[str, list[int]] | None:
+        message = _message(content, tool_calls)
+        reply = ChatMessageIn(role="assistant", content=message.content, tool_calls=tool_calls)
+        rendered = render_chat(
+            self.tokenizer,
+            [*self.messages, reply.for_template()],
+            self.tools,
+            self.tool_choice,
+            generation_prompt=False,
+        )
+        return echoed_turn(prompt_text, rendered, output_ids, self.end_markers)
+
+    def reply(self, events: list[list[Event]], usage: Usage) -> ChatCompletion:
+        choices = [
+            ChatChoice(
+                index=index,
+                message=_message(joined_text(parts), parts[-1].tool_calls),
+                logprobs=self._logprobs(parts) if self.body.logprobs else None,
+                finish_reason=parts[-1].finish_reason,
+            )
+            for index, parts in enumerate(events)
+        ]
+        return ChatCompletion(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+    def opening(self) -> list[str]:
+        return [
+            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            for i in range(self.body.n)
+        ]
+
+    def chunk(self, event: Event) -> str | None:
+        logprobs = self._logprobs([event]) if self.body.logprobs and event.token_ids else None
+        if event.finish_reason is not None:
+            calls = [
+                DeltaToolCall(index=i, **call.model_dump())
+                for i, call in enumerate(event.tool_calls)
+            ]
+            delta = ChatDelta(content=event.text or None, tool_calls=calls or None)
+        elif event.text or logprobs:
+            delta = ChatDelta(content=event.text)
+        else:
+            return None
+        choice = ChatChunkChoice(
+            index=event.index, delta=delta, logprobs=logprobs, finish_reason=event.finish_reason
+        )
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: Usage) -> str:
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return to_json(
+            ChatCompletionChunk(
+                id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+            )
+        )
+
+    def _logprobs(self, events: list[Event]) -> ChoiceLogprobs:
+        content = []
+        for event in events:
+            for token_id, logprob in zip(event.token_ids, event.logprobs, strict=True):
+                token = self._token(token_id)
+                content.append(
+                    TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+                )
+        return ChoiceLogprobs(content=content)
+
+
+def _message(content: str, tool_calls: list[ToolCall]) -> AssistantMessage:
+    """The assistant message a client is given (non-streaming; a stream adds up to the same)."""
+    return AssistantMessage(
+        content=content if content or not tool_calls else None, tool_calls=tool_calls or None
+    )
+
+
+class CompletionFormat(Format):
+    prompt_param = "prompt"
+    _id_prefix = "cmpl"
+    body: CompletionRequest
+
+    def __init__(self, body: CompletionRequest, model: str, tokenizer: Any) -> None:
+        super().__init__(body, model, tokenizer)
+        self._offsets = [0] * body.n
+        """Per choice, the text streamed so far (logprobs' text offsets)."""
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.body.max_tokens
+
+    def prompt_source(self) -> str | list[int]:
+        return self.body.prompt
+
+    def echo(
+        self, prompt_text: str, content: str, tool_calls: list[ToolCall], output_ids: list[int]
+    ) -> tuple[str, list[int]]:
+        return content, output_ids
+
+    def reply(self, events: list[list[Event]], usage: Usage) -> Completion:
+        want_logprobs = self.body.logprobs is not None
+        choices = [
+            CompletionChoice(
+                index=index,
+                text=joined_text(parts),
+                logprobs=self._logprobs(parts, 0) if want_logprobs else None,
+                finish_reason=parts[-1].finish_reason,
+            )
+            for index, parts in enumerate(events)
+        ]
+        return Completion(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+    def chunk(self, event: Event) -> str | None:
+        if not (event.text or event.token_ids or event.finish_reason):
+            return None
+        logprobs = None
+        if self.body.logprobs is not None and event.token_ids:
+            logprobs = self._logprobs([event], self._offsets[event.index])
+        self._offsets[event.index] += len(event.text)
+        choice = CompletionChoice(
+            index=event.index,
+            text=event.text,
+            logprobs=logprobs,
+            finish_reason=event.finish_reason,
+        )
+        return to_json(
+            Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
+        )
+
+    def usage_chunk(self, usage: Usage) -> str:
+        return to_json(
+            Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+        )
+
+    def _logprobs(self, events: list[Event], offset: int) -> CompletionLogprobs:
+        tokens, logprobs, offsets = [], [], []
+        for event in events:
+            for token_id, logprob in zip(event.token_ids, event.logprobs, strict=True):
+                tokens.append(self._token(token_id))
+                logprobs.append(logprob)
+                offsets.append(offset)
+                offset += len(self.tokenizer.decode([token_id], skip_special_tokens=True))
+        return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, text_offset=offsets)

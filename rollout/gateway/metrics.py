@@ -1,0 +1,21 @@
+"""The gateway's own metrics, in its own registry (``common.metrics``); its calls' metrics are
+``rollout.calls.REGISTRY``."""
+
+from prometheus_client import CollectorRegistry, Counter
+
+REGISTRY = CollectorRegistry()
+
+REQUESTS = Counter(
+    "sf_gateway_requests",
+    "HTTP requests by endpoint and status code",
+    ["endpoint", "status"],
+    registry=REGISTRY,
+)
+TOKENS_OUT = Counter("sf_gateway_tokens_out", "Tokens generated for clients", registry=REGISTRY)
+PROMPT_TOKENS = Counter(
+    "sf_gateway_prompt_tokens",
+    "Prompt tokens by source: reused (ids of a session's earlier turns), tokenized, or "
+    "client_ids (sent as ids)",
+    ["source"],
+    registry=REGISTRY,
+)

@@ -1,0 +1,164 @@
+"""The gateway process: tokenizer, NATS connection and HTTP server, as ``async with``."""
+
+import asyncio
+import contextlib
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from broker.client import connect, disconnect
+from broker.subjects import RunNames
+from common.exceptions import ModelError
+from common.log import kv
+from common.models import eos_token_ids, load_tokenizer, model_info
+from rollout.exceptions import GenerationUnavailableError, RolloutError
+from rollout.gateway.app import build_app
+from rollout.gateway.config import GatewayConfig
+from rollout.gateway.service import OpenAIService
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the caller's ``stop`` event ends the gateway."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def default_stop_token_ids(model_path: Path, tokenizer: Any) -> list[int]:
+    """The model's eos ids: the tokenizer's, config.json's and generation_config.json's."""
+    extra = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+    return sorted(eos_token_ids(model_path) | extra)
+
+
+class Gateway:
+    """A running gateway (NATS connection, tokenizer, HTTP server), as ``async with``."""
+
+    def __init__(self, config: GatewayConfig, nats_url: str) -> None:
+        self.config = config
+        self.nats_url = nats_url
+        self.service: OpenAIService | None = None
+        self._server: _Server | None = None
+        self._serving: asyncio.Task | None = None
+        self._socket: socket.socket | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._socket is not None, "the gateway is not started"
+        return self._socket.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        """The base URL clients use (``.../v1``)."""
+        return f"http://{self.config.host}:{self.port}/v1"
+
+    async def __aenter__(self) -> "Gateway":
+        config = self.config
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
+        max_model_len = config.max_model_len or model_info(config.model_path).get(
+            "max_position_embeddings"
+        )
+        if not max_model_len:
+            raise ModelError(
+                f"{config.model_path}/config.json has no max_position_embeddings: set max_model_len"
+            )
+        stop_ids = config.stop_token_ids
+        if stop_ids is None:
+            stop_ids = default_stop_token_ids(config.model_path, tokenizer)
+        nc = await connect(self.nats_url, "seamlessflow-gateway")
+        try:
+            js = nc.jetstream(timeout=config.nats_timeout_s)
+            await _check_provisioned(js, RunNames(config.run))
+            self.service = OpenAIService(config, tokenizer, nc, js, max_model_len, stop_ids)
+            self._socket = _listen(config.host, config.port)
+            self._server = _Server(
+                uvicorn.Config(
+                    build_app(self.service),
+                    log_level="warning",
+                    lifespan="off",
+                    timeout_graceful_shutdown=5,
+                )
+            )
+            self._serving = asyncio.create_task(self._server.serve(sockets=[self._socket]))
+            while not self._server.started:
+                if self._serving.done():
+                    self._serving.result()
+                    raise RolloutError("the HTTP server stopped while starting")
+                await asyncio.sleep(0.01)
+        except BaseException:
+            try:
+                await self._stop_server()
+            finally:
+                await disconnect(nc)
+            raise
+        log.info(kv("gateway_started", url=self.url, model=config.model, run=config.run))
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        try:
+            await self._stop_server()
+        finally:
+            if self.service is not None:
+                await self.service.close()
+                await disconnect(self.service.nc)
+        log.info(kv("gateway_stopped", model=self.config.model, run=self.config.run))
+
+    async def _stop_server(self) -> None:
+        try:
+            if self._server is not None and self._serving is not None:
+                self._server.should_exit = True
+                await self._serving
+        finally:
+            if self._socket is not None:
+                self._socket.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise RolloutError(f"the gateway cannot listen on {host}:{port}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise RolloutError(f"the gateway cannot listen on {host}:{port}: {exc}") from exc
+    return sock
+
+
+async def _check_provisioned(js: JetStreamContext, names: RunNames) -> None:
+    for stream in (names.gen_stream, names.traj_stream):
+        try:
+            await js.stream_info(stream)
+        except NotFoundError as exc:
+            raise GenerationUnavailableError(
+                f"run {names.run!r} is not provisioned: stream {stream} is missing "
+                f"(run `seamlessflow provision --run {names.run}`)"
+            ) from exc
+        except (NatsError, OSError) as exc:
+            raise GenerationUnavailableError(
+                f"cannot check run {names.run!r} on NATS: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+async def serve_gateway(config: GatewayConfig, nats_url: str, stop: asyncio.Event) -> None:
+    """Serve the gateway until ``stop`` is set."""
+    async with Gateway(config, nats_url) as gateway:
+        print(
+            f"gateway ready: url={gateway.url} model={config.model} run={config.run} "
+            f"metrics=http://{config.host}:{gateway.port}/metrics",
+            flush=True,
+        )
+        await stop.wait()
