@@ -65,7 +65,8 @@ RUNNING = Gauge("sf_rollout_requests_running", "Generation attempts in progress"
 QUEUE_WAIT = Histogram(
     "sf_rollout_queue_wait_seconds",
     "Time from a request being stored on gen.req to this worker starting it",
-    buckets=(0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+    # an idle worker starts a request ~3 ms after it is stored: the buckets reach below that
+    buckets=(5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
     registry=REGISTRY,
 )
 WEIGHT_LOAD = Histogram(
