@@ -1,0 +1,68 @@
+"""``seamlessflow.targets``: the run's Prometheus file_sd file follows the worker registry."""
+
+import asyncio
+import json
+
+import pytest
+
+from broker.messages import Role
+from broker.registry import Registration
+from common.exceptions import SeamlessFlowError
+from seamlessflow.targets import ScrapeTargets
+from tests.support import eventually
+
+
+async def test_targets_follow_workers_as_they_register_and_leave(js, names, tmp_path):
+    path = tmp_path / "targets" / "scrape_targets.json"
+    targets = ScrapeTargets(path, names.run)
+    assert json.loads(path.read_text()) == []
+    targets.add("http://127.0.0.1:9460/metrics", "broker")
+    targets.add("http://127.0.0.1:9500/metrics", "trainer")
+
+    def listed() -> dict[str, dict]:
+        return {g["targets"][0]: g["labels"] for g in json.loads(path.read_text())}
+
+    follow = asyncio.create_task(targets.follow(js, names))
+    worker = await Registration.open(
+        js, names, "w1", tags=["rollout"], role=Role.ROLLOUT, metrics_url="http://10.0.0.2:9470/m"
+    )
+    trainer = await Registration.open(  # a started process that registers: listed once
+        js,
+        names,
+        "t0",
+        tags=["train"],
+        role=Role.TRAIN,
+        metrics_url="http://127.0.0.1:9500/metrics",
+    )
+    await worker.put()
+    await trainer.put()
+    await eventually(lambda: "10.0.0.2:9470" in listed(), watch=follow)
+    assert listed() == {
+        "127.0.0.1:9460": {
+            "job": "seamlessflow-broker",
+            "run": names.run,
+            "__metrics_path__": "/metrics",
+        },
+        "127.0.0.1:9500": {
+            "job": "seamlessflow-trainer",
+            "run": names.run,
+            "__metrics_path__": "/metrics",
+        },
+        "10.0.0.2:9470": {"job": "seamlessflow-worker", "run": names.run, "__metrics_path__": "/m"},
+    }
+    assert not list(path.parent.glob(".*"))  # written by rename: no temporary file left
+
+    await worker.delete()
+    await eventually(lambda: "10.0.0.2:9470" not in listed(), watch=follow)
+    follow.cancel()
+    targets.clear()
+    assert json.loads(path.read_text()) == []
+
+
+def test_targets_refuse_a_bad_url_or_kind(tmp_path):
+    targets = ScrapeTargets(tmp_path / "t.json", "r")
+    with pytest.raises(SeamlessFlowError, match="not an http://host:port"):
+        targets.add("127.0.0.1:9460", "broker")
+    with pytest.raises(SeamlessFlowError, match="unknown process kind 'scheduler'"):
+        targets.add("http://127.0.0.1:9460/metrics", "scheduler")
+    assert json.loads((tmp_path / "t.json").read_text()) == []
