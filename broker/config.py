@@ -1,8 +1,9 @@
 """Typed configuration of the embedded broker and of a run's streams, consumers and buckets."""
 
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from common.paths import default_state_dir
 
@@ -11,6 +12,24 @@ MiB = 1 << 20
 GiB = 1 << 30
 HOUR = 3600.0
 DAY = 24 * HOUR
+
+
+def _split_tags(value: Any) -> Any:
+    """``"train,rollout"`` or ``["train,rollout", "gpu=h200"]`` -> one tag per item."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        return value
+    split = (item.split(",") if isinstance(item, str) else [item] for item in items)
+    return [tag for tags in split for tag in tags if tag]
+
+
+Tags = Annotated[
+    list[Annotated[str, Field(pattern=r"^[^\s,]+$", max_length=256)]],
+    BeforeValidator(_split_tags),
+    Field(max_length=64),
+]
+"""A worker's capability tags (``train``, ``rollout``, ``gpu=h200``, ``node=a1``), given as a
+list or as comma-separated text (``--tags train,rollout,gpu=h200``)."""
 
 
 class _Config(BaseModel):

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker import codec
-from broker.config import StreamLimits
+from broker.config import StreamLimits, Tags
 from broker.exceptions import BrokerError, InvalidMessageError
 from broker.ingress import Delivery, HandBack, Ingress
 from broker.messages import (
@@ -102,8 +102,8 @@ class WorkerConfig(BaseModel):
         pattern=NAME_PATTERN,
         description="this worker's key in the worker registry; default: <host>-<pid>",
     )
-    tags: list[str] = Field(
-        default_factory=lambda: ["rollout"], max_length=64, description="capability tags"
+    tags: Tags = Field(
+        default_factory=lambda: ["rollout"], description="capability tags, comma-separated"
     )
     max_running: int = Field(default=32, ge=1, description="requests generated at once")
     keepalive_s: float = Field(default=1.0, gt=0, description="empty chunk after this silence")

@@ -5,7 +5,8 @@ and default as its help. A nested model adds its field name as a prefix (``--eng
 ``worker.engine.seed``); a config chosen by ``kind`` (an engine, a trainer backend) gets the bare
 name for its kind (``--engine vllm``) and prefixed flags for every kind's options, each saying
 which kind takes it. A field may name its own flag (``json_schema_extra={"flag": ...}``). List and
-tuple values are shell words (``--tags "rollout gpu"``). Flags override the config file through
+tuple values are shell words (``--tags "rollout gpu"``; tags also take commas: ``--tags
+train,rollout,gpu=h200``). Flags override the config file through
 ``seamlessflow.config.override``, so both are validated by the same models, and an error names
 the flag.
 """

@@ -237,9 +237,15 @@ def test_service_flags_override_config_keys_through_the_same_models(tmp_path):
         "max_num_seqs = 3\n[model]\nmax_model_len = 128\n"
     )
     argv = ["worker", "--nats", "x", "--config", str(config), "--max-running", "8"]
-    args = build_parser().parse_args([*argv, "--tags", "rollout gpu", "--engine-max-num-seqs", "9"])
+    args = build_parser().parse_args(
+        [*argv, "--tags", "rollout,gpu=h200 node=a1", "--engine-max-num-seqs", "9"]
+    )
     worker = cli._settings(args).worker
-    assert (worker.max_running, worker.keepalive_s, worker.tags) == (8, 2.5, ["rollout", "gpu"])
+    assert (worker.max_running, worker.keepalive_s, worker.tags) == (
+        8,
+        2.5,
+        ["rollout", "gpu=h200", "node=a1"],
+    )
     assert worker.engine == VLLMEngineConfig(max_num_seqs=9)
     assert cli._settings(args).model.max_model_len == 128
     # Another kind drops the file's options of the old kind.

@@ -6,6 +6,7 @@ from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from broker.config import Tags
 from broker.registry import default_worker_id
 from broker.subjects import NAME_PATTERN
 
@@ -127,7 +128,9 @@ class TrainerConfig(BaseModel):
         pattern=NAME_PATTERN,
         description="this trainer's key in the worker registry",
     )
-    tags: list[str] = Field(default_factory=lambda: ["train"], max_length=64)
+    tags: Tags = Field(
+        default_factory=lambda: ["train"], description="capability tags, comma-separated"
+    )
     heartbeat_s: float = Field(default=5.0, gt=0, description="worker registry renewal period")
     progress_interval: float = Field(
         default=5.0, gt=0, description="seconds between in_progress() of held samples"
