@@ -18,10 +18,10 @@ from nats.js import JetStreamContext
 from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, MiB, ProvisionConfig, StreamLimits
-from broker.messages import Message
+from broker.messages import GenerationCancelled, GenerationRequested, Message, TokensGenerated
 from broker.provision import provision_run
 from broker.server import find_nats_server, server_version
-from broker.subjects import RunNames
+from broker.subjects import Durable, RunNames
 from common.metrics import metric_sum, scrape
 from rollout.gateway import Gateway, GatewayConfig
 from seamlessflow.processes import worker_process
@@ -207,3 +207,75 @@ def gateway_stack(nats_url: str, model_dir: Path) -> Iterator[Stack]:
             yield Stack(names, gateway.url)
     finally:
         worker.stop()
+
+
+# -- token ids by hand -----------------------------------------------------------------------
+
+
+def byte_tokens(tok, text: str) -> list[int]:
+    """One token per UTF-8 byte: what a model emitting byte by byte produces."""
+    ids = []
+    for char in text:
+        for byte in char.encode():
+            ids.append(tok.convert_tokens_to_ids(_BYTE_TO_UNICODE[byte]))
+    return ids
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the token string of each single byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_TO_UNICODE = _bytes_to_unicode()
+
+
+class InjectedWorkerWire:
+    """Fault injection: takes generation requests off the queue and answers with hand-made
+    chunks (duplicates, stale attempts, gaps) that a real worker does not send on demand, or
+    with scripted output (tool calls, chosen special tokens and bytes) that the random tiny
+    model does not write on demand. A fake worker, named as such."""
+
+    def __init__(self, nc, js, names: RunNames) -> None:
+        self.nc, self.js, self.names = nc, js, names
+
+    async def __aenter__(self) -> "InjectedWorkerWire":
+        self.sub = await self.js.pull_subscribe_bind(Durable.ROLLOUT, stream=self.names.gen_stream)
+        self.cancels: list[GenerationCancelled] = []
+        self.cancel_sub = await self.nc.subscribe(
+            self.names.gen_cancel_all,
+            cb=self._on_cancel,
+        )
+        return self
+
+    async def _on_cancel(self, msg) -> None:
+        self.cancels.append(codec.decode(GenerationCancelled, msg.data))
+
+    async def __aexit__(self, *exc) -> None:
+        await self.cancel_sub.unsubscribe()
+        await self.sub.unsubscribe()
+
+    async def take(self) -> GenerationRequested:
+        (msg,) = await self.sub.fetch(1, timeout=10)
+        await msg.ack()
+        return codec.decode(GenerationRequested, msg.data)
+
+    async def send(self, request: GenerationRequested, seq: int, ids=(), **fields) -> None:
+        chunk = TokensGenerated(
+            call_id=request.call_id,
+            attempt=fields.pop("attempt", request.attempt),
+            seq=seq,
+            worker_id="injector",
+            version=fields.pop("version", 0),
+            token_ids=list(ids),
+            logprobs=[-0.5] * len(ids),
+            **fields,
+        )
+        await self.nc.publish(request.reply_to, codec.encode(chunk))
+        await self.nc.flush()

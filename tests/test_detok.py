@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollout.detok import REPLACEMENT, Detokenizer, partial_suffix_len
+from tests.support import byte_tokens
 
 HYPOTHESIS = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -23,30 +24,6 @@ def run(tok, ids, stop=()) -> tuple[list[str], bool, int]:
             return deltas, True, fed
     deltas.append(detok.finish())
     return deltas, False, len(ids)
-
-
-def byte_tokens(tok, text: str) -> list[int]:
-    """One token per UTF-8 byte: what a model emitting byte by byte produces."""
-    ids = []
-    for char in text:
-        for byte in char.encode():
-            ids.append(tok.convert_tokens_to_ids(_BYTE_TO_UNICODE[byte]))
-    return ids
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: the token string of each single byte."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
-_BYTE_TO_UNICODE = _bytes_to_unicode()
 
 
 def test_multibyte_characters_are_never_split(tok):

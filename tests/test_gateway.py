@@ -15,18 +15,15 @@ import httpx
 import openai
 import pytest
 
-from broker import codec
 from broker.client import session
 from broker.messages import (
     CallRecorded,
     FinishReason,
-    GenerationCancelled,
     GenerationRequested,
-    TokensGenerated,
 )
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
-from broker.subjects import Durable, RunNames
+from broker.subjects import RunNames
 from broker.weights import publish_weights
 from rollout.exceptions import GenerationUnavailableError
 from rollout.gateway import Gateway, serve_gateway
@@ -35,6 +32,7 @@ from seamlessflow.processes import worker_process
 from tests.support import (
     MODEL,
     SMALL_RUN,
+    InjectedWorkerWire,
     broker_config,
     eventually,
     greedy,
@@ -560,50 +558,6 @@ async def test_broker_gone_is_503_fast(nats_binary, tmp_path, tiny_model_dir):
 
 
 # -- chunk faults injected by hand -----------------------------------------------------------
-
-
-class InjectedWorkerWire:
-    """Fault injection: takes generation requests off the queue and answers with hand-made
-    chunks (duplicates, stale attempts, gaps) that a real worker does not send on demand, or
-    with scripted output (a tool call) that the random tiny model never writes."""
-
-    def __init__(self, nc, js, names: RunNames) -> None:
-        self.nc, self.js, self.names = nc, js, names
-
-    async def __aenter__(self) -> "InjectedWorkerWire":
-        self.sub = await self.js.pull_subscribe_bind(Durable.ROLLOUT, stream=self.names.gen_stream)
-        self.cancels: list[GenerationCancelled] = []
-        self.cancel_sub = await self.nc.subscribe(
-            self.names.gen_cancel_all,
-            cb=self._on_cancel,
-        )
-        return self
-
-    async def _on_cancel(self, msg) -> None:
-        self.cancels.append(codec.decode(GenerationCancelled, msg.data))
-
-    async def __aexit__(self, *exc) -> None:
-        await self.cancel_sub.unsubscribe()
-        await self.sub.unsubscribe()
-
-    async def take(self) -> GenerationRequested:
-        (msg,) = await self.sub.fetch(1, timeout=10)
-        await msg.ack()
-        return codec.decode(GenerationRequested, msg.data)
-
-    async def send(self, request: GenerationRequested, seq: int, ids=(), **fields) -> None:
-        chunk = TokensGenerated(
-            call_id=request.call_id,
-            attempt=fields.pop("attempt", request.attempt),
-            seq=seq,
-            worker_id="injector",
-            version=fields.pop("version", 0),
-            token_ids=list(ids),
-            logprobs=[-0.5] * len(ids),
-            **fields,
-        )
-        await self.nc.publish(request.reply_to, codec.encode(chunk))
-        await self.nc.flush()
 
 
 async def test_injected_faults_are_continued_token_exact(
