@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollout.exceptions import InvalidRequestError
-from rollout.prompts import Prompt, SessionStore, render_chat
+from rollout.prompts import Prompt, SessionStore, echoed_turn, render_chat
 
 HYPOTHESIS = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -198,3 +198,46 @@ def test_every_turn_reuses_the_whole_previous_turn(tok, turns, session):
         store.record(session.hex, prompt, out_text, out_ids)
         previous = prompt.ids + out_ids
         messages.append({"role": "assistant", "content": answer})
+
+
+# -- the turn a chat client echoes ----------------------------------------------------------
+
+
+def echo(tok, messages, reply: dict, output_ids: list[int]) -> tuple[str, list[int]] | None:
+    """The stored turn for ``reply`` (the message the client was given) after ``messages``."""
+    prompt_text = render(tok, messages)
+    rendered = render(tok, [*messages, reply], generation_prompt=False)
+    return echoed_turn(prompt_text, rendered, output_ids, {"<|im_end|>": tok.eos_token_id})
+
+
+ASK = [{"role": "user", "content": "Say it."}]
+
+
+def test_the_echoed_turn_is_the_text_the_client_was_given(tok):
+    special = tok.convert_tokens_to_ids("<|endoftext|>")
+    # "the", <|endoftext|>, " end" and a stop string "!!" the client never saw, cut by length
+    output = [*chars(tok, "the"), special, *chars(tok, " end!!")]
+    text, ids = echo(tok, ASK, {"role": "assistant", "content": "the end"}, output)
+    assert (text, ids) == ("the end<|im_end|>", [*output, tok.eos_token_id])
+    # ended by eos: the marker is the output's own
+    text, ids = echo(tok, ASK, {"role": "assistant", "content": "the"}, [*output, tok.eos_token_id])
+    assert (text, ids) == ("the<|im_end|>", [*output, tok.eos_token_id])
+
+
+def test_an_echoed_tool_call_reads_as_the_template_writes_it(tok):
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"x":1}'},
+    }
+    reply = {"role": "assistant", "content": None, "tool_calls": [call]}
+    text, ids = echo(tok, ASK, reply, [5, 6, tok.eos_token_id])
+    assert text == '<tool_call>{"name": "f", "arguments": {"x":1}}</tool_call><|im_end|>'
+    assert ids == [5, 6, tok.eos_token_id]
+
+
+def test_an_echo_that_does_not_extend_the_prompt_is_not_a_turn(tok):
+    prompt_text = render(tok, ASK)
+    reply = render(tok, [*ASK, {"role": "assistant", "content": "x"}], generation_prompt=False)
+    assert echoed_turn("other " + prompt_text, reply, [5], {"<|im_end|>": 2}) is None
+    assert echoed_turn(prompt_text, reply, [5], {"<|eot|>": 9}) is None  # no end marker
