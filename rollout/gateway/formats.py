@@ -51,8 +51,8 @@ def joined_text(events: list[Event]) -> str:
 
 
 class Format(ABC):
-    """One request's endpoint-specific parts. ``prompt_source`` and ``echo`` use the tokenizer
-    and run on the gateway's tokenizer thread; the rest runs on the event loop."""
+    """One request's endpoint-specific parts. ``prompt_text`` and ``echo`` may render a
+    template and run on the gateway's tokenizer thread; the rest runs on the event loop."""
 
     prompt_param: ClassVar[str]
     """The request field a too-long prompt is blamed on."""
@@ -74,9 +74,14 @@ class Format(ABC):
     parse_tools: bool = False
     parallel_tool_calls: bool = True
 
+    @property
+    def client_ids(self) -> list[int] | None:
+        """The prompt as the client sent it in ids; None when it is text."""
+        return None
+
     @abstractmethod
-    def prompt_source(self) -> str | list[int]:
-        """The prompt as text (ids are built on the session's turns) or as the client's ids."""
+    def prompt_text(self) -> str:
+        """The prompt text (its ids are built on the session's turns), when not ``client_ids``."""
 
     @abstractmethod
     def echo(
@@ -132,14 +137,16 @@ class ChatFormat(Format):
     def requested_max_tokens(self) -> int | None:
         return self.body.requested_max_tokens
 
-    def prompt_source(self) -> str:
+    def prompt_text(self) -> str:
         return render_chat(self.tokenizer, self.messages, self.tools, self.tool_choice)
 
     def echo(
         self, prompt_text: str, content: str, tool_calls: list[ToolCall], output_ids: list[int]
     ) -> tuple[str, list[int]] | None:
         message = _message(content, tool_calls)
-        reply = ChatMessageIn(role="assistant", content=message.content, tool_calls=tool_calls)
+        reply = ChatMessageIn(
+            role="assistant", content=message.content, tool_calls=message.tool_calls
+        )
         rendered = render_chat(
             self.tokenizer,
             [*self.messages, reply.for_template()],
@@ -228,7 +235,13 @@ class CompletionFormat(Format):
     def requested_max_tokens(self) -> int | None:
         return self.body.max_tokens
 
-    def prompt_source(self) -> str | list[int]:
+    @property
+    def client_ids(self) -> list[int] | None:
+        prompt = self.body.prompt
+        return None if isinstance(prompt, str) else list(prompt)
+
+    def prompt_text(self) -> str:
+        assert isinstance(self.body.prompt, str)
         return self.body.prompt
 
     def echo(

@@ -139,7 +139,7 @@ class OpenAIService:
                 f"{self.config.model!r}"
             )
         session_id = _session_id(request, body.user)
-        prompt = await self._off_loop(self._prompt, session_id, format_)
+        prompt = await self._prompt(session_id, format_)
         max_tokens = self._max_tokens(
             len(prompt.ids), format_.requested_max_tokens, format_.prompt_param
         )
@@ -156,16 +156,19 @@ class OpenAIService:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_thread, function, *args)
 
-    def _prompt(self, session_id: str, format_: Format) -> Prompt:
-        """(Tokenizer thread.)"""
-        source = format_.prompt_source()
-        if not isinstance(source, str):
-            PROMPT_TOKENS.labels("client_ids").inc(len(source))
-            return Prompt(ids=list(source))
-        prompt = self.sessions.build(session_id, source, self._tokenize)
+    async def _prompt(self, session_id: str, format_: Format) -> Prompt:
+        ids = format_.client_ids
+        if ids is not None:  # nothing to tokenize: no trip to the tokenizer thread
+            PROMPT_TOKENS.labels("client_ids").inc(len(ids))
+            return Prompt(ids=ids)
+        prompt = await self._off_loop(self._build_prompt, session_id, format_)
         PROMPT_TOKENS.labels("reused").inc(prompt.reused)
         PROMPT_TOKENS.labels("tokenized").inc(len(prompt.ids) - prompt.reused)
         return prompt
+
+    def _build_prompt(self, session_id: str, format_: Format) -> Prompt:
+        """(Tokenizer thread.)"""
+        return self.sessions.build(session_id, format_.prompt_text(), self._tokenize)
 
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
