@@ -790,7 +790,11 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
     # second), so a response that one version did not split is tried again with the next one.
     n_tokens = 1000
     blobs = {0: None} | {v: perturbed_weights(tiny_model_dir, seed=v) for v in (1, 2, 3)}
-    worker = worker_process(broker.url, names.run, tiny_model_dir, "pw1", "--engine", engine)
+    # The gateway below takes the model's own context (2048); the worker must too, or it would
+    # end the response at [model] max_model_len (512) with finish "length".
+    worker = worker_process(
+        broker.url, names.run, tiny_model_dir, "pw1", "--engine", engine, "--max-model-len", "2048"
+    )
     await asyncio.to_thread(worker.wait_ready, 300)
 
     async def serves(version: int) -> bool:
