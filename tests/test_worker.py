@@ -86,7 +86,9 @@ async def registered(js, names: RunNames, worker_id: str) -> WorkerRegistered | 
 
 @pytest.fixture
 def worker(broker, names: RunNames, tiny_model_dir: Path):
-    proc = worker_process(broker.url, names.run, tiny_model_dir, "w1", "--max-running", "4")
+    # The model's own context (2048), as the requests below assume; [model]'s default is 512.
+    args = ("--max-running", "4", "--max-model-len", "2048")
+    proc = worker_process(broker.url, names.run, tiny_model_dir, "w1", *args)
     yield proc.wait_ready()
     proc.stop()
 
