@@ -114,7 +114,10 @@ def describe(exc: ValidationError, limit: int = 5) -> str:
 def _short(value: Any, width: int = 60) -> str:
     """``value`` as JSON, cut to ``width``: never a Python repr (bytes show as their text, or as
     hex when they are not UTF-8; other objects as their type)."""
-    text = json.dumps(value, default=_plain, ensure_ascii=False)
+    try:
+        text = json.dumps(value, default=_plain, ensure_ascii=False)
+    except (TypeError, ValueError):  # e.g. a map with bytes keys: JSON takes only str keys
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= width else text[: width - 3] + "..."
 
 

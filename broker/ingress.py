@@ -197,9 +197,9 @@ class Ingress(Generic[M]):
                 self._broker_down = False
                 self._resume()
             return True
-        if not self._broker_down:
-            self._broker_down = True
-            self._pause("broker disconnected: the client is reconnecting")
+        self._broker_down = True
+        # Also when a held message's handler resumed the ingress meanwhile: still down.
+        self._pause("broker disconnected: the client is reconnecting")
         return False
 
     def _pause(self, reason: str) -> None:
@@ -229,11 +229,11 @@ class Ingress(Generic[M]):
     async def _keep_unsettled(self) -> None:
         """While paused, keep every message in hand from being redelivered (a held one, and the
         rest of a batch waiting behind it). Errors are the outage itself: already logged."""
-        while True:
-            await asyncio.sleep(max(0.1, self._ack_wait / 3))
+        while True:  # at once first: a message may have waited most of its ack_wait already
             for msg in list(self._unsettled.values()):
                 with contextlib.suppress(NatsError):
                     await msg.in_progress()
+            await asyncio.sleep(max(0.1, self._ack_wait / 3))
 
     async def _held(self, exc: Exception, retry: int) -> bool:
         """Pause for ``exc`` (a part is unavailable) and wait before the ``retry``-th call of the
@@ -280,6 +280,9 @@ class Ingress(Generic[M]):
             )
         except InvalidMessageError as exc:
             await self._reject(msg, exc.reason, content_type)
+            return
+        except Exception as exc:  # a decoder bug must not stop the loop: the message is the cause
+            await self._reject(msg, f"cannot decode: {type(exc).__name__}: {exc}", content_type)
             return
         stored_at = meta.timestamp.timestamp()
         delivery = Delivery(msg.subject, meta.sequence.stream, meta.num_delivered, stored_at, msg)

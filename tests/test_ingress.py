@@ -94,6 +94,11 @@ async def test_malformed_tasks_are_dead_lettered_and_the_rest_handled(js, names)
             'task_id: Input should be a valid string (got "ok-94")',
         ),
         (msgpack.packb(_task_dict(93)), "text/csv; " + "x" * 1000, "unsupported Content-Type"),
+        (  # a map with a bytes key cannot be shown as JSON: the reason names its type
+            msgpack.packb({**_task_dict(95), "task_id": {b"x": 1}}),
+            None,
+            "task_id: Input should be a valid string (got <dict>)",
+        ),
     ]
     # Interleave: good, bad, good, bad, ... so valid tasks sit on both sides of each bad one.
     for i, (payload, ctype, _) in enumerate(bad):
