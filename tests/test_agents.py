@@ -409,7 +409,8 @@ async def test_a_gateway_outage_holds_the_tasks_and_runs_every_one_when_it_retur
         assert not [m for m in stored if m.task_id in ids]
         info = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
         assert (info.num_ack_pending, info.num_pending, info.num_redelivered) == (2, 2, 0)
-        assert sample("sf_agents_tasks_total", outcome="retried") - retried0 >= 2 * 6
+        # Each held task is counted once, however often the ingress retried it.
+        assert sample("sf_agents_tasks_total", outcome="retried") - retried0 == 2
         with GatewayThread(config, broker.url):
             sessions = await ended(js, names, ids, 2 * len(tasks))
             await eventually(lambda: sample("sf_ingress_paused", source="tasks") == 0)

@@ -66,6 +66,10 @@ from rollout.openai_api import SESSION_HEADER
 
 log = logging.getLogger(__name__)
 
+GATEWAY_DOWN_STATUS = frozenset({502, 503, 504})
+"""Gateway answers that mean it (or the rollout behind it) cannot serve now: the attempt waits
+for it. Any other error status fails the attempt (a 500 is a worker's error on this prompt)."""
+
 REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
 TASKS = Counter(
@@ -284,7 +288,8 @@ class AgentRunner:
             # 3. Run and score the attempts.
             ended = await self._attempts(task, delivery, agent, reward, verify, model)
         except GatewayUnavailableError:
-            TASKS.labels("retried").inc()  # the ingress pauses and logs it, once
+            if delivery.retry == 0:  # counted once per task held; the ingress logs the pause
+                TASKS.labels("retried").inc()
             raise
         except RunnerStoppingError as exc:
             TASKS.labels("retried").inc()
@@ -419,11 +424,16 @@ class AgentRunner:
             raise
         except openai.APITimeoutError as exc:
             reason = f"a gateway call timed out: {exc}"
-        except (openai.APIConnectionError, openai.InternalServerError) as exc:
-            ATTEMPTS.labels("unavailable").inc()
-            raise GatewayUnavailableError(
-                f"session {sid}: gateway failed: {type(exc).__name__}: {exc}"
-            ) from exc
+        except (openai.APIConnectionError, openai.APIStatusError) as exc:
+            status = getattr(exc, "status_code", None)
+            if status is not None and status not in GATEWAY_DOWN_STATUS:
+                # e.g. 500, a worker failed generating: this attempt failed, the gateway serves
+                reason = f"the gateway answered {status}: {exc}"
+            else:
+                ATTEMPTS.labels("unavailable").inc()
+                raise GatewayUnavailableError(
+                    f"session {sid}: gateway failed: {type(exc).__name__}: {exc}"
+                ) from exc
         except TimeoutError:
             outcome, reason = "timed_out", f"timed out after {self._config.attempt_timeout_s:g}s"
         except Exception as exc:
