@@ -16,10 +16,9 @@ from pathlib import Path
 
 from common.exceptions import SeamlessFlowError
 from common.log import setup_logging
+from common.models import MODELS  # cheap: torch is imported inside its functions
 from seamlessflow.config import DEFAULT_RUN, ConfigError, RunConfig, load_config
 from seamlessflow.flags import Flag, add_flags, apply_flags, section_flags
-
-MODEL_NAMES = "'tiny', 'smollm2' or an HF model folder"
 
 
 def _add_nats(p: argparse.ArgumentParser, *, embedded: bool = False) -> None:
@@ -99,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_service(p, model + section_flags("gateway"), metrics=False)  # /metrics on its port
 
     p = sub.add_parser("model", help="build or unpack a model for CPU and print its folder")
-    p.add_argument("name", choices=["smollm2", "tiny"])
+    p.add_argument("name", choices=sorted(MODELS))
 
     p = sub.add_parser("trajectory", help="run the trajectory manager until Ctrl-C")
     _add_nats(p)
@@ -112,13 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(p)
     p.add_argument("--gateway", required=True, help="gateway URL (with or without /v1)")
     _add_config(p, "[agents] and [provision] sections")
-    _add_service(p, section_flags("agents"))
+    # No --temperature: trainer and agents must agree on it, so it is set in the --config file.
+    _add_service(p, section_flags("agents", skip=("temperature",)))
 
     p = sub.add_parser("trainer", help="run the trainer (all its ranks) until Ctrl-C")
     _add_nats(p)
     _add_run(p)
     _add_config(p, "[model], [trainer] and [provision] sections")
-    _add_service(p, section_flags("model", only=("name",)) + section_flags("trainer"))
+    trainer = section_flags("trainer", skip=("temperature",))  # as for agents
+    _add_service(p, section_flags("model", only=("name",)) + trainer)
 
     p = sub.add_parser(
         "run", help="run the whole RL loop on this machine (embedded broker by default)"
@@ -268,7 +269,6 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> int:
-    from common.models import MODELS
 
     print(MODELS[args.name]())
     return 0

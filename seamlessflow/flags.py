@@ -4,11 +4,11 @@ A flag is a config key: ``--max-running`` is ``worker.max_running``, with the fi
 and default as its help. A nested model adds its field name as a prefix (``--engine-seed`` is
 ``worker.engine.seed``); a config chosen by ``kind`` (an engine, a trainer backend) gets the bare
 name for its kind (``--engine vllm``) and prefixed flags for every kind's options, each saying
-which kind takes it. A field may name its own flag (``json_schema_extra={"flag": ...}``). List and
-tuple values are shell words (``--tags "rollout gpu"``; tags also take commas: ``--tags
-train,rollout,gpu=h200``). Flags override the config file through
-``seamlessflow.config.override``, so both are validated by the same models, and an error names
-the flag.
+which kind takes it. A field may name its own flag (``json_schema_extra={"flag": ...}``) and
+the sibling keys its flag replaces (``{"replaces": [...]}``). List and tuple values are shell
+words (``--tags "rollout gpu"``; tags also take commas: ``--tags train,rollout,gpu=h200``).
+Flags override the config file through ``seamlessflow.config.override``, so both are validated
+by the same models, and an error names the flag.
 """
 
 import argparse
@@ -34,6 +34,8 @@ class Flag:
     choices: tuple[str, ...] | None = None
     words: bool = False
     """The value is shell words (a list or tuple field)."""
+    replaces: tuple[str, ...] = ()
+    """Sibling keys the flag unsets when given (``--agent`` replaces a file's ``command``)."""
 
     @property
     def dest(self) -> str:
@@ -75,6 +77,7 @@ def apply_flags(config: RunConfig, args: argparse.Namespace, flags: list[Flag]) 
         for key in flag.path[:-1]:
             node = node.setdefault(key, {})
         node[flag.path[-1]] = shlex.split(value) if flag.words else value
+        node.update(dict.fromkeys(flag.replaces))
         given[flag.path] = f"{flag.option} {value!r}"
     if not given:
         return config
@@ -124,6 +127,7 @@ def _model_flags(
                     _help(field.description, default),
                     _choices(field.annotation),
                     words=typing.get_origin(_strip_none(field.annotation)) in (list, tuple),
+                    replaces=tuple(_extra(field).get("replaces", ())),
                 )
             )
     return flags
@@ -163,8 +167,11 @@ def _help(description: str | None, default: Any) -> str:
 
 
 def _option(field: FieldInfo, name: str) -> str:
-    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-    return "--" + str(extra.get("flag", name.replace("_", "-")))
+    return "--" + str(_extra(field).get("flag", name.replace("_", "-")))
+
+
+def _extra(field: FieldInfo) -> dict[str, Any]:
+    return field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
 
 
 def _models(annotation: Any) -> list[type[BaseModel]]:

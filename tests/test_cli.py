@@ -255,6 +255,21 @@ def test_service_flags_override_config_keys_through_the_same_models(tmp_path):
     assert cli._settings(args).trainer.backend == MegatronBackendConfig()
 
 
+def test_agent_and_command_flags_replace_each_other_from_the_config_file(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('[agents]\nagent = "mod:fn"\n')
+    base = ["agents", "--nats", "x", "--gateway", "http://g", "--config", str(config)]
+    args = build_parser().parse_args([*base, "--command", "node agent.mjs --x a,b"])
+    agents = cli._settings(args).agents
+    assert (agents.agent, agents.command) == (None, ["node", "agent.mjs", "--x", "a,b"])
+    config.write_text('[agents]\ncommand = ["node", "agent.mjs"]\n')
+    agents = cli._settings(build_parser().parse_args([*base, "--agent", "pkg.m:f"])).agents
+    assert (agents.agent, agents.command) == ("pkg.m:f", None)
+    # Sampling temperature is set in the file only: trainer and agents must agree on it.
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--temperature", "0.7"])
+
+
 def test_bad_flags_are_one_line_errors_naming_the_flag():
     done = sf("worker", "--nats", "nats://127.0.0.1:1", "--max-running", "0")
     assert done.returncode == 2, done.stderr

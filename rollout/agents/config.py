@@ -18,17 +18,20 @@ class AgentsConfig(BaseModel):
         pattern=AGENT_REF,
         description="'module:function', an `async def agent(ctx) -> AgentResult` run for every "
         "task; default: the built-in agent of the task's env",
+        json_schema_extra={"replaces": ["command"]},
     )
     command: list[str] | None = Field(
         default=None,
         min_length=1,
         description="an external command (argv) run once per attempt instead of a Python agent",
+        json_schema_extra={"replaces": ["agent"]},
     )
     model: str | None = Field(
         default=None,
         min_length=1,
         max_length=256,
         description="model name sent to the gateway; default: the first one it lists",
+        json_schema_extra={"flag": "served-model-name"},
     )
     max_tasks: int = Field(default=8, ge=1, le=4096, description="tasks run at once")
     attempt_timeout_s: float = Field(
