@@ -45,7 +45,11 @@ def job_name(kind: str) -> str:
 def target_group(metrics_url: str, kind: str, run: str) -> dict:
     """One ``file_sd`` target group for the process serving ``metrics_url``."""
     url = urlsplit(metrics_url)
-    if url.scheme != "http" or not url.hostname or not url.port:
+    try:
+        port = url.port  # ValueError for a port that is no number or out of range
+    except ValueError:
+        port = None
+    if url.scheme != "http" or not url.hostname or not port:
         raise SeamlessFlowError(f"not an http://host:port/... metrics URL: {metrics_url!r}")
     labels = {"job": job_name(kind), "run": run, "__metrics_path__": url.path or "/metrics"}
     return {"targets": [url.netloc], "labels": labels}
@@ -89,10 +93,11 @@ class ScrapeTargets:
     async def follow(self, js: JetStreamContext, names: RunNames) -> None:
         """Track the worker registry until cancelled: a worker or trainer rank that registers a
         ``metrics_url`` becomes a target, and stops being one when its entry goes. A broken
-        watch is logged and ends the following, not the run."""
+        watch (or a targets file that cannot be written) is logged and ends the following, not
+        the run."""
         try:
             await self._follow(js, names)
-        except (NatsError, TimeoutError) as exc:
+        except (NatsError, TimeoutError, OSError) as exc:
             log.warning(kv("scrape_targets_not_followed", error=f"{type(exc).__name__}: {exc}"))
 
     async def _follow(self, js: JetStreamContext, names: RunNames) -> None:

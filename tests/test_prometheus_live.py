@@ -56,7 +56,7 @@ checkpoint_dir = "{out}/checkpoints"  # so the checkpoint panel has data too
 
 [stop]
 max_steps = 1000
-max_seconds = 300
+max_seconds = 3600  # the fixture stops the run; the tests' waits add up past 300 s
 
 [provision]
 weights_store_max_bytes = 50331648

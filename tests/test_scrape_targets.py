@@ -1,6 +1,7 @@
 """``seamlessflow.targets``: the run's Prometheus file_sd file follows the worker registry."""
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -55,14 +56,17 @@ async def test_targets_follow_workers_as_they_register_and_leave(js, names, tmp_
     await worker.delete()
     await eventually(lambda: "10.0.0.2:9470" not in listed(), watch=follow)
     follow.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await follow
     targets.clear()
     assert json.loads(path.read_text()) == []
 
 
 def test_targets_refuse_a_bad_url_or_kind(tmp_path):
     targets = ScrapeTargets(tmp_path / "t.json", "r")
-    with pytest.raises(SeamlessFlowError, match="not an http://host:port"):
-        targets.add("127.0.0.1:9460", "broker")
+    for url in ("127.0.0.1:9460", "http://h:abc/metrics", "http://h:99999/metrics"):
+        with pytest.raises(SeamlessFlowError, match="not an http://host:port"):
+            targets.add(url, "broker")
     with pytest.raises(SeamlessFlowError, match="unknown process kind 'scheduler'"):
         targets.add("http://127.0.0.1:9460/metrics", "scheduler")
     assert json.loads((tmp_path / "t.json").read_text()) == []
