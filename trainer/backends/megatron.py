@@ -36,10 +36,7 @@ log = logging.getLogger(__name__)
 
 
 def build(model: Path, config: TrainerConfig) -> "MegatronBackend":
-    if not isinstance(config.backend, MegatronBackendConfig):
-        raise BackendError(f"the megatron backend was given a {config.backend.kind!r} config")
-    parallel = ParallelConfig(tensor_parallel=config.backend.tensor_parallel)
-    return MegatronBackend(model, config, parallel)
+    return MegatronBackend(model, config)
 
 
 def require_cuda() -> None:
@@ -70,13 +67,13 @@ def require_megatron() -> None:
 
 
 class MegatronBackend:
-    def __init__(
-        self, model: Path, config: TrainerConfig, parallel: ParallelConfig | None = None
-    ) -> None:
+    def __init__(self, model: Path, config: TrainerConfig) -> None:
         require_cuda()
         require_megatron()
+        if not isinstance(config.backend, MegatronBackendConfig):
+            raise BackendError(f"the megatron backend was given a {config.backend.kind!r} config")
         self._config = config
-        self._parallel = parallel or ParallelConfig()
+        self._parallel = ParallelConfig(tensor_parallel=config.backend.tensor_parallel)
         if self._parallel.pipeline_parallel > 1:
             raise BackendError(
                 "the megatron backend does not support pipeline_parallel > 1 yet "
