@@ -153,6 +153,22 @@ class RolloutWorker:
     def worker_id(self) -> str:
         return self._config.worker_id
 
+    def requests_ingress(self) -> Ingress[GenerationRequested]:
+        """The validated ingress of the run's generation requests, handled by this worker."""
+        return Ingress(
+            self._js,
+            self._names,
+            source="gen",
+            stream=self._names.gen_stream,
+            durable=Durable.ROLLOUT,
+            schema=GenerationRequested,
+            handler=self._generate,
+            max_payload=self._gen_limits.max_payload,
+            batch=self._config.max_running,
+            concurrency=self._config.max_running,
+            fetch_timeout=0.5,
+        )
+
     async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
         """Serve until ``stop`` is set; then interrupt what is in flight and deregister.
         ``on_ready`` is called once the worker is registered and consuming."""
@@ -176,19 +192,7 @@ class RolloutWorker:
             ordered_consumer=True,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
         )
-        ingress = Ingress(
-            self._js,
-            self._names,
-            source="gen",
-            stream=self._names.gen_stream,
-            durable=Durable.ROLLOUT,
-            schema=GenerationRequested,
-            handler=self._generate,
-            max_payload=self._gen_limits.max_payload,
-            batch=self._config.max_running,
-            concurrency=self._config.max_running,
-            fetch_timeout=0.5,
-        )
+        ingress = self.requests_ingress()
         ingress_stop = asyncio.Event()
         consuming = asyncio.create_task(ingress.run(ingress_stop))
         heartbeat = asyncio.create_task(registration.keep_alive(self._config.heartbeat_s, stop))

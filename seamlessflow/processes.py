@@ -96,11 +96,17 @@ class ServiceProcess:
 
 
 def worker_process(
-    url: str, run: str, model: Path, worker_id: str, *args: str, threads: int | None = 1
+    url: str,
+    run: str,
+    model: Path,
+    worker_id: str,
+    *args: str,
+    threads: int | None = 1,
+    env: dict[str, str] | None = None,
 ) -> ServiceProcess:
     """A ``seamlessflow worker`` (a real rollout worker with its own engine). ``args`` are extra
     command-line arguments (``--engine vllm``, ``--max-running 16``, ...)."""
     command = ["worker", "--nats", url, "--run", run, "--model", str(model)]
     return ServiceProcess(
-        f"worker {worker_id}", *command, "--worker-id", worker_id, *args, threads=threads
+        f"worker {worker_id}", *command, "--worker-id", worker_id, *args, threads=threads, env=env
     )

@@ -800,13 +800,13 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
     # binding pins its worker to one core and spins its scheduler on the other, which on this
     # 2-core machine stalled NATS (and so the publish) for the whole response: "nobind" lets
     # the OS share the cores.
-    common = ("--nats", broker.url, "--run", names.run, "--model", str(tiny_model_dir))
-    common += ("--max-model-len", "2048")
-    worker = ServiceProcess(
-        "worker pw1", "worker", *common, "--worker-id", "pw1", "--engine", engine, env=NOBIND
+    context = ("--max-model-len", "2048")
+    worker = worker_process(
+        broker.url, names.run, tiny_model_dir, "pw1", "--engine", engine, *context, env=NOBIND
     )
+    common = ("--nats", broker.url, "--run", names.run, "--model", str(tiny_model_dir))
     gateway = ServiceProcess(
-        "gateway", "gateway", *common, "--served-model-name", MODEL, "--port", "0"
+        "gateway", "gateway", *common, *context, "--served-model-name", MODEL, "--port", "0"
     )
     await asyncio.to_thread(worker.wait_ready, 300)
     await asyncio.to_thread(gateway.wait_ready, 120)

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from broker import codec
-from broker.ingress import Ingress
 from broker.messages import (
     FinishReason,
     GenerationCancelled,
@@ -20,7 +19,7 @@ from broker.messages import (
     WorkerRegistered,
 )
 from broker.metrics import REGISTRY as INGRESS_METRICS
-from broker.subjects import Durable, RunNames
+from broker.subjects import RunNames
 from broker.weights import publish_weights
 from rollout.worker import RolloutWorker, WorkerConfig
 from seamlessflow.processes import worker_process
@@ -215,18 +214,7 @@ async def test_a_stopping_worker_hands_requests_back_unfailed(nc, js, names):
         nc, names, None, WorkerConfig(worker_id="w-stopping"), SMALL_RUN.gen, nats_url=""
     )
     worker._stopping = True
-    ingress = Ingress(
-        js,
-        names,
-        source="gen",
-        stream=names.gen_stream,
-        durable=Durable.ROLLOUT,
-        schema=GenerationRequested,
-        handler=worker._generate,
-        max_payload=SMALL_RUN.gen.max_payload,
-        fetch_timeout=0.2,
-        retry_delay=0.1,
-    )
+    ingress = worker.requests_ingress()  # the worker's own, as run() consumes with it
     returned0, failed0 = _ingress_count("returned"), _ingress_count("failed")
     await Call(nc, names, "c-stop", max_tokens=4).start()
     stop = asyncio.Event()
