@@ -25,7 +25,7 @@ from broker.ingress import tasks_ingress
 from broker.messages import CallRecorded, TaskSubmitted, TokensGenerated
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
-from broker.subjects import RunNames
+from broker.subjects import Durable, RunNames
 from seamlessflow.submit import submit_tasks
 
 RESULTS = Path(__file__).parent / "results"
@@ -120,7 +120,9 @@ async def _bench_dataplane(js, n: int) -> dict:
 
     stop = asyncio.Event()
     limits = ProvisionConfig().tasks
-    ingress = tasks_ingress(js, names, handle, limits, batch=256, fetch_timeout=0.5)
+    ingress = tasks_ingress(
+        js, names, handle, limits, batch=256, fetch_timeout=0.5, durable=Durable.SCHEDULER
+    )
     start = time.perf_counter()
     run = asyncio.create_task(ingress.run(stop))
     await all_seen.wait()

@@ -108,11 +108,18 @@ class ProvisionConfig(_Config):
     samples: StreamLimits = _limits(GiB, 7 * DAY, 8 * MiB)
     weights: StreamLimits = _limits(16 * MiB, 0, 64 * KiB)
     dead: StreamLimits = _limits(128 * MiB, 7 * DAY, 8 * MiB)
+    scheduler: ConsumerLimits = ConsumerLimits(ack_wait_s=60, max_deliver=5, max_ack_pending=256)
     agents: ConsumerLimits = ConsumerLimits(ack_wait_s=600, max_deliver=5, max_ack_pending=1024)
     rollout: ConsumerLimits = ConsumerLimits(ack_wait_s=30, max_deliver=10, max_ack_pending=4096)
     trajectory: ConsumerLimits = ConsumerLimits(ack_wait_s=60, max_deliver=10, max_ack_pending=8192)
     trainer: ConsumerLimits = ConsumerLimits(ack_wait_s=600, max_deliver=10, max_ack_pending=8192)
     workers_ttl_s: float = Field(
         default=30.0, gt=0, description="a worker key expires unless renewed"
+    )
+    scheduler_lease_s: float = Field(
+        default=6.0,
+        gt=0,
+        description="the active scheduler's lease expires unless renewed; a standby takes over "
+        "within this plus its retry period",
     )
     weights_store_max_bytes: int = Field(default=2 * GiB, gt=0)

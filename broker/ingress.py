@@ -423,17 +423,20 @@ def tasks_ingress(
     names: RunNames,
     handler: Handler[TaskSubmitted],
     limits: StreamLimits,
+    *,
+    durable: Durable,
     **options: float,
 ) -> Ingress[TaskSubmitted]:
-    """The validated ingress of a run's task stream (durable ``agents``), sized by the run's
-    ``tasks`` limits. ``options``: ``batch``, ``concurrency``, ``fetch_timeout``,
-    ``retry_delay``, ``backoff``, ``backoff_max``."""
+    """The validated ingress of a run's task stream, sized by the run's ``tasks`` limits: client
+    tasks (durable ``scheduler``) or admitted ones (durable ``agents``); a bad task is
+    dead-lettered as ``tasks`` either way. ``options``: ``batch``, ``concurrency``,
+    ``fetch_timeout``, ``retry_delay``, ``backoff``, ``backoff_max``."""
     return Ingress(
         js,
         names,
         source="tasks",
         stream=names.tasks_stream,
-        durable=Durable.AGENTS,
+        durable=durable,
         schema=TaskSubmitted,
         handler=handler,
         max_payload=limits.max_payload,

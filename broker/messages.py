@@ -285,8 +285,15 @@ class WorkerRegistered(Message):
     epoch: int = Field(
         default=0, ge=0, lt=MAX_SAFE_INT, description="epoch of the last role change applied"
     )
+    busy: bool = Field(default=False, description="working in its role right now")
+    capacity: int = Field(
+        default=1, ge=1, lt=MAX_SAFE_INT, description="requests it generates at once as rollout"
+    )
     version: Version | None = Field(default=None, description="weight version loaded, if any")
     metrics_url: str | None = Field(default=None, max_length=512)
+    started_at: Timestamp | None = Field(
+        default=None, description="when this registration began: a new one re-admits it"
+    )
     heartbeat_at: Timestamp
 
 
@@ -299,6 +306,9 @@ class RoleChangeRequested(Message):
         ge=1, lt=MAX_SAFE_INT, description="increases with every change; stale epochs are refused"
     )
     reason: str = Field(default="", max_length=1024)
+    deadline_s: float = Field(
+        default=30.0, gt=0, le=3600, description="ack within this, or be fenced"
+    )
 
 
 class RoleChangeAcked(Message):

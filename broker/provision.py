@@ -61,6 +61,7 @@ class RunPlan:
     streams: list[StreamConfig]
     consumers: list[ConsumerPlan]
     workers_kv: KeyValueConfig
+    control_kv: KeyValueConfig
     weights_store: ObjectStoreConfig
     bucket_streams: dict[str, dict[str, object]]
     """Settings of the KV and object-store streams that must match on re-provisioning."""
@@ -96,7 +97,7 @@ def plan(run: str, cfg: ProvisionConfig) -> RunPlan:
 
     work = RetentionPolicy.WORK_QUEUE
     streams = [
-        stream(n.tasks_stream, [n.tasks], cfg.tasks, work),
+        stream(n.tasks_stream, [n.tasks, n.tasks_admitted], cfg.tasks, work),
         stream(n.gen_stream, [n.gen_req], cfg.gen, work),
         stream(n.traj_stream, [n.traj_calls_all, n.traj_end], cfg.traj),
         stream(n.samples_stream, [n.samples], cfg.samples),
@@ -104,13 +105,17 @@ def plan(run: str, cfg: ProvisionConfig) -> RunPlan:
         stream(n.dead_stream, [n.dead_all], cfg.dead),
     ]
     consumers = [
-        ConsumerPlan(n.tasks_stream, Durable.AGENTS, n.tasks, cfg.agents),
+        ConsumerPlan(n.tasks_stream, Durable.SCHEDULER, n.tasks, cfg.scheduler),
+        ConsumerPlan(n.tasks_stream, Durable.AGENTS, n.tasks_admitted, cfg.agents),
         ConsumerPlan(n.gen_stream, Durable.ROLLOUT, n.gen_req, cfg.rollout),
         ConsumerPlan(n.traj_stream, Durable.TRAJECTORY, n.traj_end, cfg.trajectory),
         ConsumerPlan(n.samples_stream, Durable.TRAINER, n.samples, cfg.trainer),
     ]
     workers_kv = KeyValueConfig(
         bucket=n.workers_kv, history=1, ttl=cfg.workers_ttl_s, replicas=cfg.replicas
+    )
+    control_kv = KeyValueConfig(
+        bucket=n.control_kv, history=1, ttl=cfg.scheduler_lease_s, replicas=cfg.replicas
     )
     weights_store = ObjectStoreConfig(
         bucket=n.weights_store, max_bytes=cfg.weights_store_max_bytes, replicas=cfg.replicas
@@ -121,12 +126,17 @@ def plan(run: str, cfg: ProvisionConfig) -> RunPlan:
             "max_msgs_per_subject": 1,
             "num_replicas": cfg.replicas,
         },
+        KV_STREAM.format(n.control_kv): {
+            "max_age": cfg.scheduler_lease_s,
+            "max_msgs_per_subject": 1,
+            "num_replicas": cfg.replicas,
+        },
         OBJ_STREAM.format(n.weights_store): {
             "max_bytes": cfg.weights_store_max_bytes,
             "num_replicas": cfg.replicas,
         },
     }
-    return RunPlan(n, streams, consumers, workers_kv, weights_store, bucket_streams)
+    return RunPlan(n, streams, consumers, workers_kv, control_kv, weights_store, bucket_streams)
 
 
 _STREAM_FIELDS = (
@@ -189,8 +199,11 @@ async def provision_run(
     for sc in p.streams:
         wanted = {k: getattr(sc, k) for k in _STREAM_FIELDS}
         await ensure(sc.name, wanted, lambda sc=sc: js.add_stream(sc))
-    kv_stream = KV_STREAM.format(p.workers_kv.bucket)
-    await ensure(kv_stream, p.bucket_streams[kv_stream], lambda: js.create_key_value(p.workers_kv))
+    for bucket in (p.workers_kv, p.control_kv):
+        kv_stream = KV_STREAM.format(bucket.bucket)
+        await ensure(
+            kv_stream, p.bucket_streams[kv_stream], lambda b=bucket: js.create_key_value(b)
+        )
     obj_stream = OBJ_STREAM.format(p.weights_store.bucket)
     await ensure(
         obj_stream,

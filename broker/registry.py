@@ -8,7 +8,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -40,19 +40,23 @@ class Registration:
         *,
         tags: list[str],
         role: Role,
+        capacity: int = 1,
         version: int | None = None,
         metrics_url: str | None = None,
     ) -> None:
         self._bucket = bucket
+        now = time.time()
         self._entry = WorkerRegistered(
             worker_id=worker_id,
             host=socket.gethostname(),
             pid=os.getpid(),
             tags=tags,
             role=role,
+            capacity=capacity,
             version=version,
             metrics_url=metrics_url,
-            heartbeat_at=time.time(),
+            started_at=now,
+            heartbeat_at=now,
         )
 
     @classmethod
@@ -65,13 +69,24 @@ class Registration:
     def worker_id(self) -> str:
         return self._entry.worker_id
 
-    async def put(self, *, version: int | None = None) -> None:
-        """Write the entry, with ``version`` as the loaded weight version when given."""
-        update: dict = {"heartbeat_at": time.time()}
-        if version is not None:
-            update["version"] = version
-        self._entry = self._entry.model_copy(update=update)
+    @property
+    def entry(self) -> WorkerRegistered:
+        return self._entry
+
+    async def put(self, **changes) -> None:
+        """Write the entry with a fresh heartbeat and ``changes`` (``version``, ``role``,
+        ``epoch``, ``busy``); a change given as ``None`` keeps the field as it is."""
+        update = {k: v for k, v in changes.items() if v is not None}
+        self._entry = self._entry.model_copy(update={**update, "heartbeat_at": time.time()})
         await self._bucket.put(self.worker_id, codec.encode(self._entry))
+
+    def note(self, **changes) -> None:
+        """Change the entry without writing it: the next ``put`` or heartbeat carries it."""
+        self._entry = self._entry.model_copy(update=changes)
+
+    def renew(self) -> None:
+        """Begin a new registration (a fenced worker is re-admitted once it shows one)."""
+        self._entry = self._entry.model_copy(update={"started_at": time.time()})
 
     async def keep_alive(self, period: float, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -86,15 +101,18 @@ class Registration:
 
 
 async def watch_workers(
-    js: JetStreamContext, names: RunNames
+    js: JetStreamContext, names: RunNames, on_current: Callable[[], None] = lambda: None
 ) -> AsyncIterator[tuple[str, WorkerRegistered | None]]:
-    """Every change of the registry as ``(worker_id, entry)``, current entries first; ``None``
-    when a worker's entry was deleted or expired. Bad entries are logged and skipped."""
+    """Every change of the registry as ``(worker_id, entry)``, current entries first (then
+    ``on_current`` is called); ``None`` when a worker's entry was deleted. An entry that expires
+    is not announced: its ``heartbeat_at`` says how fresh it is. Bad entries are logged and
+    skipped."""
     bucket = await js.key_value(names.workers_kv)
     watcher = await bucket.watchall()
     try:
         async for entry in watcher:
             if entry is None:  # the end of the initial values
+                on_current()
                 continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
                 yield entry.key, None

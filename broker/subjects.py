@@ -45,6 +45,11 @@ class RunNames:
         return f"{self.prefix}.tasks"
 
     @property
+    def tasks_admitted(self) -> str:
+        """Tasks the scheduler admitted, scheduler -> agent runners (work queue, same stream)."""
+        return f"{self.prefix}.tasks.admitted"
+
+    @property
     def gen_req(self) -> str:
         """Generation requests, gateway -> rollout workers (work queue)."""
         return f"{self.prefix}.gen.req"
@@ -128,6 +133,11 @@ class RunNames:
         return f"sf-{self.run}-workers"
 
     @property
+    def control_kv(self) -> str:
+        """The scheduler's lease (key ``scheduler``): one active scheduler per run."""
+        return f"sf-{self.run}-control"
+
+    @property
     def weights_store(self) -> str:
         return f"sf-{self.run}-weights"
 
@@ -135,7 +145,8 @@ class RunNames:
 class Durable(StrEnum):
     """Durable pull-consumer names, one per consuming role."""
 
-    AGENTS = "agents"  # tasks -> agent runner
+    SCHEDULER = "scheduler"  # tasks -> scheduler (admission)
+    AGENTS = "agents"  # tasks.admitted -> agent runner
     ROLLOUT = "rollout"  # gen.req -> rollout workers
     TRAJECTORY = "trajectory"  # traj.end -> trajectory manager (reads traj.calls.<session>)
     TRAINER = "trainer"  # samples -> trainer

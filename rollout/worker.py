@@ -12,8 +12,14 @@ reason; an attempt the worker gives up (it is stopping, or the gateway cancelled
 A ``WeightsPublished`` event pauses the engine at a token boundary, loads the new version and
 resumes: in-flight requests continue on the new weights, and their chunks say so.
 
-The worker registers itself (tags, role, loaded version, /metrics URL) in the run's worker KV
-bucket and renews the entry every ``heartbeat_s``; it deletes it when it stops.
+The worker registers itself (tags, capacity, role, loaded version, /metrics URL) in the run's
+worker KV bucket and renews the entry every ``heartbeat_s``; it deletes it when it stops.
+
+Roles (``broker.roles``): the worker starts in ``WorkerConfig.role`` and the scheduler moves it
+between ``rollout`` (consuming ``gen.req``) and ``idle``. Going idle stops routing to it (the
+ingress hands back what it fetched), aborts what is in flight (the gateway continues those
+attempts elsewhere with their tokens and versions: partial rollout) and pauses the engine warm:
+weights stay loaded and keep following new versions, so it rejoins serving the current one.
 """
 
 import asyncio
@@ -41,10 +47,12 @@ from broker.messages import (
     GenerationCancelled,
     GenerationRequested,
     Role,
+    RoleField,
     TokensGenerated,
     WeightsPublished,
 )
 from broker.registry import Registration, default_worker_id
+from broker.roles import RoleHolder
 from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights_apart, latest_weights
 from common.log import kv
@@ -78,11 +86,11 @@ WEIGHT_LOAD = Histogram(
 INTERRUPTIONS = Counter(
     "sf_rollout_interruptions",
     "In-flight attempts interrupted, by cause",
-    # weight_update: paused and continued here; stopping/cancelled: ended with ABORT
+    # weight_update: paused and continued here; stopping/cancelled/reclaimed: ended with ABORT
     ["cause"],
     registry=REGISTRY,
 )
-for _cause in ("weight_update", "stopping", "cancelled"):  # exported from the start, at 0
+for _cause in ("weight_update", "stopping", "cancelled", "reclaimed"):  # exported at 0
     INTERRUPTIONS.labels(_cause)
 VERSION = Gauge("sf_rollout_weight_version", "Weight version the engine serves", registry=REGISTRY)
 WEIGHT_ERRORS = Counter(
@@ -106,6 +114,10 @@ class WorkerConfig(BaseModel):
         default_factory=lambda: ["rollout"], description="capability tags, comma-separated"
     )
     max_running: int = Field(default=32, ge=1, description="requests generated at once")
+    role: RoleField = Field(
+        default=Role.ROLLOUT,
+        description="the role it takes at start, until the scheduler asks for another",
+    )
     keepalive_s: float = Field(default=1.0, gt=0, description="empty chunk after this silence")
     heartbeat_s: float = Field(default=5.0, gt=0, description="worker KV renewal period")
     engine: EngineSettings = Field(
@@ -148,6 +160,10 @@ class RolloutWorker:
         self._stopping = False
         self._tried_version = -1
         self._registration: Registration | None = None  # set once registered
+        self._roles: RoleHolder | None = None  # set once registered
+        self._serving: asyncio.Task | None = None  # the gen.req ingress, while rollout
+        self._serving_stop = asyncio.Event()
+        self._engine_lock = asyncio.Lock()  # a role switch never resumes a load in progress
 
     @property
     def worker_id(self) -> str:
@@ -180,11 +196,17 @@ class RolloutWorker:
             self._names,
             self.worker_id,
             tags=self._config.tags,
-            role=Role.ROLLOUT,
+            role=self._config.role,
+            capacity=self._config.max_running,
             metrics_url=self._metrics_url,
         )
+        if self._config.role is Role.ROLLOUT:
+            self._start_serving()
+        else:
+            await self._engine.pause()
         await self._register(registration)
-        # 2. Follow cancellations and weight versions; consume requests; keep the entry alive.
+        # 2. Follow cancellations, weight versions and role changes; keep the entry alive.
+        self._roles = RoleHolder(self._nc, self._names, registration, self._switch)
         cancels = await self._nc.subscribe(self._names.gen_cancel_all, cb=self._on_cancel)
         weights = await self._js.subscribe(
             self._names.weights,
@@ -192,21 +214,24 @@ class RolloutWorker:
             ordered_consumer=True,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
         )
-        ingress = self.requests_ingress()
-        ingress_stop = asyncio.Event()
-        consuming = asyncio.create_task(ingress.run(ingress_stop))
+        await self._roles.start()
         heartbeat = asyncio.create_task(registration.keep_alive(self._config.heartbeat_s, stop))
-        log.info(kv("worker_started", worker=self.worker_id, version=self._engine.version))
+        log.info(
+            kv(
+                "worker_started",
+                worker=self.worker_id,
+                role=self._config.role,
+                version=self._engine.version,
+            )
+        )
         on_ready()
         try:
             await stop.wait()
         finally:
             # 3. Stop taking requests, end the ones in flight (the gateway continues them).
             self._stopping = True
-            ingress_stop.set()
-            for attempt in list(self._attempts.values()):
-                await self._abort(attempt, "interrupted: worker stopping", cause="stopping")
-            await consuming
+            await self._roles.stop()
+            await self._stop_serving("interrupted: worker stopping", cause="stopping")
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
             await cancels.unsubscribe()
@@ -214,17 +239,47 @@ class RolloutWorker:
             await registration.delete()
             log.info(kv("worker_stopped", worker=self.worker_id))
 
+    # -- roles ------------------------------------------------------------------------------
+    async def _switch(self, role: Role) -> None:
+        """``RoleHolder``'s switch: serve ``gen.req`` as ``rollout``, nothing as ``idle``."""
+        if role not in (Role.ROLLOUT, Role.IDLE):
+            raise ValueError(f"a rollout worker cannot hold the role {role.value!r}")
+        if role is Role.IDLE:  # first stop routing and abort: never wait for responses
+            await self._stop_serving("interrupted: worker reclaimed", cause="reclaimed")
+        async with self._engine_lock:
+            if role is Role.ROLLOUT:
+                await self._engine.resume()
+                self._start_serving()
+            else:
+                await self._engine.pause()
+
+    def _start_serving(self) -> None:
+        if self._serving is None:
+            self._serving_stop = asyncio.Event()
+            self._serving = asyncio.create_task(self.requests_ingress().run(self._serving_stop))
+
+    async def _stop_serving(self, reason: str, *, cause: str) -> None:
+        """Stop routing to this worker, then abort what is in flight; never wait for it."""
+        if self._serving is None:
+            return
+        serving, self._serving = self._serving, None
+        self._serving_stop.set()
+        for attempt in list(self._attempts.values()):
+            await self._abort(attempt, reason, cause=cause)
+        await serving
+
     # -- requests ---------------------------------------------------------------------------
     async def _generate(self, request: GenerationRequested, delivery: Delivery) -> None:
         key = (request.call_id, request.attempt)
-        if self._stopping:  # fetched while stopping: another worker takes it, at once
-            raise HandBack(f"attempt {key}: {self.worker_id} is stopping")
+        if self._stopping or self._serving is None:  # fetched while stopping or going idle
+            raise HandBack(f"attempt {key}: {self.worker_id} is stopping or no longer serving")
         if key in self._attempts:
             # A duplicate delivery of an attempt running here: that run answers its reply_to.
             log.info(kv("duplicate_request", call=request.call_id, attempt=request.attempt))
             return
         attempt = _Attempt(request, delivery)
         self._attempts[key] = attempt
+        self._note_busy()
         QUEUE_WAIT.observe(max(0.0, time.time() - delivery.published_at))
         RUNNING.inc()
         keepalive = asyncio.create_task(self._keepalive(attempt))
@@ -246,6 +301,7 @@ class RolloutWorker:
         finally:
             keepalive.cancel()
             del self._attempts[key]
+            self._note_busy()
             RUNNING.dec()
             REQUESTS.labels(finish.value).inc()
 
@@ -329,12 +385,14 @@ class RolloutWorker:
         fetched = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="sf-weights-") as folder:
             await asyncio.to_thread((Path(folder) / "model.safetensors").write_bytes, blob)
-            INTERRUPTIONS.labels("weight_update").inc(len(self._attempts))
-            await self._engine.pause()
-            try:
-                await self._engine.load_weights(event.version, Path(folder))
-            finally:
-                await self._engine.resume()
+            async with self._engine_lock:
+                INTERRUPTIONS.labels("weight_update").inc(len(self._attempts))
+                await self._engine.pause()
+                try:
+                    await self._engine.load_weights(event.version, Path(folder))
+                finally:
+                    if self._serving is not None:  # an idle worker's engine stays paused
+                        await self._engine.resume()
         seconds = time.monotonic() - started
         WEIGHT_LOAD.observe(seconds)
         if self._registration is not None:  # tell the registry now, not at the next heartbeat
@@ -350,6 +408,10 @@ class RolloutWorker:
         )
 
     # -- registry ---------------------------------------------------------------------------
+    def _note_busy(self) -> None:
+        if self._roles is not None:
+            self._roles.set_busy(bool(self._attempts))
+
     async def _register(self, registration: Registration) -> None:
         """Write the entry with the version the engine serves now."""
         await registration.put(version=self._engine.version)

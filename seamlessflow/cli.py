@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     trainer = section_flags("trainer", skip=("temperature",))  # as for agents
     _add_service(p, section_flags("model", only=("name",)) + trainer)
 
+    p = sub.add_parser("scheduler", help="run the tag scheduler (one leads per run) until Ctrl-C")
+    _add_nats(p)
+    _add_run(p)
+    _add_config(p, "[scheduler], [layout], [trainer] and [provision] sections")
+    _add_service(p, section_flags("scheduler") + section_flags("layout"))
+
     p = sub.add_parser(
         "run", help="run the whole RL loop on this machine (embedded broker by default)"
     )
@@ -315,6 +321,26 @@ def _trainer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scheduler(args: argparse.Namespace) -> int:
+    from seamlessflow.launcher import serve_until_signalled
+    from tagsched.scheduler import serve_scheduler
+
+    c = _settings(args)
+    asyncio.run(
+        serve_until_signalled(
+            serve_scheduler,
+            args.nats,
+            c.run,
+            c.provision,
+            c.scheduler,
+            c.layout,
+            c.trainer_shape(),
+            args.metrics_port,
+        )
+    )
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     from seamlessflow.run import run_rl
 
@@ -338,6 +364,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "trajectory": _trajectory,
     "agents": _agents,
     "trainer": _trainer,
+    "scheduler": _scheduler,
     "run": _run,
 }
 

@@ -12,6 +12,8 @@ from common.exceptions import SeamlessFlowError
 from rollout.agents.config import AgentsConfig
 from rollout.gateway.config import GatewaySettings
 from rollout.worker import WorkerConfig
+from tagsched.admission import AdmissionError, admission_limit
+from tagsched.config import LayoutConfig, SchedulerConfig, TrainerShape
 from trainer.config import TrainerConfig
 from trainer.warmstart import WarmStartConfig
 from trajectory.config import TrajectoryConfig
@@ -71,12 +73,8 @@ class TasksConfig(_Section):
     max_tokens: int = Field(
         default=8, ge=1, le=4096, description="tokens per answer (a number needs few)"
     )
-    backlog: int = Field(default=16, ge=1, description="tasks kept queued, at most")
-    steps_ahead: int = Field(
-        default=2,
-        ge=1,
-        description="admission control: groups not yet taken by the trainer, in trainer steps "
-        "(groups_per_step each); more keeps rollout busier and raises staleness",
+    backlog: int = Field(
+        default=16, ge=1, description="tasks kept queued for the scheduler's admission, at most"
     )
     seed: int = Field(default=0, ge=0)
 
@@ -108,6 +106,8 @@ class RunConfig(BaseModel):
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    layout: LayoutConfig = Field(default_factory=LayoutConfig)
     stop: StopConfig = Field(default_factory=StopConfig)
 
     @model_validator(mode="after")
@@ -119,6 +119,21 @@ class RunConfig(BaseModel):
                 "were sampled at"
             )
         return self
+
+    @model_validator(mode="after")
+    def _admission_within_staleness(self) -> "RunConfig":
+        try:
+            admission_limit(
+                steps_ahead=self.scheduler.steps_ahead,
+                groups_per_step=self.trainer.groups_per_step,
+                max_staleness=self.trainer.max_staleness,
+            )
+        except AdmissionError as exc:
+            raise ValueError(str(exc)) from exc
+        return self
+
+    def trainer_shape(self) -> TrainerShape:
+        return TrainerShape(self.trainer.groups_per_step, self.trainer.max_staleness)
 
     output_dir: Path | None = Field(
         default=None, description="summary and reward curve; default: <state dir>/runs/<run>"

@@ -15,6 +15,7 @@ from broker.config import EmbeddedBrokerConfig, ProvisionConfig
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus
+from broker.roles import REGISTRY as ROLE_METRICS
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from common.metrics import MetricsEndpoint, serve_metrics
@@ -105,7 +106,9 @@ async def serve_worker(
 ) -> None:
     """Run one rollout worker until SIGINT/SIGTERM: engine, /metrics, then the worker loop."""
     stop = stop_on_signals()
-    metrics = serve_metrics(WORKER_METRICS, ENGINE_METRICS, INGRESS_METRICS, port=metrics_port)
+    metrics = serve_metrics(
+        WORKER_METRICS, ENGINE_METRICS, INGRESS_METRICS, ROLE_METRICS, port=metrics_port
+    )
     loaded = await start_engine(engine_config)
     try:
         async with session(url, f"seamlessflow-worker-{worker.worker_id}") as nc:

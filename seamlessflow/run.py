@@ -193,32 +193,22 @@ def _feed(schema: type[Message], handle: Callable) -> Callable:
 
 
 class TaskFeed:
-    """Feeds the built-in tasks (none for env 'none'), one group per task, with admission
-    control: the groups not yet taken by the trainer (tasks queued or being run, samples the
-    trainer has not settled) stay within ``tasks.steps_ahead`` trainer steps, so rollout never
-    runs far past the staleness bound while the trainer works. Both counts are the broker's
-    consumer states; nothing is asked of the other processes."""
+    """Feeds the built-in tasks (none for env 'none'), one group per task, as any client would:
+    it keeps ``tasks.backlog`` tasks waiting for the scheduler, whose admission control paces
+    them (``tagsched.admission``)."""
 
     def __init__(self, nc: Client, names: RunNames, config: RunConfig) -> None:
         self._js = nc.jetstream()
         self._names = names
         self._config = config.tasks
-        self._limit = config.tasks.steps_ahead * config.trainer.groups_per_step
         self._rng = random.Random(config.tasks.seed)
         self._next = 0
 
     async def top_up(self) -> None:
         if self._config.env == "none":
             return
-        tasks_info = await self._js.consumer_info(self._names.tasks_stream, Durable.AGENTS)
-        samples_info = await self._js.consumer_info(self._names.samples_stream, Durable.TRAINER)
-        unsettled = samples_info.num_pending + samples_info.num_ack_pending
-        outstanding = (
-            tasks_info.num_pending
-            + tasks_info.num_ack_pending
-            + unsettled // self._config.group_size
-        )
-        missing = min(self._limit - outstanding, self._config.backlog - tasks_info.num_pending)
+        waiting = await self._js.consumer_info(self._names.tasks_stream, Durable.SCHEDULER)
+        missing = self._config.backlog - waiting.num_pending
         if missing <= 0:
             return
         tasks = arithmetic.arithmetic_tasks(
@@ -252,8 +242,12 @@ class Services:
         config_args = ["--config", str(self.config_path)] if self.config_path else []
         where = ["--nats", self.url, "--run", cfg.run]
         common = [*where, *config_args]
-        print("starting trajectory manager, trainer, rollout workers, gateway ...", flush=True)
+        print(
+            "starting scheduler, trajectory manager, trainer, rollout workers, gateway ...",
+            flush=True,
+        )
         first = [
+            ServiceProcess("scheduler", "scheduler", *common),  # its [scheduler] and [layout]
             ServiceProcess("trajectory", "trajectory", *common),
             ServiceProcess(
                 "trainer",

@@ -9,7 +9,8 @@ trainer puts its ``metrics_url``, so workers that join or leave the run (started
       "labels": {"job": "seamlessflow-worker", "run": "quickstart",
                  "__metrics_path__": "/metrics"}}]
 
-``job`` is ``seamlessflow-<command>`` (broker, worker, gateway, trajectory, trainer, agents) and
+``job`` is ``seamlessflow-<command>`` (broker, worker, gateway, trajectory, trainer, agents,
+scheduler) and
 ``run`` the run name: Prometheus attaches both to every series it scrapes there, and the shipped
 dashboards filter on them. The file is replaced atomically (a temporary file, then a rename), so
 Prometheus never reads half of it.
@@ -24,15 +25,15 @@ from urllib.parse import urlsplit
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
-from broker.messages import Role
 from broker.registry import watch_workers
 from broker.subjects import RunNames
 from common.exceptions import SeamlessFlowError
 from common.log import kv
+from tagsched.spec import has_tags
 
 log = logging.getLogger(__name__)
 
-KINDS = ("broker", "worker", "gateway", "trajectory", "trainer", "agents")
+KINDS = ("broker", "worker", "gateway", "trajectory", "trainer", "agents", "scheduler")
 """The process kinds; each is scraped as job ``seamlessflow-<kind>``."""
 
 
@@ -106,7 +107,8 @@ class ScrapeTargets:
             if entry is None or not entry.metrics_url:
                 self._registered.pop(worker_id, None)
             else:
-                kind = "trainer" if entry.role == Role.TRAIN else "worker"
+                # by capability, not by the role of the moment: a lent trainer stays a trainer
+                kind = "worker" if has_tags(entry.tags, ["rollout"]) else "trainer"
                 try:
                     target_group(entry.metrics_url, kind, self.run)
                 except SeamlessFlowError as exc:

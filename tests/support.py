@@ -6,8 +6,8 @@ import inspect
 import shutil
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -25,6 +25,7 @@ from broker.subjects import Durable, RunNames
 from common.metrics import metric_sum, scrape
 from rollout.gateway import Gateway, GatewayConfig
 from seamlessflow.processes import worker_process
+from tagsched.admission import Admission
 
 
 def _nats_binaries() -> dict[str, Path]:
@@ -279,3 +280,17 @@ class InjectedWorkerWire:
         )
         await self.nc.publish(request.reply_to, codec.encode(chunk))
         await self.nc.flush()
+
+
+@asynccontextmanager
+async def admitting(js, names: RunNames, *, limit: int = 1024) -> AsyncIterator[Admission]:
+    """The scheduler's admission (the real one, on this event loop), so tasks published on
+    ``names.tasks`` reach the agent runners; the limit is wide unless a test is about it."""
+    admission = Admission(js, names, SMALL_RUN.tasks, limit=limit)
+    stop = asyncio.Event()
+    running = asyncio.create_task(admission.ingress().run(stop))
+    try:
+        yield admission
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)

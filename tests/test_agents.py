@@ -51,6 +51,7 @@ from seamlessflow.submit import submit_tasks
 from tests.support import (
     SMALL_RUN,
     GatewayThread,
+    admitting,
     eventually,
     gateway_config,
     metric,
@@ -113,15 +114,17 @@ def sample(name: str, **labels: str) -> float:
 
 @asynccontextmanager
 async def runner(js, names: RunNames, gateway_url: str, **fields):
-    """An ``AgentRunner`` on this event loop; stopped (and awaited) on leaving."""
+    """An ``AgentRunner`` on this event loop, behind the scheduler's admission; stopped (and
+    awaited) on leaving."""
     stop = asyncio.Event()
     agents = AgentRunner(js, names, SMALL_RUN.tasks, AgentsConfig(**fields), gateway_url)
-    running = asyncio.create_task(agents.run(stop))
-    try:
-        yield stop, running
-    finally:
-        stop.set()
-        await asyncio.wait_for(running, 60)
+    async with admitting(js, names):
+        running = asyncio.create_task(agents.run(stop))
+        try:
+            yield stop, running
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 60)
 
 
 async def ended(js, names: RunNames, task_ids: set[str], count: int) -> list[SessionEnded]:
@@ -515,8 +518,9 @@ async def test_command_agent_through_the_cli(stack, js, broker, tmp_path: Path):
     )
     try:
         await asyncio.to_thread(agents.wait_ready, 60)
-        await submit_tasks(js, names, [sums, fails], progress=False)
-        sessions = await ended(js, names, {sums.task_id, fails.task_id}, 3)
+        async with admitting(js, names):
+            await submit_tasks(js, names, [sums, fails], progress=False)
+            sessions = await ended(js, names, {sums.task_id, fails.task_id}, 3)
 
         async def counted() -> bool:
             done = await metric(agents.metrics_url, "sf_agents_tasks_total", outcome="done")

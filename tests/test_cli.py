@@ -15,7 +15,7 @@ import pytest
 
 from broker.ingress import tasks_ingress
 from broker.messages import TaskSubmitted
-from broker.subjects import RunNames
+from broker.subjects import Durable, RunNames
 from rollout.engines import HFEngineConfig, VLLMEngineConfig
 from seamlessflow import cli
 from seamlessflow.cli import build_parser
@@ -51,7 +51,7 @@ async def test_provision_then_submit_then_status(broker, js, run_name, tmp_path)
     config = _config(tmp_path, run_name)
     done = sf("provision", "--nats", broker.url, "--config", str(config))
     assert done.returncode == 0, done.stderr
-    assert f"run '{run_name}': 12 created" in done.stdout
+    assert f"run '{run_name}': 14 created" in done.stdout
 
     lines = [
         json.dumps({"task_id": "a", "messages": [{"role": "user", "content": "1+1"}]}),
@@ -82,7 +82,7 @@ async def test_provision_then_submit_then_status(broker, js, run_name, tmp_path)
 
     # The same file's config again is a no-op; a different one is refused, with exit code 2.
     assert (
-        "0 created, 12 unchanged"
+        "0 created, 14 unchanged"
         in sf("provision", "--nats", broker.url, "--config", str(config)).stdout
     )
     clash = config.read_text().replace("[provision]\n", "[provision]\nworkers_ttl_s = 5.0\n")
@@ -175,7 +175,9 @@ async def test_dead_letters_lists_real_dead_letters_with_decoded_payloads(broker
     async def refuse(task, delivery):
         raise AssertionError(f"no valid task was sent, got {task}")
 
-    ingress = tasks_ingress(js, names, refuse, SMALL_RUN.tasks, fetch_timeout=0.2)
+    ingress = tasks_ingress(
+        js, names, refuse, SMALL_RUN.tasks, fetch_timeout=0.2, durable=Durable.SCHEDULER
+    )
     stop = asyncio.Event()
     running = asyncio.create_task(ingress.run(stop))
 
@@ -335,7 +337,7 @@ def test_base_commands_run_without_torch(broker, js, run_name, tmp_path):
     assert run("schema", "export", str(tmp_path / "schemas")).returncode == 0
     config = _config(tmp_path, run_name)
     done = run("provision", "--nats", broker.url, "--config", str(config))
-    assert done.returncode == 0 and "12 created" in done.stdout, done.stderr
+    assert done.returncode == 0 and "14 created" in done.stdout, done.stderr
     task = json.dumps({"task_id": "a", "messages": [{"role": "user", "content": "1+1"}]})
     done = run("submit", "--nats", broker.url, "--run", run_name, "-", stdin=task + "\n")
     assert done.returncode == 0 and "submitted 1 tasks" in done.stdout, done.stderr

@@ -50,7 +50,9 @@ class Collector:
 
 def _ingress(js, names: RunNames, handler) -> Ingress[TaskSubmitted]:
     limits = SMALL_RUN.tasks.model_copy(update={"max_payload": 4096})
-    return tasks_ingress(js, names, handler, limits, fetch_timeout=0.2, retry_delay=0.1)
+    return tasks_ingress(
+        js, names, handler, limits, fetch_timeout=0.2, retry_delay=0.1, durable=Durable.SCHEDULER
+    )
 
 
 async def _run_until(ingress: Ingress, done, timeout: float = 20.0) -> None:
@@ -136,7 +138,7 @@ async def test_malformed_tasks_are_dead_lettered_and_the_rest_handled(js, names)
         assert letter.payload_size == len(payload)
         assert letter.content_type == (ctype or "")[:256]
     # Every message was settled: nothing left in the work queue, nothing awaiting an ack.
-    info = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
+    info = await js.consumer_info(names.tasks_stream, Durable.SCHEDULER)
     assert (info.num_pending, info.num_ack_pending) == (0, 0)
     assert (await js.stream_info(names.tasks_stream)).state.messages == 0
 
@@ -147,7 +149,7 @@ async def test_handler_failures_are_retried_then_dead_lettered(js, names):
     failed0, rejected0 = _count("tasks", "failed"), _count("tasks", "rejected")
     handler = Collector(fail_once={"ok-0"}, fail_always={"ok-2"})
     ingress = _ingress(js, names, handler)
-    max_deliver = (await js.consumer_info(names.tasks_stream, Durable.AGENTS)).config.max_deliver
+    max_deliver = (await js.consumer_info(names.tasks_stream, Durable.SCHEDULER)).config.max_deliver
     await _run_until(
         ingress, lambda: len(handler.seen) == 2 and _count("tasks", "rejected") - rejected0 == 1
     )
@@ -256,14 +258,21 @@ async def test_an_unavailable_part_pauses_the_ingress_and_spends_no_delivery(js,
     out, JetStream would redeliver, then drop the tasks. It does neither, and nothing is failed,
     dead-lettered or logged with a traceback."""
     names = RunNames("t" + uuid.uuid4().hex[:12])
-    limits = SMALL_RUN.agents.model_copy(update={"ack_wait_s": 1.0, "max_deliver": 2})
-    await provision_run(js, names.run, SMALL_RUN.model_copy(update={"agents": limits}))
+    limits = SMALL_RUN.scheduler.model_copy(update={"ack_wait_s": 1.0, "max_deliver": 2})
+    await provision_run(js, names.run, SMALL_RUN.model_copy(update={"scheduler": limits}))
     for i in range(3):
         await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
     failed0, rejected0 = _count("tasks", "failed"), _count("tasks", "rejected")
     handler = Outage()
     ingress = tasks_ingress(
-        js, names, handler, SMALL_RUN.tasks, fetch_timeout=0.2, backoff=0.05, backoff_max=0.2
+        js,
+        names,
+        handler,
+        SMALL_RUN.tasks,
+        fetch_timeout=0.2,
+        backoff=0.05,
+        backoff_max=0.2,
+        durable=Durable.SCHEDULER,
     )
     stop = asyncio.Event()
     caplog.set_level(logging.INFO, logger="broker.ingress")
@@ -275,7 +284,7 @@ async def test_an_unavailable_part_pauses_the_ingress_and_spends_no_delivery(js,
         assert {task for task, _, _ in handler.calls} == {"ok-0"}
         assert len(handler.calls) >= 10  # the backoff is capped
         assert [retry for _, _, retry in handler.calls] == list(range(len(handler.calls)))
-        info = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
+        info = await js.consumer_info(names.tasks_stream, Durable.SCHEDULER)
         assert (info.num_redelivered, info.num_ack_pending) == (0, 3)
         handler.up.set()
         await eventually(lambda: {t for t, _, _ in handler.calls} == {"ok-0", "ok-1", "ok-2"})
@@ -298,7 +307,15 @@ async def test_stopping_while_paused_hands_the_held_task_back(js, names):
     await js.publish(names.tasks, msgpack.packb(_task_dict(0)))
     returned0, failed0 = _count("tasks", "returned"), _count("tasks", "failed")
     handler = Outage()
-    ingress = tasks_ingress(js, names, handler, SMALL_RUN.tasks, fetch_timeout=0.2, backoff=0.05)
+    ingress = tasks_ingress(
+        js,
+        names,
+        handler,
+        SMALL_RUN.tasks,
+        fetch_timeout=0.2,
+        backoff=0.05,
+        durable=Durable.SCHEDULER,
+    )
     await _run_until(ingress, lambda: _paused() == 1.0)
     assert _paused() == 0.0  # a stopped ingress is not paused
     assert _count("tasks", "returned") - returned0 == 1
@@ -307,6 +324,8 @@ async def test_stopping_while_paused_hands_the_held_task_back(js, names):
     # Back in the queue at once: the next consumer takes it on its next delivery.
     handler.up.set()
     handler.calls.clear()
-    again = tasks_ingress(js, names, handler, SMALL_RUN.tasks, fetch_timeout=0.2)
+    again = tasks_ingress(
+        js, names, handler, SMALL_RUN.tasks, fetch_timeout=0.2, durable=Durable.SCHEDULER
+    )
     await _run_until(again, lambda: handler.calls == [("ok-0", 2, 0)])
     assert (await js.stream_info(names.tasks_stream)).state.messages == 0

@@ -10,6 +10,7 @@ import pytest
 
 from broker.ingress import tasks_ingress
 from broker.messages import MessageRejected, TaskSubmitted
+from broker.subjects import Durable
 from tests.support import SMALL_RUN, eventually, stream_messages
 
 CLIENT_DIR = Path(__file__).parent / "clients" / "node"
@@ -61,7 +62,9 @@ async def test_node_client_task_is_received_and_validated(broker, js, names):
     async def handle(t: TaskSubmitted, _delivery) -> None:
         received.append(t)
 
-    ingress = tasks_ingress(js, names, handle, SMALL_RUN.tasks, fetch_timeout=0.2)
+    ingress = tasks_ingress(
+        js, names, handle, SMALL_RUN.tasks, fetch_timeout=0.2, durable=Durable.SCHEDULER
+    )
     stop = asyncio.Event()
     run = asyncio.create_task(ingress.run(stop))
 

@@ -27,7 +27,7 @@ async def test_provisioning_twice_is_a_no_op(js, run_name):
     second = await provision_run(js, run_name, SMALL_RUN)
     after = {name: (await js.stream_info(name)).config for name in _streams(run_name)}
 
-    assert len(first.created) == 12  # 6 streams, KV, object store, 4 durable consumers
+    assert len(first.created) == 14  # 6 streams, 2 KV buckets, object store, 5 consumers
     assert second.created == []
     assert sorted(second.unchanged) == sorted(first.created)
     assert before == after
@@ -85,7 +85,7 @@ async def test_status_reports_depths_and_missing_parts(js, names):
     assert status.missing == []
     tasks = next(s for s in status.streams if s.name == names.tasks_stream)
     assert tasks.messages == 2
-    assert [(c.name, c.pending) for c in tasks.consumers] == [("agents", 2)]
+    assert {c.name: c.pending for c in tasks.consumers} == {"agents": 0, "scheduler": 2}
     assert (await run_status(js, "never-provisioned")).streams == []
 
 

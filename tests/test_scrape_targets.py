@@ -67,6 +67,6 @@ def test_targets_refuse_a_bad_url_or_kind(tmp_path):
     for url in ("127.0.0.1:9460", "http://h:abc/metrics", "http://h:99999/metrics"):
         with pytest.raises(SeamlessFlowError, match="not an http://host:port"):
             targets.add(url, "broker")
-    with pytest.raises(SeamlessFlowError, match="unknown process kind 'scheduler'"):
-        targets.add("http://127.0.0.1:9460/metrics", "scheduler")
+    with pytest.raises(SeamlessFlowError, match="unknown process kind 'planner'"):
+        targets.add("http://127.0.0.1:9460/metrics", "planner")
     assert json.loads((tmp_path / "t.json").read_text()) == []

@@ -10,6 +10,10 @@ it is committed. Per step (``Trainer.run``):
 3. checkpoint (model, optimizer, version v+1, the ids of recent steps), atomically;
 4. release the samples' handlers: the ingress acks them;
 5. publish version v+1 and time how long until every rollout worker serves it.
+
+The trainer holds a role (``broker.roles``): it steps only as ``train``; asked to take another
+(its worker lent to rollout, or idle), it finishes the step in progress and waits, still taking
+and holding samples, until it is ``train`` again.
 """
 
 import asyncio
@@ -30,6 +34,8 @@ from broker.messages import Role, SampleReady, WorkerRegistered
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.registry import Registration, watch_workers
+from broker.roles import REGISTRY as ROLE_METRICS
+from broker.roles import RoleHolder
 from broker.subjects import Durable, RunNames
 from broker.weights import latest_weights, publish_weights
 from common.log import kv
@@ -179,6 +185,10 @@ class Trainer:
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._wake = asyncio.Event()
         self._stopping = False
+        self._may_step = asyncio.Event()  # set while the trainer holds the train role
+        self._may_step.set()
+        self._stepping = asyncio.Lock()
+        self.roles: RoleHolder | None = None  # accounts busy time once set
 
     # -- samples ----------------------------------------------------------------------------
     async def on_sample(self, sample: SampleReady, delivery: Delivery) -> None:
@@ -230,23 +240,36 @@ class Trainer:
                 if expired := self._batcher.expire(timeout):
                     GROUPS_EXPIRED.inc(expired)
                     log.warning(kv("groups_expired", groups=expired, after_s=timeout))
+                if not self._may_step.is_set():  # lent or idle: wait to be given the role back
+                    await _first(self._may_step.wait(), stop.wait())
+                    continue
                 groups = self._batcher.take(self._config.groups_per_step)
                 if groups is None:
                     self._wake.clear()
-                    waiter = asyncio.create_task(self._wake.wait())
-                    stopper = asyncio.create_task(stop.wait())
-                    await asyncio.wait(
-                        {waiter, stopper},
-                        timeout=min(timeout, 5.0),  # also wakes to expire groups
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    waiter.cancel()
-                    stopper.cancel()
+                    # also wakes to expire groups
+                    await _first(self._wake.wait(), stop.wait(), timeout=min(timeout, 5.0))
                     continue
-                await self._step(groups)
+                async with self._stepping:
+                    if self.roles is not None:
+                        self.roles.set_busy(True)
+                    try:
+                        await self._step(groups)
+                    finally:
+                        if self.roles is not None:
+                            self.roles.set_busy(False)
         finally:
             self._stopping = True
             self._release(list(self._waiting), HandBack("trainer stopping"))
+
+    async def take(self, role: Role) -> None:
+        """``RoleHolder``'s switch: step as ``train``; otherwise finish the step in progress and
+        hold off (samples keep being taken and held)."""
+        if role is Role.TRAIN:
+            self._may_step.set()
+            return
+        self._may_step.clear()
+        async with self._stepping:  # the step in progress, if any, has committed
+            pass
 
     async def _step(self, groups: list[list[SampleReady]]) -> None:
         consumed = [s.sample_id for g in groups for s in g]
@@ -366,6 +389,16 @@ class Trainer:
                 SERVING_SECONDS.observe(seconds)
 
 
+async def _first(*waits, timeout: float | None = None) -> None:  # noqa: ASYNC109
+    """Wait for the first of ``waits`` (coroutines) to finish, or ``timeout``; cancel the rest."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def serve_trainer(
     url: str,
     run: str,
@@ -377,7 +410,7 @@ async def serve_trainer(
 ) -> None:
     """Run the trainer (all its ranks) until ``stop``: /metrics, ranks, checkpoint, NATS."""
     set_threads(config)
-    metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
+    metrics = serve_metrics(REGISTRY, INGRESS_METRICS, ROLE_METRICS, port=metrics_port)
     ranks = await asyncio.to_thread(RankGroup, model, config)
     try:
         # 1. Resume from the newest checkpoint, on every rank.
@@ -406,6 +439,8 @@ async def serve_trainer(
             await registration.put()
             watch = ServingWatch(provision.workers_ttl_s)
             trainer = Trainer(js, names, config, ranks, registration, watch, start)
+            trainer.roles = RoleHolder(nc, names, registration, trainer.take)
+            await trainer.roles.start()
             await trainer.publish_if_missing()
             ingress = Ingress(
                 js,
@@ -447,6 +482,7 @@ async def serve_trainer(
                 for task in tasks[1:]:
                     task.cancel()
                 await asyncio.gather(*tasks[1:], return_exceptions=True)
+                await trainer.roles.stop()
                 await registration.delete()
             if stepping.exception() is not None:
                 raise TrainerError(f"training failed: {stepping.exception()!r}")

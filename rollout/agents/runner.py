@@ -248,6 +248,7 @@ class AgentRunner:
             self._names,
             self._handle,
             self._limits,
+            durable=Durable.AGENTS,
             batch=self._config.max_tasks,
             concurrency=self._config.max_tasks,
             retry_delay=self._config.retry_delay_s,

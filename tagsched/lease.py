@@ -1,0 +1,85 @@
+"""One active scheduler per run: a lease held as the key ``scheduler`` of the run's control bucket
+(``sf-<run>-control``), whose entries expire ``scheduler_lease_s`` after their last write.
+
+The holder renews with a compare-and-set on the revision it wrote; a standby tries to create the
+key every ``ttl / 3`` seconds, which succeeds only once the holder's entry has expired or been
+deleted. So a standby takes over within ``ttl + ttl / 3`` of the holder's death, and two holders
+never renew the same lease: a renewal that finds another revision has lost it.
+"""
+
+import asyncio
+import contextlib
+import logging
+
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from broker.subjects import RunNames
+from common.exceptions import SeamlessFlowError
+from common.log import kv
+
+log = logging.getLogger(__name__)
+
+KEY = "scheduler"
+
+
+class LeaseLostError(SeamlessFlowError):
+    """Another scheduler holds the run's lease now."""
+
+
+class Lease:
+    def __init__(self, bucket: KeyValue, holder: str, ttl: float) -> None:
+        self._bucket = bucket
+        self.holder = holder
+        self.ttl = ttl
+        self._revision = 0
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, names: RunNames, holder: str, ttl: float) -> "Lease":
+        return cls(await js.key_value(names.control_kv), holder, ttl)
+
+    @property
+    def period(self) -> float:
+        """How often to renew (and, waiting, to try again)."""
+        return self.ttl / 3
+
+    async def acquire(self, stop: asyncio.Event) -> bool:
+        """Wait until this holder has the lease (True) or ``stop`` is set (False)."""
+        announced = False
+        while not stop.is_set():
+            try:
+                self._revision = await self._bucket.create(KEY, self.holder.encode())
+                log.info(kv("lease_acquired", holder=self.holder))
+                return True
+            except KeyWrongLastSequenceError:
+                if not announced:
+                    current = await self.current()
+                    log.info(kv("lease_waiting", holder=self.holder, held_by=current))
+                    announced = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.period)
+        return False
+
+    async def renew(self) -> None:
+        try:
+            self._revision = await self._bucket.update(
+                KEY, self.holder.encode(), last=self._revision
+            )
+        except KeyWrongLastSequenceError as exc:
+            raise LeaseLostError(
+                f"scheduler {self.holder} lost the lease to {await self.current()}"
+            ) from exc
+
+    async def release(self) -> None:
+        """Give the lease up at once, so a standby need not wait for it to expire."""
+        with contextlib.suppress(KeyWrongLastSequenceError):  # someone else holds it already
+            await self._bucket.delete(KEY, last=self._revision)
+
+    async def current(self) -> str | None:
+        """Who holds the lease now, if anyone."""
+        try:
+            entry = await self._bucket.get(KEY)
+        except KeyNotFoundError:  # absent, deleted or expired: nobody
+            return None
+        return entry.value.decode() if entry.value else None

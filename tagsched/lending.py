@@ -1,0 +1,62 @@
+"""When to lend the trainer's workers to rollout, and when to take them back (pure).
+
+A trainer worker that also meets the rollout demand (multiplexed and colocated layouts) serves
+rollout while the trainer would otherwise wait for a batch:
+
+- **lend** only when the expected wait for the batch exceeds ``gain`` times the measured cost of
+  a switch there and back (a rolling mean of recent switches; an assumed cost until measured);
+- **reclaim** when the batch *will be* ready within the measured reclaim time, not when it is,
+  so the trainer starts as the last group lands.
+
+The wait is the missing groups over the rate groups have been arriving at (an exponential
+moving average of the sample stream's growth).
+"""
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LendingPolicy:
+    gain: float
+    assumed_cost_s: float
+    lends: deque[float] = field(default_factory=lambda: deque(maxlen=8))
+    reclaims: deque[float] = field(default_factory=lambda: deque(maxlen=8))
+
+    def reclaim_cost(self) -> float:
+        return _mean(self.reclaims, self.assumed_cost_s / 2)
+
+    def switch_cost(self) -> float:
+        return _mean(self.lends, self.assumed_cost_s / 2) + self.reclaim_cost()
+
+    def lent(self, *, now_lent: bool, missing_groups: float, groups_per_s: float) -> bool:
+        """Whether the trainer worker should be lent (serving rollout) from now on."""
+        if missing_groups <= 0:
+            return False  # a batch is ready: train
+        wait = missing_groups / groups_per_s if groups_per_s > 0 else math.inf
+        if now_lent:
+            return wait > self.reclaim_cost()
+        return wait > self.gain * self.switch_cost()
+
+
+@dataclass
+class RateMeter:
+    """Groups per second from a growing count, smoothed over about ``window_s``."""
+
+    window_s: float = 5.0
+    rate: float = 0.0
+    _last: tuple[float, float] | None = None
+
+    def update(self, now: float, count: float) -> float:
+        if self._last is not None and now > self._last[0]:
+            dt = now - self._last[0]
+            instant = max(0.0, count - self._last[1]) / dt
+            alpha = 1 - math.exp(-dt / self.window_s)
+            self.rate += alpha * (instant - self.rate)
+        self._last = (now, count)
+        return self.rate
+
+
+def _mean(values: deque[float], default: float) -> float:
+    return sum(values) / len(values) if values else default

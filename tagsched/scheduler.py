@@ -1,0 +1,354 @@
+"""The tag scheduler: one active per run (``tagsched.lease``), it
+
+1. admits client tasks within the staleness bound (``tagsched.admission``);
+2. assigns roles to the live workers of the registry by the placement spec (``tagsched.spec``)
+   and moves each worker whose role differs with ``RoleChangeRequested`` (a new epoch each) on
+   ``sf.<run>.ctl.role.<worker_id>``; a worker that does not ack within the deadline is fenced:
+   left out of every assignment (its role goes to another worker, its JetStream work is
+   redelivered once it stops renewing it) until it shows a new registration;
+3. lends the trainer's workers to rollout while the trainer waits for a batch, and reclaims
+   them before the batch is ready (``tagsched.lending``).
+
+A worker is live while its registry entry's heartbeat is younger than ``workers_ttl_s`` (the
+bucket drops the entry soon after, but a watch is not told of expiry).
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from prometheus_client import Counter, Gauge, Histogram
+
+from broker import codec
+from broker.client import session
+from broker.config import ProvisionConfig
+from broker.exceptions import InvalidMessageError
+from broker.messages import Role, RoleChangeAcked, RoleChangeRequested, WorkerRegistered
+from broker.metrics import REGISTRY as INGRESS_METRICS
+from broker.provision import durable_info
+from broker.registry import watch_workers
+from broker.subjects import Durable, RunNames
+from common.exceptions import SeamlessFlowError
+from common.log import kv
+from common.metrics import serve_metrics
+from tagsched.admission import REGISTRY, Admission, admission_limit
+from tagsched.config import LayoutConfig, SchedulerConfig, TrainerShape
+from tagsched.lease import Lease, LeaseLostError
+from tagsched.lending import LendingPolicy, RateMeter
+from tagsched.spec import Assignment, PlacementSpec, UnsatisfiableSpecError, assign
+
+log = logging.getLogger(__name__)
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LEADER = Gauge(
+    "sf_scheduler_leader", "1 while this scheduler holds the run's lease", registry=REGISTRY
+)
+ASSIGNED = Gauge(
+    "sf_scheduler_workers", "Live workers by the role they hold", ["role"], registry=REGISTRY
+)
+LENT = Gauge("sf_scheduler_workers_lent", "Trainer workers lent to rollout now", registry=REGISTRY)
+FENCED = Counter("sf_scheduler_fenced", "Workers fenced for missing a deadline", registry=REGISTRY)
+FENCED_NOW = Gauge("sf_scheduler_workers_fenced", "Workers fenced now", registry=REGISTRY)
+CHANGES = Counter(
+    "sf_scheduler_role_changes",
+    "Role change requests, by outcome (acked, refused, timeout)",
+    ["outcome"],
+    registry=REGISTRY,
+)
+UNSATISFIED = Gauge(
+    "sf_scheduler_unsatisfied", "1 while the live workers cannot meet the spec", registry=REGISTRY
+)
+LEND_SECONDS = Histogram(
+    "sf_scheduler_lend_seconds",
+    "From the decision to lend a trainer worker to it serving rollout",
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)
+RECLAIM_SECONDS = Histogram(
+    "sf_scheduler_reclaim_seconds",
+    "From the decision to reclaim a lent trainer worker to the trainer holding it again",
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)
+for _role in Role:
+    ASSIGNED.labels(_role.value)
+for _outcome in ("acked", "refused", "timeout"):
+    CHANGES.labels(_outcome)
+
+
+class SchedulerError(SeamlessFlowError):
+    """The scheduler cannot go on (an unsatisfiable spec past its timeout)."""
+
+
+@dataclass
+class _Fence:
+    started_at: float | None
+    """The fenced registration; a worker showing another one is re-admitted."""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        nc: NATS,
+        names: RunNames,
+        config: SchedulerConfig,
+        spec: PlacementSpec,
+        admission: Admission,
+        *,
+        groups_per_step: int,
+        workers_ttl_s: float,
+        lease_s: float,
+    ) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._names = names
+        self._config = config
+        self._spec = spec
+        self._admission = admission
+        self._groups_per_step = groups_per_step
+        self._ttl = workers_ttl_s
+        self._lease_s = lease_s
+        self._workers: dict[str, WorkerRegistered] = {}
+        self._fenced: dict[str, _Fence] = {}
+        self._pending: dict[str, asyncio.Task] = {}  # role changes in flight, by worker
+        self._lent: set[str] = set()
+        self._epoch = 0
+        self._policy = LendingPolicy(config.lend_gain, config.switch_cost_s)
+        self._rate = RateMeter()
+        self._unsatisfied_since: float | None = None
+        self._last_problem = ""
+        self.assignment = Assignment()
+
+    # -- the lease ----------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event, on_ready=lambda: None) -> None:
+        """Stand by until this scheduler holds the lease, lead until it is lost or ``stop``."""
+        lease = await Lease.open(self._js, self._names, self._config.scheduler_id, self._lease_s)
+        on_ready()
+        while await lease.acquire(stop):
+            LEADER.set(1)
+            try:
+                await self._lead(lease, stop)
+            except LeaseLostError as exc:
+                log.warning(kv("lease_lost", error=exc))
+                continue
+            finally:
+                LEADER.set(0)
+                await self._cancel_pending()
+            with contextlib.suppress(NatsError):
+                await lease.release()
+            return
+
+    async def _lead(self, lease: Lease, stop: asyncio.Event) -> None:
+        log.info(kv("scheduler_leading", scheduler=self._config.scheduler_id))
+        initial = asyncio.Event()
+        watching = asyncio.create_task(self._watch(initial))
+        admission_stop = asyncio.Event()
+        admitting = asyncio.create_task(self._admission.ingress().run(admission_stop))
+        try:
+            await asyncio.wait_for(initial.wait(), self._lease_s)
+            # Continue above every epoch a previous scheduler handed out.
+            self._epoch = max([self._epoch, *(w.epoch for w in self._workers.values())])
+            renewed = time.monotonic()
+            while not stop.is_set():
+                for task in (watching, admitting):
+                    if task.done():
+                        task.result()  # raises what stopped it
+                        raise SchedulerError("a scheduler task ended unexpectedly")
+                if time.monotonic() - renewed >= lease.period:
+                    await lease.renew()
+                    renewed = time.monotonic()
+                await self._tick()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self._config.tick_s)
+        finally:
+            admission_stop.set()
+            watching.cancel()
+            await asyncio.gather(watching, admitting, return_exceptions=True)
+
+    async def _watch(self, initial: asyncio.Event) -> None:
+        async for worker_id, entry in watch_workers(self._js, self._names, on_current=initial.set):
+            if entry is None:
+                self._workers.pop(worker_id, None)
+                continue
+            known = self._workers.get(worker_id)
+            fence = self._fenced.get(worker_id)
+            if fence is not None and entry.started_at != fence.started_at:
+                del self._fenced[worker_id]  # a new registration: re-admitted
+                log.info(kv("worker_readmitted", worker=worker_id))
+            if known is not None and known.epoch > entry.epoch:
+                # our own record is ahead (acked, not yet written back): keep its role and epoch
+                entry = entry.model_copy(update={"role": known.role, "epoch": known.epoch})
+            self._workers[worker_id] = entry
+
+    # -- one tick -----------------------------------------------------------------------------
+    def live(self) -> dict[str, WorkerRegistered]:
+        now = time.time()
+        return {
+            wid: w
+            for wid, w in self._workers.items()
+            if now - w.heartbeat_at <= self._ttl and wid not in self._fenced
+        }
+
+    async def _tick(self) -> None:
+        live = self.live()
+        try:
+            self.assignment = assign(self._spec, live)
+        except UnsatisfiableSpecError as exc:
+            self._unsatisfied(str(exc))
+            return
+        self._unsatisfied_since = None
+        UNSATISFIED.set(0)
+        state = await self._admission.state()
+        rate = self._rate.update(time.monotonic(), state.groups_total)
+        missing = self._groups_per_step - state.unsettled_groups
+        desired: dict[str, tuple[Role, str]] = {}
+        for wid in self.assignment.train:
+            lend = wid in self.assignment.lendable and self._policy.lent(
+                now_lent=wid in self._lent, missing_groups=missing, groups_per_s=rate
+            )
+            if lend:
+                desired[wid] = (Role.ROLLOUT, f"lent: {missing} group(s) missing, {rate:.2f}/s")
+            else:
+                desired[wid] = (Role.TRAIN, "train" if wid not in self._lent else "reclaimed")
+        for wid in self.assignment.rollout:
+            desired[wid] = (Role.ROLLOUT, "rollout")
+        for wid in self.assignment.idle:
+            desired[wid] = (Role.IDLE, "not needed by the spec")
+        for wid, (role, reason) in desired.items():
+            if live[wid].role is not role and wid not in self._pending:
+                self._pending[wid] = asyncio.create_task(self._change(wid, role, reason))
+        self._show(live)
+
+    def _unsatisfied(self, problem: str) -> None:
+        UNSATISFIED.set(1)
+        now = time.monotonic()
+        if self._unsatisfied_since is None:
+            self._unsatisfied_since = now
+        if problem != self._last_problem:
+            log.warning(kv("placement_unsatisfied", problem=problem))
+            self._last_problem = problem
+        if now - self._unsatisfied_since > self._config.placement_timeout_s:
+            raise SchedulerError(
+                f"placement spec unsatisfiable for {self._config.placement_timeout_s:g}s: {problem}"
+            )
+
+    def _show(self, live: dict[str, WorkerRegistered]) -> None:
+        for role in Role:
+            ASSIGNED.labels(role.value).set(sum(w.role is role for w in live.values()))
+        LENT.set(len(self._lent))
+        FENCED_NOW.set(len(self._fenced))
+
+    # -- role changes -------------------------------------------------------------------------
+    async def _change(self, worker_id: str, role: Role, reason: str) -> None:
+        """Ask ``worker_id`` to take ``role``; fence it if it does not answer in time."""
+        try:
+            entry = self._workers[worker_id]
+            lending = role is Role.ROLLOUT and worker_id in self.assignment.lendable
+            reclaiming = role is Role.TRAIN and worker_id in self._lent
+            self._epoch += 1
+            request = RoleChangeRequested(
+                worker_id=worker_id,
+                role=role,
+                epoch=self._epoch,
+                reason=reason[:1024],
+                deadline_s=self._config.role_change_deadline_s,
+            )
+            started = time.monotonic()
+            try:
+                reply = await self._nc.request(
+                    self._names.ctl_role(worker_id),
+                    codec.encode(request),
+                    timeout=self._config.role_change_deadline_s,
+                )
+                ack = codec.decode(RoleChangeAcked, reply.data)
+            except (NatsTimeoutError, NoRespondersError, InvalidMessageError) as exc:
+                self._fence(worker_id, entry, f"{type(exc).__name__}: {exc}")
+                return
+            seconds = time.monotonic() - started
+            if not ack.ok:
+                CHANGES.labels("refused").inc()
+                self._epoch = max(self._epoch, ack.epoch)  # a stale epoch: continue above it
+                log.warning(kv("role_change_refused", worker=worker_id, error=ack.error))
+                return
+            CHANGES.labels("acked").inc()
+            self._workers[worker_id] = entry.model_copy(update={"role": role, "epoch": ack.epoch})
+            if lending:
+                self._lent.add(worker_id)
+                self._policy.lends.append(seconds)
+                LEND_SECONDS.observe(seconds)
+            elif reclaiming:
+                self._lent.discard(worker_id)
+                self._policy.reclaims.append(seconds)
+                RECLAIM_SECONDS.observe(seconds)
+            log.info(
+                kv("role_assigned", worker=worker_id, role=role, epoch=ack.epoch, reason=reason)
+            )
+        finally:
+            self._pending.pop(worker_id, None)
+
+    def _fence(self, worker_id: str, entry: WorkerRegistered, why: str) -> None:
+        CHANGES.labels("timeout").inc()
+        FENCED.inc()
+        self._fenced[worker_id] = _Fence(entry.started_at)
+        self._lent.discard(worker_id)
+        log.warning(kv("worker_fenced", worker=worker_id, error=why))
+
+    async def _cancel_pending(self) -> None:
+        tasks = list(self._pending.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._pending.clear()
+
+
+async def serve_scheduler(
+    url: str,
+    run: str,
+    provision: ProvisionConfig,
+    config: SchedulerConfig,
+    layout: LayoutConfig,
+    shape: TrainerShape,
+    metrics_port: int,
+    stop: asyncio.Event,
+) -> None:
+    """Run a scheduler (active once it holds the lease) until ``stop``: /metrics, NATS."""
+    limit = admission_limit(
+        steps_ahead=config.steps_ahead,
+        groups_per_step=shape.groups_per_step,
+        max_staleness=shape.max_staleness,
+    )
+    metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
+    try:
+        async with session(url, f"seamlessflow-{config.scheduler_id}") as nc:
+            js = nc.jetstream()
+            names = RunNames(run)
+            await durable_info(js, names, names.tasks_stream, Durable.SCHEDULER)
+            admission = Admission(js, names, provision.tasks, limit=limit)
+            scheduler = Scheduler(
+                nc,
+                names,
+                config,
+                layout.spec(),
+                admission,
+                groups_per_step=shape.groups_per_step,
+                workers_ttl_s=provision.workers_ttl_s,
+                lease_s=provision.scheduler_lease_s,
+            )
+
+            def ready() -> None:
+                print(
+                    f"scheduler ready: run={run} layout={layout.kind} admission_limit={limit} "
+                    f"metrics={metrics.url}",
+                    flush=True,
+                )
+
+            await scheduler.run(stop, on_ready=ready)
+    finally:
+        metrics.close()
+    print("scheduler stopped", flush=True)

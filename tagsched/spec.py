@@ -1,0 +1,124 @@
+"""Placement specs: role demands stated in tags, and the pure assignment of workers to roles.
+
+A worker advertises capability tags (``train``, ``rollout``, ``gpu=0``, ``node=a``...). A demand
+names the tags a worker must have: a bare ``key`` is met by the tag ``key`` or by any ``key=...``;
+``key=value`` only by itself. The three layouts of a cluster are three specs of this one
+mechanism:
+
+- **colocated**: every worker is tagged both; one of them trains and, while the trainer waits
+  for a batch, serves rollout like the others (time-shared);
+- **disaggregated**: disjoint tags; trainer workers train, rollout workers generate;
+- **multiplexed**: disaggregated, plus the trainer's workers are also tagged ``rollout`` and are
+  lent to rollout while the sample backlog is below a batch.
+"""
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from broker.messages import WorkerRegistered
+from common.exceptions import SeamlessFlowError
+
+
+class UnsatisfiableSpecError(SeamlessFlowError):
+    """The live workers cannot meet a placement spec; the message names the missing tags."""
+
+
+class Layout(StrEnum):
+    COLOCATED = "colocated"
+    DISAGGREGATED = "disaggregated"
+    MULTIPLEXED = "multiplexed"
+
+
+class Demand(BaseModel):
+    """``count`` workers having every tag in ``tags`` (``count=None``: every such worker)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tags: list[str] = Field(min_length=1)
+    count: int | None = Field(default=None, ge=1)
+
+
+class PlacementSpec(BaseModel):
+    """Who trains, who generates, and whether trainer workers are lent to rollout."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    train: Demand = Demand(tags=["train"], count=1)
+    rollout: Demand = Demand(tags=["rollout"])
+    lend: bool = Field(
+        default=False,
+        description="trainer workers that also meet the rollout demand serve rollout while the "
+        "sample backlog is below a batch",
+    )
+
+
+def layout_spec(layout: Layout) -> PlacementSpec:
+    if layout is Layout.COLOCATED:
+        return PlacementSpec(train=Demand(tags=["train", "rollout"], count=1), lend=True)
+    return PlacementSpec(lend=layout is Layout.MULTIPLEXED)
+
+
+def has_tags(worker_tags: list[str], wanted: list[str]) -> bool:
+    def met(tag: str) -> bool:
+        if "=" in tag:
+            return tag in worker_tags
+        return any(t == tag or t.startswith(tag + "=") for t in worker_tags)
+
+    return all(met(t) for t in wanted)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    train: list[str] = field(default_factory=list)
+    rollout: list[str] = field(default_factory=list)
+    """Workers that serve rollout all the time."""
+    lendable: list[str] = field(default_factory=list)
+    """Trainer workers that serve rollout while the trainer waits for a batch."""
+    idle: list[str] = field(default_factory=list)
+
+
+def assign(spec: PlacementSpec, workers: dict[str, WorkerRegistered]) -> Assignment:
+    """Which live worker holds which role. Stable: a worker already training keeps training.
+    Raises ``UnsatisfiableSpecError`` naming what is missing."""
+    able = sorted(
+        (w for w in workers.values() if has_tags(w.tags, spec.train.tags)),
+        # those training now first, then those with the fewest other tags (keep the versatile
+        # ones for rollout), then by id
+        key=lambda w: (w.role != "train", len(w.tags), w.worker_id),
+    )
+    wanted = spec.train.count or len(able) or 1
+    if len(able) < wanted:
+        raise UnsatisfiableSpecError(
+            f"train needs {wanted} worker(s) tagged {_tags(spec.train.tags)}; "
+            f"{len(able)} of the live workers are: {_describe(workers)}"
+        )
+    train = [w.worker_id for w in able[:wanted]]
+    ordered = sorted(workers.values(), key=lambda w: w.worker_id)
+    rest = [w for w in ordered if w.worker_id not in train]
+    rollout = [w.worker_id for w in rest if has_tags(w.tags, spec.rollout.tags)]
+    if spec.rollout.count is not None:
+        rollout = rollout[: spec.rollout.count]
+    lendable = (
+        [w for w in train if has_tags(workers[w].tags, spec.rollout.tags)] if spec.lend else []
+    )
+    needed = spec.rollout.count or 1
+    if len(rollout) + len(lendable) < needed:
+        raise UnsatisfiableSpecError(
+            f"rollout needs {needed} worker(s) tagged {_tags(spec.rollout.tags)} besides the "
+            f"trainer{' (or a lendable trainer worker)' if spec.lend else ''}; "
+            f"live workers: {_describe(workers)}"
+        )
+    idle = [w.worker_id for w in rest if w.worker_id not in rollout]
+    return Assignment(train=train, rollout=rollout, lendable=lendable, idle=idle)
+
+
+def _tags(tags: list[str]) -> str:
+    return "{" + ",".join(tags) + "}"
+
+
+def _describe(workers: dict[str, WorkerRegistered]) -> str:
+    if not workers:
+        return "none"
+    return ", ".join(f"{w.worker_id}{_tags(w.tags)}" for w in workers.values())
