@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from broker import codec
 from broker.config import StreamLimits
-from broker.ingress import Delivery, Ingress, tasks_ingress
+from broker.ingress import Delivery, HandBack, Ingress, tasks_ingress
 from broker.messages import TaskSubmitted
 from broker.subjects import Durable, RunNames
 from common.exceptions import SeamlessFlowError
@@ -128,9 +128,15 @@ class Admission:
         self.limit = limit
         self._poll_s = poll_s
         self._group_sizes: deque[int] = deque(maxlen=64)  # of recently admitted tasks
+        self._stop = asyncio.Event()
         LIMIT.set(self.limit)
 
-    def ingress(self) -> Ingress[TaskSubmitted]:
+    async def run(self, stop: asyncio.Event) -> None:
+        """Admit client tasks until ``stop``; a task waiting for room is handed back then."""
+        self._stop = stop
+        await self._ingress().run(stop)
+
+    def _ingress(self) -> Ingress[TaskSubmitted]:
         """Client tasks, validated (a bad one is dead-lettered as ``tasks``), one at a time."""
         return tasks_ingress(
             self._js,
@@ -160,6 +166,8 @@ class Admission:
         WAITING.set(1)
         try:
             while (await self.state()).room <= 0:
+                if self._stop.is_set():
+                    raise HandBack("scheduler stopping")
                 await asyncio.sleep(self._poll_s)
                 if time.monotonic() - last_kept >= 1.0:
                     await delivery.in_progress()

@@ -149,7 +149,7 @@ class Scheduler:
         initial = asyncio.Event()
         watching = asyncio.create_task(self._watch(initial))
         admission_stop = asyncio.Event()
-        admitting = asyncio.create_task(self._admission.ingress().run(admission_stop))
+        admitting = asyncio.create_task(self._admission.run(admission_stop))
         try:
             await asyncio.wait_for(initial.wait(), self._lease_s)
             # Continue above every epoch a previous scheduler handed out.

@@ -32,12 +32,13 @@ class Layout(StrEnum):
 
 
 class Demand(BaseModel):
-    """``count`` workers having every tag in ``tags`` (``count=None``: every such worker)."""
+    """``count`` workers having every tag in ``tags`` (``count=None``: every such worker;
+    ``0``: none, e.g. a cluster that only serves)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tags: list[str] = Field(min_length=1)
-    count: int | None = Field(default=None, ge=1)
+    count: int | None = Field(default=None, ge=0)
 
 
 class PlacementSpec(BaseModel):
@@ -88,7 +89,7 @@ def assign(spec: PlacementSpec, workers: dict[str, WorkerRegistered]) -> Assignm
         # ones for rollout), then by id
         key=lambda w: (w.role != "train", len(w.tags), w.worker_id),
     )
-    wanted = spec.train.count or len(able) or 1
+    wanted = spec.train.count if spec.train.count is not None else max(1, len(able))
     if len(able) < wanted:
         raise UnsatisfiableSpecError(
             f"train needs {wanted} worker(s) tagged {_tags(spec.train.tags)}; "
@@ -103,7 +104,7 @@ def assign(spec: PlacementSpec, workers: dict[str, WorkerRegistered]) -> Assignm
     lendable = (
         [w for w in train if has_tags(workers[w].tags, spec.rollout.tags)] if spec.lend else []
     )
-    needed = spec.rollout.count or 1
+    needed = 1 if spec.rollout.count is None else spec.rollout.count
     if len(rollout) + len(lendable) < needed:
         raise UnsatisfiableSpecError(
             f"rollout needs {needed} worker(s) tagged {_tags(spec.rollout.tags)} besides the "

@@ -288,7 +288,7 @@ async def admitting(js, names: RunNames, *, limit: int = 1024) -> AsyncIterator[
     ``names.tasks`` reach the agent runners; the limit is wide unless a test is about it."""
     admission = Admission(js, names, SMALL_RUN.tasks, limit=limit)
     stop = asyncio.Event()
-    running = asyncio.create_task(admission.ingress().run(stop))
+    running = asyncio.create_task(admission.run(stop))
     try:
         yield admission
     finally:

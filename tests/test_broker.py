@@ -127,7 +127,9 @@ async def test_broker_command_serves_depths_and_stops_cleanly(tmp_path, nats_bin
             return await metric(metrics_url, "sf_stream_messages", stream=stream) == 3
 
         await eventually(polled, timeout=15)
-        pending = await metric(metrics_url, "sf_consumer_pending", consumer="scheduler", stream=stream)
+        pending = await metric(
+            metrics_url, "sf_consumer_pending", consumer="scheduler", stream=stream
+        )
         assert pending == 3 and await metric(metrics_url, "sf_broker_up") == 1
 
         proc.send_signal(sig)

@@ -1,0 +1,448 @@
+"""The tag scheduler: placement specs, lending, admission, role changes with epochs, fencing and
+failover, on a real broker with real worker and scheduler processes."""
+
+import asyncio
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+
+from broker import codec
+from broker.messages import (
+    ChatMessage,
+    Role,
+    RoleChangeAcked,
+    RoleChangeRequested,
+    SampleReady,
+    TaskSubmitted,
+    WorkerRegistered,
+)
+from broker.provision import provision_run
+from broker.subjects import Durable, RunNames
+from rollout.gateway import Gateway
+from seamlessflow.processes import ServiceProcess, worker_process
+from seamlessflow.submit import submit_tasks
+from tagsched.admission import REGISTRY, AdmissionError, admission_limit
+from tagsched.config import SchedulerConfig
+from tagsched.lending import LendingPolicy, RateMeter
+from tagsched.scheduler import Scheduler
+from tagsched.spec import (
+    Demand,
+    Layout,
+    PlacementSpec,
+    UnsatisfiableSpecError,
+    assign,
+    has_tags,
+    layout_spec,
+)
+from tests.support import (
+    MODEL,
+    SMALL_RUN,
+    admitting,
+    eventually,
+    gateway_config,
+    metric,
+    stream_messages,
+)
+
+# -- placement specs (pure) --------------------------------------------------------------------
+
+
+def worker(wid: str, *tags: str, role: Role = Role.IDLE) -> WorkerRegistered:
+    return WorkerRegistered(
+        worker_id=wid, host="h", pid=1, tags=list(tags), role=role, heartbeat_at=time.time()
+    )
+
+
+def fleet(*workers: WorkerRegistered) -> dict[str, WorkerRegistered]:
+    return {w.worker_id: w for w in workers}
+
+
+def test_tags_match_by_key_or_by_key_and_value():
+    assert has_tags(["train", "gpu=0"], ["gpu"])
+    assert has_tags(["train", "gpu=0"], ["gpu=0", "train"])
+    assert not has_tags(["train", "gpu=0"], ["gpu=1"])
+    assert not has_tags(["gpus=0"], ["gpu"])
+
+
+def test_the_three_layouts_are_three_specs_of_one_assignment():
+    split = fleet(worker("t", "train"), worker("r1", "rollout"), worker("r2", "rollout"))
+    a = assign(layout_spec(Layout.DISAGGREGATED), split)
+    assert (a.train, a.rollout, a.lendable, a.idle) == (["t"], ["r1", "r2"], [], [])
+    # Multiplexed: the trainer's worker is also tagged rollout, and is lendable.
+    mux = fleet(worker("t", "train", "rollout"), worker("r1", "rollout"))
+    a = assign(layout_spec(Layout.MULTIPLEXED), mux)
+    assert (a.train, a.rollout, a.lendable) == (["t"], ["r1"], ["t"])
+    assert assign(layout_spec(Layout.DISAGGREGATED), mux).lendable == []
+    # Colocated: every worker tagged both; one trains (lendable), the others generate.
+    both = fleet(worker("a", "train", "rollout"), worker("b", "train", "rollout"))
+    a = assign(layout_spec(Layout.COLOCATED), both)
+    assert (a.train, a.rollout, a.lendable) == (["a"], ["b"], ["a"])
+    # A single colocated worker is enough: it is lent whenever the trainer waits.
+    assert assign(layout_spec(Layout.COLOCATED), fleet(worker("a", "train", "rollout"))).train
+
+
+def test_assignment_is_stable_and_prefers_dedicated_trainers():
+    both = fleet(worker("a", "train", "rollout"), worker("b", "train", "rollout", role=Role.TRAIN))
+    assert assign(layout_spec(Layout.COLOCATED), both).train == ["b"]  # b trains already
+    mixed = fleet(worker("a", "train", "rollout"), worker("z", "train"))
+    assert assign(layout_spec(Layout.MULTIPLEXED), mixed).train == ["z"]  # fewest other tags
+
+
+def test_unsatisfiable_specs_name_the_missing_tags():
+    only_rollout = fleet(worker("r1", "rollout"))
+    with pytest.raises(UnsatisfiableSpecError, match=r"train needs 1 worker\(s\) tagged \{train\}"):
+        assign(layout_spec(Layout.DISAGGREGATED), only_rollout)
+    only_train = fleet(worker("t", "train"))
+    with pytest.raises(UnsatisfiableSpecError, match=r"rollout needs 1 worker\(s\) tagged"):
+        assign(layout_spec(Layout.DISAGGREGATED), only_train)
+    with pytest.raises(UnsatisfiableSpecError, match=r"tagged \{train,rollout\}"):
+        assign(layout_spec(Layout.COLOCATED), fleet(worker("t", "train"), worker("r", "rollout")))
+    # A serving-only spec needs no trainer.
+    serving = PlacementSpec(train=Demand(tags=["train"], count=0))
+    assert assign(serving, only_rollout).rollout == ["r1"]
+
+
+def test_lending_needs_a_gain_over_the_switch_cost_and_reclaims_ahead_of_the_batch():
+    policy = LendingPolicy(gain=2.0, assumed_cost_s=1.0)  # 0.5 s lend + 0.5 s reclaim assumed
+    # 4 groups missing at 1 group/s: a 4 s wait > 2 x 1 s: lend.
+    assert policy.lent(now_lent=False, missing_groups=4, groups_per_s=1.0)
+    # 1.5 s wait < 2 s: not worth a switch there and back.
+    assert not policy.lent(now_lent=False, missing_groups=1.5, groups_per_s=1.0)
+    # Nothing arriving: the trainer would wait for ever; lend.
+    assert policy.lent(now_lent=False, missing_groups=1, groups_per_s=0.0)
+    # Lent: kept while the batch is further away than a reclaim (0.5 s) ...
+    assert policy.lent(now_lent=True, missing_groups=1, groups_per_s=1.0)
+    # ... reclaimed once it will be ready within it, and always once it is ready.
+    assert not policy.lent(now_lent=True, missing_groups=0.4, groups_per_s=1.0)
+    assert not policy.lent(now_lent=True, missing_groups=0, groups_per_s=0.0)
+    # Measured switches replace the assumption.
+    policy.lends.extend([2.0, 2.0])
+    policy.reclaims.extend([3.0])
+    assert policy.switch_cost() == 5.0 and policy.reclaim_cost() == 3.0
+    assert not policy.lent(now_lent=False, missing_groups=9, groups_per_s=1.0)  # 9 s < 10 s
+    assert not policy.lent(now_lent=True, missing_groups=2.5, groups_per_s=1.0)
+
+
+def test_rate_meter_follows_a_steady_count():
+    meter = RateMeter(window_s=1.0)
+    for second in range(20):
+        rate = meter.update(float(second), 3.0 * second)
+    assert rate == pytest.approx(3.0, rel=0.01)
+    assert meter.update(20.0, 57.0) < 3.0  # a count that stops growing lowers the rate
+
+
+def test_admission_limit_refuses_a_pace_past_the_staleness_bound():
+    assert admission_limit(steps_ahead=2, groups_per_step=4, max_staleness=1) == 8
+    with pytest.raises(AdmissionError, match=r"steps_ahead=3 exceeds trainer.max_staleness \+ 1"):
+        admission_limit(steps_ahead=3, groups_per_step=4, max_staleness=1)
+
+
+# -- admission on a real broker ----------------------------------------------------------------
+
+
+def task(task_id: str, group_size: int = 1) -> TaskSubmitted:
+    return TaskSubmitted(
+        task_id=task_id,
+        messages=[ChatMessage(role="user", content="1+1")],
+        group_size=group_size,
+    )
+
+
+def sample(i: int) -> SampleReady:
+    return SampleReady(
+        sample_id=f"s{i}",
+        session_id=f"s{i}",
+        group_id=f"g{i}",
+        token_ids=[1, 2],
+        loss_mask=[0, 1],
+        logprobs=[0.0, -1.0],
+        versions=[-1, 0],
+        reward=1.0,
+        on_policy=True,
+    )
+
+
+async def test_admission_paces_an_outside_clients_tasks_by_outstanding_groups(js, names):
+    """10 tasks from a client; limit 3 outstanding groups. Finished tasks whose samples the
+    trainer has not settled still count; settling them admits more, never past the limit."""
+    agents = await js.pull_subscribe_bind(durable=Durable.AGENTS, stream=names.tasks_stream)
+    trainer = await js.pull_subscribe_bind(durable=Durable.TRAINER, stream=names.samples_stream)
+
+    async def counts() -> tuple[int, int]:
+        admitted = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
+        waiting = await js.consumer_info(names.tasks_stream, Durable.SCHEDULER)
+        return admitted.num_pending + admitted.num_ack_pending, waiting.num_pending
+
+    async def settles(want: tuple[int, int]) -> None:
+        async def there() -> bool:
+            return await counts() == want
+
+        await eventually(there)
+        await asyncio.sleep(1.0)  # and stays there: nothing more is admitted
+        assert await counts() == want
+
+    async with admitting(js, names, limit=3):
+        await submit_tasks(js, names, [task(f"t{i}") for i in range(10)], progress=False)
+        await settles((3, 6))  # 3 admitted; 6 wait (one is held by the scheduler)
+        # An agent runner finishes 2 tasks: their 2 samples wait for the trainer.
+        for msg in await agents.fetch(2, timeout=5):
+            await msg.ack()
+        for i in range(2):
+            await js.publish(names.samples, codec.encode(sample(i)))
+        await settles((1, 6))  # 1 admitted + 2 unsettled groups = 3: nothing more
+        # The trainer settles them: two more are admitted.
+        for msg in await trainer.fetch(2, timeout=5):
+            await msg.ack()
+        await settles((3, 4))
+    admitted = [codec.decode(TaskSubmitted, m.data) for m in await agents.fetch(3, timeout=5)]
+    assert [t.task_id for t in admitted] == ["t2", "t3", "t4"]  # in order, once each
+    assert REGISTRY.get_sample_value("sf_scheduler_admission_limit") == 3
+
+
+# -- role changes on real workers --------------------------------------------------------------
+
+
+async def ask(nc, names: RunNames, wid: str, role: Role, epoch: int) -> RoleChangeAcked:
+    request = RoleChangeRequested(worker_id=wid, role=role, epoch=epoch, reason="test")
+    reply = await nc.request(names.ctl_role(wid), codec.encode(request), timeout=30)
+    return codec.decode(RoleChangeAcked, reply.data)
+
+
+async def entry(js, names: RunNames, wid: str) -> WorkerRegistered:
+    bucket = await js.key_value(names.workers_kv)
+    return codec.decode(WorkerRegistered, (await bucket.get(wid)).value)
+
+
+async def test_a_worker_changes_role_by_epoch_and_refuses_stale_ones(
+    broker, nc, js, names, tiny_model_dir
+):
+    w = worker_process(broker.url, names.run, tiny_model_dir, "w1").wait_ready()
+    try:
+        assert (await entry(js, names, "w1")).role is Role.ROLLOUT
+        ack = await ask(nc, names, "w1", Role.IDLE, 5)
+        assert (ack.ok, ack.role, ack.epoch) == (True, Role.IDLE, 5)
+        e = await entry(js, names, "w1")
+        assert (e.role, e.epoch) == (Role.IDLE, 5)
+        assert await metric(w.metrics_url, "sf_worker_role", role="idle") == 1
+        stale = await ask(nc, names, "w1", Role.ROLLOUT, 5)
+        assert (stale.ok, stale.role, stale.epoch) == (False, Role.IDLE, 5)
+        assert "stale epoch 5" in stale.error
+        refused = await ask(nc, names, "w1", Role.TRAIN, 6)  # a rollout worker cannot train
+        assert not refused.ok and "cannot hold the role 'train'" in refused.error
+        assert (await ask(nc, names, "w1", Role.ROLLOUT, 7)).ok
+        assert (await entry(js, names, "w1")).role is Role.ROLLOUT
+        assert await metric(w.metrics_url, "sf_worker_role_changes_total", outcome="stale") == 1
+    finally:
+        w.stop()
+
+
+async def test_role_changes_under_load_lose_and_duplicate_no_generation(
+    broker, nc, js, names, tiny_model_dir
+):
+    """Two workers, 12 greedy calls; one worker is moved idle and back every 0.3 s. Every call
+    ends with all its tokens, each the same as an uninterrupted call's."""
+    workers = [worker_process(broker.url, names.run, tiny_model_dir, f"w{i}") for i in (1, 2)]
+    flips = 0
+    try:
+        await asyncio.gather(*(asyncio.to_thread(w.wait_ready) for w in workers))
+        async with Gateway(gateway_config(tiny_model_dir, names.run), broker.url) as gw:
+            client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
+
+            async def call(i: int):
+                return await client.completions.create(
+                    model=MODEL, prompt=f"count {i}:", max_tokens=120, temperature=0
+                )
+
+            calls = asyncio.gather(*(call(i) for i in range(12)))
+
+            async def w1_generating() -> bool:
+                return await metric(workers[0].metrics_url, "sf_rollout_requests_running") > 0
+
+            await eventually(w1_generating)
+            epoch = 0
+            while not calls.done():
+                epoch += 1
+                role = Role.IDLE if epoch % 2 else Role.ROLLOUT
+                assert (await ask(nc, names, "w1", role, epoch)).ok
+                flips += 1
+                await asyncio.sleep(0.3)
+            replies = await calls
+            assert (await ask(nc, names, "w1", Role.ROLLOUT, epoch + 1)).ok
+            again = [await call(i) for i in range(12)]  # the same calls, undisturbed
+        reclaimed = await metric(
+            workers[0].metrics_url, "sf_rollout_interruptions_total", cause="reclaimed"
+        )
+    finally:
+        for w in workers:
+            w.stop()
+    assert flips >= 2 and reclaimed >= 1
+    for reply, same in zip(replies, again, strict=True):
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == 120
+        assert reply.choices[0].text == same.choices[0].text
+
+
+def scheduler(nc, names: RunNames, spec: PlacementSpec, **fields) -> Scheduler:
+    from tagsched.admission import Admission
+
+    return Scheduler(
+        nc,
+        names,
+        SchedulerConfig(**fields),
+        spec,
+        Admission(nc.jetstream(), names, SMALL_RUN.tasks, limit=8),
+        groups_per_step=1,
+        workers_ttl_s=SMALL_RUN.workers_ttl_s,
+        lease_s=SMALL_RUN.scheduler_lease_s,
+    )
+
+
+def fenced() -> float:
+    return REGISTRY.get_sample_value("sf_scheduler_fenced_total") or 0.0
+
+
+async def test_a_worker_frozen_mid_work_is_fenced_its_call_continues_and_it_is_readmitted(
+    broker, nc, js, names, tiny_model_dir
+):
+    """w1 (node=a) and w2 (node=b) serve; the one running a greedy 300-token call is frozen
+    (SIGSTOP), then the scheduler starts with a spec that wants only the other node serving. The
+    frozen worker cannot ack: it is fenced and left out; the call continues on the other worker,
+    token-exact. Killed and started again, it is a new registration and is re-admitted."""
+    workers = {
+        node: worker_process(
+            broker.url, names.run, tiny_model_dir, f"w-{node}", "--tags", f"rollout,node={node}"
+        )
+        for node in ("a", "b")
+    }
+    restarted, running, stop = None, None, asyncio.Event()
+    try:
+        await asyncio.gather(*(asyncio.to_thread(w.wait_ready) for w in workers.values()))
+        config = gateway_config(tiny_model_dir, names.run, stall_timeout_s=2)
+        async with Gateway(config, broker.url) as gw:
+            client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
+            stream = await client.completions.create(
+                model=MODEL, prompt="once upon a time", max_tokens=300, temperature=0, stream=True
+            )
+            text, frozen = "", None
+            async for chunk in stream:
+                text += chunk.choices[0].text if chunk.choices else ""
+                if frozen is None and len(text) > 10:
+                    for node, w in workers.items():
+                        if await metric(w.metrics_url, "sf_rollout_requests_running") == 1:
+                            frozen, other = node, "b" if node == "a" else "a"
+                            w.proc.send_signal(signal.SIGSTOP)
+                            spec = PlacementSpec(
+                                train=Demand(tags=["train"], count=0),
+                                rollout=Demand(tags=["rollout", f"node={other}"]),
+                            )
+                            s = scheduler(nc, names, spec, role_change_deadline_s=1.0, tick_s=0.1)
+                            before = fenced()
+                            running = asyncio.create_task(s.run(stop))
+                            break
+            again = await client.completions.create(
+                model=MODEL, prompt="once upon a time", max_tokens=300, temperature=0
+            )
+        assert frozen is not None, "no worker reported the call running"
+        await eventually(lambda: fenced() == before + 1)
+        assert f"w-{frozen}" not in s.live() and f"w-{other}" in s.live()
+        assert text == again.choices[0].text  # the agent cannot tell
+        # Killed and started again: a new registration, re-admitted and made idle.
+        workers[frozen].proc.kill()
+        workers[frozen].proc.wait()
+        restarted = worker_process(
+            broker.url, names.run, tiny_model_dir, f"w-{frozen}", "--tags", f"rollout,node={frozen}"
+        ).wait_ready()
+
+        async def idle_again() -> bool:
+            e = await entry(js, names, f"w-{frozen}")
+            return e.role is Role.IDLE and f"w-{frozen}" in s.live()
+
+        await eventually(idle_again, timeout=30)
+        assert not running.done()
+    finally:
+        stop.set()
+        if running is not None:
+            await asyncio.wait_for(running, 30)
+        for w in [*workers.values(), restarted]:
+            if w is not None:
+                w.proc.send_signal(signal.SIGCONT)
+                w.stop()
+
+
+# -- the scheduler process ---------------------------------------------------------------------
+
+
+def scheduler_config(tmp_path: Path, run: str, **scheduler: object) -> Path:
+    lines = [f'run = "{run}"', "[provision]", "scheduler_lease_s = 2.0", "[scheduler]"]
+    lines += [f"{k} = {v!r}" for k, v in scheduler.items()]
+    path = tmp_path / f"sched-{uuid.uuid4().hex[:6]}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+async def test_unsatisfiable_spec_fails_the_scheduler_naming_the_missing_tags(
+    broker, js, run_name, tmp_path
+):
+    provision = SMALL_RUN.model_copy(update={"scheduler_lease_s": 2.0})
+    await provision_run(js, run_name, provision)
+    config = scheduler_config(tmp_path, run_name, placement_timeout_s=1.0)
+    proc = ServiceProcess("scheduler", "scheduler", "--nats", broker.url, "--config", str(config))
+    code = await asyncio.to_thread(proc.proc.wait, 60)
+    out = "".join(proc.output)
+    assert code == 2
+    assert "placement spec unsatisfiable for 1s: train needs 1 worker(s) tagged {train}" in out
+
+
+async def test_a_standby_scheduler_takes_over_within_the_lease(broker, js, run_name, tmp_path):
+    provision = SMALL_RUN.model_copy(update={"scheduler_lease_s": 2.0})
+    await provision_run(js, run_name, provision)
+    config = scheduler_config(tmp_path, run_name, placement_timeout_s=600.0)
+
+    def start(name: str) -> ServiceProcess:
+        return ServiceProcess(
+            name, "scheduler", "--nats", broker.url, "--config", str(config), "--scheduler-id", name
+        )
+
+    first = start("first").wait_ready()
+    second = None
+    try:
+
+        async def leads(p: ServiceProcess) -> bool:
+            return await metric(p.metrics_url, "sf_scheduler_leader") == 1
+
+        await eventually(lambda: leads(first))
+        second = start("second").wait_ready()
+        await asyncio.sleep(2.0)
+        assert not await leads(second)  # one leader at a time
+        first.proc.kill()  # no release: the lease must expire
+        killed = time.monotonic()
+        await eventually(lambda: leads(second), timeout=20)
+        took = time.monotonic() - killed
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+    assert took <= 2.0 + 2.0 / 3 + 2.0  # lease + retry period + the expiry sweep's slack
+
+
+async def test_tasks_wait_for_a_scheduler_and_are_admitted_once_one_leads(
+    broker, js, names, tmp_path
+):
+    """No scheduler: a client's tasks wait on sf.<run>.tasks; none reaches the agents."""
+    await submit_tasks(js, names, [task("a"), task("b")], progress=False)
+    await asyncio.sleep(0.5)
+    agents = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
+    assert agents.num_pending == 0
+    async with admitting(js, names):
+
+        async def both() -> bool:
+            info = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
+            return info.num_pending == 2
+
+        await eventually(both)
+    done = await stream_messages(js, names.tasks_stream, TaskSubmitted, names.tasks_admitted)
+    assert sorted(t.task_id for t in done) == ["a", "b"]
