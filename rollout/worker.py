@@ -185,28 +185,41 @@ class RolloutWorker:
             fetch_timeout=0.5,
         )
 
-    async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
+    async def run(
+        self,
+        stop: asyncio.Event,
+        on_ready: Callable[[], None] = lambda: None,
+        *,
+        registration: Registration | None = None,
+        roles: RoleHolder | None = None,
+    ) -> None:
         """Serve until ``stop`` is set; then interrupt what is in flight and deregister.
-        ``on_ready`` is called once the worker is registered and consuming."""
+        ``on_ready`` is called once the worker is registered and consuming. A process that
+        holds more than this worker (a trainer too) passes its ``registration`` and ``roles``:
+        then it owns them (heartbeats, role requests, deregistering) and ``roles`` calls
+        ``take``."""
+        owned = registration is None
         # 1. Serve the latest published weights before taking any request.
         if (event := await latest_weights(self._js, self._names)) is not None:
             await self._load_or_count(event)
-        registration = await Registration.open(
-            self._js,
-            self._names,
-            self.worker_id,
-            tags=self._config.tags,
-            role=self._config.role,
-            capacity=self._config.max_running,
-            metrics_url=self._metrics_url,
-        )
-        if self._config.role is Role.ROLLOUT:
+        if registration is None:
+            registration = await Registration.open(
+                self._js,
+                self._names,
+                self.worker_id,
+                tags=self._config.tags,
+                role=self._config.role,
+                capacity=self._config.max_running,
+                metrics_url=self._metrics_url,
+            )
+        role = registration.entry.role
+        if role is Role.ROLLOUT:
             self._start_serving()
         else:
             await self._engine.pause()
         await self._register(registration)
         # 2. Follow cancellations, weight versions and role changes; keep the entry alive.
-        self._roles = RoleHolder(self._nc, self._names, registration, self._switch)
+        self._roles = roles or RoleHolder(self._nc, self._names, registration, self.take)
         cancels = await self._nc.subscribe(self._names.gen_cancel_all, cb=self._on_cancel)
         weights = await self._js.subscribe(
             self._names.weights,
@@ -214,15 +227,12 @@ class RolloutWorker:
             ordered_consumer=True,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
         )
-        await self._roles.start()
-        heartbeat = asyncio.create_task(registration.keep_alive(self._config.heartbeat_s, stop))
+        heartbeat = None
+        if owned:
+            await self._roles.start()
+            heartbeat = asyncio.create_task(registration.keep_alive(self._config.heartbeat_s, stop))
         log.info(
-            kv(
-                "worker_started",
-                worker=self.worker_id,
-                role=self._config.role,
-                version=self._engine.version,
-            )
+            kv("worker_started", worker=self.worker_id, role=role, version=self._engine.version)
         )
         on_ready()
         try:
@@ -230,17 +240,20 @@ class RolloutWorker:
         finally:
             # 3. Stop taking requests, end the ones in flight (the gateway continues them).
             self._stopping = True
-            await self._roles.stop()
+            if owned:
+                await self._roles.stop()
             await self._stop_serving("interrupted: worker stopping", cause="stopping")
-            heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
+            if heartbeat is not None:
+                heartbeat.cancel()
+                await asyncio.gather(heartbeat, return_exceptions=True)
             await cancels.unsubscribe()
             await weights.unsubscribe()
-            await registration.delete()
+            if owned:
+                await registration.delete()
             log.info(kv("worker_stopped", worker=self.worker_id))
 
     # -- roles ------------------------------------------------------------------------------
-    async def _switch(self, role: Role) -> None:
+    async def take(self, role: Role) -> None:
         """``RoleHolder``'s switch: serve ``gen.req`` as ``rollout``, nothing as ``idle``."""
         if role not in (Role.ROLLOUT, Role.IDLE):
             raise ValueError(f"a rollout worker cannot hold the role {role.value!r}")

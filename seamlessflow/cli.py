@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run a rollout worker until Ctrl-C")
     _add_nats(p)
     _add_run(p)
-    _add_config(p, "[model], [worker] and [provision] sections")
+    _add_config(p, "[model], [worker], [provision] and, tagged train, [trainer] sections")
     model = section_flags("model", only=("name", "max_model_len"))
     _add_service(p, model + section_flags("worker"))
 
@@ -237,6 +237,7 @@ def _worker(args: argparse.Namespace) -> int:
     from common.models import resolve_model
     from rollout.engines import EngineConfig
     from seamlessflow.launcher import serve_worker
+    from tagsched.spec import has_tags
 
     config = _settings(args)
     engine = EngineConfig(
@@ -244,9 +245,16 @@ def _worker(args: argparse.Namespace) -> int:
         max_model_len=config.model.max_model_len,
         settings=config.worker.engine,
     )
+    worker = config.worker
+    # A worker tagged train also holds a trainer (its [trainer] section, under the worker's id).
+    trainer = None
+    if has_tags(worker.tags, ["train"]):
+        trainer = config.trainer.model_copy(
+            update={"worker_id": worker.worker_id, "tags": worker.tags}
+        )
     asyncio.run(
         serve_worker(
-            args.nats, config.run, config.provision, engine, config.worker, args.metrics_port
+            args.nats, config.run, config.provision, engine, worker, args.metrics_port, trainer
         )
     )
     return 0

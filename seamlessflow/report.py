@@ -29,6 +29,8 @@ class RunSummary:
     curve: list[tuple[int, float, int]]
     trainer: dict[str, float]
     """Read from the trainer's /metrics at the end (see ``trainer_report``)."""
+    scheduler: dict[str, float]
+    """Read from the scheduler's /metrics at the end (see ``scheduler_report``)."""
     summary_path: str
     curve_path: str
     stopped_by: str
@@ -55,6 +57,21 @@ def trainer_report(samples: list[Sample]) -> dict[str, float]:
     return report
 
 
+def scheduler_report(samples: list[Sample]) -> dict[str, float]:
+    """What the scheduler did: tasks admitted, lends and reclaims (count, mean seconds), fences."""
+    report = {"tasks admitted": metric_sum(samples, "sf_scheduler_tasks_admitted_total")}
+    for what, name in (
+        ("lends", "sf_scheduler_lend_seconds"),
+        ("reclaims", "sf_scheduler_reclaim_seconds"),
+    ):
+        count = metric_sum(samples, f"{name}_count")
+        report[what] = count
+        if count:
+            report[f"{what[:-1]} seconds (mean)"] = metric_sum(samples, f"{name}_sum") / count
+    report["workers fenced"] = metric_sum(samples, "sf_scheduler_fenced_total")
+    return report
+
+
 def summarize(
     run: str,
     stats: RunStats,
@@ -62,6 +79,7 @@ def summarize(
     out: Path,
     stopped_by: str,
     trainer: dict[str, float],
+    scheduler: dict[str, float],
 ) -> RunSummary:
     curve = stats.curve()
     summary = RunSummary(
@@ -76,6 +94,7 @@ def summarize(
         reward_last=_mean_over(curve[-EDGE:]),
         curve=curve,
         trainer=trainer,
+        scheduler=scheduler,
         summary_path=str(out / "summary.json"),
         curve_path=str(out / "reward_curve.png"),
         stopped_by=stopped_by,
@@ -140,6 +159,7 @@ def print_summary(summary: RunSummary) -> None:
         (f"reward, first {EDGE} versions", fmt(summary.reward_first)),
         (f"reward, last {EDGE} versions", fmt(summary.reward_last)),
         *((f"trainer: {k}", fmt_stat(v)) for k, v in summary.trainer.items()),
+        *((f"scheduler: {k}", fmt_stat(v)) for k, v in summary.scheduler.items()),
         ("summary", summary.summary_path),
         ("reward curve", summary.curve_path),
     ]

@@ -32,7 +32,7 @@ from nats.aio.msg import Msg
 from broker import codec
 from broker.client import session
 from broker.exceptions import InvalidMessageError
-from broker.messages import CallRecorded, Message, SampleReady, WeightsPublished
+from broker.messages import CallRecorded, Message, Role, SampleReady, WeightsPublished
 from broker.provision import provision_run
 from broker.subjects import Durable, RunNames
 from broker.weights import latest_weights
@@ -46,9 +46,16 @@ from seamlessflow.config import RunConfig
 from seamlessflow.launcher import local_broker, stop_on_signals
 from seamlessflow.processes import ServiceProcess, worker_process
 from seamlessflow.progress import RunStats
-from seamlessflow.report import RunSummary, print_summary, summarize, trainer_report
+from seamlessflow.report import (
+    RunSummary,
+    print_summary,
+    scheduler_report,
+    summarize,
+    trainer_report,
+)
 from seamlessflow.submit import submit_tasks
 from seamlessflow.targets import ScrapeTargets
+from tagsched.spec import Layout
 from trainer.warmstart import warm_start
 
 log = logging.getLogger(__name__)
@@ -117,14 +124,17 @@ async def run_rl(config: RunConfig, config_path: Path | None, nats: str | None) 
             await services.start(targets)
             stats.started_at = time.time()
             stopped_by = await _watch(nc, names, config, services, stats, stop)
-            trainer = await _trainer_report(services)
+            trainer = await _report(services, "trainer", trainer_report)
+            scheduler = await _report(services, "scheduler", scheduler_report)
         finally:
             await asyncio.to_thread(services.stop)
             follow.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await follow
             targets.clear()
-    summary = summarize(config.run, stats, time.time() - started, out, stopped_by, trainer)
+    summary = summarize(
+        config.run, stats, time.time() - started, out, stopped_by, trainer, scheduler
+    )
     print_summary(summary)
     return summary
 
@@ -171,11 +181,12 @@ async def _watch(
             await sub.unsubscribe()
 
 
-async def _trainer_report(services: "Services") -> dict[str, float]:
+async def _report(services: "Services", name: str, report: Callable) -> dict[str, float]:
+    """``report`` of the /metrics of the process ``name``; empty if they cannot be read."""
     try:
-        return trainer_report(await scrape(services.named("trainer").metrics_url))
+        return report(await scrape(services.named(name).metrics_url))
     except httpx.HTTPError as exc:
-        log.warning(kv("trainer_metrics_unreadable", error=exc))
+        log.warning(kv("metrics_unreadable", process=name, error=exc))
         return {}
 
 
@@ -242,32 +253,16 @@ class Services:
         config_args = ["--config", str(self.config_path)] if self.config_path else []
         where = ["--nats", self.url, "--run", cfg.run]
         common = [*where, *config_args]
+        layout = cfg.layout.kind
         print(
-            "starting scheduler, trajectory manager, trainer, rollout workers, gateway ...",
+            f"starting scheduler ({layout}), trajectory manager, trainer, rollout workers, "
+            "gateway ...",
             flush=True,
         )
         first = [
             ServiceProcess("scheduler", "scheduler", *common),  # its [scheduler] and [layout]
             ServiceProcess("trajectory", "trajectory", *common),
-            ServiceProcess(
-                "trainer",
-                "trainer",
-                *common,
-                "--model",
-                str(self.model),
-                threads=cfg.trainer.threads or 1,
-            ),
-        ]
-        first += [
-            worker_process(
-                self.url,
-                cfg.run,
-                self.model,
-                f"rollout-{i}",
-                *config_args,  # its [model] and [worker] sections
-                threads=cfg.rollout.threads,
-            )
-            for i in range(cfg.rollout.workers)
+            *self._trainer_and_workers(layout, config_args),
         ]
         gateway = ServiceProcess(
             "gateway",
@@ -289,6 +284,39 @@ class Services:
         targets.add(agents.metrics_url, agents.command)
         for proc in self.running:
             print(f"  {proc.name:12s} pid {proc.proc.pid:7d}  {proc.metrics_url}", flush=True)
+
+    def _trainer_and_workers(self, layout: Layout, config_args: list[str]) -> list[ServiceProcess]:
+        """The trainer and the rollout workers, tagged for ``layout`` (``tagsched.spec``):
+        disaggregated, a trainer process and ``rollout.workers`` rollout workers; multiplexed,
+        the trainer is a worker tagged ``train,rollout`` (lent to rollout while it waits);
+        colocated, every worker is tagged both and the scheduler picks the one that trains."""
+        cfg = self.config
+
+        def worker(name: str, tags: str, role: Role, threads: int) -> ServiceProcess:
+            args = [*config_args, "--tags", tags, "--role", role.value]  # [model], [worker], ...
+            return worker_process(self.url, cfg.run, self.model, name, *args, threads=threads)
+
+        rollout = [
+            worker(f"rollout-{i}", "rollout", Role.ROLLOUT, cfg.rollout.threads)
+            for i in range(cfg.rollout.workers)
+        ]
+        trainer_threads = cfg.trainer.threads or 1
+        if layout is Layout.COLOCATED:
+            both = [
+                worker(f"worker-{i}", "train,rollout", Role.IDLE, trainer_threads)
+                for i in range(max(1, cfg.rollout.workers))
+            ]
+            both[0].name = "trainer"  # the one the progress report reads first
+            return both
+        if layout is Layout.MULTIPLEXED:
+            trainer = worker("trainer-0", "train,rollout", Role.TRAIN, trainer_threads)
+            trainer.name = "trainer"
+            return [trainer, *rollout]
+        where = ["--nats", self.url, "--run", cfg.run, *config_args]
+        trainer = ServiceProcess(
+            "trainer", "trainer", *where, "--model", str(self.model), threads=trainer_threads
+        )
+        return [trainer, *rollout]
 
     @staticmethod
     async def _ready(procs: list[ServiceProcess]) -> None:

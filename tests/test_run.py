@@ -42,6 +42,9 @@ backlog = 4
 groups_per_step = 2
 max_staleness = 2
 
+[layout]
+kind = "{layout}"
+
 [stop]
 max_steps = {steps}
 max_seconds = 240
@@ -57,11 +60,15 @@ SMALL_STREAMS = "".join(
 
 @pytest.mark.newest_nats
 @pytest.mark.timeout(420)
-async def test_run_trains_the_tiny_model_through_the_data_plane(broker, js, run_name, tmp_path):
+@pytest.mark.parametrize("layout", ["disaggregated", "multiplexed", "colocated"])
+async def test_run_trains_the_tiny_model_through_the_data_plane(
+    broker, js, run_name, tmp_path, layout
+):
     out = tmp_path / "out"
     config = tmp_path / "run.toml"
     config.write_text(
-        CONFIG.format(run=run_name, out=out, group=GROUP, steps=STEPS) + SMALL_STREAMS
+        CONFIG.format(run=run_name, out=out, group=GROUP, steps=STEPS, layout=layout)
+        + SMALL_STREAMS
     )
     env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
@@ -77,6 +84,15 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(broker, js, run_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] >= STEPS and summary["sessions"] >= 2 * STEPS * GROUP
     assert summary["trainer"]["samples trained"] >= 2 * STEPS * GROUP  # read from its /metrics
+    # The scheduler admitted the tasks within the staleness bound: nothing was dropped as stale.
+    scheduler = summary["scheduler"]
+    assert (
+        scheduler["tasks admitted"] >= 2 * STEPS
+        and summary["trainer"]["samples stale_dropped"] == 0
+    )
+    if layout != "disaggregated":  # the trainer's worker served rollout while the trainer waited
+        assert scheduler["lends"] >= 1 and scheduler["reclaims"] >= 1
+    assert scheduler["workers fenced"] == 0
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     names = RunNames(run_name)

@@ -367,6 +367,55 @@ class Trainer:
             )
         )
 
+    # -- serving ----------------------------------------------------------------------------
+    async def serve(
+        self, provision: ProvisionConfig, stop: asyncio.Event, on_ready=lambda: None
+    ) -> None:
+        """Publish what a crash may have left unpublished, then consume samples and step until
+        ``stop`` (or until training, consuming or following workers fails: that raises). The
+        caller owns the registration, its heartbeats and ``roles``."""
+        names = self._names
+        await durable_info(self._js, names, names.samples_stream, Durable.TRAINER)
+        await self.publish_if_missing()
+        ingress = Ingress(
+            self._js,
+            names,
+            source="trainer",
+            stream=names.samples_stream,
+            durable=Durable.TRAINER,
+            schema=SampleReady,
+            handler=self.on_sample,
+            max_payload=provision.samples.max_payload,
+            batch=256,
+            concurrency=self._config.max_pending_samples,
+            fetch_timeout=0.5,
+        )
+        ingress_stop = asyncio.Event()
+        consuming = asyncio.create_task(ingress.run(ingress_stop))
+        following = asyncio.create_task(self.follow_workers())
+        stepping = asyncio.create_task(self.run(stop))
+        log.info(kv("trainer_started", run=names.run, version=self.version))
+        on_ready()
+        try:
+            # Training, consuming and following workers must all keep running.
+            await asyncio.wait(
+                {stepping, consuming, following, asyncio.create_task(stop.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            # Finish the step in progress, hand back held samples, stop consuming.
+            stop.set()
+            await asyncio.gather(stepping, return_exceptions=True)
+            ingress_stop.set()
+            await consuming
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+        if stepping.exception() is not None:
+            raise TrainerError(f"training failed: {stepping.exception()!r}")
+        for task, what in ((consuming, "consuming samples"), (following, "following workers")):
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise TrainerError(f"{what} failed: {task.exception()!r}")
+
     # -- start ------------------------------------------------------------------------------
     async def publish_if_missing(self) -> None:
         """After a restart: publish the checkpoint's version if the weights stream lacks it
@@ -399,6 +448,25 @@ async def _first(*waits, timeout: float | None = None) -> None:  # noqa: ASYNC10
             task.cancel()
 
 
+async def open_ranks(model: Path, config: TrainerConfig) -> tuple[RankGroup, Checkpoint | None]:
+    """Every rank built and resumed from the newest checkpoint, if any (off the event loop)."""
+    set_threads(config)
+    ranks = await asyncio.to_thread(RankGroup, model, config)
+    start, path = None, None
+    try:
+        if config.checkpoint_dir is not None:
+            path = checkpoint.latest_path(config.checkpoint_dir)
+            start = await asyncio.to_thread(checkpoint.load_file, path) if path else None
+        await asyncio.to_thread(ranks.load, start, path)
+        if start is not None:
+            # The process may have died between a checkpoint and its line in the steps log.
+            await asyncio.to_thread(checkpoint.append_steps, config.checkpoint_dir, start.recent)
+    except BaseException:
+        await asyncio.to_thread(ranks.close)
+        raise
+    return ranks, start
+
+
 async def serve_trainer(
     url: str,
     run: str,
@@ -409,24 +477,12 @@ async def serve_trainer(
     stop: asyncio.Event,
 ) -> None:
     """Run the trainer (all its ranks) until ``stop``: /metrics, ranks, checkpoint, NATS."""
-    set_threads(config)
     metrics = serve_metrics(REGISTRY, INGRESS_METRICS, ROLE_METRICS, port=metrics_port)
-    ranks = await asyncio.to_thread(RankGroup, model, config)
+    ranks, start = await open_ranks(model, config)
     try:
-        # 1. Resume from the newest checkpoint, on every rank.
-        start, path = None, None
-        if config.checkpoint_dir is not None:
-            path = checkpoint.latest_path(config.checkpoint_dir)
-            start = await asyncio.to_thread(checkpoint.load_file, path) if path else None
-        await asyncio.to_thread(ranks.load, start, path)
-        if start is not None:
-            # The process may have died between a checkpoint and its line in the steps log.
-            await asyncio.to_thread(checkpoint.append_steps, config.checkpoint_dir, start.recent)
         async with session(url, f"seamlessflow-{config.worker_id}") as nc:
             js = nc.jetstream()
             names = RunNames(run)
-            await durable_info(js, names, names.samples_stream, Durable.TRAINER)
-            # 2. Register, publish what a crash may have left unpublished, consume.
             registration = await Registration.open(
                 js,
                 names,
@@ -437,58 +493,26 @@ async def serve_trainer(
                 metrics_url=metrics.url,
             )
             await registration.put()
-            watch = ServingWatch(provision.workers_ttl_s)
-            trainer = Trainer(js, names, config, ranks, registration, watch, start)
+            trainer = Trainer(
+                js, names, config, ranks, registration, ServingWatch(provision.workers_ttl_s), start
+            )
             trainer.roles = RoleHolder(nc, names, registration, trainer.take)
             await trainer.roles.start()
-            await trainer.publish_if_missing()
-            ingress = Ingress(
-                js,
-                names,
-                source="trainer",
-                stream=names.samples_stream,
-                durable=Durable.TRAINER,
-                schema=SampleReady,
-                handler=trainer.on_sample,
-                max_payload=provision.samples.max_payload,
-                batch=256,
-                concurrency=config.max_pending_samples,
-                fetch_timeout=0.5,
-            )
-            ingress_stop = asyncio.Event()
-            tasks = [
-                asyncio.create_task(ingress.run(ingress_stop)),
-                asyncio.create_task(registration.keep_alive(config.heartbeat_s, stop)),
-                asyncio.create_task(trainer.follow_workers()),
-            ]
-            stepping = asyncio.create_task(trainer.run(stop))
-            log.info(kv("trainer_started", run=run, version=trainer.version))
-            print(
-                f"trainer ready: run={run} version={trainer.version} metrics={metrics.url}",
-                flush=True,
-            )
-            try:
-                # Training, consuming and following workers must all keep running.
-                await asyncio.wait(
-                    {stepping, tasks[0], tasks[2], asyncio.create_task(stop.wait())},
-                    return_when=asyncio.FIRST_COMPLETED,
+            heartbeat = asyncio.create_task(registration.keep_alive(config.heartbeat_s, stop))
+
+            def ready() -> None:
+                print(
+                    f"trainer ready: run={run} version={trainer.version} metrics={metrics.url}",
+                    flush=True,
                 )
+
+            try:
+                await trainer.serve(provision, stop, on_ready=ready)
             finally:
-                # 3. Finish the step in progress, hand back held samples, stop consuming.
-                stop.set()
-                await asyncio.gather(stepping, return_exceptions=True)
-                ingress_stop.set()
-                await tasks[0]
-                for task in tasks[1:]:
-                    task.cancel()
-                await asyncio.gather(*tasks[1:], return_exceptions=True)
+                heartbeat.cancel()
+                await asyncio.gather(heartbeat, return_exceptions=True)
                 await trainer.roles.stop()
                 await registration.delete()
-            if stepping.exception() is not None:
-                raise TrainerError(f"training failed: {stepping.exception()!r}")
-            for task, what in ((tasks[0], "consuming samples"), (tasks[2], "following workers")):
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    raise TrainerError(f"{what} failed: {task.exception()!r}")
     finally:
         await asyncio.to_thread(ranks.close)
         metrics.close()
