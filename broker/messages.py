@@ -286,6 +286,9 @@ class WorkerRegistered(Message):
         default=0, ge=0, lt=MAX_SAFE_INT, description="epoch of the last role change applied"
     )
     busy: bool = Field(default=False, description="working in its role right now")
+    quarantined: bool = Field(
+        default=False, description="a weight load overran its deadline: not serving until done"
+    )
     capacity: int = Field(
         default=1, ge=1, lt=MAX_SAFE_INT, description="requests it generates at once as rollout"
     )

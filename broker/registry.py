@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
 from broker import codec
@@ -123,3 +124,24 @@ async def watch_workers(
                 log.warning(kv("bad_worker_entry", key=entry.key, error=exc.reason))
     finally:
         await watcher.stop()
+
+
+async def read_workers(js: JetStreamContext, names: RunNames) -> list[WorkerRegistered]:
+    """The registry's entries now, by worker id (an expired one may linger until the bucket
+    drops it: its ``heartbeat_at`` says how fresh it is). Bad entries are logged and skipped."""
+    bucket = await js.key_value(names.workers_kv)
+    try:
+        keys = await bucket.keys()
+    except NoKeysError:
+        return []
+    found = []
+    for key in sorted(keys):
+        try:
+            entry = await bucket.get(key)
+        except KeyNotFoundError:  # deleted since it was listed
+            continue
+        try:
+            found.append(codec.decode(WorkerRegistered, entry.value))
+        except InvalidMessageError as exc:
+            log.warning(kv("bad_worker_entry", key=key, error=exc.reason))
+    return found

@@ -58,11 +58,18 @@ SWITCH_SECONDS = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
     registry=REGISTRY,
 )
+TAGS = Gauge(
+    "sf_worker_tags",
+    "1, labelled with this worker's capability tags (comma-separated): join on instance",
+    ["tags"],
+    registry=REGISTRY,
+)
 BAD_REQUESTS = Counter(
     "sf_worker_bad_role_requests", "Role change requests that could not be read", registry=REGISTRY
 )
 for _role in Role:  # every role exported from the start
     ROLE.labels(_role.value)
+    SWITCH_SECONDS.labels(_role.value)
     for _state in ("busy", "idle"):
         ROLE_SECONDS.labels(_role.value, _state)
 for _outcome in ("applied", "stale", "failed", "overran"):
@@ -89,6 +96,7 @@ class RoleHolder:
         self._busy = False
         self._since = time.monotonic()
         self._show(registration.entry.role)
+        TAGS.labels(",".join(registration.entry.tags)).set(1)
 
     @property
     def role(self) -> Role:
@@ -101,6 +109,7 @@ class RoleHolder:
     async def start(self) -> None:
         subject = self._names.ctl_role(self._registration.worker_id)
         self._sub = await self._nc.subscribe(subject, cb=self._on_request)
+        await self._nc.flush()  # the server knows the subscription before anyone is told
         self._ticker = asyncio.create_task(self._tick())
 
     async def stop(self) -> None:

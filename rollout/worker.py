@@ -51,7 +51,7 @@ from broker.messages import (
     TokensGenerated,
     WeightsPublished,
 )
-from broker.registry import Registration, default_worker_id
+from broker.registry import Registration, default_worker_id, read_workers
 from broker.roles import RoleHolder
 from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights_apart, latest_weights
@@ -86,13 +86,25 @@ WEIGHT_LOAD = Histogram(
 INTERRUPTIONS = Counter(
     "sf_rollout_interruptions",
     "In-flight attempts interrupted, by cause",
-    # weight_update: paused and continued here; stopping/cancelled/reclaimed: ended with ABORT
+    # weight_update: paused and continued here; the others (stopping, cancelled, reclaimed,
+    # quarantined): ended with ABORT, continued elsewhere
     ["cause"],
     registry=REGISTRY,
 )
-for _cause in ("weight_update", "stopping", "cancelled", "reclaimed"):  # exported at 0
+for _cause in ("weight_update", "stopping", "cancelled", "reclaimed", "quarantined"):  # at 0
     INTERRUPTIONS.labels(_cause)
 VERSION = Gauge("sf_rollout_weight_version", "Weight version the engine serves", registry=REGISTRY)
+QUARANTINES = Counter(
+    "sf_rollout_quarantines",
+    "Weight loads that overran weight_load_timeout_s (the worker stopped serving until done)",
+    registry=REGISTRY,
+)
+WAVE_WAIT = Histogram(
+    "sf_rollout_weight_wave_wait_seconds",
+    "Time a worker waited for earlier waves before loading a version",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    registry=REGISTRY,
+)
 WEIGHT_ERRORS = Counter(
     "sf_rollout_weight_errors",
     "Weight versions that could not be fetched or loaded",
@@ -120,6 +132,21 @@ class WorkerConfig(BaseModel):
     )
     keepalive_s: float = Field(default=1.0, gt=0, description="empty chunk after this silence")
     heartbeat_s: float = Field(default=5.0, gt=0, description="worker KV renewal period")
+    weight_waves: int = Field(
+        default=1,
+        ge=1,
+        description="rolling weight updates: rollout workers (by id) load a version in this many "
+        "waves, each once the waves before it serve it, so not all capacity pauses at once",
+    )
+    wave_timeout_s: float = Field(
+        default=30.0, gt=0, description="a wave loads anyway after waiting this long"
+    )
+    weight_load_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="an engine still loading weights after this is quarantined: routing stops, "
+        "its generations continue elsewhere, and it rejoins serving the newest version",
+    )
     engine: EngineSettings = Field(
         default_factory=HFEngineConfig, description="the engine (its kind) and its own options"
     )
@@ -164,6 +191,7 @@ class RolloutWorker:
         self._serving: asyncio.Task | None = None  # the gen.req ingress, while rollout
         self._serving_stop = asyncio.Event()
         self._engine_lock = asyncio.Lock()  # a role switch never resumes a load in progress
+        self._quarantined = False  # a weight load overran its deadline: not serving meanwhile
 
     @property
     def worker_id(self) -> str:
@@ -266,8 +294,12 @@ class RolloutWorker:
             else:
                 await self._engine.pause()
 
+    @property
+    def _role(self) -> Role | None:
+        return self._roles.role if self._roles is not None else None
+
     def _start_serving(self) -> None:
-        if self._serving is None:
+        if self._serving is None and not self._quarantined:
             self._serving_stop = asyncio.Event()
             self._serving = asyncio.create_task(self.requests_ingress().run(self._serving_stop))
 
@@ -394,18 +426,22 @@ class RolloutWorker:
             return
         self._tried_version = event.version
         started = time.monotonic()
+        await self._wait_for_wave(event.version)
         blob = await fetch_weights_apart(self._nats_url, event)
         fetched = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="sf-weights-") as folder:
             await asyncio.to_thread((Path(folder) / "model.safetensors").write_bytes, blob)
-            async with self._engine_lock:
-                INTERRUPTIONS.labels("weight_update").inc(len(self._attempts))
-                await self._engine.pause()
-                try:
-                    await self._engine.load_weights(event.version, Path(folder))
-                finally:
-                    if self._serving is not None:  # an idle worker's engine stays paused
-                        await self._engine.resume()
+            try:
+                async with self._engine_lock:
+                    INTERRUPTIONS.labels("weight_update").inc(len(self._attempts))
+                    await self._engine.pause()
+                    try:
+                        await self._load_within_deadline(event.version, Path(folder))
+                    finally:
+                        if self._serving is not None:  # an idle worker's engine stays paused
+                            await self._engine.resume()
+            finally:
+                await self._rejoin()
         seconds = time.monotonic() - started
         WEIGHT_LOAD.observe(seconds)
         if self._registration is not None:  # tell the registry now, not at the next heartbeat
@@ -419,6 +455,64 @@ class RolloutWorker:
                 in_flight=len(self._attempts),
             )
         )
+
+    async def _wait_for_wave(self, version: int) -> None:
+        """With ``weight_waves`` > 1, wait (serving the old version) until every live rollout
+        worker of an earlier wave serves ``version``, or ``wave_timeout_s``. Waves are the live
+        rollout workers sorted by id, dealt round-robin."""
+        waves = self._config.weight_waves
+        if waves <= 1 or self._serving is None:  # an idle worker pauses nobody's capacity
+            return
+        started = time.monotonic()
+        fresh_s = 3 * self._config.heartbeat_s
+        while time.monotonic() - started < self._config.wave_timeout_s:
+            now = time.time()
+            live = {
+                w.worker_id: w
+                for w in await read_workers(self._js, self._names)
+                if w.role is Role.ROLLOUT and not w.quarantined and now - w.heartbeat_at < fresh_s
+            }
+            ids = sorted(live)
+            if self.worker_id not in ids:
+                break
+            wave = ids.index(self.worker_id) % waves
+            earlier = [live[w] for i, w in enumerate(ids) if i % waves < wave]
+            if all((w.version if w.version is not None else -1) >= version for w in earlier):
+                break
+            await asyncio.sleep(0.1)
+        WAVE_WAIT.observe(time.monotonic() - started)
+
+    async def _load_within_deadline(self, version: int, folder: Path) -> None:
+        """Load ``version``; past ``weight_load_timeout_s``, quarantine this worker (stop routing
+        to it, abort what it has in flight so the gateway continues it elsewhere) and wait for
+        the load to end. The load itself is never cut short: that would leave mixed weights."""
+        load = asyncio.ensure_future(self._engine.load_weights(version, folder))
+        done, _ = await asyncio.wait({load}, timeout=self._config.weight_load_timeout_s)
+        if not done:
+            QUARANTINES.inc()
+            self._quarantined = True
+            log.error(kv("weights_load_stuck", version=version, quarantined=True))
+            if self._registration is not None:
+                await self._registration.put(quarantined=True)
+            await self._stop_serving("interrupted: worker quarantined", cause="quarantined")
+        await load
+
+    async def _rejoin(self) -> None:
+        """Leave quarantine once the newest published version has been tried (loaded, or
+        failed and counted: then the worker serves the version it has, as any worker would)."""
+        if not self._quarantined:
+            return
+        latest = await latest_weights(self._js, self._names)
+        if latest is not None and latest.version > max(self._engine.version, self._tried_version):
+            return  # that version's event is next: rejoin after it
+        self._quarantined = False
+        if self._registration is not None:
+            await self._registration.put(quarantined=False)
+        if self._role is Role.ROLLOUT:
+            async with self._engine_lock:
+                await self._engine.resume()
+                self._start_serving()
+        log.info(kv("worker_rejoined", version=self._engine.version))
 
     # -- registry ---------------------------------------------------------------------------
     def _note_busy(self) -> None:

@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(p)
     _add_config(p, "[provision] section")
 
-    p = sub.add_parser("status", help="show the depth of a run's streams and consumers")
+    p = sub.add_parser(
+        "status", help="show a run's streams and consumers, its workers and its scheduler"
+    )
     _add_nats(p)
     _add_run(p)
 
@@ -161,11 +163,22 @@ async def _provision(args: argparse.Namespace) -> int:
 async def _status(args: argparse.Namespace) -> int:
     from broker.client import session
     from broker.provision import run_status
-    from seamlessflow.launcher import print_status
+    from broker.registry import read_workers
+    from broker.subjects import RunNames
+    from seamlessflow.launcher import print_status, print_workers
+    from tagsched.lease import Lease
 
     async with session(args.nats, "seamlessflow-status") as nc:
-        status = await run_status(nc.jetstream(), args.run or DEFAULT_RUN)
+        js = nc.jetstream()
+        run = args.run or DEFAULT_RUN
+        status = await run_status(js, run)
+        if not status.missing:
+            names = RunNames(run)
+            workers = await read_workers(js, names)
+            leader = await (await Lease.open(js, names, "status", 1.0)).current()
     print_status(status)
+    if not status.missing:
+        print_workers(workers, leader)
     return 1 if status.missing else 0
 
 

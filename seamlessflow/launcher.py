@@ -4,6 +4,7 @@ signal handling and the broker URL of a local run."""
 import asyncio
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
-from broker.messages import Role
+from broker.messages import Role, WorkerRegistered
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus
@@ -233,11 +234,41 @@ def print_status(status: RunStatus, out=sys.stdout) -> None:
         rows.append((s.name, str(s.messages), str(s.bytes), "", ""))
         for c in s.consumers:
             rows.append((f"  {c.name}", "", "", str(c.pending), str(c.ack_pending)))
+    _print_table(rows, out)
+    for name in status.missing:
+        print(f"missing: {name} (run `seamlessflow provision`)", file=out)
+
+
+def print_workers(
+    workers: list[WorkerRegistered], leader: str | None, out=sys.stdout, now: float | None = None
+) -> None:
+    """The registry as a table (tags, role, epoch, version, heartbeat age), and the scheduler
+    holding the run's lease."""
+    now = time.time() if now is None else now
+    rows = [("worker", "tags", "role", "epoch", "version", "busy", "heartbeat")]
+    for w in workers:
+        version = "-" if w.version is None else str(w.version)
+        age = f"{max(0.0, now - w.heartbeat_at):.1f}s ago"
+        row = (
+            w.worker_id,
+            ",".join(w.tags),
+            w.role.value,
+            str(w.epoch),
+            version,
+            "yes" if w.busy else "no",
+            age,
+        )
+        rows.append(row)
+    print(file=out)
+    _print_table(rows, out)
+    print(f"scheduler: {leader or 'none holds the lease'}", file=out)
+
+
+def _print_table(rows: list[tuple[str, ...]], out) -> None:
+    """The first column left-aligned, the others right-aligned."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         cells = [r[0].ljust(widths[0])] + [
             c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
         ]
         print("  ".join(cells).rstrip(), file=out)
-    for name in status.missing:
-        print(f"missing: {name} (run `seamlessflow provision`)", file=out)

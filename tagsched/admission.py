@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from broker import codec
 from broker.config import StreamLimits
@@ -33,33 +32,9 @@ from broker.messages import TaskSubmitted
 from broker.subjects import Durable, RunNames
 from common.exceptions import SeamlessFlowError
 from common.log import kv
+from tagsched.metrics import ADMISSION_WAIT, ADMITTED, LIMIT, OUTSTANDING, WAITING
 
 log = logging.getLogger(__name__)
-
-REGISTRY = CollectorRegistry()  # this part's metrics (the scheduler's): common.metrics
-
-ADMITTED = Counter("sf_scheduler_tasks_admitted", "Tasks admitted to the agents", registry=REGISTRY)
-OUTSTANDING = Gauge(
-    "sf_scheduler_admission_outstanding",
-    "Outstanding groups: admitted not finished, plus untrained samples in groups",
-    registry=REGISTRY,
-)
-LIMIT = Gauge(
-    "sf_scheduler_admission_limit",
-    "Outstanding groups allowed: steps_ahead * groups_per_step",
-    registry=REGISTRY,
-)
-WAITING = Gauge(
-    "sf_scheduler_admission_waiting",
-    "1 while a task waits for room under the staleness bound",
-    registry=REGISTRY,
-)
-ADMISSION_WAIT = Histogram(
-    "sf_scheduler_admission_wait_seconds",
-    "From a task being stored to its admission",
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
-    registry=REGISTRY,
-)
 
 
 class AdmissionError(SeamlessFlowError):

@@ -23,7 +23,6 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from prometheus_client import Counter, Gauge, Histogram
 
 from broker import codec
 from broker.client import session
@@ -37,49 +36,25 @@ from broker.subjects import Durable, RunNames
 from common.exceptions import SeamlessFlowError
 from common.log import kv
 from common.metrics import serve_metrics
-from tagsched.admission import REGISTRY, Admission, admission_limit
+from tagsched.admission import Admission, admission_limit
 from tagsched.config import LayoutConfig, SchedulerConfig, TrainerShape
 from tagsched.lease import Lease, LeaseLostError
 from tagsched.lending import LendingPolicy, RateMeter
+from tagsched.metrics import (
+    ASSIGNED,
+    CHANGES,
+    FENCED,
+    FENCED_NOW,
+    LEADER,
+    LEND_SECONDS,
+    LENT,
+    RECLAIM_SECONDS,
+    REGISTRY,
+    UNSATISFIED,
+)
 from tagsched.spec import Assignment, PlacementSpec, UnsatisfiableSpecError, assign
 
 log = logging.getLogger(__name__)
-
-_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-LEADER = Gauge(
-    "sf_scheduler_leader", "1 while this scheduler holds the run's lease", registry=REGISTRY
-)
-ASSIGNED = Gauge(
-    "sf_scheduler_workers", "Live workers by the role they hold", ["role"], registry=REGISTRY
-)
-LENT = Gauge("sf_scheduler_workers_lent", "Trainer workers lent to rollout now", registry=REGISTRY)
-FENCED = Counter("sf_scheduler_fenced", "Workers fenced for missing a deadline", registry=REGISTRY)
-FENCED_NOW = Gauge("sf_scheduler_workers_fenced", "Workers fenced now", registry=REGISTRY)
-CHANGES = Counter(
-    "sf_scheduler_role_changes",
-    "Role change requests, by outcome (acked, refused, timeout)",
-    ["outcome"],
-    registry=REGISTRY,
-)
-UNSATISFIED = Gauge(
-    "sf_scheduler_unsatisfied", "1 while the live workers cannot meet the spec", registry=REGISTRY
-)
-LEND_SECONDS = Histogram(
-    "sf_scheduler_lend_seconds",
-    "From the decision to lend a trainer worker to it serving rollout",
-    buckets=_SECONDS,
-    registry=REGISTRY,
-)
-RECLAIM_SECONDS = Histogram(
-    "sf_scheduler_reclaim_seconds",
-    "From the decision to reclaim a lent trainer worker to the trainer holding it again",
-    buckets=_SECONDS,
-    registry=REGISTRY,
-)
-for _role in Role:
-    ASSIGNED.labels(_role.value)
-for _outcome in ("acked", "refused", "timeout"):
-    CHANGES.labels(_outcome)
 
 
 class SchedulerError(SeamlessFlowError):

@@ -9,11 +9,13 @@ import promql_parser
 import pytest
 
 import broker.metrics
+import broker.roles
 import rollout.agents.runner
 import rollout.calls
 import rollout.engines.base
 import rollout.gateway
 import rollout.worker
+import tagsched.metrics
 import trainer.service
 import trajectory.manager
 from broker.metrics import StreamDepthCollector
@@ -23,25 +25,34 @@ DASHBOARDS = sorted((Path(__file__).parents[1] / "dashboards" / "grafana").glob(
 
 SERVED = {
     "broker": [StreamDepthCollector()],
-    "worker": [rollout.worker.REGISTRY, rollout.engines.base.REGISTRY, broker.metrics.REGISTRY],
+    "worker": [
+        rollout.worker.REGISTRY,
+        rollout.engines.base.REGISTRY,
+        broker.metrics.REGISTRY,
+        broker.roles.REGISTRY,
+        trainer.service.REGISTRY,  # a worker tagged train holds a trainer too
+    ],
     "gateway": [rollout.gateway.REGISTRY, rollout.calls.REGISTRY],
     "trajectory": [trajectory.manager.REGISTRY, broker.metrics.REGISTRY],
-    "trainer": [trainer.service.REGISTRY, broker.metrics.REGISTRY],
+    "trainer": [trainer.service.REGISTRY, broker.metrics.REGISTRY, broker.roles.REGISTRY],
     "agents": [rollout.agents.runner.REGISTRY, broker.metrics.REGISTRY],
+    "scheduler": [tagsched.metrics.REGISTRY, broker.metrics.REGISTRY],
 }
 """What each kind of process serves (besides process_/python_ metrics): the registries its
-``serve_*`` function passes to ``common.metrics.serve_metrics``."""
+``serve_*`` function passes to ``common.metrics.serve_metrics`` (the most it may serve)."""
 
 OWN_PREFIXES = {
     "broker": ("sf_broker_", "sf_stream_", "sf_consumer_"),
-    "worker": ("sf_rollout_", "sf_engine_", "sf_ingress_"),
+    "worker": ("sf_rollout_", "sf_engine_", "sf_ingress_", "sf_worker_", "sf_trainer_"),
     "gateway": ("sf_gateway_",),
     "trajectory": ("sf_trajectory_", "sf_ingress_"),
-    "trainer": ("sf_trainer_", "sf_ingress_"),
+    "trainer": ("sf_trainer_", "sf_ingress_", "sf_worker_"),
     "agents": ("sf_agents_", "sf_ingress_"),
+    "scheduler": ("sf_scheduler_", "sf_ingress_"),
 }
 """The only ``sf_`` families each kind may export: its own part's, ``sf_ingress_`` where it
-runs a validated ingress, ``sf_engine_`` for workers."""
+runs a validated ingress, ``sf_engine_`` for workers, ``sf_worker_`` (roles) for processes that
+hold a role, ``sf_trainer_`` for workers that hold a trainer."""
 
 BROKER_SERIES = OWN_PREFIXES["broker"]
 """Served by a broker, which can carry many runs: filtered by run through the stream name."""

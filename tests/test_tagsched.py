@@ -3,6 +3,8 @@ failover, on a real broker with real worker and scheduler processes."""
 
 import asyncio
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -25,9 +27,10 @@ from broker.subjects import Durable, RunNames
 from rollout.gateway import Gateway
 from seamlessflow.processes import ServiceProcess, worker_process
 from seamlessflow.submit import submit_tasks
-from tagsched.admission import REGISTRY, AdmissionError, admission_limit
+from tagsched.admission import AdmissionError, admission_limit
 from tagsched.config import SchedulerConfig
 from tagsched.lending import LendingPolicy, RateMeter
+from tagsched.metrics import REGISTRY
 from tagsched.scheduler import Scheduler
 from tagsched.spec import (
     Demand,
@@ -228,6 +231,16 @@ async def test_a_worker_changes_role_by_epoch_and_refuses_stale_ones(
         e = await entry(js, names, "w1")
         assert (e.role, e.epoch) == (Role.IDLE, 5)
         assert await metric(w.metrics_url, "sf_worker_role", role="idle") == 1
+        command = ["status", "--nats", broker.url, "--run", names.run]
+        status = subprocess.run(
+            [sys.executable, "-m", "seamlessflow.cli", *command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        row = next(line.split() for line in status.stdout.splitlines() if line.startswith("w1 "))
+        assert row[:6] == ["w1", "rollout", "idle", "5", "0", "no"], status.stdout
+        assert "scheduler: none holds the lease" in status.stdout
         stale = await ask(nc, names, "w1", Role.ROLLOUT, 5)
         assert (stale.ok, stale.role, stale.epoch) == (False, Role.IDLE, 5)
         assert "stale epoch 5" in stale.error

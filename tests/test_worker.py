@@ -19,6 +19,7 @@ from broker.messages import (
     WorkerRegistered,
 )
 from broker.metrics import REGISTRY as INGRESS_METRICS
+from broker.registry import watch_workers
 from broker.subjects import RunNames
 from broker.weights import publish_weights
 from rollout.worker import RolloutWorker, WorkerConfig
@@ -232,3 +233,64 @@ async def test_a_stopping_worker_hands_requests_back_unfailed(nc, js, names):
 def _ingress_count(outcome: str) -> float:
     labels = {"source": "gen", "outcome": outcome}
     return INGRESS_METRICS.get_sample_value("sf_ingress_messages_total", labels) or 0.0
+
+
+async def test_weight_waves_load_one_wave_after_the_other(broker, nc, js, names, tiny_model_dir):
+    """Two workers, two waves: for every version the second (by id) loads only once the first
+    serves it, so one of them is always generating."""
+    args = ("--weight-waves", "2", "--heartbeat-s", "0.5")
+    workers = [
+        worker_process(broker.url, names.run, tiny_model_dir, wid, *args) for wid in ("wa", "wb")
+    ]
+    seen: dict[str, list[tuple[float, int]]] = {"wa": [], "wb": []}
+
+    async def follow() -> None:
+        async for wid, entry in watch_workers(js, names):
+            if entry is None or wid not in seen or entry.version is None:
+                continue
+            if not seen[wid] or seen[wid][-1][1] != entry.version:
+                seen[wid].append((time.monotonic(), entry.version))
+
+    try:
+        await asyncio.gather(*(asyncio.to_thread(w.wait_ready) for w in workers))
+        following = asyncio.create_task(follow())
+        for version in (1, 2, 3):
+            await publish_weights(js, names, version, perturbed_weights(tiny_model_dir, version))
+            for wid in ("wa", "wb"):
+                await eventually(lambda w=wid, v=version: _registered_version(js, names, w, v))
+        following.cancel()
+        waited = await metric(workers[1].metrics_url, "sf_rollout_weight_wave_wait_seconds_count")
+    finally:
+        for w in workers:
+            w.stop()
+    first = {v: t for t, v in seen["wa"]}
+    for at, version in seen["wb"]:
+        if version >= 1:
+            assert at >= first[version], (version, seen)
+    assert waited == 3
+
+
+async def test_an_engine_stuck_loading_is_quarantined_and_rejoins(
+    broker, nc, js, names, tiny_model_dir
+):
+    """A load deadline shorter than any real load: every load overruns it. The worker stops
+    serving and aborts what it has in flight (continued elsewhere), then rejoins on the new
+    version and serves again."""
+    args = ("--weight-load-timeout-s", "1e-6", "--max-model-len", "2048")
+    w = worker_process(broker.url, names.run, tiny_model_dir, "wq", *args).wait_ready()
+    try:
+        call = await Call(nc, names, "cq", max_tokens=1500, temperature=0).start()
+        await eventually(lambda: len(call.tokens) >= 5)
+        await publish_weights(js, names, 1, perturbed_weights(tiny_model_dir, seed=4))
+        last = await call.finished()
+        assert last.finish_reason is FinishReason.ABORT and "quarantined" in last.error
+        await eventually(lambda: _registered_version(js, names, "wq", 1), timeout=30)
+        assert await metric(w.metrics_url, "sf_rollout_quarantines_total") == 1
+        assert not (await registered(js, names, "wq")).quarantined
+        again = await Call(nc, names, "cq2", max_tokens=8, temperature=0).start()
+        done = await again.finished()
+        assert done.finish_reason is FinishReason.LENGTH and {c.version for c in again.chunks} == {
+            1
+        }
+    finally:
+        w.stop()
