@@ -42,6 +42,7 @@ from broker.ingress import Delivery, tasks_ingress
 from broker.messages import SessionEnded, TaskSubmitted
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
+from broker.retry import retry
 from broker.subjects import Durable, RunNames
 from common.log import kv
 from common.metrics import serve_metrics
@@ -455,20 +456,19 @@ class AgentRunner:
         )
         return failed(task, sid, seconds)
 
-    async def _publish(self, message: SessionEnded, tries: int = 3) -> None:
-        """Store ``message``; a retried publish is de-duplicated by its session id."""
-        for attempt in range(1, tries + 1):
-            try:
-                await self._js.publish(
-                    self._names.traj_end,
-                    codec.encode(message),
-                    headers=codec.headers(msg_id=message.session_id),
-                )
-                return
-            except NatsError as exc:
-                if attempt == tries:
-                    raise
-                log.warning(kv("session_end_publish_failed", session=message.session_id, error=exc))
+    async def _publish(self, message: SessionEnded) -> None:
+        """Store ``message``, trying again across a broker outage (a copy is de-duplicated by its
+        session id): giving up would have the task run again in new sessions, its group then
+        holding more than ``group_size``. Only the end of the shutdown grace stops the tries."""
+        await retry(
+            lambda: self._js.publish(
+                self._names.traj_end,
+                codec.encode(message),
+                headers=codec.headers(msg_id=message.session_id),
+            ),
+            what="session_end_publish",
+            stop=self._abort,
+        )
 
     async def _keep_in_progress(self, delivery: Delivery) -> None:
         """Keep the task from being redelivered while its attempts run."""
