@@ -121,7 +121,6 @@ async def test_service_trains_groups_and_settles_every_sample(
         staleness_mode=StalenessMode.DROP,
         checkpoint_dir=tmp_path / "ckpt",
         worker_id="trainer-t",
-        progress_interval=0.5,
     )
     stop = asyncio.Event()
     serving = asyncio.create_task(
@@ -199,7 +198,6 @@ async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
     config.write_text(
         f'[trainer]\ncheckpoint_dir = "{ckpt}"\nweights_dir = "{tmp_path / "weights"}"\n'
         'groups_per_step = 1\nlr = 1e-3\nmax_staleness = 1000\nworker_id = "trainer-k"\n'
-        "progress_interval = 1.0\n"
     )
     first = [group(f"g{i}", 2, base=i) for i in range(6)]
     second = [group(f"h{i}", 2, base=i) for i in range(4)]

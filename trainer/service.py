@@ -10,6 +10,11 @@ it is committed. Per step (``Trainer.run``):
 3. checkpoint (model, optimizer, version v+1, the ids of recent steps), atomically;
 4. release the samples' handlers: the ingress acks them;
 5. publish version v+1 and time how long until every rollout worker serves it.
+
+NATS errors on the way are a broker outage, not a failed step: the weights of a version are
+kept and published, tried again until the broker is back (de-duplicated per version); a trainer
+stopped before that leaves the version to its checkpoint, published on the next start. On
+shutdown the first error is the one raised; later ones are logged.
 """
 
 import asyncio
@@ -18,6 +23,7 @@ import math
 import time
 from pathlib import Path
 
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from safetensors.torch import save
@@ -30,6 +36,7 @@ from broker.messages import Role, SampleReady, WorkerRegistered
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.registry import Registration, watch_workers
+from broker.retry import BACKOFF, RetryStoppedError, retry
 from broker.subjects import Durable, RunNames
 from broker.weights import latest_weights, publish_weights
 from common.log import kv
@@ -179,6 +186,7 @@ class Trainer:
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._wake = asyncio.Event()
         self._stopping = False
+        self._stop = asyncio.Event()
 
     # -- samples ----------------------------------------------------------------------------
     async def on_sample(self, sample: SampleReady, delivery: Delivery) -> None:
@@ -204,7 +212,7 @@ class Trainer:
         # 3. Wait for the commit, keeping the message from being redelivered meanwhile.
         while True:
             try:
-                await asyncio.wait_for(asyncio.shield(future), self._config.progress_interval)
+                await asyncio.wait_for(asyncio.shield(future), delivery.keepalive_s)
                 return
             except TimeoutError:
                 await delivery.in_progress()
@@ -225,6 +233,7 @@ class Trainer:
         """Step whenever enough groups are complete, until ``stop``; then hand every held
         sample back (nak: another trainer run takes it)."""
         timeout = self._config.group_timeout_s
+        self._stop = stop
         try:
             while not stop.is_set():
                 if expired := self._batcher.expire(timeout):
@@ -284,7 +293,10 @@ class Trainer:
             SERVING_SECONDS.observe(seconds)
         if self._config.checkpoint_dir is not None:
             await asyncio.to_thread(checkpoint.append_steps, self._config.checkpoint_dir, [record])
-        await self._registration.put(version=version)
+        try:
+            await self._registration.put(version=version)
+        except NatsError as exc:  # the next heartbeat writes the entry, with this version
+            log.warning(kv("registration_put_failed", version=version, error=exc))
         self._report(items, stats, stepped - started)
 
     async def _checkpoint(self, version: int) -> None:
@@ -298,11 +310,29 @@ class Trainer:
         CHECKPOINT_SECONDS.observe(time.monotonic() - started)
 
     async def _publish(self, version: int) -> None:
+        """Serialise the weights once and publish them, trying again (the same blob, the same
+        version) until the broker takes them. Stopping meanwhile leaves the version to the
+        checkpoint: ``publish_if_missing`` publishes it on the next start."""
         started = time.monotonic()
         blob = await asyncio.to_thread(lambda: save(self._ranks.backend.hf_state_dict()))
-        await publish_weights(
-            self._js, self._names, version, blob, directory=self._config.weights_dir
-        )
+        try:
+            await retry(
+                lambda: publish_weights(
+                    self._js, self._names, version, blob, directory=self._config.weights_dir
+                ),
+                what="weights_publish",
+                stop=self._stop,
+            )
+        except RetryStoppedError as exc:
+            log.warning(
+                kv(
+                    "weights_unpublished",
+                    version=version,
+                    checkpoint=self._config.checkpoint_dir,
+                    error=exc,
+                )
+            )
+            return
         PUBLISH_SECONDS.observe(time.monotonic() - started)
         VERSION.set(version)
         log.info(kv("weights_published", version=version, bytes=len(blob)))
@@ -348,7 +378,7 @@ class Trainer:
     async def publish_if_missing(self) -> None:
         """After a restart: publish the checkpoint's version if the weights stream lacks it
         (the process died between the checkpoint and the publication)."""
-        latest = await latest_weights(self._js, self._names)
+        latest = await retry(lambda: latest_weights(self._js, self._names), what="weights_latest")
         published = latest.version if latest else 0
         if published > self.version:
             raise TrainerError(
@@ -361,9 +391,16 @@ class Trainer:
         VERSION.set(self.version)
 
     async def follow_workers(self) -> None:
-        async for worker_id, entry in watch_workers(self._js, self._names):
-            for _, seconds in self._watch.seen(worker_id, entry):
-                SERVING_SECONDS.observe(seconds)
+        """Follow the registry for the time-to-serving metric; a watch the broker dropped (a
+        restart) is started again, so this only ends when cancelled."""
+        while True:
+            try:
+                async for worker_id, entry in watch_workers(self._js, self._names):
+                    for _, seconds in self._watch.seen(worker_id, entry):
+                        SERVING_SECONDS.observe(seconds)
+            except NatsError as exc:
+                log.warning(kv("worker_watch_failed", error=exc))
+            await asyncio.sleep(BACKOFF.max_s)
 
 
 async def serve_trainer(
@@ -433,26 +470,30 @@ async def serve_trainer(
                 flush=True,
             )
             try:
-                # Training, consuming and following workers must all keep running.
+                # Training and consuming must both keep running.
                 await asyncio.wait(
-                    {stepping, tasks[0], tasks[2], asyncio.create_task(stop.wait())},
+                    {stepping, tasks[0], asyncio.create_task(stop.wait())},
                     return_when=asyncio.FIRST_COMPLETED,
                 )
             finally:
-                # 3. Finish the step in progress, hand back held samples, stop consuming.
+                # 3. Finish the step in progress, hand back held samples, stop consuming. Every
+                # part is stopped whatever the others raise, and the first error is the one told.
                 stop.set()
                 await asyncio.gather(stepping, return_exceptions=True)
                 ingress_stop.set()
-                await tasks[0]
+                await asyncio.gather(tasks[0], return_exceptions=True)
                 for task in tasks[1:]:
                     task.cancel()
                 await asyncio.gather(*tasks[1:], return_exceptions=True)
-                await registration.delete()
-            if stepping.exception() is not None:
-                raise TrainerError(f"training failed: {stepping.exception()!r}")
-            for task, what in ((tasks[0], "consuming samples"), (tasks[2], "following workers")):
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    raise TrainerError(f"{what} failed: {task.exception()!r}")
+                try:
+                    await registration.delete()
+                except NatsError as exc:  # the entry expires after workers_ttl_s anyway
+                    log.warning(kv("registration_delete_failed", error=exc))
+            for task, what in ((stepping, "training"), (tasks[0], "consuming samples")):
+                if task.exception() is not None:
+                    raise TrainerError(f"{what} failed: {task.exception()!r}") from (
+                        task.exception()
+                    )
     finally:
         await asyncio.to_thread(ranks.close)
         metrics.close()
