@@ -108,10 +108,13 @@ class ProvisionConfig(_Config):
     samples: StreamLimits = _limits(GiB, 7 * DAY, 8 * MiB)
     weights: StreamLimits = _limits(16 * MiB, 0, 64 * KiB)
     dead: StreamLimits = _limits(128 * MiB, 7 * DAY, 8 * MiB)
-    agents: ConsumerLimits = ConsumerLimits(ack_wait_s=600, max_deliver=5, max_ack_pending=1024)
+    # ack_wait is short so that what a dead consumer held comes back within seconds (before its
+    # group is past the staleness bound); live consumers keep long work in progress
+    # (in_progress every third of ack_wait).
+    agents: ConsumerLimits = ConsumerLimits(ack_wait_s=15, max_deliver=5, max_ack_pending=1024)
     rollout: ConsumerLimits = ConsumerLimits(ack_wait_s=30, max_deliver=10, max_ack_pending=4096)
-    trajectory: ConsumerLimits = ConsumerLimits(ack_wait_s=60, max_deliver=10, max_ack_pending=8192)
-    trainer: ConsumerLimits = ConsumerLimits(ack_wait_s=600, max_deliver=10, max_ack_pending=8192)
+    trajectory: ConsumerLimits = ConsumerLimits(ack_wait_s=15, max_deliver=10, max_ack_pending=8192)
+    trainer: ConsumerLimits = ConsumerLimits(ack_wait_s=15, max_deliver=10, max_ack_pending=8192)
     workers_ttl_s: float = Field(
         default=30.0, gt=0, description="a worker key expires unless renewed"
     )

@@ -42,7 +42,7 @@ from broker.weights import latest_weights, publish_weights
 from common.log import kv
 from common.metrics import serve_metrics
 from trainer import checkpoint
-from trainer.batcher import Batcher, Outcome, plan_step
+from trainer.batcher import DROPPED, Batcher, DropReason, Outcome, lag, plan_step
 from trainer.checkpoint import Checkpoint, StepRecord
 from trainer.config import TrainerConfig
 from trainer.exceptions import BatchError, TrainerError
@@ -60,6 +60,15 @@ SAMPLES = Counter(
 )
 for _outcome in Outcome:  # every outcome exported from the start, at 0
     SAMPLES.labels(_outcome.value)
+DROPPED_SAMPLES = Counter(
+    "sf_trainer_samples_dropped",
+    "Samples consumed but not trained, by reason (each group's drop is also a WARNING line "
+    "and the step's line in steps.jsonl names them)",
+    ["reason"],
+    registry=REGISTRY,
+)
+for _reason in DropReason:
+    DROPPED_SAMPLES.labels(_reason.value)
 INVALID = Counter(
     "sf_trainer_invalid_samples",
     "Samples refused because they contradict their group",
@@ -265,10 +274,17 @@ class Trainer:
             STALENESS.observe(behind)
         for outcome in outcomes.values():
             SAMPLES.labels(outcome.value).inc()
-        if not items:  # everything was past the bound: nothing to train, nothing to publish
+        dropped = self._drops(groups, outcomes)
+        if not items:  # everything was dropped: nothing to train, nothing to publish
+            record = StepRecord(self.version, tuple(consumed), dropped)
+            self._recent = [*self._recent, record][-self._config.keep_trained_steps :]
             self._trained.update(consumed)
+            if self._config.checkpoint_dir is not None:
+                await asyncio.to_thread(
+                    checkpoint.append_steps, self._config.checkpoint_dir, [record]
+                )
             self._release(consumed)
-            log.info(kv("step_skipped", samples=len(consumed), reason="all stale"))
+            log.warning(kv("step_skipped", samples=len(consumed), reason="all dropped"))
             return
         # 2. Train on every rank.
         started = time.monotonic()
@@ -281,7 +297,7 @@ class Trainer:
         STEP_SECONDS.observe(stepped - started)
         version = self.version + 1
         # 3. Commit: the checkpoint, then the acks.
-        record = StepRecord(version, tuple(consumed))
+        record = StepRecord(version, tuple(consumed), dropped)
         self._recent = [*self._recent, record][-self._config.keep_trained_steps :]
         await self._checkpoint(version)
         self.version = version
@@ -298,6 +314,32 @@ class Trainer:
         except NatsError as exc:  # the next heartbeat writes the entry, with this version
             log.warning(kv("registration_put_failed", version=version, error=exc))
         self._report(items, stats, stepped - started)
+
+    def _drops(
+        self, groups: list[list[SampleReady]], outcomes: dict[str, Outcome]
+    ) -> tuple[tuple[str, str], ...]:
+        """Count and log (WARNING, one line per group) the samples the step drops; return them
+        as ``(sample_id, reason)`` for the steps log."""
+        dropped: list[tuple[str, str]] = []
+        for group in groups:
+            gone = [s for s in group if outcomes[s.sample_id] in DROPPED]
+            for reason in {DROPPED[outcomes[s.sample_id]] for s in gone}:
+                these = [s for s in gone if DROPPED[outcomes[s.sample_id]] is reason]
+                DROPPED_SAMPLES.labels(reason.value).inc(len(these))
+                dropped += [(s.sample_id, reason.value) for s in these]
+                log.warning(
+                    kv(
+                        "samples_dropped",
+                        group=group[0].group_id,
+                        reason=reason.value,
+                        samples=len(these),
+                        of=len(group),
+                        max_lag=max(lag(s, self.version) for s in these),
+                        version=self.version,
+                        max_staleness=self._config.max_staleness,
+                    )
+                )
+        return tuple(dropped)
 
     async def _checkpoint(self, version: int) -> None:
         directory = self._config.checkpoint_dir
