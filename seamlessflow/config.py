@@ -12,6 +12,7 @@ from common.exceptions import SeamlessFlowError
 from rollout.agents.config import AgentsConfig
 from rollout.gateway.config import GatewaySettings
 from rollout.worker import WorkerConfig
+from seamlessflow.processes import SuperviseConfig
 from trainer.config import TrainerConfig
 from trainer.warmstart import WarmStartConfig
 from trajectory.config import TrajectoryConfig
@@ -109,6 +110,9 @@ class RunConfig(BaseModel):
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     stop: StopConfig = Field(default_factory=StopConfig)
+    supervise: SuperviseConfig = Field(
+        default_factory=SuperviseConfig, description="restarting the run's processes"
+    )
 
     @model_validator(mode="after")
     def _one_temperature(self) -> "RunConfig":
