@@ -4,7 +4,6 @@ good tasks around them are all handled, and the consumer keeps going."""
 import asyncio
 import json
 import logging
-import socket
 import uuid
 
 import msgpack
@@ -20,7 +19,7 @@ from broker.provision import provision_run
 from broker.retry import Backoff
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
-from tests.support import SMALL_RUN, broker_config, eventually, stream_messages
+from tests.support import SMALL_RUN, broker_config, eventually, free_port, stream_messages
 
 
 def _count(source: str, outcome: str) -> float:
@@ -193,7 +192,7 @@ async def test_ingress_survives_a_broker_restart(tmp_path, nats_binary, caplog):
     tasks published before and after are all handled, none twice; the ingress pauses while the
     broker is away, with one line when it goes and one when it comes back."""
     caplog.set_level(logging.INFO, logger="broker.ingress")
-    cfg = broker_config(tmp_path, nats_binary).model_copy(update={"port": _free_port()})
+    cfg = broker_config(tmp_path, nats_binary).model_copy(update={"port": free_port()})
     names = RunNames("restart")
     handler = Collector()
     stop = asyncio.Event()
@@ -231,17 +230,11 @@ async def test_ingress_survives_a_broker_restart(tmp_path, nats_binary, caplog):
     assert not [line for line in lines if line.startswith("ingress_fetch_failed")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_a_task_done_as_the_broker_stops_is_acked_and_not_run_again(tmp_path, nats_binary):
     """The broker is stopped right as the handler of a task returns, so its ack races the
     shutdown. The ack is confirmed by the server, tried again once it is back: the task leaves
     the work queue and is not run again, though ack_wait (1 s) passes many times over."""
-    cfg = broker_config(tmp_path, nats_binary).model_copy(update={"port": _free_port()})
+    cfg = broker_config(tmp_path, nats_binary).model_copy(update={"port": free_port()})
     names = RunNames("acked")
     quick = SMALL_RUN.model_copy(
         update={"agents": SMALL_RUN.agents.model_copy(update={"ack_wait_s": 1.0})}

@@ -1,0 +1,239 @@
+"""The fault suite (marker ``faults``: ``make test-faults``, its own CI step): ``seamlessflow run``
+on the tiny model against a real nats-server the test owns, while, one at a time, each kind of
+child process is killed with SIGKILL (the run's supervision restarts it) and the broker is stopped
+and started again on its store, once at an arbitrary moment and once as a trainer step commits
+(its acks and weight publish in flight). Then the data the run left is checked:
+
+- every group that ended has exactly ``group_size`` sessions, each with all its samples;
+- every sample was trained exactly once or dropped with a reason (``steps.jsonl``), or is still
+  unsettled on the trainer's consumer (the run was stopped): none lost, none twice;
+- no message was dead-lettered; every process was alive at the end; versions are consecutive.
+
+A table (fault, seconds until two new versions, lost, twice, dropped) is printed.
+"""
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from broker.client import session
+from broker.messages import MessageRejected, SampleReady, SessionEnded
+from broker.server import EmbeddedBroker
+from broker.subjects import Durable, RunNames
+from tests.support import broker_config, free_port, stream_messages
+from tests.test_run import SMALL_STREAMS
+from trainer import checkpoint
+
+pytestmark = [pytest.mark.faults]
+
+GROUP = 4
+CONFIG = """
+run = "{run}"
+output_dir = "{out}"
+
+[model]
+max_model_len = 256
+[model.warm_start]
+steps = 10
+
+[tasks]
+group_size = {group}
+backlog = 4
+
+[trainer]
+groups_per_step = 2
+
+[stop]
+max_steps = 100000
+max_seconds = 900
+
+[supervise]
+backoff_s = 0.5
+backoff_max_s = 2.0
+
+[provision]
+weights_store_max_bytes = 50331648
+"""
+CHILDREN = ("trajectory", "trainer", "worker rollout-0", "gateway", "agents")
+RECOVERY_TIMEOUT_S = 150.0
+CHILD_PID = re.compile(r"^(?:  )?(\S.*?)(?:\s+pid\s+| serving again \(pid )(\d+)")
+"""A child's pid in the run's start listing or in its 'serving again' line."""
+
+
+class RunProcess:
+    """``seamlessflow run`` as a child process; its output read in a thread, the pid of each of
+    its children taken from its start listing and its 'serving again' lines."""
+
+    def __init__(self, config: Path, url: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "seamlessflow.cli", "run", str(config), "--nats", url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: list[str] = []
+        self.pids: dict[str, int] = {}
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if m := CHILD_PID.match(line):
+                self.pids[m[1]] = int(m[2])
+
+    def tail(self, n: int = 80) -> str:
+        return "".join(self.lines[-n:])
+
+
+class Broker:
+    """The run's nats-server, stopped and started again on the same port and store."""
+
+    def __init__(self, state_dir: Path, binary: Path) -> None:
+        config = broker_config(state_dir, binary)
+        self.config = config.model_copy(update={"port": free_port()})
+        self.server = EmbeddedBroker(self.config).start()
+        self.url = self.server.url
+
+    def restart(self, down_s: float) -> None:
+        self.server.stop()
+        time.sleep(down_s)
+        self.server = EmbeddedBroker(self.config).start()
+
+
+def _steps(ckpt: Path) -> list[checkpoint.StepRecord]:
+    return checkpoint.read_steps(ckpt) if (ckpt / checkpoint.STEPS_LOG).exists() else []
+
+
+def _version(ckpt: Path) -> int:
+    return max((s.version for s in _steps(ckpt)), default=0)
+
+
+def _dropped(ckpt: Path) -> int:
+    return sum(len(s.dropped) for s in _steps(ckpt))
+
+
+async def _until(condition, timeout: float, run: RunProcess, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert run.proc.poll() is None, f"the run ended while waiting for {what}:\n{run.tail()}"
+        assert time.monotonic() < deadline, f"no {what} in {timeout:g}s:\n{run.tail()}"
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.newest_nats
+@pytest.mark.timeout(900)
+async def test_run_survives_kills_and_broker_restarts_losing_nothing(nats_binary, tmp_path):
+    run_name = "faults"
+    out, ckpt = tmp_path / "out", tmp_path / "out" / "checkpoints"
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG.format(run=run_name, out=out, group=GROUP) + SMALL_STREAMS)
+    env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}
+    broker = Broker(tmp_path / "broker", nats_binary)
+    run = RunProcess(config, broker.url, env)
+    table: list[tuple[str, float, int]] = []
+    try:
+        await _until(lambda: _version(ckpt) >= 2, 300, run, "version 2")
+
+        async def fault(name: str, inject) -> None:
+            before, dropped = _version(ckpt), _dropped(ckpt)
+            started = time.monotonic()
+            await inject()
+            await _until(lambda: _version(ckpt) >= before + 2, RECOVERY_TIMEOUT_S, run, name)
+            table.append((name, time.monotonic() - started, _dropped(ckpt) - dropped))
+
+        for child in CHILDREN:
+
+            async def kill(child: str = child) -> None:
+                pid = run.pids[child]
+                os.kill(pid, signal.SIGKILL)
+                # Restarted by the run, serving again (a new pid).
+                await _until(lambda: run.pids[child] != pid, 120, run, f"{child} restarted")
+
+            await fault(f"SIGKILL {child}", kill)
+
+        async def broker_down() -> None:
+            await asyncio.to_thread(broker.restart, 5.0)
+
+        await fault("broker stopped 5 s", broker_down)
+
+        async def broker_down_mid_step() -> None:
+            pointer = ckpt / checkpoint.LATEST
+            committed = pointer.stat().st_mtime_ns
+            await _until(lambda: pointer.stat().st_mtime_ns != committed, 60, run, "a step")
+            await asyncio.to_thread(broker.restart, 2.0)
+
+        await fault("broker stopped as a step commits", broker_down_mid_step)
+
+        # Every process is alive at the end, and none is down.
+        for child in CHILDREN:
+            os.kill(run.pids[child], 0)
+        run.proc.send_signal(signal.SIGINT)
+        code = await asyncio.to_thread(run.proc.wait, 180)
+        assert code == 0, run.tail()
+        assert "interrupted" in run.tail()
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+
+    try:
+        lost, twice = await _check_the_data(broker.url, RunNames(run_name), ckpt)
+    finally:
+        broker.server.stop()
+    print("\nfault | seconds to 2 new versions | lost | twice | dropped")
+    for name, seconds, dropped in table:
+        print(f"{name} | {seconds:.1f} | {lost} | {twice} | {dropped}")
+    assert (lost, twice) == (0, 0)
+
+
+async def _check_the_data(url: str, names: RunNames, ckpt: Path) -> tuple[int, int]:
+    """Assert the invariants of the module docstring on what the run left; return (lost,
+    twice) samples."""
+    async with session(url, "pytest-faults") as nc:
+        js = nc.jetstream()
+        ended = await stream_messages(js, names.traj_stream, SessionEnded, subject=names.traj_end)
+        samples = await stream_messages(js, names.samples_stream, SampleReady)
+        dead = await stream_messages(js, names.dead_stream, MessageRejected)
+        # What the trainer has not settled (the run was stopped): take it all back, unacked.
+        sub = await js.pull_subscribe_bind(Durable.TRAINER, names.samples_stream)
+        unsettled: set[str] = set()
+        while True:
+            try:
+                msgs = await sub.fetch(256, timeout=3)
+            except TimeoutError:
+                break
+            unsettled |= {m.headers.get("Nats-Msg-Id", "") for m in msgs if m.headers}
+        await sub.unsubscribe()
+    assert dead == [], [d.reason for d in dead]
+    # Groups are whole, sessions have all their samples.
+    sessions = defaultdict(set)
+    for e in ended:
+        sessions[e.group_id].add(e.session_id)
+    assert {g: len(s) for g, s in sessions.items() if len(s) != GROUP} == {}
+    per_session = Counter(s.session_id for s in {s.sample_id: s for s in samples}.values())
+    for s in samples:
+        assert per_session[s.session_id] == s.session_samples, s.session_id
+    # Trained once or dropped with a reason, or still unsettled: none lost, none twice.
+    steps = checkpoint.read_steps(ckpt)
+    consumed = [sid for step in steps for sid in step.sample_ids]
+    twice = len(consumed) - len(set(consumed))
+    assert all(reason == "stale" for step in steps for _, reason in step.dropped)
+    lost = len({s.sample_id for s in samples} - set(consumed) - unsettled)
+    # Versions are consecutive; a step that trained nothing made none.
+    version = 0
+    for step in steps:
+        if step.trained:
+            assert step.version == version + 1
+            version = step.version
+        else:
+            assert step.version == version
+    return lost, twice
