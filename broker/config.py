@@ -84,6 +84,16 @@ class ConsumerLimits(_Config):
     max_ack_pending: int = Field(ge=1, description="unacked messages in flight")
 
 
+class PlacementConfig(_Config):
+    """Where a NATS cluster (or supercluster) places the run's streams and buckets; the servers
+    choose among those that match."""
+
+    cluster: str | None = Field(default=None, description="the cluster's name; None: any")
+    tags: list[str] = Field(
+        default_factory=list, description="server tags (server_tags in nats-server.conf)"
+    )
+
+
 def _limits(max_bytes: int, max_age_s: float, max_payload: int, max_msg_size: int = 8 * MiB):
     return StreamLimits(
         max_bytes=max_bytes,
@@ -101,7 +111,16 @@ class ProvisionConfig(_Config):
     defaults (about 4.6 GiB a run) are sized for one machine; raise them for long runs.
     """
 
-    replicas: int = Field(default=1, ge=1, le=5)
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="copies of every stream and bucket, on as many servers of a cluster (3 "
+        "survives the loss of one); 1 on a single server",
+    )
+    placement: PlacementConfig | None = Field(
+        default=None, description="cluster and server tags to place streams on; None: any"
+    )
     tasks: StreamLimits = _limits(256 * MiB, 7 * DAY, 256 * KiB)
     gen: StreamLimits = _limits(256 * MiB, HOUR, 4 * MiB)
     traj: StreamLimits = _limits(GiB, 7 * DAY, 8 * MiB)

@@ -299,7 +299,8 @@ class NatsCluster:
         self.procs: list[subprocess.Popen | None] = [None] * size
         self.url = ",".join(f"nats://127.0.0.1:{p}" for p in self.ports)
 
-    def start(self) -> "NatsCluster":
+    async def start(self) -> "NatsCluster":
+        """Start every node; return once the cluster's JetStream answers."""
         for i in range(len(self.ports)):
             node = self.state_dir / f"n{i}"
             node.mkdir(parents=True, exist_ok=True)
@@ -323,7 +324,11 @@ class NatsCluster:
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
-        asyncio.run(self._wait_jetstream())
+        try:
+            await self._wait_jetstream()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     async def _wait_jetstream(self, timeout: float = 60.0) -> None:

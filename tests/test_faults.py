@@ -9,7 +9,9 @@ and started again on its store, once at an arbitrary moment and once as a traine
   unsettled on the trainer's consumer (the run was stopped): none lost, none twice;
 - no message was dead-lettered; every process was alive at the end; versions are consecutive.
 
-A table (fault, seconds until two new versions, lost, twice, dropped) is printed.
+A table (fault, seconds until two new versions, lost, twice, dropped) is printed. The same run
+on a 3-node NATS cluster (streams with 3 replicas) loses one node mid-run and goes on, with
+the same checks.
 """
 
 import asyncio
@@ -29,7 +31,7 @@ from broker.client import session
 from broker.messages import MessageRejected, SampleReady, SessionEnded
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
-from tests.support import broker_config, free_port, stream_messages
+from tests.support import NatsCluster, broker_config, free_port, stream_messages
 from tests.test_run import SMALL_STREAMS
 from trainer import checkpoint
 
@@ -62,6 +64,7 @@ backoff_max_s = 2.0
 
 [provision]
 weights_store_max_bytes = 50331648
+replicas = {replicas}
 """
 CHILDREN = ("trajectory", "trainer", "worker rollout-0", "gateway", "agents")
 RECOVERY_TIMEOUT_S = 150.0
@@ -130,16 +133,33 @@ async def _until(condition, timeout: float, run: RunProcess, what: str) -> None:
         await asyncio.sleep(0.2)
 
 
+def _start_run(tmp_path: Path, url: str, replicas: int = 1) -> tuple[RunProcess, Path]:
+    """``seamlessflow run`` (run name ``faults``) on ``url``; returns it and its checkpoints."""
+    out = tmp_path / "out"
+    config = tmp_path / "run.toml"
+    config.write_text(
+        CONFIG.format(run="faults", out=out, group=GROUP, replicas=replicas) + SMALL_STREAMS
+    )
+    env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}
+    return RunProcess(config, url, env), out / "checkpoints"
+
+
+async def _stop_run(run: RunProcess) -> None:
+    """Check every child is alive, then stop the run (Ctrl-C) and check it ends cleanly."""
+    for child in CHILDREN:
+        os.kill(run.pids[child], 0)
+    assert " down" not in run.tail(5), run.tail()
+    run.proc.send_signal(signal.SIGINT)
+    code = await asyncio.to_thread(run.proc.wait, 180)
+    assert code == 0, run.tail()
+    assert "interrupted" in run.tail()
+
+
 @pytest.mark.newest_nats
 @pytest.mark.timeout(900)
 async def test_run_survives_kills_and_broker_restarts_losing_nothing(nats_binary, tmp_path):
-    run_name = "faults"
-    out, ckpt = tmp_path / "out", tmp_path / "out" / "checkpoints"
-    config = tmp_path / "run.toml"
-    config.write_text(CONFIG.format(run=run_name, out=out, group=GROUP) + SMALL_STREAMS)
-    env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}
     broker = Broker(tmp_path / "broker", nats_binary)
-    run = RunProcess(config, broker.url, env)
+    run, ckpt = _start_run(tmp_path, broker.url)
     table: list[tuple[str, float, int]] = []
     try:
         await _until(lambda: _version(ckpt) >= 2, 300, run, "version 2")
@@ -174,24 +194,47 @@ async def test_run_survives_kills_and_broker_restarts_losing_nothing(nats_binary
 
         await fault("broker stopped as a step commits", broker_down_mid_step)
 
-        # Every process is alive at the end, and none is down.
-        for child in CHILDREN:
-            os.kill(run.pids[child], 0)
-        run.proc.send_signal(signal.SIGINT)
-        code = await asyncio.to_thread(run.proc.wait, 180)
-        assert code == 0, run.tail()
-        assert "interrupted" in run.tail()
+        await _stop_run(run)
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
 
     try:
-        lost, twice = await _check_the_data(broker.url, RunNames(run_name), ckpt)
+        lost, twice = await _check_the_data(broker.url, RunNames("faults"), ckpt)
     finally:
         broker.server.stop()
     print("\nfault | seconds to 2 new versions | lost | twice | dropped")
     for name, seconds, dropped in table:
         print(f"{name} | {seconds:.1f} | {lost} | {twice} | {dropped}")
+    assert (lost, twice) == (0, 0)
+
+
+@pytest.mark.newest_nats
+@pytest.mark.timeout(600)
+async def test_a_run_on_a_3_node_cluster_loses_a_node_and_goes_on(nats_binary, tmp_path):
+    """Streams and buckets with 3 replicas (from ``[provision] replicas``); the processes are
+    given all three servers; one server is killed mid-run."""
+    cluster = await NatsCluster(nats_binary, tmp_path / "cluster").start()
+    try:
+        run, ckpt = _start_run(tmp_path, cluster.url, replicas=3)
+        try:
+            await _until(lambda: _version(ckpt) >= 2, 300, run, "version 2")
+            before, started = _version(ckpt), time.monotonic()
+            cluster.kill(0)
+            await _until(lambda: _version(ckpt) >= before + 2, RECOVERY_TIMEOUT_S, run, "steps")
+            seconds = time.monotonic() - started
+            await _stop_run(run)
+        finally:
+            if run.proc.poll() is None:
+                run.proc.kill()
+        async with session(cluster.url, "pytest-faults") as nc:
+            info = await nc.jetstream().stream_info(RunNames("faults").samples_stream)
+            assert info.config.num_replicas == 3
+        lost, twice = await _check_the_data(cluster.url, RunNames("faults"), ckpt)
+    finally:
+        cluster.stop()
+    dropped = _dropped(ckpt)
+    print(f"\n1 of 3 nodes killed | {seconds:.1f} | {lost} | {twice} | {dropped}")
     assert (lost, twice) == (0, 0)
 
 
