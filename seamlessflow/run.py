@@ -377,7 +377,8 @@ class _Supervised:
                 self.failures = 0
             if not self._announced and self.proc.serving:
                 self._announced = True
-                print(f"\n{self.proc.name} serving again (pid {self.proc.proc.pid})", flush=True)
+                p = self.proc
+                print(f"\n{p.name} serving again (pid {p.proc.pid})  {p.metrics_url}", flush=True)
                 log.info(kv("service_restarted", service=self.proc.name, pid=self.proc.proc.pid))
                 return True
             return False

@@ -31,6 +31,7 @@ from broker.client import session
 from broker.messages import MessageRejected, SampleReady, SessionEnded
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
+from common.metrics import scrape
 from tests.support import NatsCluster, broker_config, free_port, stream_messages
 from tests.test_run import SMALL_STREAMS
 from trainer import checkpoint
@@ -68,8 +69,10 @@ replicas = {replicas}
 """
 CHILDREN = ("trajectory", "trainer", "worker rollout-0", "gateway", "agents")
 RECOVERY_TIMEOUT_S = 150.0
-CHILD_PID = re.compile(r"^(?:  )?(\S.*?)(?:\s+pid\s+| serving again \(pid )(\d+)")
-"""A child's pid in the run's start listing or in its 'serving again' line."""
+CHILD_PID = re.compile(
+    r"^(?:  )?(\S.*?)(?:\s+pid\s+| serving again \(pid )(\d+)\)?\s+(http://\S+/metrics)"
+)
+"""A child's pid and /metrics in the run's start listing or in its 'serving again' line."""
 
 
 class RunProcess:
@@ -86,6 +89,7 @@ class RunProcess:
         )
         self.lines: list[str] = []
         self.pids: dict[str, int] = {}
+        self.metrics: dict[str, str] = {}
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -93,6 +97,7 @@ class RunProcess:
             self.lines.append(line)
             if m := CHILD_PID.match(line):
                 self.pids[m[1]] = int(m[2])
+                self.metrics[m[1]] = m[3]
 
     def tail(self, n: int = 80) -> str:
         return "".join(self.lines[-n:])
@@ -193,6 +198,14 @@ async def test_run_survives_kills_and_broker_restarts_losing_nothing(nats_binary
             await asyncio.to_thread(broker.restart, 2.0)
 
         await fault("broker stopped as a step commits", broker_down_mid_step)
+        # What each process tried again across the two broker outages (since its last start).
+        for child in CHILDREN:
+            retried = [
+                f"{x.labels['what']}={x.value:g}"
+                for x in await scrape(run.metrics[child])
+                if x.name == "sf_nats_retries_total"
+            ]
+            print(f"\n{child} NATS retries: {', '.join(retried) or 'none'}")
 
         await _stop_run(run)
     finally:
