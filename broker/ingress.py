@@ -318,7 +318,6 @@ class Ingress(Generic[M]):
         """Ack, and wait for the server to confirm it, trying again across a broker restart: an
         ack lost on the way would have the message redelivered after ack_wait, its work done
         twice. Stopping ends the tries (the message then comes back, as with any lost ack)."""
-
         await retry(
             lambda: msg.ack_sync(timeout=ACK_CONFIRM_S), what=f"{self.source}_ack", stop=self._stop
         )

@@ -224,7 +224,10 @@ class Trainer:
                 await asyncio.wait_for(asyncio.shield(future), delivery.keepalive_s)
                 return
             except TimeoutError:
-                await delivery.in_progress()
+                try:
+                    await delivery.in_progress()
+                except NatsError as exc:  # an outage: the paused ingress keeps it in progress
+                    log.debug(kv("sample_in_progress_failed", sample=sample.sample_id, error=exc))
 
     def _release(self, sample_ids: list[str], error: BaseException | None = None) -> None:
         for sid in sample_ids:
