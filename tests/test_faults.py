@@ -9,12 +9,15 @@ and started again on its store, once at an arbitrary moment and once as a traine
   unsettled on the trainer's consumer (the run was stopped): none lost, none twice;
 - no message was dead-lettered; every process was alive at the end; versions are consecutive.
 
-A table (fault, seconds until two new versions, lost, twice, dropped) is printed. The same run
+A table (fault, seconds until two new versions, lost, twice, dropped) is printed. A trainer
+step taken while the broker is down is checked on its own (deterministically: its group times
+out during the outage): its acks and weights wait for the broker. The same run
 on a 3-node NATS cluster (streams with 3 replicas) loses one node mid-run and goes on, with
 the same checks.
 """
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -29,12 +32,23 @@ import pytest
 
 from broker.client import session
 from broker.messages import MessageRejected, SampleReady, SessionEnded
+from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
+from broker.weights import latest_weights
 from common.metrics import scrape
-from tests.support import NatsCluster, broker_config, free_port, stream_messages
+from tests.support import (
+    SMALL_RUN,
+    NatsCluster,
+    broker_config,
+    eventually,
+    free_port,
+    stream_messages,
+)
 from tests.test_run import SMALL_STREAMS
+from tests.test_trainer import group, publish
 from trainer import checkpoint
+from trainer.config import TrainerConfig
 
 pytestmark = [pytest.mark.faults]
 
@@ -220,6 +234,72 @@ async def test_run_survives_kills_and_broker_restarts_losing_nothing(nats_binary
     for name, seconds, dropped in table:
         print(f"{name} | {seconds:.1f} | {lost} | {twice} | {dropped}")
     assert (lost, twice) == (0, 0)
+
+
+@pytest.mark.newest_nats
+async def test_a_step_taken_while_the_broker_is_down_is_published_when_it_is_back(
+    nats_binary, tiny_model_dir, tmp_path, caplog
+):
+    """The trainer (in process) holds one session of a group of two; the broker stops; the group
+    times out and is trained while the broker is down. The trainer does not die: its acks and
+    its weight publish wait for the broker, and once it is back v1 is published (once), the
+    sample is acked, and the next group makes v2."""
+    from trainer.service import serve_trainer
+
+    caplog.set_level(logging.INFO, logger="broker.retry")
+    broker = Broker(tmp_path / "broker", nats_binary)
+    names = RunNames("stepdown")
+    config = TrainerConfig(
+        lr=1e-3,
+        groups_per_step=1,
+        max_staleness=100,
+        group_timeout_s=3.0,
+        checkpoint_dir=tmp_path / "ckpt",
+        worker_id="trainer-d",
+    )
+    stop = asyncio.Event()
+    try:
+        async with session(broker.url, "pytest") as nc:
+            js = nc.jetstream()
+            await provision_run(js, names.run, SMALL_RUN)
+            serving = asyncio.create_task(
+                serve_trainer(broker.url, names.run, SMALL_RUN, config, tiny_model_dir, 0, stop)
+            )
+
+            async def held(count: int) -> bool:
+                info = await js.consumer_info(names.samples_stream, Durable.TRAINER)
+                return info.num_ack_pending == count and info.num_pending == 0
+
+            a, b = group("a", 2), group("b", 2)
+            await publish(js, names, a[0])
+            await eventually(lambda: held(1), timeout=60, watch=serving)
+            await asyncio.to_thread(broker.restart, 10.0)  # the group expires meanwhile
+            await eventually(lambda: held(0), timeout=60, watch=serving)
+
+            async def published() -> int:
+                latest = await latest_weights(js, names)
+                return latest.version if latest else 0
+
+            await eventually(published, timeout=60, watch=serving)
+            assert await published() == 1
+            await publish(js, names, *b)
+            await eventually(
+                lambda: _version(config.checkpoint_dir) == 2, timeout=60, watch=serving
+            )
+            await eventually(lambda: held(0), timeout=30, watch=serving)
+            stop.set()
+            await asyncio.wait_for(serving, 60)  # raises what the trainer raised
+            weights = await published()
+    finally:
+        stop.set()
+        broker.server.stop()
+    steps = checkpoint.read_steps(config.checkpoint_dir)
+    assert [(s.version, s.trained) for s in steps] == [(1, (a[0].sample_id,)), (2, tuple(
+        s.sample_id for s in b))]  # fmt: skip
+    assert weights == 2
+    retried = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nats_")]
+    assert any("what=weights_publish" in line for line in retried), retried
+    assert any(x.startswith("nats_recovered what=weights_publish") for x in retried), retried
 
 
 @pytest.mark.newest_nats
