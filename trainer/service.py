@@ -530,16 +530,16 @@ async def serve_trainer(
                 for task in tasks[1:]:
                     task.cancel()
                 await asyncio.gather(*tasks[1:], return_exceptions=True)
-                try:
-                    await registration.delete()
-                except NatsError as exc:  # the entry expires after workers_ttl_s anyway
-                    log.warning(kv("registration_delete_failed", error=exc))
+                await registration.delete()
             for task, what in ((stepping, "training"), (tasks[0], "consuming samples")):
                 if task.exception() is not None:
                     raise TrainerError(f"{what} failed: {task.exception()!r}") from (
                         task.exception()
                     )
     finally:
-        await asyncio.to_thread(ranks.close)
+        try:
+            await asyncio.to_thread(ranks.close)
+        except Exception as exc:  # logged, so that it never hides why the trainer stopped
+            log.error(kv("ranks_close_failed", error=f"{type(exc).__name__}: {exc}"))
         metrics.close()
     print("trainer stopped", flush=True)
