@@ -18,6 +18,10 @@ Each message gets exactly one outcome:
   resume one ``ingress_resumed`` line. A broker connection that drops pauses the ingress the
   same way until the client has reconnected. Stopping while paused hands the held messages back.
 
+While a handler runs, the ingress keeps its message in progress (``in_progress`` every third of
+the consumer's ``ack_wait``), so ``ack_wait`` can be short (the messages of a consumer that dies
+come back within seconds) however long the work takes; handlers need not signal progress.
+
 The loop never stops on bad input, and a message is terminated only once its dead letter is
 stored, so nothing is lost. With ``concurrency`` above 1, that many messages are handled at once,
 each in its own task, and the loop fetches only as many as there are free slots, so long handlers
@@ -73,16 +77,17 @@ class Delivery:
     needs unavailable (the message was held, not redelivered)."""
     ack_wait: float = 30.0
     """The consumer's ack_wait (seconds): kept short, so that the messages of a consumer that
-    dies come back soon; work that takes longer calls ``in_progress`` every ``keepalive_s``."""
+    dies come back soon; the ingress keeps a message in progress while its handler runs."""
 
     @property
     def keepalive_s(self) -> float:
-        """How often to call ``in_progress`` while working: a third of ``ack_wait``, so one lost
-        signal does not let the timer run out."""
+        """How often the message is kept in progress: a third of ``ack_wait``, so one lost signal
+        does not let the timer run out."""
         return self.ack_wait / 3
 
     async def in_progress(self) -> None:
-        """Reset the ack timer: call it every ``keepalive_s`` while working."""
+        """Reset the ack timer now. The ingress does it every ``keepalive_s`` while the handler
+        runs; a handler may add signals of its own (a worker's per-token keepalive)."""
         await self._msg.in_progress()
 
 
@@ -296,7 +301,7 @@ class Ingress(Generic[M]):
         while True:
             called = time.monotonic()
             try:
-                await self._handler(message, delivery)
+                await self._handled(message, delivery)
             except (UnavailableError, *TRANSIENT) as exc:
                 # Not the message's fault: hold it (its delivery not spent) and call again.
                 retry = delivery.retry + 1
@@ -313,6 +318,22 @@ class Ingress(Generic[M]):
             await self._ack(msg)
             INGRESS_MESSAGES.labels(self.source, "accepted").inc()
             return
+
+    async def _handled(self, message: M, delivery: Delivery) -> None:
+        """Call the handler, keeping its message in progress until it returns or raises."""
+        keeping = asyncio.create_task(self._keep_in_progress(delivery))
+        try:
+            await self._handler(message, delivery)
+        finally:
+            keeping.cancel()
+
+    async def _keep_in_progress(self, delivery: Delivery) -> None:
+        while True:
+            await asyncio.sleep(delivery.keepalive_s)
+            try:
+                await delivery.in_progress()
+            except NatsError as exc:  # an outage: the ingress pauses and keeps it in progress
+                log.debug(kv("in_progress_failed", source=self.source, error=exc))
 
     async def _ack(self, msg: Msg) -> None:
         """Ack, and wait for the server to confirm it, trying again across a broker restart: an

@@ -162,6 +162,32 @@ async def test_handler_failures_are_retried_then_dead_lettered(js, names):
     assert _count("tasks", "failed") - failed0 == 1 + max_deliver
 
 
+async def test_a_long_handler_keeps_its_message_in_progress_past_ack_wait(js, run_name):
+    """A handler that works four times the consumer's short ack_wait (1 s) and sends no progress
+    of its own: the ingress keeps the message in progress, so it is handled once."""
+    quick = SMALL_RUN.agents.model_copy(update={"ack_wait_s": 1.0})
+    await provision_run(js, run_name, SMALL_RUN.model_copy(update={"agents": quick}))
+    names = RunNames(run_name)
+    calls: list[int] = []
+
+    async def slow(task: TaskSubmitted, delivery: Delivery) -> None:
+        calls.append(delivery.num_delivered)
+        await asyncio.sleep(4.0)
+
+    await js.publish(names.tasks, msgpack.packb(_task_dict(0)))
+    # Concurrency 2: the ingress keeps fetching meanwhile, so a redelivery would be handled.
+    ingress = tasks_ingress(js, names, slow, SMALL_RUN.tasks, fetch_timeout=0.2, concurrency=2)
+    await _run_until(ingress, lambda: _settled(js, names), timeout=30)
+    assert calls == [1]
+    info = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
+    assert info.num_redelivered == 0
+
+
+async def _settled(js, names: RunNames) -> bool:
+    info = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
+    return info.num_ack_pending == 0 and info.num_pending == 0 and info.delivered.stream_seq > 0
+
+
 async def test_a_handed_back_message_is_redelivered_at_once_and_not_a_failure(js, names):
     await js.publish(names.tasks, msgpack.packb(_task_dict(0)))
     failed0, returned0 = _count("tasks", "failed"), _count("tasks", "returned")

@@ -2,8 +2,8 @@
 and published as a new weight version.
 
 Per sample (``Ingress`` handler): skip-and-ack one already trained (redelivered after a restart),
-else hold it in the ``Batcher`` and wait, un-acked and kept in progress, until the step that used
-it is committed. Per step (``Trainer.run``):
+else hold it in the ``Batcher`` and wait, un-acked (the ingress keeps it in progress), until the
+step that used it is committed. Per step (``Trainer.run``):
 
 1. take ``groups_per_step`` complete groups; advantages, staleness bound;
 2. train on every rank (off the event loop);
@@ -218,16 +218,9 @@ class Trainer:
             future = self._waiting[sample.sample_id] = asyncio.get_running_loop().create_future()
             HELD.inc()
             self._wake.set()
-        # 3. Wait for the commit, keeping the message from being redelivered meanwhile.
-        while True:
-            try:
-                await asyncio.wait_for(asyncio.shield(future), delivery.keepalive_s)
-                return
-            except TimeoutError:
-                try:
-                    await delivery.in_progress()
-                except NatsError as exc:  # an outage: the paused ingress keeps it in progress
-                    log.debug(kv("sample_in_progress_failed", sample=sample.sample_id, error=exc))
+        # 3. Wait for the commit (the ingress keeps the message in progress meanwhile); shielded,
+        # so that a cancelled handler leaves the future to ``_release``.
+        await asyncio.shield(future)
 
     def _release(self, sample_ids: list[str], error: BaseException | None = None) -> None:
         for sid in sample_ids:

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import httpx
 import openai
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -226,7 +225,6 @@ class AgentRunner:
             base_url=self.gateway_url, api_key="unused", max_retries=0, http_client=self._http
         )
         self._model = config.model
-        self._progress_s = 30.0
         self._stop = asyncio.Event()
         self._abort = asyncio.Event()
 
@@ -241,8 +239,7 @@ class AgentRunner:
 
     async def _consume(self, stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
         names = self._names
-        info = await durable_info(self._js, names, names.tasks_stream, Durable.AGENTS)
-        self._progress_s = max(0.5, (info.config.ack_wait or 30.0) / 3)
+        await durable_info(self._js, names, names.tasks_stream, Durable.AGENTS)
         self._stop = stop
         ingress = tasks_ingress(
             self._js,
@@ -280,7 +277,6 @@ class AgentRunner:
             TASKS.labels("rejected").inc()
             raise InvalidMessageError(str(exc)) from exc
         RUNNING.inc()
-        keepalive = asyncio.create_task(self._keep_in_progress(delivery))
         try:
             if self._stop.is_set():  # fetched while stopping: hand it back at once
                 raise RunnerStoppingError(f"task {task.task_id}: not started, runner stopping")
@@ -299,7 +295,6 @@ class AgentRunner:
             )
             raise
         finally:
-            keepalive.cancel()
             RUNNING.dec()
         # 4. Store every SessionEnded; the ingress acks the task after.
         await asyncio.gather(*(self._publish(message) for message in ended))
@@ -469,15 +464,6 @@ class AgentRunner:
             what="session_end_publish",
             stop=self._abort,
         )
-
-    async def _keep_in_progress(self, delivery: Delivery) -> None:
-        """Keep the task from being redelivered while its attempts run."""
-        while True:
-            await asyncio.sleep(self._progress_s)
-            try:
-                await delivery.in_progress()
-            except NatsError as exc:
-                log.warning(kv("task_in_progress_failed", error=exc))
 
 
 async def serve_agents(
