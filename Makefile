@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 NODE_CLIENT := tests/clients/node
 comma := ,
 
-.PHONY: setup run test lint format clean
+.PHONY: setup run test test-faults lint format clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,10 @@ format: setup
 
 test: lint $(NODE_CLIENT)/node_modules/.package-lock.json
 	$(BIN)/pytest
+
+# The fault suite: kills, broker restarts, outages (tests/test_faults.py and tests marked faults).
+test-faults: setup
+	$(BIN)/pytest -m faults
 
 clean:
 	rm -rf $(VENV) $(NODE_CLIENT)/node_modules .pytest_cache .ruff_cache .hypothesis

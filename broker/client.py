@@ -17,7 +17,9 @@ log = logging.getLogger(__name__)
 
 async def connect(url: str, name: str, *, give_up_after: float = 5.0) -> NATS:
     """Connect to ``url`` as client ``name`` within ``give_up_after`` seconds; once connected, the
-    client reconnects forever."""
+    client reconnects forever. ``url`` may list several servers of a cluster, comma-separated
+    (``nats://a:4222,nats://b:4222``): the client connects to any and moves to another when its
+    server goes away (it also learns the cluster's other servers from the one it reaches)."""
 
     async def error_cb(exc: Exception) -> None:
         log.warning(kv("nats_error", client=name, error=f"{type(exc).__name__}: {exc}"))
@@ -35,7 +37,7 @@ async def connect(url: str, name: str, *, give_up_after: float = 5.0) -> NATS:
     try:
         await asyncio.wait_for(
             nc.connect(
-                url,
+                [server.strip() for server in url.split(",") if server.strip()],
                 name=name,
                 connect_timeout=min(give_up_after, 2.0),
                 allow_reconnect=True,

@@ -84,6 +84,16 @@ class ConsumerLimits(_Config):
     max_ack_pending: int = Field(ge=1, description="unacked messages in flight")
 
 
+class PlacementConfig(_Config):
+    """Where a NATS cluster (or supercluster) places the run's streams and buckets; the servers
+    choose among those that match."""
+
+    cluster: str | None = Field(default=None, description="the cluster's name; None: any")
+    tags: list[str] = Field(
+        default_factory=list, description="server tags (server_tags in nats-server.conf)"
+    )
+
+
 def _limits(max_bytes: int, max_age_s: float, max_payload: int, max_msg_size: int = 8 * MiB):
     return StreamLimits(
         max_bytes=max_bytes,
@@ -101,18 +111,30 @@ class ProvisionConfig(_Config):
     defaults (about 4.6 GiB a run) are sized for one machine; raise them for long runs.
     """
 
-    replicas: int = Field(default=1, ge=1, le=5)
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="copies of every stream and bucket, on as many servers of a cluster (3 "
+        "survives the loss of one); 1 on a single server",
+    )
+    placement: PlacementConfig | None = Field(
+        default=None, description="cluster and server tags to place streams on; None: any"
+    )
     tasks: StreamLimits = _limits(256 * MiB, 7 * DAY, 256 * KiB)
     gen: StreamLimits = _limits(256 * MiB, HOUR, 4 * MiB)
     traj: StreamLimits = _limits(GiB, 7 * DAY, 8 * MiB)
     samples: StreamLimits = _limits(GiB, 7 * DAY, 8 * MiB)
     weights: StreamLimits = _limits(16 * MiB, 0, 64 * KiB)
     dead: StreamLimits = _limits(128 * MiB, 7 * DAY, 8 * MiB)
-    scheduler: ConsumerLimits = ConsumerLimits(ack_wait_s=60, max_deliver=5, max_ack_pending=256)
-    agents: ConsumerLimits = ConsumerLimits(ack_wait_s=600, max_deliver=5, max_ack_pending=1024)
+    # ack_wait is short so that what a dead consumer held comes back within seconds (before its
+    # group is past the staleness bound); live consumers keep long work in progress
+    # (in_progress every third of ack_wait).
+    scheduler: ConsumerLimits = ConsumerLimits(ack_wait_s=15, max_deliver=5, max_ack_pending=256)
+    agents: ConsumerLimits = ConsumerLimits(ack_wait_s=15, max_deliver=5, max_ack_pending=1024)
     rollout: ConsumerLimits = ConsumerLimits(ack_wait_s=30, max_deliver=10, max_ack_pending=4096)
-    trajectory: ConsumerLimits = ConsumerLimits(ack_wait_s=60, max_deliver=10, max_ack_pending=8192)
-    trainer: ConsumerLimits = ConsumerLimits(ack_wait_s=600, max_deliver=10, max_ack_pending=8192)
+    trajectory: ConsumerLimits = ConsumerLimits(ack_wait_s=15, max_deliver=10, max_ack_pending=8192)
+    trainer: ConsumerLimits = ConsumerLimits(ack_wait_s=15, max_deliver=10, max_ack_pending=8192)
     workers_ttl_s: float = Field(
         default=30.0, gt=0, description="a worker key expires unless renewed"
     )

@@ -2,7 +2,8 @@
 
 Each message gets exactly one outcome:
 
-- valid, handler returns        -> ``ack``
+- valid, handler returns        -> ``ack``, confirmed by the server (``ack_sync``) and tried
+                                   again across a broker restart: a lost ack would redo the work
 - invalid (bytes, types, size)  -> published to ``sf.<run>.dead.<source>`` as a
                                    ``MessageRejected`` with the reason, then ``term``
 - handler raises                -> ``nak`` with a delay: retried; on the consumer's last
@@ -16,6 +17,10 @@ Each message gets exactly one outcome:
   the ingress. A pause is one ``ingress_paused`` line and ``sf_ingress_paused{source} 1``; the
   resume one ``ingress_resumed`` line. A broker connection that drops pauses the ingress the
   same way until the client has reconnected. Stopping while paused hands the held messages back.
+
+While a handler runs, the ingress keeps its message in progress (``in_progress`` every third of
+the consumer's ``ack_wait``), so ``ack_wait`` can be short (the messages of a consumer that dies
+come back within seconds) however long the work takes; handlers need not signal progress.
 
 The loop never stops on bad input, and a message is terminated only once its dead letter is
 stored, so nothing is lost. With ``concurrency`` above 1, that many messages are handled at once,
@@ -32,18 +37,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from nats import errors as nats_errors
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.errors import ServiceUnavailableError
 
 from broker import codec
 from broker.config import StreamLimits
 from broker.exceptions import InvalidMessageError, UnavailableError
 from broker.messages import HEADER_MAX, REASON_MAX, Message, MessageRejected, TaskSubmitted
 from broker.metrics import INGRESS_MESSAGES, INGRESS_PAUSED
+from broker.retry import BACKOFF, TRANSIENT, Backoff, RetryStoppedError, retry
 from broker.subjects import Durable, RunNames
 from common.log import kv
 
@@ -54,18 +58,8 @@ M = TypeVar("M", bound=Message)
 DEAD_LETTER_KEEP = 64 * 1024
 """Bytes of a rejected payload kept in its dead letter."""
 
-BROKER_DOWN = (
-    nats_errors.ConnectionClosedError,
-    nats_errors.ConnectionReconnectingError,
-    nats_errors.NoServersError,
-    nats_errors.NoRespondersError,
-    nats_errors.OutboundBufferLimitError,
-    nats_errors.StaleConnectionError,
-    nats_errors.TimeoutError,
-    ServiceUnavailableError,
-)
-"""NATS errors that mean the broker cannot serve now (reconnecting, JetStream not answering): a
-handler that raises one is treated as having raised ``UnavailableError``."""
+ACK_CONFIRM_S = 2.0
+"""How long one try of a confirmed ack waits for the server's answer before trying again."""
 
 
 @dataclass(frozen=True)
@@ -81,9 +75,19 @@ class Delivery:
     retry: int = 0
     """Calls of the handler on this delivery before this one, each of which found a part it
     needs unavailable (the message was held, not redelivered)."""
+    ack_wait: float = 30.0
+    """The consumer's ack_wait (seconds): kept short, so that the messages of a consumer that
+    dies come back soon; the ingress keeps a message in progress while its handler runs."""
+
+    @property
+    def keepalive_s(self) -> float:
+        """How often the message is kept in progress: a third of ``ack_wait``, so one lost signal
+        does not let the timer run out."""
+        return self.ack_wait / 3
 
     async def in_progress(self) -> None:
-        """Reset the ack timer: call it more often than the consumer's ack_wait."""
+        """Reset the ack timer now. The ingress does it every ``keepalive_s`` while the handler
+        runs; a handler may add signals of its own (a worker's per-token keepalive)."""
         await self._msg.in_progress()
 
 
@@ -111,8 +115,7 @@ class Ingress(Generic[M]):
         concurrency: int = 1,
         fetch_timeout: float = 1.0,
         retry_delay: float = 5.0,
-        backoff: float = 0.5,
-        backoff_max: float = 5.0,
+        backoff: Backoff = BACKOFF,
     ) -> None:
         self._js = js
         self._dead_subject = names.dead(source)
@@ -128,7 +131,6 @@ class Ingress(Generic[M]):
         self._fetch_timeout = fetch_timeout
         self._retry_delay = retry_delay
         self._backoff = backoff
-        self._backoff_max = backoff_max
         self._nc = js._nc  # the connection the context uses: is the broker reachable now?
         self._max_deliver = 0  # read from the consumer when the loop starts; <= 0: unlimited
         self._ack_wait = 30.0  # likewise (seconds)
@@ -152,16 +154,16 @@ class Ingress(Generic[M]):
             kv("ingress_started", source=self.source, stream=self._stream, durable=self._durable)
         )
         try:
-            delay = self._backoff
+            down = 0  # checks in a row that found the broker disconnected
             while not stop.is_set():
                 # 1. Take no work while the broker or a part the handler needs is down.
                 if not self._broker_reachable():
+                    down += 1
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(delay):
+                        async with asyncio.timeout(self._backoff.delay(down)):
                             await stop.wait()
-                    delay = min(2 * delay, self._backoff_max)
                     continue
-                delay = self._backoff
+                down = 0
                 if self._paused_since is not None:
                     await _wait_any(stop, self._resumed)
                     continue
@@ -185,7 +187,10 @@ class Ingress(Generic[M]):
                 await asyncio.wait(self._running)
         finally:
             self._unpause()
-            await sub.unsubscribe()
+            try:
+                await sub.unsubscribe()
+            except NatsError as exc:  # the broker is away: the server drops the pull anyway
+                log.info(kv("ingress_unsubscribe_failed", source=self.source, error=exc))
             log.info(kv("ingress_stopped", source=self.source))
 
     # -- pausing ----------------------------------------------------------------------------
@@ -239,7 +244,7 @@ class Ingress(Generic[M]):
         """Pause for ``exc`` (a part is unavailable) and wait before the ``retry``-th call of the
         handler on a held message: True to call it again, False when stopping."""
         self._pause(f"{type(exc).__name__}: {exc}")
-        delay = min(self._backoff * 2 ** (retry - 1), self._backoff_max)
+        delay = self._backoff.delay(retry)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(delay):
                 await _wait_any(self._stop, self._resumed)
@@ -255,7 +260,7 @@ class Ingress(Generic[M]):
     async def _settle_logged(self, msg: Msg) -> None:
         try:
             await self._settle(msg)
-        except NatsError as exc:
+        except (NatsError, RetryStoppedError) as exc:
             # The broker went away mid-settle: JetStream redelivers after ack_wait.
             log.warning(kv("ingress_settle_failed", source=self.source, error=exc))
         finally:
@@ -285,12 +290,19 @@ class Ingress(Generic[M]):
             await self._reject(msg, f"cannot decode: {type(exc).__name__}: {exc}", content_type)
             return
         stored_at = meta.timestamp.timestamp()
-        delivery = Delivery(msg.subject, meta.sequence.stream, meta.num_delivered, stored_at, msg)
+        delivery = Delivery(
+            msg.subject,
+            meta.sequence.stream,
+            meta.num_delivered,
+            stored_at,
+            msg,
+            ack_wait=self._ack_wait,
+        )
         while True:
             called = time.monotonic()
             try:
-                await self._handler(message, delivery)
-            except (UnavailableError, *BROKER_DOWN) as exc:
+                await self._handled(message, delivery)
+            except (UnavailableError, *TRANSIENT) as exc:
                 # Not the message's fault: hold it (its delivery not spent) and call again.
                 retry = delivery.retry + 1
                 if await self._held(exc, retry):
@@ -303,9 +315,33 @@ class Ingress(Generic[M]):
                 await self._settle_raised(msg, exc, content_type)
                 return
             self._answered(called)
-            await msg.ack()
+            await self._ack(msg)
             INGRESS_MESSAGES.labels(self.source, "accepted").inc()
             return
+
+    async def _handled(self, message: M, delivery: Delivery) -> None:
+        """Call the handler, keeping its message in progress until it returns or raises."""
+        keeping = asyncio.create_task(self._keep_in_progress(delivery))
+        try:
+            await self._handler(message, delivery)
+        finally:
+            keeping.cancel()
+
+    async def _keep_in_progress(self, delivery: Delivery) -> None:
+        while True:
+            await asyncio.sleep(delivery.keepalive_s)
+            try:
+                await delivery.in_progress()
+            except NatsError as exc:  # an outage: the ingress pauses and keeps it in progress
+                log.debug(kv("in_progress_failed", source=self.source, error=exc))
+
+    async def _ack(self, msg: Msg) -> None:
+        """Ack, and wait for the server to confirm it, trying again across a broker restart: an
+        ack lost on the way would have the message redelivered after ack_wait, its work done
+        twice. Stopping ends the tries (the message then comes back, as with any lost ack)."""
+        await retry(
+            lambda: msg.ack_sync(timeout=ACK_CONFIRM_S), what=f"{self.source}_ack", stop=self._stop
+        )
 
     def _answered(self, called: float) -> None:
         """A handler call made since the pause found every part it needs: resume."""
@@ -425,12 +461,12 @@ def tasks_ingress(
     limits: StreamLimits,
     *,
     durable: Durable,
-    **options: float,
+    **options: float | Backoff,
 ) -> Ingress[TaskSubmitted]:
     """The validated ingress of a run's task stream, sized by the run's ``tasks`` limits: client
     tasks (durable ``scheduler``) or admitted ones (durable ``agents``); a bad task is
     dead-lettered as ``tasks`` either way. ``options``: ``batch``, ``concurrency``,
-    ``fetch_timeout``, ``retry_delay``, ``backoff``, ``backoff_max``."""
+    ``fetch_timeout``, ``retry_delay``, ``backoff`` (a ``broker.retry.Backoff``)."""
     return Ingress(
         js,
         names,

@@ -34,6 +34,13 @@ INGRESS_PAUSED = Gauge(
     ["source"],
     registry=REGISTRY,
 )
+NATS_RETRIES = Counter(
+    "sf_nats_retries",
+    "NATS operations tried again after a transient error (the broker reconnecting or "
+    "restarting), by operation (broker.retry)",
+    ["what"],
+    registry=REGISTRY,
+)
 
 
 class StreamDepthCollector(Collector):

@@ -17,6 +17,7 @@ from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
     ObjectStoreConfig,
+    Placement,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -69,6 +70,7 @@ class RunPlan:
 
 def plan(run: str, cfg: ProvisionConfig) -> RunPlan:
     n = RunNames(run)
+    where = Placement(cfg.placement.cluster, cfg.placement.tags) if cfg.placement else None
 
     def stream(
         name: str,
@@ -83,6 +85,7 @@ def plan(run: str, cfg: ProvisionConfig) -> RunPlan:
             retention=retention,
             storage=StorageType.FILE,
             num_replicas=cfg.replicas,
+            placement=where,
             # A full work queue is a real backlog: refuse new messages (the publisher gets an
             # error) rather than silently drop unconsumed ones. Limits streams are history.
             discard=DiscardPolicy.NEW
@@ -112,13 +115,20 @@ def plan(run: str, cfg: ProvisionConfig) -> RunPlan:
         ConsumerPlan(n.samples_stream, Durable.TRAINER, n.samples, cfg.trainer),
     ]
     workers_kv = KeyValueConfig(
-        bucket=n.workers_kv, history=1, ttl=cfg.workers_ttl_s, replicas=cfg.replicas
+        bucket=n.workers_kv,
+        history=1,
+        ttl=cfg.workers_ttl_s,
+        replicas=cfg.replicas,
+        placement=where,
     )
     control_kv = KeyValueConfig(
         bucket=n.control_kv, history=1, ttl=cfg.scheduler_lease_s, replicas=cfg.replicas
     )
     weights_store = ObjectStoreConfig(
-        bucket=n.weights_store, max_bytes=cfg.weights_store_max_bytes, replicas=cfg.replicas
+        bucket=n.weights_store,
+        max_bytes=cfg.weights_store_max_bytes,
+        replicas=cfg.replicas,
+        placement=where,
     )
     bucket_streams = {
         KV_STREAM.format(n.workers_kv): {

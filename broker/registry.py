@@ -98,7 +98,12 @@ class Registration:
                 log.warning(kv("heartbeat_failed", worker=self.worker_id, error=exc))
 
     async def delete(self) -> None:
-        await self._bucket.delete(self.worker_id)
+        """Remove the entry. Called on the way out, so a broker outage is logged, not raised: it
+        would hide why the process stops, and the entry expires after the bucket's TTL anyway."""
+        try:
+            await self._bucket.delete(self.worker_id)
+        except NatsError as exc:
+            log.warning(kv("registration_delete_failed", worker=self.worker_id, error=exc))
 
 
 async def watch_workers(

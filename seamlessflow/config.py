@@ -12,6 +12,7 @@ from common.exceptions import SeamlessFlowError
 from rollout.agents.config import AgentsConfig
 from rollout.gateway.config import GatewaySettings
 from rollout.worker import WorkerConfig
+from seamlessflow.processes import SuperviseConfig
 from tagsched.admission import AdmissionError, admission_limit
 from tagsched.config import LayoutConfig, SchedulerConfig, TrainerShape
 from trainer.config import TrainerConfig
@@ -109,6 +110,9 @@ class RunConfig(BaseModel):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     layout: LayoutConfig = Field(default_factory=LayoutConfig)
     stop: StopConfig = Field(default_factory=StopConfig)
+    supervise: SuperviseConfig = Field(
+        default_factory=SuperviseConfig, description="restarting the run's processes"
+    )
 
     @model_validator(mode="after")
     def _one_temperature(self) -> "RunConfig":

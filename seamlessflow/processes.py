@@ -3,7 +3,8 @@
 ``ServiceProcess`` runs one ``seamlessflow <command>`` as a child process, reads its output in a
 thread (kept for error reports), and knows it is serving once the command prints its ready line:
 a line containing ``ready:`` and ending in ``metrics=<url>``. Every long-running command
-(``worker``, ``gateway``, ``trajectory``, ``trainer``, ``agents``) prints one.
+(``worker``, ``gateway``, ``trajectory``, ``trainer``, ``agents``) prints one. ``restart``
+starts the same command again (a supervisor's restart after the process exited).
 """
 
 import os
@@ -11,8 +12,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from broker.server import die_with_parent
 from common.exceptions import SeamlessFlowError
@@ -23,6 +27,22 @@ READY = "ready:"
 
 class ServiceProcessError(SeamlessFlowError):
     """A service process did not start or did not stop in time."""
+
+
+class SuperviseConfig(BaseModel):
+    """How ``seamlessflow run`` restarts a child process that exits: after a backoff that
+    doubles with each exit in a row, and ending the run only when one keeps failing."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_restarts: int = Field(
+        default=5, ge=0, description="exits in a row (none up stable_s) before the run ends"
+    )
+    backoff_s: float = Field(default=1.0, gt=0, description="wait before the first restart")
+    backoff_max_s: float = Field(default=30.0, gt=0, description="longest wait before a restart")
+    stable_s: float = Field(
+        default=60.0, gt=0, description="up this long after a restart: its exits in a row reset"
+    )
 
 
 class ServiceProcess:
@@ -42,34 +62,52 @@ class ServiceProcess:
         self.name = name
         self.command = args[0]
         """The ``seamlessflow`` subcommand it runs (``worker``, ``trainer``, ...)."""
-        command = [sys.executable, "-m", "seamlessflow.cli", *args]
-        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.args = list(args)
+        """Its arguments; a restart uses them as they are then (a port pinned meanwhile)."""
+        self._env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         if threads is not None:
-            full_env["OMP_NUM_THREADS"] = str(threads)
+            self._env["OMP_NUM_THREADS"] = str(threads)
+        self.output: deque[str] = deque(maxlen=400)
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.metrics_url = ""
+        self.started_at = time.monotonic()
+        self._ready = threading.Event()
         self.proc = subprocess.Popen(
-            command,
+            [sys.executable, "-m", "seamlessflow.cli", *self.args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=full_env,
+            env=self._env,
             # Its own session: Ctrl-C reaches the launcher, which stops children in order; and it
             # dies with the launcher even when that is killed.
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
-        self.output: deque[str] = deque(maxlen=400)
-        self.metrics_url = ""
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc, self._ready), daemon=True).start()
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
+    def _read(self, proc: subprocess.Popen, ready: threading.Event) -> None:
+        for line in proc.stdout:
             self.output.append(line)
-            if READY in line and not self._ready.is_set():
+            if READY in line and not ready.is_set():
                 self.metrics_url = line.rsplit("metrics=", 1)[1].strip()
-                self._ready.set()
-        self._ready.set()  # exited: wake a waiter
+                ready.set()
+        ready.set()  # exited: wake a waiter
+
+    def restart(self) -> None:
+        """Start the command again; the process must have exited. Its output goes on in
+        ``output``, after a line saying so."""
+        if self.proc.poll() is None:
+            raise ServiceProcessError(f"{self.name} is still running: stop it first")
+        self.output.append(f"--- {self.name} restarted (exit code {self.proc.returncode}) ---\n")
+        self._spawn()
+
+    @property
+    def serving(self) -> bool:
+        """Whether it printed its ready line (and is still running)."""
+        return self._ready.is_set() and bool(self.metrics_url) and self.proc.poll() is None
 
     def wait_ready(self, timeout: float = 120.0) -> "ServiceProcess":
         """Return once the process serves; stop it and raise if it exits or is not serving in

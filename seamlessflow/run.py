@@ -9,7 +9,8 @@
    ``scrape_targets.json`` for Prometheus (``seamlessflow.targets``).
 4. Keep a small backlog of tasks queued, and show a live progress line built from the data plane
    (samples, call records, weight events) until the trainer reaches ``stop.max_steps``, time is
-   up, a process dies, or Ctrl-C.
+   up, a process keeps failing, or Ctrl-C. A process that exits is restarted after a backoff
+   (``[supervise]``); the progress line names what was restarted and what is down.
 5. Stop the processes (agents first, so no new work starts), then print the summary and write it
    with the reward curve.
 """
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 from nats.aio.client import Client
@@ -34,6 +36,7 @@ from broker.client import session
 from broker.exceptions import InvalidMessageError
 from broker.messages import CallRecorded, Message, Role, SampleReady, WeightsPublished
 from broker.provision import provision_run
+from broker.retry import TRANSIENT, Backoff
 from broker.subjects import Durable, RunNames
 from broker.weights import latest_weights
 from common.exceptions import SeamlessFlowError
@@ -44,7 +47,7 @@ from common.paths import default_state_dir
 from rollout.agents import arithmetic
 from seamlessflow.config import RunConfig
 from seamlessflow.launcher import local_broker, stop_on_signals
-from seamlessflow.processes import ServiceProcess, worker_process
+from seamlessflow.processes import ServiceProcess, SuperviseConfig, worker_process
 from seamlessflow.progress import RunStats
 from seamlessflow.report import (
     RunSummary,
@@ -67,8 +70,13 @@ SCRAPE_TARGETS = "scrape_targets.json"
 """The run's Prometheus ``file_sd`` targets, in its output folder (``seamlessflow.targets``)."""
 
 
+CHECKPOINTS = "checkpoints"
+"""The trainer's checkpoints, in the run's output folder, unless ``trainer.checkpoint_dir`` is
+set: a restarted trainer resumes from them."""
+
+
 class RunFailedError(SeamlessFlowError):
-    """A process of the run died or the run could not start."""
+    """A process of the run kept failing or the run could not start."""
 
 
 def prepare_model(config: RunConfig) -> Path:
@@ -97,6 +105,7 @@ async def run_rl(config: RunConfig, config_path: Path | None, nats: str | None) 
     model = await asyncio.to_thread(prepare_model, config)
     if nats is None:
         shutil.rmtree(out / "broker", ignore_errors=True)  # every run starts from a fresh store
+    shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)  # and a new run from the model
     broker = config.broker.model_copy(update={"state_dir": out / "broker"})
     names = RunNames(config.run)
     async with (
@@ -117,7 +126,7 @@ async def run_rl(config: RunConfig, config_path: Path | None, nats: str | None) 
         print(f"broker {url}, model {model}, output {out}", flush=True)
         print(f"prometheus targets (file_sd): {targets.path}", flush=True)
         follow = asyncio.create_task(targets.follow(js, names))
-        services = Services(url, config, config_path, model)
+        services = Services(url, config, config_path, model, out / CHECKPOINTS)
         stats = RunStats()
         started = time.time()
         try:
@@ -165,12 +174,16 @@ async def _watch(
                 return f"max_steps ({config.stop.max_steps})"
             if now - stats.started_at >= config.stop.max_seconds:
                 return f"max_seconds ({config.stop.max_seconds:g})"
-            services.check()
-            await tasks.top_up()
+            services.supervise()
+            try:
+                await tasks.top_up()
+            except TRANSIENT as exc:  # the broker is restarting: top up on a later tick
+                log.info(kv("tasks_not_topped_up", error=f"{type(exc).__name__}: {exc}"))
+            line = stats.line(now) + services.status()
             if tty:
-                print("\r" + stats.line(now), end="", flush=True)
+                print("\r" + line, end="", flush=True)
             elif now - last_line >= PLAIN_LINE_EVERY_S:
-                print(stats.line(now), flush=True)
+                print(line, flush=True)
                 last_line = now
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), TICK_S)
@@ -243,9 +256,13 @@ class Services:
     config: RunConfig
     config_path: Path | None
     model: Path
+    checkpoint_dir: Path
+    """The trainer's, when the config sets none: a restarted trainer resumes from it."""
 
     def __post_init__(self) -> None:
         self.running: list[ServiceProcess] = []
+        self._supervised: dict[str, _Supervised] = {}
+        self._targets: ScrapeTargets | None = None
 
     async def start(self, targets: ScrapeTargets) -> None:
         """Start every process; each becomes a scrape target once it serves."""
@@ -259,10 +276,13 @@ class Services:
             "gateway ...",
             flush=True,
         )
+        checkpoints = (
+            [] if cfg.trainer.checkpoint_dir else ["--checkpoint-dir", str(self.checkpoint_dir)]
+        )
         first = [
             ServiceProcess("scheduler", "scheduler", *common),  # its [scheduler] and [layout]
             ServiceProcess("trajectory", "trajectory", *common),
-            *self._trainer_and_workers(layout, config_args),
+            *self._trainer_and_workers(layout, config_args, checkpoints),
         ]
         gateway = ServiceProcess(
             "gateway",
@@ -278,22 +298,31 @@ class Services:
         for proc in self.running:
             targets.add(proc.metrics_url, proc.command)
         gateway_url = gateway.metrics_url.removesuffix("/metrics") + "/v1"
+        # A restarted gateway must listen where the agents call it.
+        gateway.args[gateway.args.index("--port") + 1] = str(urlparse(gateway_url).port)
         agents = ServiceProcess("agents", "agents", *common, "--gateway", gateway_url)
         self.running.append(agents)
         await self._ready([agents])
         targets.add(agents.metrics_url, agents.command)
         for proc in self.running:
             print(f"  {proc.name:12s} pid {proc.proc.pid:7d}  {proc.metrics_url}", flush=True)
+        self._targets = targets
+        self._supervised = {p.name: _Supervised(p) for p in self.running}
 
-    def _trainer_and_workers(self, layout: Layout, config_args: list[str]) -> list[ServiceProcess]:
+    def _trainer_and_workers(
+        self, layout: Layout, config_args: list[str], checkpoints: list[str]
+    ) -> list[ServiceProcess]:
         """The trainer and the rollout workers, tagged for ``layout`` (``tagsched.spec``):
         disaggregated, a trainer process and ``rollout.workers`` rollout workers; multiplexed,
         the trainer is a worker tagged ``train,rollout`` (lent to rollout while it waits);
-        colocated, every worker is tagged both and the scheduler picks the one that trains."""
+        colocated, every worker is tagged both and the scheduler picks the one that trains.
+        Whatever holds a trainer checkpoints to ``checkpoints`` (so a restart resumes)."""
         cfg = self.config
 
         def worker(name: str, tags: str, role: Role, threads: int) -> ServiceProcess:
             args = [*config_args, "--tags", tags, "--role", role.value]  # [model], [worker], ...
+            if "train" in tags.split(","):
+                args += checkpoints
             return worker_process(self.url, cfg.run, self.model, name, *args, threads=threads)
 
         rollout = [
@@ -314,7 +343,13 @@ class Services:
             return [trainer, *rollout]
         where = ["--nats", self.url, "--run", cfg.run, *config_args]
         trainer = ServiceProcess(
-            "trainer", "trainer", *where, "--model", str(self.model), threads=trainer_threads
+            "trainer",
+            "trainer",
+            *where,
+            "--model",
+            str(self.model),
+            *checkpoints,
+            threads=trainer_threads,
         )
         return [trainer, *rollout]
 
@@ -325,12 +360,24 @@ class Services:
     def named(self, name: str) -> ServiceProcess:
         return next(p for p in self.running if p.name == name)
 
-    def check(self) -> None:
-        """Raise if a process has exited."""
-        for proc in self.running:
-            if (code := proc.proc.poll()) is not None:
-                tail = "".join(list(proc.output)[-40:])
-                raise RunFailedError(f"{proc.name} exited with code {code}:\n{tail}")
+    def supervise(self) -> None:
+        """Restart the processes that exited, each after its backoff; raise when one exited
+        more than ``supervise.max_restarts`` times in a row (never up ``stable_s`` between)."""
+        cfg = self.config.supervise
+        for s in self._supervised.values():
+            if s.tick(cfg) and self._targets is not None:  # serving again: a new /metrics
+                self._targets.add(s.proc.metrics_url, s.proc.command)
+            if s.failures > cfg.max_restarts:
+                tail = "".join(list(s.proc.output)[-40:])
+                raise RunFailedError(
+                    f"{s.proc.name} exited {s.failures} times in a row (last code "
+                    f"{s.proc.proc.returncode}); giving up:\n{tail}"
+                )
+
+    def status(self) -> str:
+        """For the progress line: what was restarted, and what is down now."""
+        parts = [s.status() for s in self._supervised.values()]
+        return "".join(f" | {p}" for p in parts if p)
 
     def stop(self) -> None:
         for proc in reversed(self.running):
@@ -339,3 +386,54 @@ class Services:
             except SeamlessFlowError as exc:
                 log.error(kv("service_stop_failed", service=proc.name, error=exc))
         self.running = []
+
+
+class _Supervised:
+    """One child's supervision: when it exits, a restart after ``backoff_s`` doubling per exit
+    in a row (up to ``backoff_max_s``); ``failures`` counts the exits in a row and resets once
+    it stays up ``stable_s``."""
+
+    def __init__(self, proc: ServiceProcess) -> None:
+        self.proc = proc
+        self.failures = 0
+        self.restarts = 0
+        self._due: float | None = None  # time.monotonic() of the pending restart
+        self._announced = True  # the new process's ready line was acted on
+
+    def tick(self, cfg: SuperviseConfig) -> bool:
+        """Advance; True when a restarted process has just become ready."""
+        now = time.monotonic()
+        code = self.proc.proc.poll()
+        if code is None:
+            if self.failures and now - self.proc.started_at >= cfg.stable_s:
+                self.failures = 0
+            if not self._announced and self.proc.serving:
+                self._announced = True
+                p = self.proc
+                print(f"\n{p.name} serving again (pid {p.proc.pid})  {p.metrics_url}", flush=True)
+                log.info(kv("service_restarted", service=self.proc.name, pid=self.proc.proc.pid))
+                return True
+            return False
+        if self._due is None:  # it has just exited
+            self.failures += 1
+            delay = Backoff(cfg.backoff_s, cfg.backoff_max_s).delay(self.failures)
+            self._due = now + delay
+            log.warning(kv("service_exited", service=self.proc.name, code=code, restart_in_s=delay))
+            if self.failures <= cfg.max_restarts:
+                print(
+                    f"\n{self.proc.name} exited with code {code}: restarting in {delay:g}s",
+                    flush=True,
+                )
+        elif now >= self._due and self.failures <= cfg.max_restarts:
+            self._due = None
+            self.restarts += 1
+            self._announced = False
+            self.proc.restart()
+        return False
+
+    def status(self) -> str:
+        if self.proc.proc.poll() is not None:
+            return f"{self.proc.name} down"
+        if self.restarts:
+            return f"{self.proc.name} restarted {self.restarts}x"
+        return ""

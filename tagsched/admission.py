@@ -135,18 +135,15 @@ class Admission:
         return state
 
     async def _admit(self, task: TaskSubmitted, delivery: Delivery) -> None:
-        """Wait for room (the message kept in progress), then admit ``task``. The admitted copy
-        is de-duplicated by its id, so a redelivery after a crash admits it once."""
-        last_kept = time.monotonic()
+        """Wait for room (the ingress keeps the message in progress meanwhile), then admit
+        ``task``. The admitted copy is de-duplicated by its id, so a redelivery after a crash
+        admits it once."""
         WAITING.set(1)
         try:
             while (await self.state()).room <= 0:
                 if self._stop.is_set():
                     raise HandBack("scheduler stopping")
                 await asyncio.sleep(self._poll_s)
-                if time.monotonic() - last_kept >= 1.0:
-                    await delivery.in_progress()
-                    last_kept = time.monotonic()
         finally:
             WAITING.set(0)
         await self._js.publish(

@@ -32,6 +32,7 @@ from broker.messages import Role, RoleChangeAcked, RoleChangeRequested, WorkerRe
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.registry import watch_workers
+from broker.retry import BACKOFF, TRANSIENT
 from broker.subjects import Durable, RunNames
 from common.exceptions import SeamlessFlowError
 from common.log import kv
@@ -135,10 +136,13 @@ class Scheduler:
                     if task.done():
                         task.result()  # raises what stopped it
                         raise SchedulerError("a scheduler task ended unexpectedly")
-                if time.monotonic() - renewed >= lease.period:
-                    await lease.renew()
-                    renewed = time.monotonic()
-                await self._tick()
+                try:
+                    if time.monotonic() - renewed >= lease.period:
+                        await lease.renew()  # LeaseLostError once another holds it
+                        renewed = time.monotonic()
+                    await self._tick()
+                except TRANSIENT as exc:  # a broker restart: the next tick tries again
+                    log.warning(kv("scheduler_tick_failed", error=f"{type(exc).__name__}: {exc}"))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self._config.tick_s)
         finally:
@@ -147,19 +151,30 @@ class Scheduler:
             await asyncio.gather(watching, admitting, return_exceptions=True)
 
     async def _watch(self, initial: asyncio.Event) -> None:
-        async for worker_id, entry in watch_workers(self._js, self._names, on_current=initial.set):
-            if entry is None:
-                self._workers.pop(worker_id, None)
-                continue
-            known = self._workers.get(worker_id)
-            fence = self._fenced.get(worker_id)
-            if fence is not None and entry.started_at != fence.started_at:
-                del self._fenced[worker_id]  # a new registration: re-admitted
-                log.info(kv("worker_readmitted", worker=worker_id))
-            if known is not None and known.epoch > entry.epoch:
-                # our own record is ahead (acked, not yet written back): keep its role and epoch
-                entry = entry.model_copy(update={"role": known.role, "epoch": known.epoch})
-            self._workers[worker_id] = entry
+        """Follow the registry; a watch the broker dropped (a restart) is started again."""
+        while True:
+            try:
+                async for worker_id, entry in watch_workers(
+                    self._js, self._names, on_current=initial.set
+                ):
+                    self._seen(worker_id, entry)
+            except NatsError as exc:
+                log.warning(kv("worker_watch_failed", error=exc))
+            await asyncio.sleep(BACKOFF.max_s)
+
+    def _seen(self, worker_id: str, entry: WorkerRegistered | None) -> None:
+        if entry is None:
+            self._workers.pop(worker_id, None)
+            return
+        known = self._workers.get(worker_id)
+        fence = self._fenced.get(worker_id)
+        if fence is not None and entry.started_at != fence.started_at:
+            del self._fenced[worker_id]  # a new registration: re-admitted
+            log.info(kv("worker_readmitted", worker=worker_id))
+        if known is not None and known.epoch > entry.epoch:
+            # our own record is ahead (acked, not yet written back): keep its role and epoch
+            entry = entry.model_copy(update={"role": known.role, "epoch": known.epoch})
+        self._workers[worker_id] = entry
 
     # -- one tick -----------------------------------------------------------------------------
     def live(self) -> dict[str, WorkerRegistered]:

@@ -3,7 +3,10 @@ stack (provisioned run, rollout worker, gateway) for tests that generate."""
 
 import asyncio
 import inspect
+import json
 import shutil
+import socket
+import subprocess
 import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import openai
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from broker import codec
@@ -294,3 +298,84 @@ async def admitting(js, names: RunNames, *, limit: int = 1024) -> AsyncIterator[
     finally:
         stop.set()
         await asyncio.wait_for(running, 30)
+
+
+# -- a NATS cluster ---------------------------------------------------------------------------
+
+
+class NatsCluster:
+    """``size`` real nats-servers with JetStream, clustered on loopback ports (each with its own
+    store), for tests of replicated streams. ``kill(i)`` SIGKILLs node ``i``."""
+
+    def __init__(self, binary: Path, state_dir: Path, size: int = 3) -> None:
+        self.binary, self.state_dir = binary, state_dir
+        self.ports = [free_port() for _ in range(size)]
+        self.routes = [free_port() for _ in range(size)]
+        self.procs: list[subprocess.Popen | None] = [None] * size
+        self.url = ",".join(f"nats://127.0.0.1:{p}" for p in self.ports)
+
+    async def start(self) -> "NatsCluster":
+        """Start every node; return once the cluster's JetStream answers."""
+        for i in range(len(self.ports)):
+            node = self.state_dir / f"n{i}"
+            node.mkdir(parents=True, exist_ok=True)
+            conf = {
+                "server_name": f"n{i}",
+                "listen": f"127.0.0.1:{self.ports[i]}",
+                "max_payload": 2 << 20,
+                "jetstream": {"store_dir": str(node / "jetstream")},
+                "cluster": {
+                    "name": "sf-test",
+                    "listen": f"127.0.0.1:{self.routes[i]}",
+                    "routes": [f"nats-route://127.0.0.1:{r}" for r in self.routes],
+                },
+            }
+            (node / "nats.conf").write_text(json.dumps(conf))
+            with open(node / "nats.log", "ab") as log_file:
+                self.procs[i] = subprocess.Popen(
+                    [str(self.binary), "-c", str(node / "nats.conf")],
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+        try:
+            await self._wait_jetstream()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def _wait_jetstream(self, timeout: float = 60.0) -> None:
+        """Until the cluster has a JetStream meta leader: account info answers."""
+        async with session(self.url, "pytest-cluster", give_up_after=timeout) as nc:
+            js = nc.jetstream()
+            async with asyncio.timeout(timeout):
+                while True:
+                    try:
+                        await js.account_info()
+                        return
+                    except NatsError:  # no JetStream meta leader yet
+                        await asyncio.sleep(0.2)
+
+    def kill(self, i: int) -> None:
+        proc = self.procs[i]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -383,6 +383,7 @@ async def test_tasks_that_cannot_be_run_are_dead_lettered(js, names):
     assert await stream_messages(js, names.traj_stream, SessionEnded, names.traj_end) == []
 
 
+@pytest.mark.faults  # a 60 s outage: in the fault suite (make test-faults)
 @pytest.mark.newest_nats
 async def test_a_gateway_outage_holds_the_tasks_and_runs_every_one_when_it_returns(
     stack, js, broker, tiny_model_dir, caplog

@@ -43,16 +43,17 @@ SERVED = {
 
 OWN_PREFIXES = {
     "broker": ("sf_broker_", "sf_stream_", "sf_consumer_"),
-    "worker": ("sf_rollout_", "sf_engine_", "sf_ingress_", "sf_worker_", "sf_trainer_"),
+    "worker": ("sf_rollout_", "sf_engine_", "sf_ingress_", "sf_nats_", "sf_worker_", "sf_trainer_"),
     "gateway": ("sf_gateway_",),
-    "trajectory": ("sf_trajectory_", "sf_ingress_"),
-    "trainer": ("sf_trainer_", "sf_ingress_", "sf_worker_"),
-    "agents": ("sf_agents_", "sf_ingress_"),
-    "scheduler": ("sf_scheduler_", "sf_ingress_"),
+    "trajectory": ("sf_trajectory_", "sf_ingress_", "sf_nats_"),
+    "trainer": ("sf_trainer_", "sf_ingress_", "sf_nats_", "sf_worker_"),
+    "agents": ("sf_agents_", "sf_ingress_", "sf_nats_"),
+    "scheduler": ("sf_scheduler_", "sf_ingress_", "sf_nats_"),
 }
-"""The only ``sf_`` families each kind may export: its own part's, ``sf_ingress_`` where it
-runs a validated ingress, ``sf_engine_`` for workers, ``sf_worker_`` (roles) for processes that
-hold a role, ``sf_trainer_`` for workers that hold a trainer."""
+"""The only ``sf_`` families each kind may export: its own part's, ``sf_ingress_`` and
+``sf_nats_`` (operations tried again, ``broker.retry``) where it runs a validated ingress,
+``sf_engine_`` for workers, ``sf_worker_`` (roles) for processes that hold a role, and
+``sf_trainer_`` for workers that hold a trainer."""
 
 BROKER_SERIES = OWN_PREFIXES["broker"]
 """Served by a broker, which can carry many runs: filtered by run through the stream name."""

@@ -4,7 +4,6 @@ good tasks around them are all handled, and the consumer keeps going."""
 import asyncio
 import json
 import logging
-import socket
 import uuid
 
 import msgpack
@@ -17,9 +16,10 @@ from broker.ingress import Delivery, HandBack, Ingress, tasks_ingress
 from broker.messages import MessageRejected, TaskSubmitted
 from broker.metrics import REGISTRY
 from broker.provision import provision_run
+from broker.retry import Backoff
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
-from tests.support import SMALL_RUN, broker_config, eventually, stream_messages
+from tests.support import SMALL_RUN, broker_config, eventually, free_port, stream_messages
 
 
 def _count(source: str, outcome: str) -> float:
@@ -164,6 +164,40 @@ async def test_handler_failures_are_retried_then_dead_lettered(js, names):
     assert _count("tasks", "failed") - failed0 == 1 + max_deliver
 
 
+async def test_a_long_handler_keeps_its_message_in_progress_past_ack_wait(js, run_name):
+    """A handler that works four times the consumer's short ack_wait (1 s) and sends no progress
+    of its own: the ingress keeps the message in progress, so it is handled once."""
+    quick = SMALL_RUN.scheduler.model_copy(update={"ack_wait_s": 1.0})
+    await provision_run(js, run_name, SMALL_RUN.model_copy(update={"scheduler": quick}))
+    names = RunNames(run_name)
+    calls: list[int] = []
+
+    async def slow(task: TaskSubmitted, delivery: Delivery) -> None:
+        calls.append(delivery.num_delivered)
+        await asyncio.sleep(4.0)
+
+    await js.publish(names.tasks, msgpack.packb(_task_dict(0)))
+    # Concurrency 2: the ingress keeps fetching meanwhile, so a redelivery would be handled.
+    ingress = tasks_ingress(
+        js,
+        names,
+        slow,
+        SMALL_RUN.tasks,
+        durable=Durable.SCHEDULER,
+        fetch_timeout=0.2,
+        concurrency=2,
+    )
+    await _run_until(ingress, lambda: _settled(js, names), timeout=30)
+    assert calls == [1]
+    info = await js.consumer_info(names.tasks_stream, Durable.SCHEDULER)
+    assert info.num_redelivered == 0
+
+
+async def _settled(js, names: RunNames) -> bool:
+    info = await js.consumer_info(names.tasks_stream, Durable.SCHEDULER)
+    return info.num_ack_pending == 0 and info.num_pending == 0 and info.delivered.stream_seq > 0
+
+
 async def test_a_handed_back_message_is_redelivered_at_once_and_not_a_failure(js, names):
     await js.publish(names.tasks, msgpack.packb(_task_dict(0)))
     failed0, returned0 = _count("tasks", "failed"), _count("tasks", "returned")
@@ -194,10 +228,7 @@ async def test_ingress_survives_a_broker_restart(tmp_path, nats_binary, caplog):
     tasks published before and after are all handled, none twice; the ingress pauses while the
     broker is away, with one line when it goes and one when it comes back."""
     caplog.set_level(logging.INFO, logger="broker.ingress")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = broker_config(tmp_path, nats_binary).model_copy(update={"port": port})
+    cfg = broker_config(tmp_path, nats_binary).model_copy(update={"port": free_port()})
     names = RunNames("restart")
     handler = Collector()
     stop = asyncio.Event()
@@ -235,6 +266,51 @@ async def test_ingress_survives_a_broker_restart(tmp_path, nats_binary, caplog):
     assert not [line for line in lines if line.startswith("ingress_fetch_failed")]
 
 
+async def test_a_task_done_as_the_broker_stops_is_acked_and_not_run_again(tmp_path, nats_binary):
+    """The broker is stopped right as the handler of a task returns, so its ack races the
+    shutdown. The ack is confirmed by the server, tried again once it is back: the task leaves
+    the work queue and is not run again, though ack_wait (1 s) passes many times over."""
+    cfg = broker_config(tmp_path, nats_binary).model_copy(update={"port": free_port()})
+    names = RunNames("acked")
+    quick = SMALL_RUN.model_copy(
+        update={"scheduler": SMALL_RUN.scheduler.model_copy(update={"ack_wait_s": 1.0})}
+    )
+    seen: list[str] = []
+    server = EmbeddedBroker(cfg).start()
+    stopping: list[asyncio.Task] = []
+
+    async def handler(task: TaskSubmitted, delivery: Delivery) -> None:
+        seen.append(task.task_id)
+        if len(seen) == 1:  # stop the broker as this returns (and its ack is sent)
+            stopping.append(asyncio.create_task(asyncio.to_thread(server.stop)))
+
+    stop = asyncio.Event()
+    try:
+        async with session(server.url, "test") as nc:
+            js = nc.jetstream()
+            await provision_run(js, names.run, quick)
+            await js.publish(names.tasks, msgpack.packb(_task_dict(0)))
+            run = asyncio.create_task(_ingress(js, names, handler).run(stop))
+            await eventually(lambda: bool(stopping) and stopping[0].done(), watch=run)
+            await asyncio.sleep(1.0)  # down for a while: the ack cannot be confirmed now
+            server = EmbeddedBroker(cfg).start()
+            await eventually(lambda: nc.is_connected, watch=run)
+
+            async def acked() -> bool:
+                return (await js.stream_info(names.tasks_stream)).state.messages == 0
+
+            await eventually(acked, timeout=30, watch=run)
+            await asyncio.sleep(4.0)  # four ack_waits: a lost ack would have it redelivered
+            info = await js.consumer_info(names.tasks_stream, Durable.SCHEDULER)
+            stop.set()
+            await asyncio.wait_for(run, 10)
+    finally:
+        stop.set()
+        server.stop()
+    assert seen == ["ok-0"]
+    assert info.num_ack_pending == 0 and info.num_redelivered == 0
+
+
 class Outage:
     """A handler whose part (a gateway, say) is down until ``up`` is set: an injected fault,
     since the ingress under test knows nothing of what its handler calls. Records every call."""
@@ -270,8 +346,7 @@ async def test_an_unavailable_part_pauses_the_ingress_and_spends_no_delivery(js,
         handler,
         SMALL_RUN.tasks,
         fetch_timeout=0.2,
-        backoff=0.05,
-        backoff_max=0.2,
+        backoff=Backoff(0.05, 0.2),
         durable=Durable.SCHEDULER,
     )
     stop = asyncio.Event()
@@ -313,7 +388,7 @@ async def test_stopping_while_paused_hands_the_held_task_back(js, names):
         handler,
         SMALL_RUN.tasks,
         fetch_timeout=0.2,
-        backoff=0.05,
+        backoff=Backoff(0.05),
         durable=Durable.SCHEDULER,
     )
     await _run_until(ingress, lambda: _paused() == 1.0)

@@ -4,6 +4,7 @@ following it), and resume after ``kill -9`` of the ``seamlessflow trainer`` proc
 
 import asyncio
 import hashlib
+import logging
 import re
 import signal
 import time
@@ -110,9 +111,11 @@ async def _consumer_settled(js, names: RunNames) -> bool:
 
 @pytest.mark.newest_nats
 async def test_service_trains_groups_and_settles_every_sample(
-    broker, js, names, tiny_model_dir, tmp_path
+    broker, js, names, tiny_model_dir, tmp_path, caplog
 ):
     from trainer.service import serve_trainer
+
+    caplog.set_level(logging.WARNING, logger="trainer.service")
 
     config = TrainerConfig(
         lr=1e-3,
@@ -121,7 +124,6 @@ async def test_service_trains_groups_and_settles_every_sample(
         staleness_mode=StalenessMode.DROP,
         checkpoint_dir=tmp_path / "ckpt",
         worker_id="trainer-t",
-        progress_interval=0.5,
     )
     stop = asyncio.Event()
     serving = asyncio.create_task(
@@ -131,6 +133,7 @@ async def test_service_trains_groups_and_settles_every_sample(
     url = (await _registered(js, names, "trainer-t")).metrics_url
     before = {o: await metric(url, "sf_trainer_samples_total", outcome=o) for o in
               ("trained", "stale_dropped", "duplicate")}  # fmt: skip
+    dropped_before = await metric(url, "sf_trainer_samples_dropped_total", reason="stale")
     worker = worker_process(broker.url, names.run, tiny_model_dir, "w1").wait_ready()
     try:
         a, b = group("a", 2), group("b", 3)
@@ -163,7 +166,8 @@ async def test_service_trains_groups_and_settles_every_sample(
             lambda: metric(url, "sf_trainer_weights_serving_seconds_count"), timeout=60
         )
         # Stale (version 0 < trainer version 1, bound 0): dropped and acked, no step.
-        await publish(js, names, *group("c", 2), *group("d", 1))
+        c, d = group("c", 2), group("d", 1)
+        await publish(js, names, *c, *d)
         # Already trained, redelivered as a new message: acked as a duplicate.
         await publish(js, names, a[0], msg_id=False)
         await eventually(lambda: _consumer_settled(js, names), watch=serving, timeout=30)
@@ -171,6 +175,16 @@ async def test_service_trains_groups_and_settles_every_sample(
         assert {o: after[o] - before[o] for o in before} == {
             "trained": 5, "stale_dropped": 3, "duplicate": 1
         }  # fmt: skip
+        dropped = await metric(url, "sf_trainer_samples_dropped_total", reason="stale")
+        assert dropped - dropped_before == 3
+        # The steps log says which samples were dropped, and why; the skipped step made no
+        # version; each group's drop is one WARNING line.
+        skipped = checkpoint.read_steps(config.checkpoint_dir)[-1]
+        assert (skipped.version, skipped.trained) == (1, ())
+        assert dict(skipped.dropped) == {s.sample_id: "stale" for s in c + d}
+        lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        for gid, n in (("c", 2), ("d", 1)):
+            assert any(f"samples_dropped group={gid} reason=stale samples={n}" in x for x in lines)
         assert (await _registered(js, names, "trainer-t")).version == 1
         assert await metric(url, "sf_trainer_version") == 1
     finally:
@@ -199,7 +213,6 @@ async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
     config.write_text(
         f'[trainer]\ncheckpoint_dir = "{ckpt}"\nweights_dir = "{tmp_path / "weights"}"\n'
         'groups_per_step = 1\nlr = 1e-3\nmax_staleness = 1000\nworker_id = "trainer-k"\n'
-        "progress_interval = 1.0\n"
     )
     first = [group(f"g{i}", 2, base=i) for i in range(6)]
     second = [group(f"h{i}", 2, base=i) for i in range(4)]

@@ -32,6 +32,16 @@ class Outcome(StrEnum):
     DUPLICATE = "duplicate"
 
 
+class DropReason(StrEnum):
+    """Why a consumed sample was not trained (the label of ``sf_trainer_samples_dropped``)."""
+
+    STALE = "stale"  # its oldest loss token lags the trainer past max_staleness (mode drop)
+
+
+DROPPED = {Outcome.STALE_DROPPED: DropReason.STALE}
+"""The outcomes that drop a sample, and the reason each gives."""
+
+
 @dataclass
 class _Group:
     size: int

@@ -1,6 +1,8 @@
 """Checkpoints: the backend's state, the weight version and the sample ids of recent steps, written
 atomically after every step; plus ``steps.jsonl``, one line per committed step naming the samples
-it trained (the audit trail a restart extends, never rewrites).
+it trained and those it dropped, with the reason (the audit trail a restart extends, never
+rewrites). A step whose samples were all dropped trains nothing and makes no version: its line
+repeats the version before it and has no ``trained`` sample.
 
 Layout of ``checkpoint_dir``: ``v<version>.pt`` files (the newest two kept), ``latest`` (the name
 of the newest complete one, replaced atomically), ``steps.jsonl``.
@@ -24,10 +26,35 @@ KEEP = 2
 
 @dataclass(frozen=True)
 class StepRecord:
-    """The samples one committed step consumed, by outcome-independent id."""
+    """The samples one committed step consumed (trained or dropped), by id."""
 
-    version: int  # the version the step produced
+    version: int  # the version the step produced (the one before it if it trained nothing)
     sample_ids: tuple[str, ...]
+    dropped: tuple[tuple[str, str], ...] = ()
+    """``(sample_id, reason)`` of each consumed sample that was not trained."""
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        dropped = {sid for sid, _ in self.dropped}
+        return tuple(sid for sid in self.sample_ids if sid not in dropped)
+
+    def line(self) -> str:
+        """The record as one ``steps.jsonl`` line."""
+        entry = {
+            "version": self.version,
+            "trained": list(self.trained),
+            "dropped": dict(self.dropped),
+            "sample_ids": list(self.sample_ids),
+        }
+        return json.dumps(entry) + "\n"
+
+    @classmethod
+    def from_line(cls, entry: dict[str, Any]) -> "StepRecord":
+        return cls(
+            entry["version"],
+            tuple(entry["sample_ids"]),
+            tuple(entry.get("dropped", {}).items()),  # lines from before drops were logged
+        )
 
 
 @dataclass(frozen=True)
@@ -48,7 +75,9 @@ def save(directory: Path, checkpoint: Checkpoint) -> Path:
     payload = {
         "version": checkpoint.version,
         "backend": checkpoint.backend,
-        "recent": [(s.version, list(s.sample_ids)) for s in checkpoint.recent],
+        "recent": [
+            (s.version, list(s.sample_ids), [list(d) for d in s.dropped]) for s in checkpoint.recent
+        ],
     }
     try:
         _atomic(directory / name, lambda f: torch.save(payload, f))
@@ -69,21 +98,20 @@ def latest_path(directory: Path) -> Path | None:
 def load_file(path: Path) -> Checkpoint:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-        recent = tuple(StepRecord(v, tuple(ids)) for v, ids in payload["recent"])
+        recent = tuple(
+            StepRecord(step[0], tuple(step[1]), tuple(map(tuple, step[2] if len(step) > 2 else ())))
+            for step in payload["recent"]
+        )
         return Checkpoint(payload["version"], payload["backend"], recent)
     except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
 
 
 def append_steps(directory: Path, records: Iterable[StepRecord]) -> None:
-    """Add ``records`` to the steps log, skipping versions it already has (a restart re-adds the
+    """Add ``records`` to the steps log, skipping those it already has (a restart re-adds the
     checkpoint's last steps in case the process died between the checkpoint and the log line)."""
-    logged = {r.version for r in read_steps(directory)}
-    lines = [
-        json.dumps({"version": r.version, "sample_ids": list(r.sample_ids)}) + "\n"
-        for r in records
-        if r.version not in logged
-    ]
+    logged = {(r.version, r.sample_ids) for r in read_steps(directory)}
+    lines = [r.line() for r in records if (r.version, r.sample_ids) not in logged]
     if lines:
         path = directory / STEPS_LOG
         if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
@@ -105,7 +133,7 @@ def read_steps(directory: Path) -> list[StepRecord]:
             entry = json.loads(line)
         except json.JSONDecodeError:
             continue
-        records.append(StepRecord(entry["version"], tuple(entry["sample_ids"])))
+        records.append(StepRecord.from_line(entry))
     return records
 
 

@@ -132,9 +132,6 @@ class TrainerConfig(BaseModel):
         default_factory=lambda: ["train"], description="capability tags, comma-separated"
     )
     heartbeat_s: float = Field(default=5.0, gt=0, description="worker registry renewal period")
-    progress_interval: float = Field(
-        default=5.0, gt=0, description="seconds between in_progress() of held samples"
-    )
 
     @model_validator(mode="after")
     def _backend_fits(self) -> Self:

@@ -2,14 +2,19 @@
 and published as a new weight version.
 
 Per sample (``Ingress`` handler): skip-and-ack one already trained (redelivered after a restart),
-else hold it in the ``Batcher`` and wait, un-acked and kept in progress, until the step that used
-it is committed. Per step (``Trainer.run``):
+else hold it in the ``Batcher`` and wait, un-acked (the ingress keeps it in progress), until the
+step that used it is committed. Per step (``Trainer.run``):
 
 1. take ``groups_per_step`` complete groups; advantages, staleness bound;
 2. train on every rank (off the event loop);
 3. checkpoint (model, optimizer, version v+1, the ids of recent steps), atomically;
 4. release the samples' handlers: the ingress acks them;
 5. publish version v+1 and time how long until every rollout worker serves it.
+
+NATS errors on the way are a broker outage, not a failed step: the weights of a version are
+kept and published, tried again until the broker is back (de-duplicated per version); a trainer
+stopped before that leaves the version to its checkpoint, published on the next start. On
+shutdown the first error is the one raised; later ones are logged.
 
 The trainer holds a role (``broker.roles``): it steps only as ``train``; asked to take another
 (its worker lent to rollout, or idle), it finishes the step in progress and waits, still taking
@@ -22,6 +27,7 @@ import math
 import time
 from pathlib import Path
 
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from safetensors.torch import save
@@ -34,6 +40,7 @@ from broker.messages import Role, SampleReady, WorkerRegistered
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.registry import Registration, watch_workers
+from broker.retry import BACKOFF, RetryStoppedError, retry
 from broker.roles import REGISTRY as ROLE_METRICS
 from broker.roles import RoleHolder
 from broker.subjects import Durable, RunNames
@@ -41,7 +48,7 @@ from broker.weights import latest_weights, publish_weights
 from common.log import kv
 from common.metrics import serve_metrics
 from trainer import checkpoint
-from trainer.batcher import Batcher, Outcome, plan_step
+from trainer.batcher import DROPPED, Batcher, DropReason, Outcome, lag, plan_step
 from trainer.checkpoint import Checkpoint, StepRecord
 from trainer.config import TrainerConfig
 from trainer.exceptions import BatchError, TrainerError
@@ -59,6 +66,15 @@ SAMPLES = Counter(
 )
 for _outcome in Outcome:  # every outcome exported from the start, at 0
     SAMPLES.labels(_outcome.value)
+DROPPED_SAMPLES = Counter(
+    "sf_trainer_samples_dropped",
+    "Samples consumed but not trained, by reason (each group's drop is also a WARNING line "
+    "and the step's line in steps.jsonl names them)",
+    ["reason"],
+    registry=REGISTRY,
+)
+for _reason in DropReason:
+    DROPPED_SAMPLES.labels(_reason.value)
 INVALID = Counter(
     "sf_trainer_invalid_samples",
     "Samples refused because they contradict their group",
@@ -189,6 +205,7 @@ class Trainer:
         self._may_step.set()
         self._stepping = asyncio.Lock()
         self.roles: RoleHolder | None = None  # accounts busy time once set
+        self._stop = asyncio.Event()
 
     # -- samples ----------------------------------------------------------------------------
     async def on_sample(self, sample: SampleReady, delivery: Delivery) -> None:
@@ -211,13 +228,9 @@ class Trainer:
             future = self._waiting[sample.sample_id] = asyncio.get_running_loop().create_future()
             HELD.inc()
             self._wake.set()
-        # 3. Wait for the commit, keeping the message from being redelivered meanwhile.
-        while True:
-            try:
-                await asyncio.wait_for(asyncio.shield(future), self._config.progress_interval)
-                return
-            except TimeoutError:
-                await delivery.in_progress()
+        # 3. Wait for the commit (the ingress keeps the message in progress meanwhile); shielded,
+        # so that a cancelled handler leaves the future to ``_release``.
+        await asyncio.shield(future)
 
     def _release(self, sample_ids: list[str], error: BaseException | None = None) -> None:
         for sid in sample_ids:
@@ -235,6 +248,7 @@ class Trainer:
         """Step whenever enough groups are complete, until ``stop``; then hand every held
         sample back (nak: another trainer run takes it)."""
         timeout = self._config.group_timeout_s
+        self._stop = stop
         try:
             while not stop.is_set():
                 if expired := self._batcher.expire(timeout):
@@ -279,10 +293,17 @@ class Trainer:
             STALENESS.observe(behind)
         for outcome in outcomes.values():
             SAMPLES.labels(outcome.value).inc()
-        if not items:  # everything was past the bound: nothing to train, nothing to publish
+        dropped = self._drops(groups, outcomes)
+        if not items:  # everything was dropped: nothing to train, nothing to publish
+            record = StepRecord(self.version, tuple(consumed), dropped)
+            self._recent = [*self._recent, record][-self._config.keep_trained_steps :]
             self._trained.update(consumed)
+            if self._config.checkpoint_dir is not None:
+                await asyncio.to_thread(
+                    checkpoint.append_steps, self._config.checkpoint_dir, [record]
+                )
             self._release(consumed)
-            log.info(kv("step_skipped", samples=len(consumed), reason="all stale"))
+            log.warning(kv("step_skipped", samples=len(consumed), reason="all dropped"))
             return
         # 2. Train on every rank.
         started = time.monotonic()
@@ -295,7 +316,7 @@ class Trainer:
         STEP_SECONDS.observe(stepped - started)
         version = self.version + 1
         # 3. Commit: the checkpoint, then the acks.
-        record = StepRecord(version, tuple(consumed))
+        record = StepRecord(version, tuple(consumed), dropped)
         self._recent = [*self._recent, record][-self._config.keep_trained_steps :]
         await self._checkpoint(version)
         self.version = version
@@ -307,8 +328,37 @@ class Trainer:
             SERVING_SECONDS.observe(seconds)
         if self._config.checkpoint_dir is not None:
             await asyncio.to_thread(checkpoint.append_steps, self._config.checkpoint_dir, [record])
-        await self._registration.put(version=version)
+        try:
+            await self._registration.put(version=version)
+        except NatsError as exc:  # the next heartbeat writes the entry, with this version
+            log.warning(kv("registration_put_failed", version=version, error=exc))
         self._report(items, stats, stepped - started)
+
+    def _drops(
+        self, groups: list[list[SampleReady]], outcomes: dict[str, Outcome]
+    ) -> tuple[tuple[str, str], ...]:
+        """Count and log (WARNING, one line per group) the samples the step drops; return them
+        as ``(sample_id, reason)`` for the steps log."""
+        dropped: list[tuple[str, str]] = []
+        for group in groups:
+            gone = [s for s in group if outcomes[s.sample_id] in DROPPED]
+            for reason in {DROPPED[outcomes[s.sample_id]] for s in gone}:
+                these = [s for s in gone if DROPPED[outcomes[s.sample_id]] is reason]
+                DROPPED_SAMPLES.labels(reason.value).inc(len(these))
+                dropped += [(s.sample_id, reason.value) for s in these]
+                log.warning(
+                    kv(
+                        "samples_dropped",
+                        group=group[0].group_id,
+                        reason=reason.value,
+                        samples=len(these),
+                        of=len(group),
+                        max_lag=max(lag(s, self.version) for s in these),
+                        version=self.version,
+                        max_staleness=self._config.max_staleness,
+                    )
+                )
+        return tuple(dropped)
 
     async def _checkpoint(self, version: int) -> None:
         directory = self._config.checkpoint_dir
@@ -321,11 +371,29 @@ class Trainer:
         CHECKPOINT_SECONDS.observe(time.monotonic() - started)
 
     async def _publish(self, version: int) -> None:
+        """Serialise the weights once and publish them, trying again (the same blob, the same
+        version) until the broker takes them. Stopping meanwhile leaves the version to the
+        checkpoint: ``publish_if_missing`` publishes it on the next start."""
         started = time.monotonic()
         blob = await asyncio.to_thread(lambda: save(self._ranks.backend.hf_state_dict()))
-        await publish_weights(
-            self._js, self._names, version, blob, directory=self._config.weights_dir
-        )
+        try:
+            await retry(
+                lambda: publish_weights(
+                    self._js, self._names, version, blob, directory=self._config.weights_dir
+                ),
+                what="weights_publish",
+                stop=self._stop,
+            )
+        except RetryStoppedError as exc:
+            log.warning(
+                kv(
+                    "weights_unpublished",
+                    version=version,
+                    checkpoint=self._config.checkpoint_dir,
+                    error=exc,
+                )
+            )
+            return
         PUBLISH_SECONDS.observe(time.monotonic() - started)
         VERSION.set(version)
         log.info(kv("weights_published", version=version, bytes=len(blob)))
@@ -392,35 +460,34 @@ class Trainer:
         )
         ingress_stop = asyncio.Event()
         consuming = asyncio.create_task(ingress.run(ingress_stop))
-        following = asyncio.create_task(self.follow_workers())
+        following = asyncio.create_task(self.follow_workers())  # ends only when cancelled
         stepping = asyncio.create_task(self.run(stop))
         log.info(kv("trainer_started", run=names.run, version=self.version))
         on_ready()
         try:
-            # Training, consuming and following workers must all keep running.
+            # Training and consuming must both keep running.
             await asyncio.wait(
-                {stepping, consuming, following, asyncio.create_task(stop.wait())},
+                {stepping, consuming, asyncio.create_task(stop.wait())},
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
-            # Finish the step in progress, hand back held samples, stop consuming.
+            # Finish the step in progress, hand back held samples, stop consuming. Every part is
+            # stopped whatever the others raise, and the first error is the one told.
             stop.set()
             await asyncio.gather(stepping, return_exceptions=True)
             ingress_stop.set()
-            await consuming
+            await asyncio.gather(consuming, return_exceptions=True)
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)
-        if stepping.exception() is not None:
-            raise TrainerError(f"training failed: {stepping.exception()!r}")
-        for task, what in ((consuming, "consuming samples"), (following, "following workers")):
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise TrainerError(f"{what} failed: {task.exception()!r}")
+        for task, what in ((stepping, "training"), (consuming, "consuming samples")):
+            if task.exception() is not None:
+                raise TrainerError(f"{what} failed: {task.exception()!r}") from task.exception()
 
     # -- start ------------------------------------------------------------------------------
     async def publish_if_missing(self) -> None:
         """After a restart: publish the checkpoint's version if the weights stream lacks it
         (the process died between the checkpoint and the publication)."""
-        latest = await latest_weights(self._js, self._names)
+        latest = await retry(lambda: latest_weights(self._js, self._names), what="weights_latest")
         published = latest.version if latest else 0
         if published > self.version:
             raise TrainerError(
@@ -433,9 +500,16 @@ class Trainer:
         VERSION.set(self.version)
 
     async def follow_workers(self) -> None:
-        async for worker_id, entry in watch_workers(self._js, self._names):
-            for _, seconds in self._watch.seen(worker_id, entry):
-                SERVING_SECONDS.observe(seconds)
+        """Follow the registry for the time-to-serving metric; a watch the broker dropped (a
+        restart) is started again, so this only ends when cancelled."""
+        while True:
+            try:
+                async for worker_id, entry in watch_workers(self._js, self._names):
+                    for _, seconds in self._watch.seen(worker_id, entry):
+                        SERVING_SECONDS.observe(seconds)
+            except NatsError as exc:
+                log.warning(kv("worker_watch_failed", error=exc))
+            await asyncio.sleep(BACKOFF.max_s)
 
 
 async def _first(*waits, timeout: float | None = None) -> None:  # noqa: ASYNC109
@@ -514,6 +588,9 @@ async def serve_trainer(
                 await trainer.roles.stop()
                 await registration.delete()
     finally:
-        await asyncio.to_thread(ranks.close)
+        try:
+            await asyncio.to_thread(ranks.close)
+        except Exception as exc:  # logged, so that it never hides why the trainer stopped
+            log.error(kv("ranks_close_failed", error=f"{type(exc).__name__}: {exc}"))
         metrics.close()
     print("trainer stopped", flush=True)

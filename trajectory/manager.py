@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 SOURCE = "trajectory"
 """The ingress name: dead letters go to ``sf.<run>.dead.trajectory``."""
 
-KEEPALIVE_EVERY = 1000
-"""Messages read or published between two ``in_progress`` signals for one session."""
 
 REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
@@ -139,11 +137,11 @@ class TrajectoryManager:
     async def _on_session_ended(self, end: SessionEnded, delivery: Delivery) -> None:
         started = time.perf_counter()
         # 1. Read the session's call records back, in stream order.
-        calls = await self._read_calls(end.session_id, delivery)
+        calls = await self._read_calls(end.session_id)
         # 2. Build its tree and samples (pure CPU work: off the event loop).
         built = await asyncio.to_thread(build_session, calls, end)
         # 3. Publish the samples; the ingress acks the SessionEnded after this returns.
-        await self._publish(built, delivery)
+        await self._publish(built)
         seconds = time.perf_counter() - started
         outcome = self._count(built, seconds)
         log.log(
@@ -162,10 +160,10 @@ class TrajectoryManager:
             ),
         )
 
-    async def _read_calls(self, session_id: str, delivery: Delivery) -> list[CallRecorded]:
+    async def _read_calls(self, session_id: str) -> list[CallRecorded]:
         subject = self._names.traj_calls(session_id)
         calls: list[CallRecorded] = []
-        seq, read = 1, 0
+        seq = 1
         while True:
             try:
                 raw = await self._js.get_msg(
@@ -173,9 +171,7 @@ class TrajectoryManager:
                 )
             except NotFoundError:
                 return calls
-            seq, read = raw.seq + 1, read + 1
-            if read % KEEPALIVE_EVERY == 0:
-                await delivery.in_progress()
+            seq = raw.seq + 1
             try:
                 calls.append(self._decode_call(raw, session_id))
             except InvalidMessageError as exc:
@@ -219,16 +215,14 @@ class TrajectoryManager:
             )
         )
 
-    async def _publish(self, built: SessionBuild, delivery: Delivery) -> None:
-        for n, sample in enumerate(built.samples, 1):
+    async def _publish(self, built: SessionBuild) -> None:
+        for sample in built.samples:
             ack = await self._js.publish(
                 self._names.samples,
                 codec.encode(sample),
                 headers=codec.headers(msg_id=sample.sample_id),
             )
             SAMPLES.labels("duplicate" if ack.duplicate else "stored").inc()
-            if n % KEEPALIVE_EVERY == 0:
-                await delivery.in_progress()
 
     @staticmethod
     def _count(built: SessionBuild, seconds: float) -> str:

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import httpx
 import openai
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -42,6 +41,7 @@ from broker.ingress import Delivery, tasks_ingress
 from broker.messages import SessionEnded, TaskSubmitted
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
+from broker.retry import retry
 from broker.subjects import Durable, RunNames
 from common.log import kv
 from common.metrics import serve_metrics
@@ -225,7 +225,6 @@ class AgentRunner:
             base_url=self.gateway_url, api_key="unused", max_retries=0, http_client=self._http
         )
         self._model = config.model
-        self._progress_s = 30.0
         self._stop = asyncio.Event()
         self._abort = asyncio.Event()
 
@@ -240,8 +239,7 @@ class AgentRunner:
 
     async def _consume(self, stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
         names = self._names
-        info = await durable_info(self._js, names, names.tasks_stream, Durable.AGENTS)
-        self._progress_s = max(0.5, (info.config.ack_wait or 30.0) / 3)
+        await durable_info(self._js, names, names.tasks_stream, Durable.AGENTS)
         self._stop = stop
         ingress = tasks_ingress(
             self._js,
@@ -280,7 +278,6 @@ class AgentRunner:
             TASKS.labels("rejected").inc()
             raise InvalidMessageError(str(exc)) from exc
         RUNNING.inc()
-        keepalive = asyncio.create_task(self._keep_in_progress(delivery))
         try:
             if self._stop.is_set():  # fetched while stopping: hand it back at once
                 raise RunnerStoppingError(f"task {task.task_id}: not started, runner stopping")
@@ -299,7 +296,6 @@ class AgentRunner:
             )
             raise
         finally:
-            keepalive.cancel()
             RUNNING.dec()
         # 4. Store every SessionEnded; the ingress acks the task after.
         await asyncio.gather(*(self._publish(message) for message in ended))
@@ -456,29 +452,19 @@ class AgentRunner:
         )
         return failed(task, sid, seconds)
 
-    async def _publish(self, message: SessionEnded, tries: int = 3) -> None:
-        """Store ``message``; a retried publish is de-duplicated by its session id."""
-        for attempt in range(1, tries + 1):
-            try:
-                await self._js.publish(
-                    self._names.traj_end,
-                    codec.encode(message),
-                    headers=codec.headers(msg_id=message.session_id),
-                )
-                return
-            except NatsError as exc:
-                if attempt == tries:
-                    raise
-                log.warning(kv("session_end_publish_failed", session=message.session_id, error=exc))
-
-    async def _keep_in_progress(self, delivery: Delivery) -> None:
-        """Keep the task from being redelivered while its attempts run."""
-        while True:
-            await asyncio.sleep(self._progress_s)
-            try:
-                await delivery.in_progress()
-            except NatsError as exc:
-                log.warning(kv("task_in_progress_failed", error=exc))
+    async def _publish(self, message: SessionEnded) -> None:
+        """Store ``message``, trying again across a broker outage (a copy is de-duplicated by its
+        session id): giving up would have the task run again in new sessions, its group then
+        holding more than ``group_size``. Only the end of the shutdown grace stops the tries."""
+        await retry(
+            lambda: self._js.publish(
+                self._names.traj_end,
+                codec.encode(message),
+                headers=codec.headers(msg_id=message.session_id),
+            ),
+            what="session_end_publish",
+            stop=self._abort,
+        )
 
 
 async def serve_agents(
