@@ -242,6 +242,7 @@ class RolloutWorker:
             )
         role = registration.entry.role
         if role is Role.ROLLOUT:
+            await self._engine.resume()  # the start-up load above left it paused
             self._start_serving()
         else:
             await self._engine.pause()

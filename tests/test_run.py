@@ -20,6 +20,7 @@ from rollout.engines import VLLMEngineConfig
 from seamlessflow.config import ConfigError, RunConfig, load_config
 from seamlessflow.progress import RunStats
 from tests.support import stream_messages
+from trainer.checkpoint import read_steps
 from trainer.config import MegatronBackendConfig, TorchBackendConfig
 
 STEPS = 4
@@ -92,6 +93,11 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
     )
     if layout != "disaggregated":  # the trainer's worker served rollout while the trainer waited
         assert scheduler["lends"] >= 1 and scheduler["reclaims"] >= 1
+    # Role changes repeated nothing: no sample was trained twice, versions are consecutive.
+    steps = read_steps(out / "checkpoints")
+    trained = [sid for step in steps for sid in step.trained]
+    assert trained and len(trained) == len(set(trained))
+    assert [step.version for step in steps] == list(range(1, len(steps) + 1))
     assert scheduler["workers fenced"] == 0
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -140,10 +140,14 @@ async def test_weight_update_mid_request_relabels_the_rest(
     assert await metric(worker.metrics_url, "sf_rollout_weight_version") == 1
     assert await metric(worker.metrics_url, "sf_rollout_interruptions_total") == 1
 
-    # A worker that starts later serves the latest version from its first request.
+    # A worker that starts later (alone now) serves the latest version from its first request.
+    worker.stop()
     late = worker_process(broker.url, names.run, tiny_model_dir, "w2").wait_ready()
     try:
         assert (await registered(js, names, "w2")).version == 1
+        first = await Call(nc, names, "c-late", max_tokens=4, temperature=0).start()
+        assert (await first.finished(timeout=30)).finish_reason is FinishReason.LENGTH
+        assert {c.version for c in first.chunks} == {1}
     finally:
         late.stop()
 
