@@ -70,7 +70,8 @@ def sample_batch(vocab: int, lengths: tuple[int, ...] = (32, 20, 7), seed: int =
     width = max(lengths)
     ids = torch.randint(0, vocab, (len(lengths), width), generator=gen)
     mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
-    return TokenBatch(input_ids=ids * mask, attention_mask=mask)
+    positions = torch.arange(width).expand(len(lengths), -1)
+    return TokenBatch(input_ids=ids * mask, position_ids=positions, attention_mask=mask)
 
 
 def compare(name: str, folder: Path) -> list[Row]:
