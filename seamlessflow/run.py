@@ -17,6 +17,7 @@
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import shutil
 import sys
@@ -44,6 +45,7 @@ from common.paths import default_state_dir
 from rollout.agents import arithmetic
 from seamlessflow.config import RunConfig
 from seamlessflow.launcher import local_broker, stop_on_signals
+from seamlessflow.placement import place
 from seamlessflow.processes import ServiceProcess, worker_process
 from seamlessflow.progress import RunStats
 from seamlessflow.report import RunSummary, print_summary, summarize, trainer_report
@@ -252,6 +254,7 @@ class Services:
         config_args = ["--config", str(self.config_path)] if self.config_path else []
         where = ["--nats", self.url, "--run", cfg.run]
         common = [*where, *config_args]
+        cpus = place(cfg.cpus, cfg.trainer, cfg.rollout, os.sched_getaffinity(0))
         print("starting trajectory manager, trainer, rollout workers, gateway ...", flush=True)
         first = [
             ServiceProcess("trajectory", "trajectory", *common),
@@ -261,7 +264,10 @@ class Services:
                 *common,
                 "--model",
                 str(self.model),
-                threads=cfg.trainer.threads or 1,
+                "--threads",
+                str(cpus.trainer.threads),
+                threads=cpus.trainer.threads,
+                cpus=cpus.trainer.cpus,
             ),
         ]
         first += [
@@ -271,9 +277,10 @@ class Services:
                 self.model,
                 f"rollout-{i}",
                 *config_args,  # its [model] and [worker] sections
-                threads=cfg.rollout.threads,
+                threads=worker.threads,
+                cpus=worker.cpus,
             )
-            for i in range(cfg.rollout.workers)
+            for i, worker in enumerate(cpus.workers)
         ]
         gateway = ServiceProcess(
             "gateway",
