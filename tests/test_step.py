@@ -67,6 +67,8 @@ def test_packing_fills_rows_longest_first_and_never_splits_a_sample():
     # 40 > 32 tokens: a row of its own; 30 leaves room for none of the rest; 12 + 9 + 5 + 3.
     assert pack(lengths, 32) == [[4], [1], [2, 3, 0, 5]]
     assert pack(lengths, 1) == [[4], [1], [2], [3], [0], [5]]  # one per row
+    # Lengths alike: 10 rows filled to 63 tokens hold more than 15 rows of 33: not packed.
+    assert pack([33] * 10 + [30] * 5, 64) == [[i] for i in range(15)]
 
 
 def test_packed_rows_give_the_padded_loss_gradients_and_logprobs(tiny_model_dir):

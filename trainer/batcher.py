@@ -187,10 +187,13 @@ class BatchTensors:
 def pack(lengths: list[int], row_tokens: int) -> list[list[int]]:
     """Indices of ``lengths`` in rows of at most ``row_tokens`` tokens, longest first, each into
     the first row with room (first-fit decreasing); a sample longer than ``row_tokens`` gets a
-    row of its own (``row_tokens == 1``: every sample does)."""
+    row of its own. Rows are padded to the fullest, so when that layout would hold no fewer
+    tokens than one row per sample (lengths alike), it is one row per sample: those need no
+    block-diagonal mask."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     rows: list[list[int]] = []
     room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    for i in order:
         row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
         if row is None:
             rows.append([i])
@@ -198,6 +201,9 @@ def pack(lengths: list[int], row_tokens: int) -> list[list[int]]:
         else:
             rows[row].append(i)
             room[row] -= lengths[i]
+    fullest = max(sum(lengths[i] for i in row) for row in rows)
+    if len(rows) * fullest >= len(lengths) * max(lengths):
+        return [[i] for i in order]
     return rows
 
 
