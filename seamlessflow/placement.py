@@ -3,7 +3,8 @@ caller passes the CPUs this process may use, ``os.sched_getaffinity(0)``).
 
 With ``cpus.placement = "split"`` the trainer (all its ranks) and the rollout workers run on
 disjoint CPU sets, so a training step and generation never compete for a core; each process
-gets one torch thread per CPU of its set (the trainer's shared by its ranks). Workers share out
+gets one torch thread per CPU of its set (the trainer's shared by its ranks); a machine with a
+single CPU has nothing to split, and everything shares it. Workers share out
 the rollout CPUs in contiguous slices; with more workers than rollout CPUs they take them in
 turn. ``"none"`` sets no affinity: threads come from ``trainer.threads`` and ``rollout.threads``.
 """
@@ -38,8 +39,9 @@ def place(
 ) -> Layout:
     """The CPU set and threads of the trainer and of each rollout worker. Without
     ``cpus.trainer``/``cpus.rollout`` the split is automatic: the first ``cpus.trainer_share``
-    of ``available`` (at least one CPU, and one left) to the trainer, the rest to rollout.
-    Raises ``PlacementError`` for CPUs not in ``available`` or when none is left for rollout."""
+    of ``available`` (at least one CPU, and one left) to the trainer, the rest to rollout; a
+    single CPU is shared by all. Raises ``PlacementError`` for CPUs not in ``available`` or
+    when the given sets leave none for rollout."""
     workers = rollout.workers
     if cpus.placement is Placement.NONE:
         return Layout(CpuSet(None, trainer.threads or 1), [CpuSet(None, rollout.threads)] * workers)
@@ -50,6 +52,9 @@ def place(
                 f"{key} names CPUs {missing} that this machine does not have (this process may "
                 f"use CPUs {_ranges(allowed)})"
             )
+    if not cpus.trainer and not cpus.rollout and len(allowed) == 1:
+        alone = CpuSet(frozenset(allowed), 1)  # nothing to split
+        return Layout(alone, [alone] * workers)
     trainer_cpus = cpus.trainer
     if not trainer_cpus:
         share = max(1, round(len(allowed) * cpus.trainer_share))

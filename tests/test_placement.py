@@ -26,6 +26,8 @@ def test_the_automatic_split_gives_trainer_and_workers_disjoint_sets_and_fitting
     assert got.workers == [CpuSet(frozenset({4, 5}), 2), CpuSet(frozenset({6, 7}), 2)]
     two = layout(CpusConfig(), available={0, 1})  # this machine's shape
     assert two.trainer == CpuSet(frozenset({0}), 1) and two.workers == [CpuSet(frozenset({1}), 1)]
+    one = layout(CpusConfig(), workers=2, available={3})  # nothing to split: all share it
+    assert one.trainer == CpuSet(frozenset({3}), 1) and one.workers == [one.trainer] * 2
     # More workers than rollout CPUs: they take them in turn, never the trainer's.
     crowded = layout(CpusConfig(trainer_share=0.75), workers=3)
     assert [w.cpus for w in crowded.workers] == [{6}, {7}, {6}]
@@ -49,7 +51,7 @@ def test_bad_cpu_sets_are_clear_errors():
     with pytest.raises(PlacementError, match=r"cpus.trainer names CPUs \[9, 12\].*0-7"):
         layout(CpusConfig(trainer=[1, 9, 12]))
     with pytest.raises(PlacementError, match="no CPU left for the rollout workers"):
-        layout(CpusConfig(), available={0})
+        layout(CpusConfig(trainer=[0, 1]), available={0, 1})
     with pytest.raises(ValidationError, match=r"share CPUs \[2\]"):
         RunConfig.model_validate({"cpus": {"trainer": [1, 2], "rollout": [2, 3]}})
     with pytest.raises(ValidationError, match="distinct"):
