@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(p)
     _add_config(p, "[model], [worker], [provision] and, tagged train, [trainer] sections")
     model = section_flags("model", only=("name", "max_model_len"))
-    checkpoints = section_flags("trainer", only=("checkpoint_dir",))  # tagged train
-    _add_service(p, model + section_flags("worker") + checkpoints)
+    trainer = section_flags("trainer", only=("checkpoint_dir", "threads"))  # tagged train
+    _add_service(p, model + section_flags("worker") + trainer)
 
     p = sub.add_parser("gateway", help="serve the OpenAI-compatible API until Ctrl-C")
     _add_nats(p)

@@ -1,6 +1,7 @@
 """The configuration of a local run: one typed model read from TOML; each part gets its section."""
 
 import tomllib
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,7 +60,54 @@ class RolloutConfig(_Section):
     """How many rollout workers ``seamlessflow run`` starts (each configured by ``[worker]``)."""
 
     workers: int = Field(default=1, ge=0, le=64, description="rollout worker processes")
-    threads: int = Field(default=1, ge=1, description="torch threads per worker")
+    threads: int = Field(
+        default=1, ge=1, description="torch threads per worker (with cpus.placement = 'none')"
+    )
+
+
+class Placement(StrEnum):
+    """How ``seamlessflow run`` places its trainer and rollout workers on CPUs."""
+
+    SPLIT = "split"  # disjoint CPU sets for the trainer and the rollout workers
+    NONE = "none"  # no affinity: every process may run on every CPU
+
+
+class CpusConfig(_Section):
+    """CPU placement of ``seamlessflow run`` (``seamlessflow.placement``): the trainer and the
+    rollout workers on disjoint CPU sets (Linux affinity, inherited by their child processes),
+    one torch thread per CPU; broker, gateway, trajectory manager and agents run anywhere."""
+
+    placement: Placement = Field(
+        default=Placement.SPLIT,
+        description="split: disjoint CPU sets, threads sized to them (trainer.threads and "
+        "rollout.threads unused); none: no affinity, threads from those two",
+    )
+    trainer: list[int] = Field(
+        default_factory=list,
+        description="CPU ids of the trainer (all its ranks); empty: the first trainer_share "
+        "of this machine's CPUs",
+    )
+    rollout: list[int] = Field(
+        default_factory=list,
+        description="CPU ids the rollout workers share out; empty: those the trainer does not get",
+    )
+    trainer_share: float = Field(
+        default=0.5,
+        gt=0,
+        lt=1,
+        description="the trainer's part of the CPUs when split automatically",
+    )
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> "CpusConfig":
+        for key, ids in (("trainer", self.trainer), ("rollout", self.rollout)):
+            if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+                raise ValueError(f"cpus.{key} = {ids}: CPU ids must be distinct and >= 0")
+        if both := sorted(set(self.trainer) & set(self.rollout)):
+            raise ValueError(
+                f"cpus.trainer and cpus.rollout share CPUs {both}: they must be disjoint"
+            )
+        return self
 
 
 class TasksConfig(_Section):
@@ -104,6 +152,7 @@ class RunConfig(BaseModel):
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    cpus: CpusConfig = Field(default_factory=CpusConfig)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     tasks: TasksConfig = Field(default_factory=TasksConfig)

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,7 +50,9 @@ class ServiceProcess:
     """A ``seamlessflow <args>`` child process.
 
     ``threads`` sets ``OMP_NUM_THREADS`` for it: several torch processes sharing a few cores run
-    faster with one torch thread each. ``env`` adds environment variables.
+    faster with one torch thread each. ``cpus`` pins it (and the processes it starts) to those
+    CPUs, and tells vLLM's CPU backend to bind its threads there too. ``env`` adds environment
+    variables.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class ServiceProcess:
         name: str,
         *args: str,
         threads: int | None = 1,
+        cpus: frozenset[int] | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
@@ -67,6 +71,15 @@ class ServiceProcess:
         self._env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         if threads is not None:
             self._env["OMP_NUM_THREADS"] = str(threads)
+        if cpus is not None:
+            allowed = os.sched_getaffinity(0)
+            if not cpus or not cpus <= allowed:
+                raise ServiceProcessError(
+                    f"{name}: CPUs {sorted(cpus)} are not a non-empty subset of the CPUs this "
+                    f"process may use, {sorted(allowed)}"
+                )
+            self._env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(cpus)))
+        self._cpus = cpus
         self.output: deque[str] = deque(maxlen=400)
         self._spawn()
 
@@ -84,7 +97,7 @@ class ServiceProcess:
             # Its own session: Ctrl-C reaches the launcher, which stops children in order; and it
             # dies with the launcher even when that is killed.
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent if self._cpus is None else partial(_pin, self._cpus),
         )
         threading.Thread(target=self._read, args=(self.proc, self._ready), daemon=True).start()
 
@@ -133,6 +146,12 @@ class ServiceProcess:
             ) from None
 
 
+def _pin(cpus: frozenset[int]) -> None:
+    """In the child, before it runs: die with the parent, run on ``cpus`` only."""
+    die_with_parent()
+    os.sched_setaffinity(0, cpus)
+
+
 def worker_process(
     url: str,
     run: str,
@@ -140,11 +159,19 @@ def worker_process(
     worker_id: str,
     *args: str,
     threads: int | None = 1,
+    cpus: frozenset[int] | None = None,
     env: dict[str, str] | None = None,
 ) -> ServiceProcess:
     """A ``seamlessflow worker`` (a real rollout worker with its own engine). ``args`` are extra
     command-line arguments (``--engine vllm``, ``--max-running 16``, ...)."""
     command = ["worker", "--nats", url, "--run", run, "--model", str(model)]
     return ServiceProcess(
-        f"worker {worker_id}", *command, "--worker-id", worker_id, *args, threads=threads, env=env
+        f"worker {worker_id}",
+        *command,
+        "--worker-id",
+        worker_id,
+        *args,
+        threads=threads,
+        cpus=cpus,
+        env=env,
     )

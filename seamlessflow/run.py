@@ -18,6 +18,7 @@
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import shutil
 import sys
@@ -47,6 +48,7 @@ from common.paths import default_state_dir
 from rollout.agents import arithmetic
 from seamlessflow.config import RunConfig
 from seamlessflow.launcher import local_broker, stop_on_signals
+from seamlessflow.placement import CpuPlan, CpuSet, place
 from seamlessflow.processes import ServiceProcess, SuperviseConfig, worker_process
 from seamlessflow.progress import RunStats
 from seamlessflow.report import (
@@ -271,6 +273,7 @@ class Services:
         where = ["--nats", self.url, "--run", cfg.run]
         common = [*where, *config_args]
         layout = cfg.layout.kind
+        cpus = place(cfg.cpus, cfg.trainer, cfg.rollout, os.sched_getaffinity(0))
         print(
             f"starting scheduler ({layout}), trajectory manager, trainer, rollout workers, "
             "gateway ...",
@@ -282,7 +285,7 @@ class Services:
         first = [
             ServiceProcess("scheduler", "scheduler", *common),  # its [scheduler] and [layout]
             ServiceProcess("trajectory", "trajectory", *common),
-            *self._trainer_and_workers(layout, config_args, checkpoints),
+            *self._trainer_and_workers(layout, config_args, checkpoints, cpus),
         ]
         gateway = ServiceProcess(
             "gateway",
@@ -310,35 +313,39 @@ class Services:
         self._supervised = {p.name: _Supervised(p) for p in self.running}
 
     def _trainer_and_workers(
-        self, layout: Layout, config_args: list[str], checkpoints: list[str]
+        self, layout: Layout, config_args: list[str], checkpoints: list[str], cpus: CpuPlan
     ) -> list[ServiceProcess]:
-        """The trainer and the rollout workers, tagged for ``layout`` (``tagsched.spec``):
-        disaggregated, a trainer process and ``rollout.workers`` rollout workers; multiplexed,
-        the trainer is a worker tagged ``train,rollout`` (lent to rollout while it waits);
-        colocated, every worker is tagged both and the scheduler picks the one that trains.
-        Whatever holds a trainer checkpoints to ``checkpoints`` (so a restart resumes)."""
+        """The trainer and the rollout workers, tagged for ``layout`` (``tagsched.spec``) and
+        placed on ``cpus`` (``seamlessflow.placement``): disaggregated, a trainer process on the
+        trainer's CPUs and ``rollout.workers`` rollout workers on the rollout CPUs; multiplexed,
+        the trainer is a worker tagged ``train,rollout`` on the trainer's CPUs (lent to rollout
+        while it waits: those CPUs generate then); colocated, every worker is tagged both and
+        runs anywhere, time-shared (the scheduler picks the one that trains). Whatever holds a
+        trainer checkpoints to ``checkpoints`` (so a restart resumes)."""
         cfg = self.config
 
-        def worker(name: str, tags: str, role: Role, threads: int) -> ServiceProcess:
+        def worker(name: str, tags: str, role: Role, where: CpuSet) -> ServiceProcess:
             args = [*config_args, "--tags", tags, "--role", role.value]  # [model], [worker], ...
             if "train" in tags.split(","):
-                args += checkpoints
-            return worker_process(self.url, cfg.run, self.model, name, *args, threads=threads)
+                args += [*checkpoints, "--threads", str(where.threads)]
+            return worker_process(
+                self.url, cfg.run, self.model, name, *args, threads=where.threads, cpus=where.cpus
+            )
 
         rollout = [
-            worker(f"rollout-{i}", "rollout", Role.ROLLOUT, cfg.rollout.threads)
-            for i in range(cfg.rollout.workers)
+            worker(f"rollout-{i}", "rollout", Role.ROLLOUT, where)
+            for i, where in enumerate(cpus.workers)
         ]
-        trainer_threads = cfg.trainer.threads or 1
         if layout is Layout.COLOCATED:
+            anywhere = CpuSet(None, len(os.sched_getaffinity(0)))
             both = [
-                worker(f"worker-{i}", "train,rollout", Role.IDLE, trainer_threads)
+                worker(f"worker-{i}", "train,rollout", Role.IDLE, anywhere)
                 for i in range(max(1, cfg.rollout.workers))
             ]
             both[0].name = "trainer"  # the one the progress report reads first
             return both
         if layout is Layout.MULTIPLEXED:
-            trainer = worker("trainer-0", "train,rollout", Role.TRAIN, trainer_threads)
+            trainer = worker("trainer-0", "train,rollout", Role.TRAIN, cpus.trainer)
             trainer.name = "trainer"
             return [trainer, *rollout]
         where = ["--nats", self.url, "--run", cfg.run, *config_args]
@@ -349,7 +356,10 @@ class Services:
             "--model",
             str(self.model),
             *checkpoints,
-            threads=trainer_threads,
+            "--threads",
+            str(cpus.trainer.threads),
+            threads=cpus.trainer.threads,
+            cpus=cpus.trainer.cpus,
         )
         return [trainer, *rollout]
 

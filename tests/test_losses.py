@@ -85,7 +85,7 @@ def _loss(logp, prox, behav, adv, **kw):
         t(behav),
         torch.tensor([[adv]], dtype=torch.float64),
         torch.ones(1, logp.shape[1]),
-        torch.ones(1),
+        torch.ones(1, 1),
         **options,
     )
     terms.loss.backward()
@@ -119,7 +119,7 @@ def test_aggregation_is_token_level_over_the_global_count():
     logp = torch.zeros(2, 3, dtype=torch.float64)
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
     adv = torch.tensor([[1.0], [1.0]], dtype=torch.float64)
-    weights = torch.tensor([1.0, 0.5])
+    weights = torch.tensor([[1.0], [0.5]])
     for total in (4, 8):  # 8: as if another rank held 4 more tokens
         terms = policy_loss(
             logp, logp, logp, adv, mask, weights,
@@ -179,7 +179,7 @@ def test_logprobs_are_read_at_the_sampling_temperature():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 11)
     ids = torch.randint(0, 11, (2, 5))
-    batch = TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids))
+    batch = TokenBatch(ids, torch.arange(5).expand(2, -1), torch.ones_like(ids))
     for temperature in (1.0, 0.7):
         got = logprobs_from_logits(logits, batch, temperature)
         want = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None])
@@ -257,7 +257,7 @@ def test_grpo_steps_raise_the_rewarded_completion(tiny_model_dir):
 
     def logprob_of(completion) -> float:
         items, _, _ = plan_step([[sample("p", prompt=prompt, completion=completion)]], 0, config)
-        lp = backend.token_logprobs(collate(items).tokens, grad=False)
+        lp = backend.token_logprobs(collate(items, backend.row_tokens).tokens, grad=False)
         return float(lp[0, len(prompt) :].sum())
 
     def group(version: int) -> list[SampleReady]:

@@ -179,46 +179,82 @@ def plan_step(
 
 @dataclass(frozen=True)
 class BatchTensors:
-    """Items collated, right-padded to the longest."""
+    """Items collated into the rows of a ``TokenBatch`` (packed); every per-token tensor has its
+    layout, ``(R, T)``."""
 
     tokens: TokenBatch
-    mask: torch.Tensor  # (B, T) float, 1 on loss tokens
-    behaviour: torch.Tensor  # (B, T) float
-    versions: torch.Tensor  # (B, T) int64, -1 off loss tokens
-    advantages: torch.Tensor  # (B, 1) float
-    weights: torch.Tensor  # (B,) float
+    mask: torch.Tensor  # float, 1 on loss tokens
+    behaviour: torch.Tensor  # float
+    versions: torch.Tensor  # int64, -1 off loss tokens
+    advantages: torch.Tensor  # float, the sample's advantage on each of its tokens
+    weights: torch.Tensor  # float, the sample's weight on each of its tokens
 
     @property
     def loss_tokens(self) -> int:
         return int(self.mask.sum())
 
 
-def collate(items: list[TrainItem]) -> BatchTensors:
+def pack(lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """Indices of ``lengths`` in rows of at most ``row_tokens`` tokens, longest first, each into
+    the first row with room (first-fit decreasing); a sample longer than ``row_tokens`` gets a
+    row of its own. Rows are padded to the fullest, so when that layout would hold no fewer
+    tokens than one row per sample (lengths alike), it is one row per sample: those need no
+    block-diagonal mask."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if row is None:
+            rows.append([i])
+            room.append(max(row_tokens - lengths[i], 0))
+        else:
+            rows[row].append(i)
+            room[row] -= lengths[i]
+    fullest = max(sum(lengths[i] for i in row) for row in rows)
+    if len(rows) * fullest >= len(lengths) * max(lengths):
+        return [[i] for i in order]
+    return rows
+
+
+def collate(items: list[TrainItem], row_tokens: int) -> BatchTensors:
+    """``items`` packed into rows of up to ``row_tokens`` tokens (see ``pack``), each row then
+    padded to the fullest one."""
     if not items:
         raise BatchError("cannot collate an empty list of samples")
-    width = max(len(i.sample.token_ids) for i in items)
-    shape = (len(items), width)
+    lengths = [len(i.sample.token_ids) for i in items]
+    rows = pack(lengths, row_tokens)
+    shape = (len(rows), max(sum(lengths[i] for i in row) for row in rows))
     ids = torch.zeros(shape, dtype=torch.long)
+    positions = torch.arange(shape[1]).repeat(shape[0], 1)  # padding keeps its column: unread
     attention = torch.zeros(shape, dtype=torch.long)
     mask = torch.zeros(shape)
     behaviour = torch.zeros(shape)
     versions = torch.full(shape, -1, dtype=torch.long)
-    for row, item in enumerate(items):
-        s = item.sample
-        n = len(s.token_ids)
-        ids[row, :n] = torch.tensor(s.token_ids)
-        attention[row, :n] = 1
-        mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        behaviour[row, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        versions[row, :n] = torch.tensor(s.versions)
-    mask[:, 0] = 0  # the first token has no context to be predicted from
+    advantages = torch.zeros(shape)
+    weights = torch.zeros(shape)
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            s, n = items[i].sample, lengths[i]
+            at = (r, slice(start, start + n))
+            ids[at] = torch.tensor(s.token_ids)
+            positions[at] = torch.arange(n)
+            attention[at] = 1
+            mask[at] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            mask[r, start] = 0  # a sample's first token has no context to be predicted from
+            behaviour[at] = torch.tensor(s.logprobs, dtype=torch.float32)
+            versions[at] = torch.tensor(s.versions)
+            advantages[at] = items[i].advantage
+            weights[at] = items[i].weight
+            start += n
     return BatchTensors(
-        tokens=TokenBatch(ids, attention),
+        tokens=TokenBatch(ids, positions, attention),
         mask=mask,
         behaviour=behaviour,
         versions=versions,
-        advantages=torch.tensor([[i.advantage] for i in items]),
-        weights=torch.tensor([i.weight for i in items]),
+        advantages=advantages,
+        weights=weights,
     )
 
 

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from broker.config import Tags
 from broker.registry import default_worker_id
 from broker.subjects import NAME_PATTERN
+from common.precision import Precision
 
 
 class Advantage(StrEnum):
@@ -31,6 +32,18 @@ class TorchBackendConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["torch"] = "torch"
+    pack_tokens: int = Field(
+        default=256,
+        ge=1,
+        le=1 << 20,
+        description="samples are packed into rows of up to this many tokens, each attending "
+        "only to itself (a longer sample gets a row of its own); 1: one padded row per sample",
+    )
+    dtype: Precision = Field(
+        default=Precision.FLOAT32,
+        description="compute dtype of forward and backward; bfloat16 autocasts them (weights "
+        "and optimizer stay float32) and needs a CPU with AVX512-BF16/AMX or a bf16 GPU",
+    )
 
 
 class MegatronBackendConfig(BaseModel):

@@ -49,7 +49,7 @@ def policy_loss(
     behaviour: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    sample_weights: torch.Tensor,
+    weights: torch.Tensor,
     *,
     clip_low: float,
     clip_high: float,
@@ -60,10 +60,11 @@ def policy_loss(
 ) -> LossTerms:
     """Decoupled PPO: ``r = exp(logp - proximal)``, ``w = min(exp(proximal - behaviour), cap)``,
     per token ``-min(r A, clip(r, 1 - low, 1 + high) A) w`` (+ ``kl_coef * k3(logp, reference)``),
-    times the sample's weight, summed over loss tokens and divided by ``total_tokens`` (the
-    tokens of the whole minibatch over every rank, so data-parallel gradients add up exactly).
+    times the token's (its sample's) weight, summed over loss tokens and divided by
+    ``total_tokens`` (the tokens of the whole minibatch over every rank, so data-parallel
+    gradients add up exactly).
 
-    ``advantages`` is ``(B, T)`` (or ``(B, 1)``), ``sample_weights`` is ``(B,)``.
+    ``advantages`` and ``weights`` are ``(B, T)`` (or ``(B, 1)``).
     """
     mask = mask.to(logp.dtype)
     proximal, behaviour = proximal.detach(), behaviour.detach()
@@ -72,7 +73,7 @@ def policy_loss(
     raw_weight = torch.exp(proximal - behaviour)
     importance = torch.clamp(raw_weight, max=importance_cap)
     per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages) * importance
-    scale = mask * sample_weights.to(logp.dtype)[:, None] / max(total_tokens, 1)
+    scale = mask * weights.to(logp.dtype) / max(total_tokens, 1)
     policy = (per_token * scale).sum()
     loss = policy
     kl_mean = 0.0

@@ -1,6 +1,11 @@
 """One training step on one rank, given the whole step's items (every rank gets the same list):
-split into minibatches, take this rank's shard of each, recompute proximal logprobs before any
-update, then one loss and one ``backend.apply`` per minibatch. No NATS here.
+split into minibatches, take this rank's shard of each, pack it into rows, then one loss and one
+``backend.apply`` per minibatch. No NATS here.
+
+Proximal logprobs are those of the weights before the step's first update. With one minibatch
+the training forward runs on exactly those weights, so its logprobs, detached, are the proximal
+ones: one forward per step. With several, each later minibatch would see updated weights, so
+every shard first gets a forward without gradients, before any update.
 
 Loss normalisation uses each minibatch's loss tokens over ALL ranks, and the backend sums
 gradients, so N ranks compute the same update as one rank on the whole batch.
@@ -13,7 +18,7 @@ import torch
 from trainer.backends.base import TrainerBackend
 from trainer.batcher import BatchTensors, TrainItem, collate, split
 from trainer.config import TrainerConfig
-from trainer.losses import Mismatch, mismatch, policy_loss
+from trainer.losses import LossTerms, Mismatch, mismatch, policy_loss
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,7 @@ class StepStats:
 
 
 def _loss_tokens(item: TrainItem) -> int:
-    return sum(item.sample.loss_mask[1:])  # collate never trains on position 0
+    return sum(item.sample.loss_mask[1:])  # collate never trains on a sample's first token
 
 
 def train_step(
@@ -40,47 +45,30 @@ def train_step(
     minibatches = split(items, config.minibatches)
     totals = [sum(_loss_tokens(i) for i in mb) for mb in minibatches]
     shards = [mb[backend.dp_rank :: backend.dp_size] for mb in minibatches]
-    # 1. Proximal (and reference) logprobs with the weights before the update.
-    prepared: list[tuple[BatchTensors, torch.Tensor, torch.Tensor | None] | None] = []
-    for shard in shards:
-        if not shard:
-            prepared.append(None)
-            continue
-        batch = collate(shard)
-        proximal = backend.token_logprobs(batch.tokens, grad=False).float().cpu()
-        reference = None
-        if config.kl_coef > 0:
-            reference = backend.reference_logprobs(batch.tokens).float().cpu()
-        prepared.append((batch, proximal, reference))
-    seen = _mismatch([p for p in prepared if p is not None], version)
+    batches = [collate(shard, backend.row_tokens) if shard else None for shard in shards]
+    # 1. Before any update: reference logprobs, and proximal ones when there are several updates.
+    separate = len(batches) > 1
+    proximals = [proximal_logprobs(backend, b) if b and separate else None for b in batches]
+    references = [
+        backend.reference_logprobs(b.tokens).float() if b and config.kl_coef > 0 else None
+        for b in batches
+    ]
     # 2. One optimizer step per minibatch; a rank without samples still joins the reduction.
     loss_sum = kl_sum = 0.0
     rank_tokens = clipped = capped = 0
     grad_norm = 0.0
-    for total, entry in zip(totals, prepared, strict=True):
+    scored: list[tuple[BatchTensors, torch.Tensor]] = []
+    for total, batch, proximal, reference in zip(
+        totals, batches, proximals, references, strict=True
+    ):
         if total == 0:  # no loss token on any rank: no optimizer step (AdamW would still move)
             continue
-        if entry is None:
+        if batch is None:
             grad_norm = backend.apply(None).grad_norm
             continue
-        batch, proximal, reference = entry
-        logp = backend.token_logprobs(batch.tokens, grad=True)
-        device = logp.device
-        terms = policy_loss(
-            logp.float(),
-            proximal.to(device),
-            batch.behaviour.to(device),
-            batch.advantages.to(device),
-            batch.mask.to(device),
-            batch.weights.to(device),
-            clip_low=config.clip_eps_low,
-            clip_high=config.clip_eps_high,
-            importance_cap=config.importance_cap,
-            total_tokens=total,
-            reference=None if reference is None else reference.to(device),
-            kl_coef=config.kl_coef,
-        )
+        terms, proximal = minibatch_loss(backend, batch, total, config, proximal, reference)
         grad_norm = backend.apply(terms.loss).grad_norm
+        scored.append((batch, proximal))
         tokens = batch.loss_tokens
         rank_tokens += tokens
         loss_sum += terms.policy_loss * total
@@ -92,17 +80,54 @@ def train_step(
         loss_tokens=sum(totals),
         loss=loss_sum / max(rank_tokens, 1),
         kl=kl_sum / max(rank_tokens, 1),
-        mismatch=seen,
+        mismatch=_mismatch(scored, version),
         grad_norm=grad_norm,
         clipped_tokens=clipped,
         capped_tokens=capped,
     )
 
 
-def _mismatch(prepared: list[tuple[BatchTensors, torch.Tensor, torch.Tensor | None]], version: int):
-    if not prepared:
+def proximal_logprobs(backend: TrainerBackend, batch: BatchTensors) -> torch.Tensor:
+    """The current weights' logprobs of ``batch``, without gradients."""
+    return backend.token_logprobs(batch.tokens, grad=False).float()
+
+
+def minibatch_loss(
+    backend: TrainerBackend,
+    batch: BatchTensors,
+    total_tokens: int,
+    config: TrainerConfig,
+    proximal: torch.Tensor | None = None,
+    reference: torch.Tensor | None = None,
+) -> tuple[LossTerms, torch.Tensor]:
+    """The training forward of ``batch`` (this rank's shard of a minibatch with ``total_tokens``
+    loss tokens over all ranks) and its loss, with the proximal logprobs it used: ``proximal``
+    when given, else this forward's own, detached (right while the weights have not moved)."""
+    logp = backend.token_logprobs(batch.tokens, grad=True).float()
+    device = logp.device
+    proximal = logp.detach() if proximal is None else proximal.to(device)
+    terms = policy_loss(
+        logp,
+        proximal,
+        batch.behaviour.to(device),
+        batch.advantages.to(device),
+        batch.mask.to(device),
+        batch.weights.to(device),
+        clip_low=config.clip_eps_low,
+        clip_high=config.clip_eps_high,
+        importance_cap=config.importance_cap,
+        total_tokens=total_tokens,
+        reference=None if reference is None else reference.to(device),
+        kl_coef=config.kl_coef,
+    )
+    return terms, proximal
+
+
+def _mismatch(scored: list[tuple[BatchTensors, torch.Tensor]], version: int) -> Mismatch:
+    """Behaviour vs proximal logprobs over the loss tokens ``version`` generated."""
+    if not scored:
         return Mismatch(0, 0.0, 0.0, 0.0)
-    behaviour = torch.cat([b.behaviour.flatten() for b, _, _ in prepared])
-    proximal = torch.cat([p.flatten() for _, p, _ in prepared])
-    same = torch.cat([((b.mask > 0) & (b.versions == version)).flatten() for b, _, _ in prepared])
+    behaviour = torch.cat([b.behaviour.flatten() for b, _ in scored])
+    proximal = torch.cat([p.cpu().flatten() for _, p in scored])
+    same = torch.cat([((b.mask > 0) & (b.versions == version)).flatten() for b, _ in scored])
     return mismatch(behaviour, proximal, same)

@@ -5,11 +5,18 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.precision import Precision
+
 
 class _EngineOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     seed: int = Field(default=0, ge=0, description="sampling seed of the first request")
+    dtype: Precision = Field(
+        default=Precision.FLOAT32,
+        description="weights and compute dtype; bfloat16 needs a CPU with AVX512-BF16/AMX or a "
+        "bf16 GPU (the trainer's mismatch metric shows its cost)",
+    )
 
 
 class HFEngineConfig(_EngineOptions):

@@ -1,4 +1,5 @@
-"""The reference engine: a transformers causal LM in float32 with a KV cache per request.
+"""The reference engine: a transformers causal LM (float32, or ``settings.dtype``) with a KV cache
+per request.
 
 All torch work runs in one dedicated thread, so the event loop stays responsive. A scheduler task
 steps every running request by one token per step (one forward per request, no padding, so a
@@ -26,6 +27,7 @@ from transformers import AutoModelForCausalLM, Cache
 from broker.messages import FinishReason, SamplingParams
 from common.log import kv
 from common.models import eos_token_ids
+from common.precision import unsupported
 from rollout.engines.base import (
     ENGINE_REQUESTS,
     ENGINE_WEIGHT_LOADS,
@@ -65,8 +67,11 @@ async def start(config: EngineConfig) -> "HFEngine":
 
 
 def _load_model(config: EngineConfig) -> torch.nn.Module:
+    dtype = config.settings.dtype
+    if why := unsupported(dtype, "cpu"):
+        raise EngineError(f"engine dtype {dtype.value!r}: {why}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype.torch_dtype())
     except (OSError, ValueError) as exc:
         raise EngineError(f"cannot load a causal LM from {config.model}: {exc}") from exc
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -306,7 +311,7 @@ class HFEngine:
             logits_to_keep=1,
         )
         request.cache, request.cached = out.past_key_values, len(ids)
-        return _sample(out.logits[0, -1], request.params, request.generator)
+        return _sample(out.logits[0, -1].float(), request.params, request.generator)
 
     def _copy_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
         state = self._model.state_dict()  # views of the parameters

@@ -48,6 +48,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from broker.messages import FinishReason, SamplingParams
 from common.log import kv
+from common.precision import unsupported
 from rollout.engines.base import (
     ENGINE_REQUESTS,
     ENGINE_WEIGHT_LOADS,
@@ -77,6 +78,8 @@ async def start(config: EngineConfig) -> "VLLMEngine":
     settings = config.settings
     if not isinstance(settings, VLLMEngineConfig):
         raise EngineError(f"the vllm engine was given a {settings.kind!r} engine config")
+    if why := unsupported(settings.dtype, "cuda" if torch.cuda.is_available() else "cpu"):
+        raise EngineError(f"engine dtype {settings.dtype.value!r}: {why}")
     options = {"kv_cache_memory_bytes": settings.kv_cache_memory_bytes}
     if settings.max_num_seqs is not None:
         options["max_num_seqs"] = settings.max_num_seqs
@@ -86,7 +89,7 @@ async def start(config: EngineConfig) -> "VLLMEngine":
     os.environ["VLLM_RPC_BASE_PATH"] = str(rpc_dir)
     args = AsyncEngineArgs(
         model=str(model),
-        dtype="float32",
+        dtype=settings.dtype.value,
         max_model_len=config.max_model_len,
         enforce_eager=True,
         seed=settings.seed,

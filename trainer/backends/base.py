@@ -3,10 +3,14 @@
 A backend owns the model, the optimizer and the data-parallel gradient reduction; the trainer
 owns everything else (batching, advantages, losses, checkpoints, NATS). Layout conventions:
 
-- A ``TokenBatch`` is right-padded: ``input_ids`` and ``attention_mask`` are ``(B, T)``.
-- ``token_logprobs`` returns ``(B, T)`` float32 where ``[b, t]`` is the log-probability of
-  ``input_ids[b, t]`` given ``input_ids[b, :t]``; column 0 (no context) and padding are 0. This
-  is the same position convention as ``SampleReady.logprobs``, so the two line up index by index.
+- A ``TokenBatch`` holds whole samples packed into rows (``(R, T)`` tensors): a row is one or
+  more samples back to back, then padding. ``position_ids`` count from 0 at each sample's first
+  token, and a token attends only to the earlier tokens of its own sample. A backend that cannot
+  isolate samples sharing a row reports ``row_tokens == 1`` and gets one sample per row.
+- ``token_logprobs`` returns ``(R, T)`` float32 where ``[r, t]`` is the log-probability of
+  ``input_ids[r, t]`` given the earlier tokens of its sample; a sample's first token (no context)
+  and padding are 0. Within a sample this is the position convention of ``SampleReady.logprobs``,
+  so the two line up index by index.
 - The trainer builds each rank's loss already divided by the GLOBAL number of loss tokens (all
   ranks), so ``apply`` must SUM gradients over the data-parallel group (not average them): then
   N ranks on N shards give the same update as one rank on the whole batch.
@@ -28,10 +32,17 @@ import torch
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """Right-padded token ids of some samples, on CPU; the backend moves them to its device."""
+    """Token ids of some samples packed into rows, on CPU; the backend moves them to its device.
+    Padding only ever follows a row's last sample, so causal attention keeps samples from it."""
 
-    input_ids: torch.Tensor  # (B, T) int64
-    attention_mask: torch.Tensor  # (B, T) int64, 1 on real tokens
+    input_ids: torch.Tensor  # (R, T) int64
+    position_ids: torch.Tensor  # (R, T) int64, 0 at each sample's first token
+    attention_mask: torch.Tensor  # (R, T) int64, 1 on sample tokens, 0 on padding
+
+    @property
+    def packed(self) -> bool:
+        """Whether some row holds more than one sample."""
+        return bool((self.position_ids[:, 1:] == 0).any())
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,12 @@ class TrainerBackend(Protocol):
     @property
     def dp_size(self) -> int:
         """Ranks in the data-parallel group; the trainer gives each its own shard of a batch."""
+        ...
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens a row of a ``TokenBatch`` may hold (a longer sample gets a row of its own);
+        1 when the backend takes one sample per row."""
         ...
 
     def token_logprobs(self, batch: TokenBatch, grad: bool) -> torch.Tensor:
@@ -91,14 +108,15 @@ class TrainerBackend(Protocol):
 def logprobs_from_logits(
     logits: torch.Tensor, batch: TokenBatch, temperature: float = 1.0
 ) -> torch.Tensor:
-    """``[b, t]`` = log p(ids[b, t] | ids[b, :t]) from ``[b, t, vocab]`` logits at the sampling
-    ``temperature`` (the distribution rollout sampled from, as its behaviour logprobs are);
-    column 0 and padding are 0. The one reading of logits for every backend."""
+    """``[r, t]`` = log p(ids[r, t] | the earlier tokens of its sample) from ``[r, t, vocab]``
+    logits at the sampling ``temperature`` (the distribution rollout sampled from, as its
+    behaviour logprobs are); a sample's first token and padding are 0. The one reading of logits
+    for every backend."""
     ids = batch.input_ids.to(logits.device)
-    attention = batch.attention_mask.to(logits.device)
+    scored = (batch.attention_mask[:, 1:] > 0) & (batch.position_ids[:, 1:] > 0)
     shifted = logits[:, :-1].float() / temperature
     picked = shifted.gather(-1, ids[:, 1:, None]).squeeze(-1)
     logp = picked - torch.logsumexp(shifted, dim=-1)
     out = torch.zeros(ids.shape, dtype=logp.dtype, device=logits.device)
-    out[:, 1:] = logp * attention[:, 1:]
+    out[:, 1:] = torch.where(scored.to(logits.device), logp, 0.0)
     return out

@@ -132,6 +132,10 @@ class MegatronBackend:
 
         return parallel_state.get_data_parallel_world_size()
 
+    @property
+    def row_tokens(self) -> int:
+        return 1  # one sample per row: the GPTModel gets a plain causal mask, not a packed one
+
     def logits(self, batch: TokenBatch, grad: bool) -> torch.Tensor:
         """``(B, T, vocab)`` logits of the right-padded ``batch`` (gathered over TP ranks)."""
         with torch.set_grad_enabled(grad):
@@ -231,7 +235,7 @@ def _read_hf_folder(model: Path) -> tuple[convert.LlamaSpec, dict[str, torch.Ten
 
 
 def _logits(model: torch.nn.Module, batch: TokenBatch, device: torch.device) -> torch.Tensor:
-    ids = batch.input_ids.to(device)
-    positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    if batch.packed:
+        raise BackendError("the megatron backend takes one sample per row, got a packed batch")
     # Causal attention, no mask: real tokens never attend to the right padding after them.
-    return model(ids, positions, None)
+    return model(batch.input_ids.to(device), batch.position_ids.to(device), None)

@@ -1,6 +1,8 @@
-"""The torch backend: a Hugging Face causal LM in float32 with AdamW; data-parallel over the
-default ``torch.distributed`` group (gloo on CPU, nccl on CUDA) by summing gradients with
-``all_reduce`` after each backward."""
+"""The torch backend: a Hugging Face causal LM with float32 weights and AdamW; data-parallel over
+the default ``torch.distributed`` group (gloo on CPU, nccl on CUDA) by summing gradients with
+``all_reduce`` after each backward. Forward and backward run in ``config.backend.dtype``
+(bfloat16: under autocast). Samples packed into one row are kept apart by their position ids:
+transformers turns position ids that restart at 0 into a block-diagonal causal mask."""
 
 import copy
 from pathlib import Path
@@ -9,8 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.precision import Precision, unsupported
 from trainer.backends.base import ApplyStats, TokenBatch, logprobs_from_logits
-from trainer.config import TrainerConfig
+from trainer.config import TorchBackendConfig, TrainerConfig
 from trainer.exceptions import BackendError
 
 
@@ -33,8 +36,13 @@ class TorchBackend:
     def __init__(self, model: Path, config: TrainerConfig) -> None:
         from transformers import AutoModelForCausalLM
 
+        if not isinstance(config.backend, TorchBackendConfig):
+            raise BackendError(f"the torch backend was given a {config.backend.kind!r} config")
         self._config = config
+        self._options = config.backend
         self._device = resolve_device(config.device)
+        if why := unsupported(self._options.dtype, self._device.type):
+            raise BackendError(f"trainer.backend.dtype = {self._options.dtype.value!r}: {why}")
         try:
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         except (OSError, ValueError) as exc:
@@ -61,15 +69,33 @@ class TorchBackend:
     def dp_size(self) -> int:
         return dist.get_world_size() if self._distributed else 1
 
+    @property
+    def row_tokens(self) -> int:
+        return self._options.pack_tokens
+
     def token_logprobs(self, batch: TokenBatch, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return _logprobs(self.model, batch, self._device, self._config.temperature)
+            return self._logprobs(self.model, batch)
 
     def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         if self._reference is None:
             raise BackendError("no reference model: it is loaded only when kl_coef > 0")
         with torch.no_grad():
-            return _logprobs(self._reference, batch, self._device, self._config.temperature)
+            return self._logprobs(self._reference, batch)
+
+    def _logprobs(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+        dtype = self._options.dtype
+        with torch.autocast(
+            self._device.type, dtype=dtype.torch_dtype(), enabled=dtype is not Precision.FLOAT32
+        ):
+            # No attention mask and no cache: then transformers reads the samples of a row off
+            # the position ids (with a cache it would not) and attends causally within each.
+            logits = model(
+                input_ids=batch.input_ids.to(self._device),
+                position_ids=batch.position_ids.to(self._device),
+                use_cache=False,
+            ).logits
+        return logprobs_from_logits(logits, batch, self._config.temperature)
 
     def apply(self, loss: torch.Tensor | None) -> ApplyStats:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -104,11 +130,3 @@ class TorchBackend:
     def load_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-
-
-def _logprobs(
-    model: torch.nn.Module, batch: TokenBatch, device: torch.device, temperature: float
-) -> torch.Tensor:
-    ids, attention = batch.input_ids.to(device), batch.attention_mask.to(device)
-    logits = model(input_ids=ids, attention_mask=attention).logits
-    return logprobs_from_logits(logits, batch, temperature)

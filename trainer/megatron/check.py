@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from trainer.backends.base import TokenBatch
-from trainer.config import MegatronBackendConfig, TrainerConfig
+from trainer.config import MegatronBackendConfig, TorchBackendConfig, TrainerConfig
 from trainer.exceptions import BackendError
 
 LR = 1e-4
@@ -70,7 +70,8 @@ def sample_batch(vocab: int, lengths: tuple[int, ...] = (32, 20, 7), seed: int =
     width = max(lengths)
     ids = torch.randint(0, vocab, (len(lengths), width), generator=gen)
     mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
-    return TokenBatch(input_ids=ids * mask, attention_mask=mask)
+    positions = torch.arange(width).expand(len(lengths), -1)
+    return TokenBatch(input_ids=ids * mask, position_ids=positions, attention_mask=mask)
 
 
 def compare(name: str, folder: Path) -> list[Row]:
@@ -82,7 +83,9 @@ def compare(name: str, folder: Path) -> list[Row]:
     config = TrainerConfig(backend=MegatronBackendConfig(), device="cuda", lr=LR, max_grad_norm=1e9)
     megatron = MegatronBackend(folder, config)  # first: on CPU its error names the reason
     try:
-        reference = TorchBackend(folder, config)
+        reference = TorchBackend(
+            folder, config.model_copy(update={"backend": TorchBackendConfig()})
+        )
         batch = sample_batch(megatron.spec.vocab_size)
         real = batch.attention_mask.bool().cuda()
         with torch.no_grad():
