@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 
 from broker import codec
 from broker.client import session
-from broker.exceptions import InvalidMessageError
+from broker.exceptions import BrokerError, InvalidMessageError
 from broker.messages import CallRecorded, Message, Role, SampleReady, WeightsPublished
 from broker.provision import provision_run
 from broker.retry import TRANSIENT, Backoff
@@ -247,7 +247,12 @@ class TaskFeed:
             prefix=f"t{self._next}",
         )
         self._next += 1
-        await submit_tasks(self._js, self._names, tasks, progress=False)
+        try:
+            await submit_tasks(self._js, self._names, tasks, progress=False)
+        except BrokerError as exc:
+            if isinstance(exc.__cause__, TRANSIENT):  # e.g. a cluster electing a new leader
+                raise exc.__cause__ from exc
+            raise
 
 
 @dataclass
