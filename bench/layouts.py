@@ -27,6 +27,7 @@ LAYOUTS = ("disaggregated", "multiplexed", "colocated")
 
 
 def run_layout(layout: str, steps: int, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
     config = out / f"{layout}.toml"
     config.write_text(
         f'run = "bench-{layout}-{int(time.time())}"\noutput_dir = "{out / layout}"\n'
