@@ -113,6 +113,7 @@ group_size = {GROUP}
 max_turns = 1
 max_tokens = {NEW_TOKENS}
 backlog = {PROMPTS}
+[scheduler]
 steps_ahead = 2
 [agents]
 temperature = 1.0
