@@ -167,7 +167,7 @@ async def _status(args: argparse.Namespace) -> int:
     from broker.registry import read_workers
     from broker.subjects import RunNames
     from seamlessflow.launcher import print_status, print_workers
-    from tagsched.lease import Lease
+    from tagsched.lease import lease_holder
 
     async with session(args.nats, "seamlessflow-status") as nc:
         js = nc.jetstream()
@@ -176,7 +176,7 @@ async def _status(args: argparse.Namespace) -> int:
         if not status.missing:
             names = RunNames(run)
             workers = await read_workers(js, names)
-            leader = await (await Lease.open(js, names, "status", 1.0)).current()
+            leader = await lease_holder(js, names)
     print_status(status)
     if not status.missing:
         print_workers(workers, leader)

@@ -78,8 +78,17 @@ class Lease:
 
     async def current(self) -> str | None:
         """Who holds the lease now, if anyone."""
-        try:
-            entry = await self._bucket.get(KEY)
-        except KeyNotFoundError:  # absent, deleted or expired: nobody
-            return None
-        return entry.value.decode() if entry.value else None
+        return await _holder(self._bucket)
+
+
+async def lease_holder(js: JetStreamContext, names: RunNames) -> str | None:
+    """Which scheduler leads run ``names`` now, if any (for readers such as ``status``)."""
+    return await _holder(await js.key_value(names.control_kv))
+
+
+async def _holder(bucket: KeyValue) -> str | None:
+    try:
+        entry = await bucket.get(KEY)
+    except KeyNotFoundError:  # absent, deleted or expired: nobody
+        return None
+    return entry.value.decode() if entry.value else None

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
@@ -62,12 +61,6 @@ class SchedulerError(SeamlessFlowError):
     """The scheduler cannot go on (an unsatisfiable spec past its timeout)."""
 
 
-@dataclass
-class _Fence:
-    started_at: float | None
-    """The fenced registration; a worker showing another one is re-admitted."""
-
-
 class Scheduler:
     def __init__(
         self,
@@ -91,7 +84,8 @@ class Scheduler:
         self._ttl = workers_ttl_s
         self._lease_s = lease_s
         self._workers: dict[str, WorkerRegistered] = {}
-        self._fenced: dict[str, _Fence] = {}
+        # fenced worker -> the registration (started_at) fenced; another one re-admits it
+        self._fenced: dict[str, float | None] = {}
         self._pending: dict[str, asyncio.Task] = {}  # role changes in flight, by worker
         self._lent: set[str] = set()
         self._epoch = 0
@@ -167,8 +161,7 @@ class Scheduler:
             self._workers.pop(worker_id, None)
             return
         known = self._workers.get(worker_id)
-        fence = self._fenced.get(worker_id)
-        if fence is not None and entry.started_at != fence.started_at:
+        if worker_id in self._fenced and entry.started_at != self._fenced[worker_id]:
             del self._fenced[worker_id]  # a new registration: re-admitted
             log.info(kv("worker_readmitted", worker=worker_id))
         if known is not None and known.epoch > entry.epoch:
@@ -285,7 +278,7 @@ class Scheduler:
     def _fence(self, worker_id: str, entry: WorkerRegistered, why: str) -> None:
         CHANGES.labels("timeout").inc()
         FENCED.inc()
-        self._fenced[worker_id] = _Fence(entry.started_at)
+        self._fenced[worker_id] = entry.started_at
         self._lent.discard(worker_id)
         log.warning(kv("worker_fenced", worker=worker_id, error=why))
 
