@@ -80,7 +80,7 @@ QUEUE_WAIT = Histogram(
 WEIGHT_LOAD = Histogram(
     "sf_rollout_weight_load_seconds",
     "Fetch + load of a new weight version, engine paused for the load part",
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+    buckets=(1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
     registry=REGISTRY,
 )
 INTERRUPTIONS = Counter(
@@ -102,7 +102,7 @@ QUARANTINES = Counter(
 WAVE_WAIT = Histogram(
     "sf_rollout_weight_wave_wait_seconds",
     "Time a worker waited for earlier waves before loading a version",
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    buckets=(1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
     registry=REGISTRY,
 )
 WEIGHT_ERRORS = Counter(

@@ -98,7 +98,7 @@ for _outcome in ("inserted", "duplicate", "invalid"):  # exported from the start
 BUILD_SECONDS = Histogram(
     "sf_trajectory_session_build_seconds",
     "From a SessionEnded to its samples stored: reading calls, building, publishing",
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    buckets=(5e-4, 1e-3, 2.5e-3, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
     registry=REGISTRY,
 )
 
