@@ -268,9 +268,26 @@ class WeightsPublished(Message):
         description="'objstore://<bucket>/<name>' for the embedded default, or 'file://<path>'",
     )
     format: Literal["safetensors"] = "safetensors"
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str | None = Field(
+        pattern=r"^[0-9a-f]{64}$",
+        description="checksum of the blob; None only for a host-local copy (``host`` set)",
+    )
     size_bytes: int = Field(ge=0, lt=MAX_SAFE_INT)
     published_at: Timestamp
+    host: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=HEADER_MAX,
+        description="set when ``location`` is a file only this host can read (the trainer's "
+        "in-memory copy, ``broker.weights.host_id()``); workers elsewhere wait for the "
+        "version's announcement without a host",
+    )
+
+    @model_validator(mode="after")
+    def _checked_unless_local(self) -> Self:
+        if self.sha256 is None and self.host is None:
+            raise ValueError("sha256 is required unless the copy is host-local (host set)")
+        return self
 
 
 class WorkerRegistered(Message):

@@ -5,11 +5,20 @@
 worker that sees the event can always fetch the blob. ``fetch_weights`` returns the blob after
 checking its size and SHA-256 against the event. ``latest_weights`` reads the last event, for a
 worker that starts after some versions were published.
+
+Same host, no copies: the trainer first writes each version into a tmpfs folder
+(``local_folder``) and announces it with ``announce_local`` (``host`` set, no checksum: the bytes
+never leave this machine's memory); a worker on that host loads the folder in place
+(``local_copy``), and workers elsewhere wait for the object-store announcement of the version,
+which the trainer publishes next, off its training path.
 """
 
 import asyncio
+import functools
 import hashlib
 import io
+import shutil
+import socket
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -97,6 +106,65 @@ async def publish_weights(
     return event
 
 
+@functools.cache
+def host_id() -> str:
+    """This machine as weight copies see it: host name and boot id (a reboot empties tmpfs)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+LOCAL_BLOB = "model.safetensors"
+
+
+def local_folder(root: Path, names: RunNames, version: int) -> Path:
+    """The folder of ``version``'s host-local copy: ``<root>/<run>/v<version>/``."""
+    return Path(root) / names.run / f"v{version}"
+
+
+async def announce_local(
+    js: JetStreamContext, names: RunNames, version: int, folder: Path, *, keep: int = KEEP_VERSIONS
+) -> WeightsPublished:
+    """Announce the host-local copy in ``folder`` (written complete before this), then delete this
+    run's local copies older than the newest ``keep`` versions."""
+    blob = Path(folder) / LOCAL_BLOB
+    event = WeightsPublished(
+        version=version,
+        location=blob.resolve().as_uri(),
+        sha256=None,
+        size_bytes=(await asyncio.to_thread(blob.stat)).st_size,
+        published_at=time.time(),
+        host=host_id(),
+    )
+    headers = codec.headers(msg_id=f"weights-v{version}-local")
+    await js.publish(names.weights, codec.encode(event), headers=headers)
+    await asyncio.to_thread(_prune_local, Path(folder).parent, version - keep + 1)
+    return event
+
+
+def _prune_local(run_folder: Path, older_than: int) -> None:
+    for path in run_folder.glob("v*"):
+        version = _blob_version(path.name + ".safetensors")
+        if version is not None and version < older_than:
+            shutil.rmtree(path, ignore_errors=True)  # a worker loading it keeps its open mapping
+
+
+def local_copy(event: WeightsPublished) -> Path | None:
+    """The folder to load ``event``'s host-local copy from, or None when it is not readable here
+    (another host, or gone): then the version's object-store announcement follows."""
+    if event.host != host_id():
+        return None
+    blob = Path(urlparse(event.location).path)
+    try:
+        if blob.stat().st_size != event.size_bytes:
+            return None
+    except OSError:
+        return None
+    return blob.parent
+
+
 async def _prune(
     js: JetStreamContext, names: RunNames, directory: Path | None, *, older_than: int
 ) -> None:
@@ -121,6 +189,10 @@ async def _prune(
 
 async def fetch_weights(js: JetStreamContext, event: WeightsPublished) -> bytes:
     """The blob ``event`` announces, checked against its size and SHA-256."""
+    if event.host is not None:
+        raise WeightsIntegrityError(
+            f"weights v{event.version}: {event.location} is a copy local to host {event.host}"
+        )
     url = urlparse(event.location)
     try:
         if url.scheme == OBJSTORE:

@@ -23,6 +23,7 @@ weights stay loaded and keep following new versions, so it rejoins serving the c
 """
 
 import asyncio
+import contextlib
 import logging
 import tempfile
 import time
@@ -54,7 +55,7 @@ from broker.messages import (
 from broker.registry import Registration, default_worker_id, read_workers
 from broker.roles import RoleHolder
 from broker.subjects import Durable, RunNames
-from broker.weights import fetch_weights_apart, latest_weights
+from broker.weights import fetch_weights_apart, latest_weights, local_copy
 from common.log import kv
 from rollout.engines import Engine, EngineError, EngineSettings, GenerationChunk, HFEngineConfig
 
@@ -425,19 +426,22 @@ class RolloutWorker:
             # blobs are pruned): the newer event is next; load that one instead.
             log.info(kv("weights_superseded", version=event.version, latest=latest.version))
             return
+        local = local_copy(event) if event.host is not None else None
+        if event.host is not None and local is None:
+            # another host's in-memory copy: this version's object-store announcement follows
+            log.debug(kv("weights_not_local", version=event.version, host=event.host))
+            return
         self._tried_version = event.version
         started = time.monotonic()
         await self._wait_for_wave(event.version)
-        blob = await fetch_weights_apart(self._nats_url, event)
-        fetched = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix="sf-weights-") as folder:
-            await asyncio.to_thread((Path(folder) / "model.safetensors").write_bytes, blob)
+        async with self._weights_folder(event, local) as folder:
+            fetched = time.monotonic()
             try:
                 async with self._engine_lock:
                     INTERRUPTIONS.labels("weight_update").inc(len(self._attempts))
                     await self._engine.pause()
                     try:
-                        await self._load_within_deadline(event.version, Path(folder))
+                        await self._load_within_deadline(event.version, folder)
                     finally:
                         if self._serving is not None:  # an idle worker's engine stays paused
                             await self._engine.resume()
@@ -453,9 +457,23 @@ class RolloutWorker:
                 version=event.version,
                 seconds=round(seconds, 3),
                 fetch_seconds=round(fetched - started, 3),
+                path="local" if event.host is not None else "store",
                 in_flight=len(self._attempts),
             )
         )
+
+    @contextlib.asynccontextmanager
+    async def _weights_folder(self, event: WeightsPublished, local: Path | None):
+        """A folder holding ``event``'s safetensors: the host-local copy itself, or the blob
+        fetched from the store into a temporary folder."""
+        if local is not None:
+            yield local
+            return
+        blob = await fetch_weights_apart(self._nats_url, event)
+        with tempfile.TemporaryDirectory(prefix="sf-weights-") as folder:
+            await asyncio.to_thread((Path(folder) / "model.safetensors").write_bytes, blob)
+            del blob
+            yield Path(folder)
 
     async def _wait_for_wave(self, version: int) -> None:
         """With ``weight_waves`` > 1, wait (serving the old version) until every live rollout

@@ -256,6 +256,7 @@ async def test_a_step_taken_while_the_broker_is_down_is_published_when_it_is_bac
         group_timeout_s=3.0,
         checkpoint_dir=tmp_path / "ckpt",
         worker_id="trainer-d",
+        local_weights_dir=tmp_path / "shm",
     )
     stop = asyncio.Event()
     try:
@@ -298,8 +299,11 @@ async def test_a_step_taken_while_the_broker_is_down_is_published_when_it_is_bac
         s.sample_id for s in b))]  # fmt: skip
     assert weights == 2
     retried = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nats_")]
-    assert any("what=weights_publish" in line for line in retried), retried
-    assert any(x.startswith("nats_recovered what=weights_publish") for x in retried), retried
+    # Publishing waited for the broker: the host-local announcement (in the step) or the upload.
+    publishing = ("what=weights_announce_local", "what=weights_publish")
+    assert any(w in line for line in retried for w in publishing), retried
+    recovered = tuple(f"nats_recovered {w}" for w in publishing)
+    assert any(x.startswith(recovered) for x in retried), retried
 
 
 @pytest.mark.newest_nats

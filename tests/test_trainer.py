@@ -19,7 +19,7 @@ from broker.config import ConsumerLimits, ProvisionConfig
 from broker.messages import MessageRejected, SampleReady, WeightsPublished, WorkerRegistered
 from broker.provision import provision_run
 from broker.subjects import Durable, RunNames
-from broker.weights import fetch_weights
+from broker.weights import fetch_weights, host_id, latest_weights
 from seamlessflow.processes import ServiceProcess, worker_process
 from tests.support import SMALL_RUN, eventually, metric, stream_messages
 from tests.test_losses import sample
@@ -104,6 +104,12 @@ async def _registered(js, names: RunNames, worker_id: str) -> WorkerRegistered |
         return None
 
 
+async def _stored(js, names: RunNames) -> bool:
+    """The newest announcement is the object store's (not a host-local copy)."""
+    latest = await latest_weights(js, names)
+    return latest is not None and latest.host is None
+
+
 async def _consumer_settled(js, names: RunNames) -> bool:
     info = await js.consumer_info(names.samples_stream, Durable.TRAINER)
     return info.num_pending == 0 and info.num_ack_pending == 0
@@ -124,6 +130,7 @@ async def test_service_trains_groups_and_settles_every_sample(
         staleness_mode=StalenessMode.DROP,
         checkpoint_dir=tmp_path / "ckpt",
         worker_id="trainer-t",
+        local_weights_dir=tmp_path / "shm",
     )
     stop = asyncio.Event()
     serving = asyncio.create_task(
@@ -143,8 +150,13 @@ async def test_service_trains_groups_and_settles_every_sample(
         await js.publish(names.samples, b"\x93not a sample")
         await eventually(lambda: _consumer_settled(js, names), watch=serving, timeout=60)
         await eventually(lambda: metric(url, "sf_trainer_version"), watch=serving)  # published
+        # The host-local copy is announced first; the object store's announcement follows.
+        await eventually(lambda: _stored(js, names), watch=serving)
         events = await stream_messages(js, names.weights_stream, WeightsPublished)
-        assert [e.version for e in events] == [1]
+        assert [(e.version, e.host) for e in events] == [(1, None)]
+        for path in ("local", "store"):  # announced on both paths, once
+            assert await metric(url, "sf_trainer_weight_publish_seconds_count", path=path) == 1
+        assert (config.local_weights_dir / names.run / "v1" / "model.safetensors").exists()
         blob = await fetch_weights(js, events[0])
         original = (tiny_model_dir / "model.safetensors").read_bytes()
         assert (
@@ -192,6 +204,7 @@ async def test_service_trains_groups_and_settles_every_sample(
         stop.set()
         await serving
     assert await _registered(js, names, "trainer-t") is None
+    assert not (config.local_weights_dir / names.run).exists()  # stopped: its copies are freed
 
 
 # -- kill -9 and resume -------------------------------------------------------------------------
@@ -253,12 +266,16 @@ async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
     versions = [s.version for s in steps]
     assert versions == list(range(1, len(steps) + 1))
     assert len(steps) == len(first) + len(second)
-    # Every version was published, and a version published twice carries the same content.
+    # Every version was announced as a host-local copy; the store got the newest (older ones
+    # may be skipped as superseded), and a version stored twice carries the same content.
     await eventually(lambda: published and published[-1].version == versions[-1])
+    await eventually(lambda: published[-1].host is None)
+    assert sorted({e.version for e in published if e.host == host_id()}) == versions
     by_version: dict[int, set[str]] = {}
     for e in published:
-        by_version.setdefault(e.version, set()).add(e.sha256)
-    assert sorted(by_version) == versions
+        if e.host is None:
+            by_version.setdefault(e.version, set()).add(e.sha256)
+    assert max(by_version) == versions[-1]
     assert all(len(shas) == 1 for shas in by_version.values())
     last = published[-1]
     assert hashlib.sha256(await fetch_weights(js, last)).hexdigest() == last.sha256

@@ -21,7 +21,7 @@ from broker.messages import (
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.registry import watch_workers
 from broker.subjects import RunNames
-from broker.weights import publish_weights
+from broker.weights import LOCAL_BLOB, announce_local, host_id, local_folder, publish_weights
 from rollout.worker import RolloutWorker, WorkerConfig
 from seamlessflow.processes import worker_process
 from tests.support import (
@@ -150,6 +150,45 @@ async def test_weight_update_mid_request_relabels_the_rest(
         assert {c.version for c in first.chunks} == {1}
     finally:
         late.stop()
+
+
+async def test_a_host_local_copy_is_loaded_in_place_and_others_wait_for_the_store(
+    broker, worker, nc, js, names, tiny_model_dir, tmp_path
+):
+    # v1: a copy on this host, never stored: the worker can only have loaded it in place.
+    first = perturbed_weights(tiny_model_dir, seed=1)
+    folder = local_folder(tmp_path, names, 1)
+    folder.mkdir(parents=True)
+    (folder / LOCAL_BLOB).write_bytes(first)
+    event = await announce_local(js, names, 1, folder)
+    assert event.host == host_id() and event.sha256 is None and event.size_bytes == len(first)
+    await eventually(lambda: _registered_version(js, names, "w1", 1), timeout=30)
+    call = await Call(nc, names, "c1", max_tokens=8, temperature=0).start()
+    await call.finished()
+    assert call.tokens == greedy(tiny_model_dir, PROMPT, 8, first)
+
+    # v2 as another host's copy, then as a copy of this host that is gone: neither is loaded
+    # (nor counted as an error); the store's announcement of v2 is.
+    second = perturbed_weights(tiny_model_dir, seed=2)
+    gone = local_folder(tmp_path, names, 2) / LOCAL_BLOB
+    for host in ("elsewhere/0", host_id()):
+        foreign = WeightsPublished(
+            version=2,
+            location=gone.as_uri(),
+            sha256=None,
+            size_bytes=len(second),
+            published_at=time.time(),
+            host=host,
+        )
+        await js.publish(names.weights, codec.encode(foreign))
+    await asyncio.sleep(1)
+    assert (await registered(js, names, "w1")).version == 1
+    await publish_weights(js, names, 2, second)
+    await eventually(lambda: _registered_version(js, names, "w1", 2), timeout=30)
+    assert await metric(worker.metrics_url, "sf_rollout_weight_errors_total") == 0
+    call = await Call(nc, names, "c2", max_tokens=8, temperature=0).start()
+    await call.finished()
+    assert call.tokens == greedy(tiny_model_dir, PROMPT, 8, second)
 
 
 async def test_bad_weights_are_refused_and_counted(broker, worker, nc, js, names, tiny_model_dir):

@@ -1,5 +1,6 @@
 """The trainer's typed configuration: the ``[trainer]`` section of a run's TOML."""
 
+import tempfile
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal, Self
@@ -10,6 +11,11 @@ from broker.config import Tags
 from broker.registry import default_worker_id
 from broker.subjects import NAME_PATTERN
 from common.precision import Precision
+
+
+def _memory_folder() -> Path:
+    shm = Path("/dev/shm")
+    return shm / "seamlessflow" if shm.is_dir() else Path(tempfile.gettempdir()) / "seamlessflow"
 
 
 class Advantage(StrEnum):
@@ -126,6 +132,16 @@ class TrainerConfig(BaseModel):
     )
     weights_dir: Path | None = Field(
         default=None, description="shared folder for weight blobs; None: the run's object store"
+    )
+    local_weights: bool = Field(
+        default=True,
+        description="also write each version to local_weights_dir, where rollout workers on "
+        "this host load it in place (no fetch); workers elsewhere use the store",
+    )
+    local_weights_dir: Path = Field(
+        default_factory=_memory_folder,
+        description="host-local weight copies (the newest 3 versions): tmpfs, so they stay in "
+        "memory; /dev/shm/seamlessflow where /dev/shm exists",
     )
     group_timeout_s: float = Field(
         default=120.0,

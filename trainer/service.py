@@ -9,7 +9,8 @@ step that used it is committed. Per step (``Trainer.run``):
 2. train on every rank (off the event loop);
 3. checkpoint (model, optimizer, version v+1, the ids of recent steps), atomically;
 4. release the samples' handlers: the ingress acks them;
-5. publish version v+1 and time how long until every rollout worker serves it.
+5. publish version v+1 (``trainer.publisher``: a host-local copy in the step, the object store
+   in the background) and time how long until every rollout worker serves it.
 
 NATS errors on the way are a broker outage, not a failed step: the weights of a version are
 kept and published, tried again until the broker is back (de-duplicated per version); a trainer
@@ -30,7 +31,6 @@ from pathlib import Path
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from safetensors.torch import save
 
 from broker.client import session
 from broker.config import ProvisionConfig
@@ -40,11 +40,11 @@ from broker.messages import Role, SampleReady, WorkerRegistered
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.registry import Registration, watch_workers
-from broker.retry import BACKOFF, RetryStoppedError, retry
+from broker.retry import BACKOFF, retry
 from broker.roles import REGISTRY as ROLE_METRICS
 from broker.roles import RoleHolder
 from broker.subjects import Durable, RunNames
-from broker.weights import latest_weights, publish_weights
+from broker.weights import latest_weights
 from common.log import kv
 from common.metrics import serve_metrics
 from trainer import checkpoint
@@ -52,6 +52,7 @@ from trainer.batcher import DROPPED, Batcher, DropReason, Outcome, lag, plan_ste
 from trainer.checkpoint import Checkpoint, StepRecord
 from trainer.config import TrainerConfig
 from trainer.exceptions import BatchError, TrainerError
+from trainer.publisher import WeightPublisher
 from trainer.ranks import RankGroup, set_threads
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,9 @@ CHECKPOINT_SECONDS = Histogram(
 )
 PUBLISH_SECONDS = Histogram(
     "sf_trainer_weight_publish_seconds",
-    "Serialising and publishing one version",
+    "From a version's optimizer step to its announcement, by path: local (the host-local copy, "
+    "in the step) or store (the object store or weights_dir, in the background)",
+    ["path"],
     buckets=_SECONDS,
     registry=REGISTRY,
 )
@@ -205,7 +208,7 @@ class Trainer:
         self._may_step.set()
         self._stepping = asyncio.Lock()
         self.roles: RoleHolder | None = None  # accounts busy time once set
-        self._stop = asyncio.Event()
+        self._publisher = WeightPublisher(js, names, config, PUBLISH_SECONDS)
 
     # -- samples ----------------------------------------------------------------------------
     async def on_sample(self, sample: SampleReady, delivery: Delivery) -> None:
@@ -248,7 +251,7 @@ class Trainer:
         """Step whenever enough groups are complete, until ``stop``; then hand every held
         sample back (nak: another trainer run takes it)."""
         timeout = self._config.group_timeout_s
-        self._stop = stop
+        self._publisher.stop = stop
         try:
             while not stop.is_set():
                 if expired := self._batcher.expire(timeout):
@@ -323,7 +326,8 @@ class Trainer:
         self._trained = {sid for r in self._recent for sid in r.sample_ids}
         self._release(consumed)
         # 4. Publish the new version; audit log; metrics.
-        await self._publish(version)
+        await self._publisher.publish(version, self._ranks.backend.hf_state_dict)
+        VERSION.set(version)
         for _, seconds in self._watch.stepped(version, stepped):
             SERVING_SECONDS.observe(seconds)
         if self._config.checkpoint_dir is not None:
@@ -369,34 +373,6 @@ class Trainer:
         ckpt = Checkpoint(version, state, tuple(self._recent))
         await asyncio.to_thread(checkpoint.save, directory, ckpt)
         CHECKPOINT_SECONDS.observe(time.monotonic() - started)
-
-    async def _publish(self, version: int) -> None:
-        """Serialise the weights once and publish them, trying again (the same blob, the same
-        version) until the broker takes them. Stopping meanwhile leaves the version to the
-        checkpoint: ``publish_if_missing`` publishes it on the next start."""
-        started = time.monotonic()
-        blob = await asyncio.to_thread(lambda: save(self._ranks.backend.hf_state_dict()))
-        try:
-            await retry(
-                lambda: publish_weights(
-                    self._js, self._names, version, blob, directory=self._config.weights_dir
-                ),
-                what="weights_publish",
-                stop=self._stop,
-            )
-        except RetryStoppedError as exc:
-            log.warning(
-                kv(
-                    "weights_unpublished",
-                    version=version,
-                    checkpoint=self._config.checkpoint_dir,
-                    error=exc,
-                )
-            )
-            return
-        PUBLISH_SECONDS.observe(time.monotonic() - started)
-        VERSION.set(version)
-        log.info(kv("weights_published", version=version, bytes=len(blob)))
 
     def _report(self, items, stats, seconds: float) -> None:
         rewards = [i.sample.reward for i in items]
@@ -461,13 +437,14 @@ class Trainer:
         ingress_stop = asyncio.Event()
         consuming = asyncio.create_task(ingress.run(ingress_stop))
         following = asyncio.create_task(self.follow_workers())  # ends only when cancelled
+        uploading = asyncio.create_task(self._publisher.run())
         stepping = asyncio.create_task(self.run(stop))
         log.info(kv("trainer_started", run=names.run, version=self.version))
         on_ready()
         try:
-            # Training and consuming must both keep running.
+            # Training, consuming and uploading must all keep running.
             await asyncio.wait(
-                {stepping, consuming, asyncio.create_task(stop.wait())},
+                {stepping, consuming, uploading, asyncio.create_task(stop.wait())},
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
@@ -475,11 +452,17 @@ class Trainer:
             # stopped whatever the others raise, and the first error is the one told.
             stop.set()
             await asyncio.gather(stepping, return_exceptions=True)
+            self._publisher.close()  # the last version's upload ends first
+            await asyncio.gather(uploading, return_exceptions=True)
             ingress_stop.set()
             await asyncio.gather(consuming, return_exceptions=True)
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)
-        for task, what in ((stepping, "training"), (consuming, "consuming samples")):
+        for task, what in (
+            (stepping, "training"),
+            (consuming, "consuming samples"),
+            (uploading, "uploading weights"),
+        ):
             if task.exception() is not None:
                 raise TrainerError(f"{what} failed: {task.exception()!r}") from task.exception()
 
@@ -495,8 +478,9 @@ class Trainer:
                 f"trainer starts at v{self.version} (checkpoint_dir="
                 f"{self._config.checkpoint_dir}): use the checkpoint that produced it or a new run"
             )
-        if self.version > published:
-            await self._publish(self.version)
+        if self.version > published or (latest is not None and latest.host is not None):
+            # unpublished, or announced as a host-local copy only: publish it for every host
+            await self._publisher.publish(self.version, self._ranks.backend.hf_state_dict)
         VERSION.set(self.version)
 
     async def follow_workers(self) -> None:

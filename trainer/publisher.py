@@ -1,0 +1,139 @@
+"""Publishing weight versions: fast on this host, off the training path for the others.
+
+Per version, on the training path (the parameters must be copied before the next optimizer step
+changes them):
+
+- with ``local_weights_dir`` (tmpfs, ``/dev/shm`` by default): write the safetensors file there
+  and announce it with ``host`` set (``broker.weights.announce_local``); rollout workers on this
+  host load it in place, no fetch, no checksum;
+- without: serialise the blob in memory.
+
+Off the training path, a background task (``run``) then stores the newest version not yet stored
+in the object store (or ``weights_dir``) and announces it for every host
+(``broker.weights.publish_weights``), trying again through a broker outage. A version superseded
+before its upload started is skipped: workers elsewhere only ever need the newest one.
+"""
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from prometheus_client import Histogram
+from safetensors.torch import save, save_file
+
+from broker.retry import RetryStoppedError, retry
+from broker.subjects import RunNames
+from broker.weights import LOCAL_BLOB, announce_local, local_folder, publish_weights
+from common.log import kv
+from trainer.config import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+StateFn = Callable[[], dict[str, torch.Tensor]]
+
+
+class WeightPublisher:
+    """See the module docstring. ``publish`` from the step; ``run`` as a task until ``close``."""
+
+    def __init__(self, js, names: RunNames, config: TrainerConfig, seconds: Histogram) -> None:
+        self._js = js
+        self._names = names
+        self._config = config
+        self.stop = asyncio.Event()  # once set, retries through an outage give up
+        self._seconds = seconds  # labelled by path: local | store
+        self._pending: tuple[int, Path | bytes, float] | None = None  # newest not yet stored
+        self._wake = asyncio.Event()
+        self._closing = False
+
+    async def publish(self, version: int, state: StateFn) -> bool:
+        """Copy ``version``'s weights out of the model and announce the host-local copy, if any;
+        queue the upload. False if stopped before the announcement (the broker away)."""
+        started = time.monotonic()
+        root = self._config.local_weights_dir if self._config.local_weights else None
+        if root is None:
+            payload: Path | bytes = await asyncio.to_thread(lambda: save(state()))
+        else:
+            folder = local_folder(root, self._names, version)
+            await asyncio.to_thread(lambda: _write_folder(state(), folder))
+            try:
+                await retry(
+                    lambda: announce_local(self._js, self._names, version, folder),
+                    what="weights_announce_local",
+                    stop=self.stop,
+                )
+            except RetryStoppedError as exc:
+                self._unpublished(version, exc)
+                return False
+            self._seconds.labels("local").observe(time.monotonic() - started)
+            payload = folder / LOCAL_BLOB
+        self._pending = (version, payload, started)
+        self._wake.set()
+        return True
+
+    async def run(self) -> None:
+        """Upload the newest queued version, one at a time, until ``close`` has been called and
+        nothing is queued."""
+        while True:
+            if self._pending is None:
+                if self._closing:
+                    await asyncio.to_thread(self._remove_local)
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            (version, payload, started), self._pending = self._pending, None
+            await self._upload(version, payload, started)
+
+    def close(self) -> None:
+        """Let ``run`` finish the upload queued last (cut short only if ``stop`` is set and the
+        broker is away), delete the run's host-local copies, and end."""
+        self._closing = True
+        self._wake.set()
+
+    async def _upload(self, version: int, payload: Path | bytes, started: float) -> None:
+        if isinstance(payload, Path):
+            try:
+                blob = await asyncio.to_thread(payload.read_bytes)
+            except FileNotFoundError:  # pruned: three newer versions were announced meanwhile
+                log.info(kv("weights_upload_superseded", version=version))
+                return
+        else:
+            blob = payload
+        try:
+            await retry(
+                lambda: publish_weights(
+                    self._js, self._names, version, blob, directory=self._config.weights_dir
+                ),
+                what="weights_publish",
+                stop=self.stop,
+            )
+        except RetryStoppedError as exc:
+            self._unpublished(version, exc)
+            return
+        self._seconds.labels("store").observe(time.monotonic() - started)
+        log.info(kv("weights_published", version=version, bytes=len(blob)))
+
+    def _remove_local(self) -> None:
+        """The run's host-local copies take memory (tmpfs): gone when the trainer stops."""
+        if self._config.local_weights:
+            shutil.rmtree(self._config.local_weights_dir / self._names.run, ignore_errors=True)
+
+    def _unpublished(self, version: int, exc: Exception) -> None:
+        """Stopped during an outage: the checkpoint has the version; ``Trainer.publish_if_missing``
+        publishes it on the next start."""
+        checkpoint = self._config.checkpoint_dir
+        log.warning(kv("weights_unpublished", version=version, checkpoint=checkpoint, error=exc))
+
+
+def _write_folder(state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Write ``folder/model.safetensors`` whole or not at all (a sibling folder renamed in)."""
+    partial = folder.with_name(folder.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    save_file(state, partial / LOCAL_BLOB)
+    if folder.exists():  # a restart re-announcing its checkpoint's version
+        shutil.rmtree(folder)
+    partial.rename(folder)
