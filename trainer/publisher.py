@@ -58,7 +58,7 @@ class WeightPublisher:
             payload: Path | bytes = await asyncio.to_thread(lambda: save(state()))
         else:
             folder = local_folder(root, self._names, version)
-            await asyncio.to_thread(lambda: _write_folder(state(), folder))
+            await asyncio.to_thread(lambda: write_folder(state(), folder))
             try:
                 await retry(
                     lambda: announce_local(self._js, self._names, version, folder),
@@ -129,7 +129,7 @@ class WeightPublisher:
         log.warning(kv("weights_unpublished", version=version, checkpoint=checkpoint, error=exc))
 
 
-def _write_folder(state: dict[str, torch.Tensor], folder: Path) -> None:
+def write_folder(state: dict[str, torch.Tensor], folder: Path) -> None:
     """Write ``folder/model.safetensors`` whole or not at all (a sibling folder renamed in)."""
     partial = folder.with_name(folder.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
