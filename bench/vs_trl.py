@@ -107,6 +107,9 @@ steps = 0
 max_running = 64
 [worker.engine]
 kind = "vllm"
+dtype = "{{dtype}}"
+[layout]
+kind = "{{layout}}"
 [tasks]
 max_operand = {MAX_OPERAND}
 group_size = {GROUP}
@@ -119,6 +122,7 @@ steps_ahead = 2
 temperature = 1.0
 [trainer]
 lr = {LR}
+backend = {{{{ kind = "torch", dtype = "{{dtype}}" }}}}
 temperature = 1.0
 groups_per_step = {PROMPTS}
 max_staleness = 8
@@ -153,14 +157,21 @@ def run_trl(python: Path, model: Path, steps: int, seed: int) -> list[float]:
         return json.loads(out.read_text())["step_seconds"]
 
 
-async def run_seamlessflow(steps: int) -> list[float]:
+async def run_seamlessflow(steps: int, layout: str, dtype: str) -> list[float]:
     """Seconds between consecutive weight versions of a ``seamlessflow run``."""
     run = f"vstrl{int(time.time())}"
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "run.toml"
         out = Path(tmp) / "out"
         config.write_text(
-            RUN_TOML.format(run=run, out=out, steps=steps, seconds=60.0 * (steps + 10))
+            RUN_TOML.format(
+                run=run,
+                out=out,
+                steps=steps,
+                seconds=60.0 * (steps + 10),
+                layout=layout,
+                dtype=dtype,
+            )
         )
         with EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(tmp) / "broker")) as broker:
             arrivals: list[float] = []
@@ -186,6 +197,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=["trl", "seamlessflow"])
     parser.add_argument("--setup", action="store_true", help="only create the TRL venv")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layout", default="colocated", help="SeamlessFlow's [layout] kind")
+    parser.add_argument("--dtype", default="float32", help="SeamlessFlow's trainer and engine")
     parser.add_argument("--cache", type=Path, default=default_state_dir() / "bench" / "trl-venv")
     args = parser.parse_args()
     python = trl_venv(args.cache) if "trl" in args.only or args.setup else None
@@ -199,7 +212,7 @@ def main() -> None:
         if name == "trl":
             steps = run_trl(python, model, args.steps, args.seed)
         else:
-            steps = asyncio.run(run_seamlessflow(args.steps))
+            steps = asyncio.run(run_seamlessflow(args.steps, args.layout, args.dtype))
         kept = steps[args.skip :] or steps
         mean = statistics.mean(kept)
         rows.append(

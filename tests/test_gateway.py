@@ -10,6 +10,7 @@ import asyncio
 import importlib.util
 import json
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
@@ -24,7 +25,7 @@ from broker.messages import (
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
-from broker.weights import publish_weights
+from broker.weights import LOCAL_BLOB, announce_local, local_folder
 from rollout.exceptions import GenerationUnavailableError
 from rollout.gateway import Gateway, serve_gateway
 from rollout.openai_api import ToolCallStream, parse_tool_calls
@@ -785,15 +786,19 @@ NOBIND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     ],
 )
 async def test_weights_change_mid_response_is_one_ordinary_response(
-    engine, broker, js, names, tiny_model_dir, tok
+    engine, broker, js, names, tiny_model_dir, tok, tmp_path
 ):
     # A version is published as soon as a worker has started the response. Whether it is loaded
     # while the response still runs is a real race (vLLM makes 1000 tiny-model tokens in about a
     # second, and on 2 cores the data plane can stall behind it), so a response that one version
-    # did not split is tried again with the next one, up to 5.
-    n_tokens = 1000
-    tries = range(1, 6)
+    # did not split is tried again with the next one, up to 8.
+    n_tokens = 1500
+    tries = range(1, 9)
     blobs = {0: None} | {v: perturbed_weights(tiny_model_dir, seed=v) for v in tries}
+    folders = {v: local_folder(tmp_path, names, v) for v in tries}
+    for v, folder in folders.items():
+        folder.mkdir(parents=True)
+        (folder / LOCAL_BLOB).write_bytes(blobs[v])
     # The gateway runs in its own process, as deployed: in this one it shared the CPU and event
     # loop with the test, which then published only after vLLM had made most of the tokens.
     # Both take the model's own context (2048), not [model]'s default 512. vLLM's automatic CPU
@@ -819,7 +824,7 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
         client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
         for version in tries:
             text, logprobs, finishes, record = await stream_across_a_new_version(
-                client, js, names, n_tokens, version, blobs[version]
+                client, js, names, n_tokens, version, folders[version]
             )
             # The agent saw one ordinary response...
             assert finishes == ["length"] and text == tok.decode(
@@ -848,7 +853,7 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
     assert record.output_ids[switch : switch + 16] == after
 
 
-async def stream_across_a_new_version(client, js, names, n_tokens, version, blob):
+async def stream_across_a_new_version(client, js, names, n_tokens, version, local: Path):
     """One streamed greedy response (new session) during which ``version`` is published, as soon
     as a worker has started it: what the agent saw (text, logprobs, finish reasons) and the
     record."""
@@ -864,7 +869,8 @@ async def stream_across_a_new_version(client, js, names, n_tokens, version, blob
     )
     # The gateway answers once a worker has taken the call: it is generating now. (The agent's
     # view of the stream can lag the worker by seconds on a busy machine.)
-    await publish_weights(js, names, version, blob)  # as the trainer would
+    # As the trainer does: a copy in memory (tmpfs) that the worker on this host loads in place.
+    await announce_local(js, names, version, local)
     text, logprobs, finishes = "", [], []
     async for chunk in stream:
         for choice in chunk.choices:

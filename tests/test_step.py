@@ -17,7 +17,7 @@ from trainer.backends.torch import TorchBackend
 from trainer.batcher import TrainItem, collate, pack, plan_step
 from trainer.config import TorchBackendConfig, TrainerConfig
 from trainer.exceptions import BackendError
-from trainer.step import minibatch_loss, proximal_logprobs, train_step
+from trainer.step import PHASES, minibatch_loss, proximal_logprobs, train_step
 
 BF16 = unsupported(Precision.BFLOAT16, "cpu")
 
@@ -124,6 +124,17 @@ def test_one_minibatch_reads_proximal_logprobs_off_the_training_forward(tiny_mod
         grads(backend, fused_terms.loss), grads(backend, apart_terms.loss), strict=True
     ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_a_step_says_where_its_time_went(tiny_model_dir, minibatches):
+    cfg = config(minibatches=minibatches)
+    stats = train_step(build_backend(tiny_model_dir, cfg), items(), 0, cfg)
+    assert set(stats.seconds) == set(PHASES)
+    assert all(stats.seconds[p] > 0 for p in ("forward", "backward", "optimizer"))
+    assert stats.seconds["reference"] == 0  # no KL term
+    # the separate proximal forward runs only when a later minibatch sees updated weights
+    assert (stats.seconds["proximal"] > 0) == (minibatches > 1)
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,7 @@ from trainer.config import TrainerConfig
 from trainer.exceptions import BatchError, TrainerError
 from trainer.publisher import WeightPublisher
 from trainer.ranks import RankGroup, set_threads
+from trainer.step import PHASES
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,15 @@ SERVING_SECONDS = Histogram(
     registry=REGISTRY,
 )
 TOKENS = Counter("sf_trainer_tokens", "Loss tokens trained", registry=REGISTRY)
+PHASE_SECONDS = Counter(
+    "sf_trainer_phase_seconds",
+    "Rank 0's training time by phase (trainer.step.PHASES): proximal, reference, forward, "
+    "backward, optimizer",
+    ["phase"],
+    registry=REGISTRY,
+)
+for _phase in PHASES:  # exported from the start, at 0
+    PHASE_SECONDS.labels(_phase)
 GROUPS_EXPIRED = Counter(
     "sf_trainer_groups_expired",
     "Groups trained incomplete after group_timeout_s",
@@ -382,6 +392,8 @@ class Trainer:
         reward_mean = sum(rewards) / len(rewards)
         STEPS.inc()
         TOKENS.inc(stats.loss_tokens)
+        for phase, spent in stats.seconds.items():
+            PHASE_SECONDS.labels(phase).inc(spent)
         LOSS.set(stats.loss)
         REWARD.set(reward_mean)
         ADV_STD.set(adv_std)

@@ -11,6 +11,7 @@ Loss normalisation uses each minibatch's loss tokens over ALL ranks, and the bac
 gradients, so N ranks compute the same update as one rank on the whole batch.
 """
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,13 @@ class StepStats:
     grad_norm: float
     clipped_tokens: int
     capped_tokens: int
+    seconds: dict[str, float]  # this rank's time by phase: PHASES
+
+
+PHASES = ("proximal", "reference", "forward", "backward", "optimizer")
+"""Where a step's time goes: the separate no-grad forwards (proximal: only with several
+minibatches; reference: only with a KL term), the training forward with its loss, backward, and
+the rest of the update (gradient reduction, clipping, optimizer)."""
 
 
 def _loss_tokens(item: TrainItem) -> int:
@@ -48,11 +56,18 @@ def train_step(
     batches = [collate(shard, backend.row_tokens) if shard else None for shard in shards]
     # 1. Before any update: reference logprobs, and proximal ones when there are several updates.
     separate = len(batches) > 1
+    seconds = dict.fromkeys(PHASES, 0.0)
+    clock = time.perf_counter()
     proximals = [proximal_logprobs(backend, b) if b and separate else None for b in batches]
+    if separate:
+        seconds["proximal"] = time.perf_counter() - clock
+    clock = time.perf_counter()
     references = [
         backend.reference_logprobs(b.tokens).float() if b and config.kl_coef > 0 else None
         for b in batches
     ]
+    if config.kl_coef > 0:
+        seconds["reference"] = time.perf_counter() - clock
     # 2. One optimizer step per minibatch; a rank without samples still joins the reduction.
     loss_sum = kl_sum = 0.0
     rank_tokens = clipped = capped = 0
@@ -63,11 +78,18 @@ def train_step(
     ):
         if total == 0:  # no loss token on any rank: no optimizer step (AdamW would still move)
             continue
-        if batch is None:
-            grad_norm = backend.apply(None).grad_norm
+        clock = time.perf_counter()
+        terms = None
+        if batch is not None:
+            terms, proximal = minibatch_loss(backend, batch, total, config, proximal, reference)
+        applied_at = time.perf_counter()
+        applied = backend.apply(None if terms is None else terms.loss)
+        grad_norm = applied.grad_norm
+        seconds["forward"] += applied_at - clock
+        seconds["backward"] += applied.backward_s
+        seconds["optimizer"] += time.perf_counter() - applied_at - applied.backward_s
+        if terms is None:  # a rank without samples joined the reduction
             continue
-        terms, proximal = minibatch_loss(backend, batch, total, config, proximal, reference)
-        grad_norm = backend.apply(terms.loss).grad_norm
         scored.append((batch, proximal))
         tokens = batch.loss_tokens
         rank_tokens += tokens
@@ -84,6 +106,7 @@ def train_step(
         grad_norm=grad_norm,
         clipped_tokens=clipped,
         capped_tokens=capped,
+        seconds=seconds,
     )
 
 

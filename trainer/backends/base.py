@@ -51,6 +51,7 @@ class ApplyStats:
 
     grad_norm: float  # total gradient norm before clipping (after the data-parallel reduction)
     lr: float
+    backward_s: float  # of the step's time, in ``loss.backward()``; the rest: reduce, clip, update
 
 
 @runtime_checkable

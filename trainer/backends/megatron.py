@@ -8,6 +8,7 @@ schedules); weights are published under HF names through ``trainer.megatron.conv
 """
 
 import logging
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -156,8 +157,10 @@ class MegatronBackend:
             )
 
     def apply(self, loss: torch.Tensor | None) -> ApplyStats:
+        started = time.perf_counter()
         if loss is not None:
             loss.backward()
+        backward_s = time.perf_counter() - started
         grads = []
         for p in self._params:
             if p.grad is None:
@@ -175,7 +178,9 @@ class MegatronBackend:
         norm = self._clip_grads()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return ApplyStats(grad_norm=norm, lr=self.optimizer.param_groups[0]["lr"])
+        return ApplyStats(
+            grad_norm=norm, lr=self.optimizer.param_groups[0]["lr"], backward_s=backward_s
+        )
 
     def _clip_grads(self) -> float:
         """Total gradient norm over the whole model (TP shards counted once), then clip as

@@ -5,6 +5,7 @@ the default ``torch.distributed`` group (gloo on CPU, nccl on CUDA) by summing g
 transformers turns position ids that restart at 0 into a block-diagonal causal mask."""
 
 import copy
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,10 @@ class TorchBackend:
 
     def apply(self, loss: torch.Tensor | None) -> ApplyStats:
         params = [p for p in self.model.parameters() if p.requires_grad]
+        started = time.perf_counter()
         if loss is not None:
             loss.backward()
+        backward_s = time.perf_counter() - started
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -116,7 +119,9 @@ class TorchBackend:
         norm = torch.nn.utils.clip_grad_norm_(params, self._config.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return ApplyStats(grad_norm=float(norm), lr=self.optimizer.param_groups[0]["lr"])
+        return ApplyStats(
+            grad_norm=float(norm), lr=self.optimizer.param_groups[0]["lr"], backward_s=backward_s
+        )
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
