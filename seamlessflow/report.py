@@ -58,8 +58,10 @@ def trainer_report(samples: list[Sample]) -> dict[str, float]:
 
 
 def scheduler_report(samples: list[Sample]) -> dict[str, float]:
-    """What the scheduler did: tasks admitted, lends and reclaims (count, mean seconds), fences."""
+    """What the scheduler did: tasks admitted, lends and reclaims (count, mean seconds), fences;
+    and the live workers it saw last."""
     report = {"tasks admitted": metric_sum(samples, "sf_scheduler_tasks_admitted_total")}
+    report["workers"] = metric_sum(samples, "sf_scheduler_workers")
     for what, name in (
         ("lends", "sf_scheduler_lend_seconds"),
         ("reclaims", "sf_scheduler_reclaim_seconds"),

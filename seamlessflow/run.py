@@ -337,10 +337,6 @@ class Services:
                 self.url, cfg.run, self.model, name, *args, threads=where.threads, cpus=where.cpus
             )
 
-        rollout = [
-            worker(f"rollout-{i}", "rollout", Role.ROLLOUT, where)
-            for i, where in enumerate(cpus.workers)
-        ]
         if layout is Layout.COLOCATED:
             anywhere = CpuSet(None, len(os.sched_getaffinity(0)))
             both = [
@@ -349,6 +345,10 @@ class Services:
             ]
             both[0].name = "trainer"  # the one the progress report reads first
             return both
+        rollout = [
+            worker(f"rollout-{i}", "rollout", Role.ROLLOUT, where)
+            for i, where in enumerate(cpus.workers)
+        ]
         if layout is Layout.MULTIPLEXED:
             trainer = worker("trainer-0", "train,rollout", Role.TRAIN, cpus.trainer)
             trainer.name = "trainer"

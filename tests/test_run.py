@@ -91,6 +91,8 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
         scheduler["tasks admitted"] >= 2 * STEPS
         and summary["trainer"]["samples stale_dropped"] == 0
     )
+    # The layout's processes and no others: a trainer and a rollout worker, or one worker.
+    assert scheduler["workers"] == (1 if layout == "colocated" else 2)
     if layout != "disaggregated":  # the trainer's worker served rollout while the trainer waited
         assert scheduler["lends"] >= 1 and scheduler["reclaims"] >= 1
     # Role changes repeated nothing: no sample was trained twice, versions are consecutive.
