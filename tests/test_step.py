@@ -69,10 +69,15 @@ def test_packing_fills_rows_longest_first_and_never_splits_a_sample():
     assert pack(lengths, 1) == [[4], [1], [2], [3], [0], [5]]  # one per row
     # Lengths alike: 10 rows filled to 63 tokens hold more than 15 rows of 33: not packed.
     assert pack([33] * 10 + [30] * 5, 64) == [[i] for i in range(15)]
+    # Nor when it saves fewer tokens than a packed token costs more: 6 rows of 248 hold 11%
+    # fewer than 32 rows of 52, but cost more.
+    alike = [52] * 16 + [40] * 16
+    assert len(pack(alike, 256)) == 32
+    assert len(pack([60] + [10] * 9, 64)) == 3  # 180 tokens packed against 600 padded
 
 
 def test_packed_rows_give_the_padded_loss_gradients_and_logprobs(tiny_model_dir):
-    train = items()
+    train = items(16, seed=1)  # lengths unlike enough for packing to pay
     padded_backend = build_backend(tiny_model_dir, config(pack_tokens=1))
     packed_backend = build_backend(tiny_model_dir, config(pack_tokens=64))
     padded = collate(train, padded_backend.row_tokens)
