@@ -33,9 +33,11 @@ from common.workload import (
     Workload,
 )
 from tagsched.config import SchedulerConfig
-from tagsched.sim import Arm, best_split, simulate
+from tagsched.sim import Arm, StaleMode, best_split, simulate
 
 RESULTS = Path(__file__).parent / "results"
+CROSSOVER_S = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
+"""Switch costs (lend or reclaim, seconds) of the crossover at a fixed split."""
 IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
 
 STATIC_LENDING = "multiplexed_static"
@@ -88,18 +90,26 @@ def workload(
     )
 
 
-def point(w: Workload, devices: int, steps: int, staleness: int, seeds: int) -> dict:
+def point(
+    w: Workload,
+    devices: int,
+    steps: int,
+    staleness: int,
+    seeds: int,
+    stale: StaleMode = StaleMode.DROP,
+) -> dict:
     """Every arm on ``seeds`` seeds: the static arms at the best static split, the multiplexed
     arm at its own best split (both swept on seed 0), and lending at the static split."""
-    split = best_split(w, devices, steps, staleness)
-    mux_split = best_split(w, devices, steps, staleness, arm=Arm.MULTIPLEXED)
+    split = best_split(w, devices, steps, staleness, stale=stale)
+    mux_split = best_split(w, devices, steps, staleness, arm=Arm.MULTIPLEXED, stale=stale)
     splits = {str(a): split for a in Arm} | {"multiplexed": mux_split, STATIC_LENDING: split}
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for seed in range(seeds):
         ws = replace(w, seed=seed)
         for arm in ARMS:
             kind = "multiplexed" if arm == STATIC_LENDING else arm
-            r = simulate(ws, kind, devices, steps, staleness, splits[arm]).to_dict()
+            r = simulate(ws, kind, devices, steps, staleness, splits[arm], stale=stale)
+            r = r.to_dict()
             runs[arm].append(r)
     gains = {}
     for name, (num, den) in GAINS.items():
@@ -202,36 +212,47 @@ def plot(results: dict) -> list[str]:
     written.append(str(path))
     plt.close(fig)
 
-    rows = results["sweeps"]["switch_s"]
-    xs = [r["value"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ratio = [r["point"]["gains"][MULTIPLEXING]["mean"] for r in rows]
-    static = [r["point"]["gains"][LENDING_ONLY]["mean"] for r in rows]
-    ax.plot(xs, ratio, "o-", label="multiplexed (own split) / best static split")
-    ax.plot(xs, static, "s--", label="lending at the static split / static split")
+    cross = results["crossover"]
+    rows = cross["rows"]
+    xs = [r["switch_s"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fixed = [
+        r["arms"]["partial_rollout"]["time_s"] / r["arms"]["multiplexed"]["time_s"] for r in rows
+    ]
+    steady = [
+        r["arms"]["multiplexed"]["steady_samples_per_s"]
+        / r["arms"]["partial_rollout"]["steady_samples_per_s"]
+        for r in rows
+    ]
+    ax.plot(xs, fixed, "o-", label=f"lending / static, both at {cross['split']} trainer devices")
+    ax.plot(xs, steady, "s--", label="same, steady state (first quarter of steps excluded)")
+    own = results["sweeps"]["switch_s"]
+    ax.plot(
+        [r["value"] for r in own],
+        [r["point"]["gains"][MULTIPLEXING]["mean"] for r in own],
+        "d-.",
+        label="multiplexed (own best split) / best static split",
+    )
     ax.axhline(1.0, color="grey", lw=1)
     ax.set_xscale("log")
-    ax.set_xlabel("switch cost, lend or reclaim (s)")
+    ax.set_xlabel("switch cost, each of lend and reclaim (s)")
     ax.set_ylabel("throughput ratio")
     ax2 = ax.twinx()
     steps = results["main_setting"]["steps"]
-    ax2.plot(
-        xs,
-        [r["point"]["arms"][STATIC_LENDING]["lends"] / steps for r in rows],
-        "^:",
-        color="tab:red",
-        label="lends per step",
-    )
-    ax2.set_ylabel("lends per step (static split)", color="tab:red")
-    waits = [r["point"]["arms"]["partial_rollout"]["trainer_wait_s_mean"] for r in rows]
-    window = statistics.fmean(waits)
+    lends = [r["arms"]["multiplexed"]["lends"] / steps / cross["split"] for r in rows]
+    ax2.plot(xs, lends, "^:", color="tab:red", label="lends per step per trainer device")
+    ax2.set_ylabel("lends per step per trainer device", color="tab:red")
+    window = statistics.fmean(r["arms"]["partial_rollout"]["trainer_wait_s_mean"] for r in rows)
     gain = SchedulerConfig.model_fields["lend_gain"].default
-    ax.axvline(window / (2 * gain), color="tab:green", ls="--", lw=1)
-    ax.text(window / (2 * gain), min(ratio), " idle window / (2 x gain)", color="tab:green")
+    edge = window / (2 * gain)
+    ax.axvline(edge, color="tab:green", ls="--", lw=1)
+    ax.text(
+        edge, max(fixed), f" idle window {window:.0f} s / (2 x gain {gain:g})", color="tab:green"
+    )
     lines = ax.get_legend_handles_labels()
     more = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=8)
-    ax.set_title("crossover: lending pays while a switch is cheaper than the idle window")
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="lower left", fontsize=7)
+    ax.set_title("lending pays while a switch there and back is shorter than the idle window")
     fig.tight_layout()
     path = IMAGES / "sim-crossover.png"
     fig.savefig(path, dpi=110)
@@ -308,7 +329,33 @@ def main() -> None:
             rows.append({"value": v, "point": p})
         results["sweeps"][key] = rows
         print_sweep(key, rows)
-    print("\n== crossover (switch cost): multiplexed vs the static split")
+    # the crossover: lending at one fixed split with a real idle window, switch cost swept
+    split = results["sweeps"]["switch_s"][0]["point"]["mux_split"]
+    rows = []
+    for switch_s in CROSSOVER_S:
+        w = workload(switch_s=switch_s)
+        runs = {a: [] for a in ("partial_rollout", "multiplexed")}
+        for seed in range(seeds):
+            for arm in runs:
+                r = simulate(replace(w, seed=seed), arm, n, steps, bound, split)
+                runs[arm].append(r.to_dict())
+        rows.append({"switch_s": switch_s, "arms": {a: _summary(rs) for a, rs in runs.items()}})
+    results["crossover"] = {"split": split, "rows": rows}
+    print(f"\n== crossover at a fixed split of {split} trainer devices (lending on/off)")
+    print(
+        f"{'switch s':>9}{'idle window s':>15}{'4 x switch':>12}{'lends/step':>12}"
+        f"{'mux/static':>12}{'steady':>8}"
+    )
+    for row in rows:
+        static, mux = row["arms"]["partial_rollout"], row["arms"]["multiplexed"]
+        print(
+            f"{row['switch_s']:>9g}{static['trainer_wait_s_mean']:>15.1f}"
+            f"{4 * row['switch_s']:>12.1f}{mux['lends'] / steps:>12.2f}"
+            f"{static['time_s'] / mux['time_s']:>11.2f}x"
+            f"{mux['steady_samples_per_s'] / static['steady_samples_per_s']:>7.2f}x"
+        )
+
+    print("\n== switch cost sweep: multiplexed at its own split vs the best static split")
     print(
         f"{'switch s':>9}{'idle window s':>15}{'lends/step':>12}{'lend@static':>13}"
         f"{'steady':>8}{'mux own':>9}"
@@ -337,10 +384,12 @@ def main() -> None:
     results["verl_workload"] = verl.to_dict()
     results["verl"] = {
         "published": {"streaming": 1.58, "staleness_partial": 2.35},
-        "bound_1": point(verl, 128, steps, 1, seeds),
+        "bound_1_drop": point(verl, 128, steps, 1, seeds),
+        "bound_1": point(verl, 128, steps, 1, seeds, StaleMode.DOWNWEIGHT),
     }
+    print_point("verl setting, stale groups dropped", results["verl"]["bound_1_drop"])
     p = results["verl"]["bound_1"]
-    print_point("verl setting: 128 devices, staleness 1, single turn", p)
+    print_point("verl setting: 128 devices, staleness 1, single turn, stale kept", p)
     streaming = p["gains"][STREAMING]["mean"]
     partial = p["arms"]["sync_colocated"]["time_s"] / p["arms"]["partial_rollout"]["time_s"]
     results["verl"]["ours"] = {"streaming": streaming, "staleness_partial": partial}

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from common.workload import AgentModel, EngineCost, LengthModel, SwitchCost, TrainerCost, Workload
-from tagsched.sim import ARMS, Arm, best_split, simulate
+from tagsched.sim import ARMS, Arm, StaleMode, best_split, simulate
 
 
 def agentic(switch_s: float = 0.5, seed: int = 0) -> Workload:
@@ -86,3 +86,12 @@ def test_bad_splits_are_refused():
         simulate(agentic(), "disaggregated", 8, 2, 1, 8)
     with pytest.raises(ValueError, match="not a valid Arm"):
         simulate(agentic(), "fancy", 8, 2, 1, 2)
+
+
+def test_downweight_mode_trains_stale_groups_instead_of_dropping_them():
+    w = agentic()
+    dropped = simulate(w, "partial_rollout", 16, 10, 1, 4)
+    kept = simulate(w, "partial_rollout", 16, 10, 1, 4, stale=StaleMode.DOWNWEIGHT)
+    assert dropped.dropped_groups > 0 and dropped.staleness_max <= 1
+    assert kept.dropped_groups == 0 and kept.staleness_max >= 2
+    assert kept.aborted_token_fraction < dropped.aborted_token_fraction

@@ -4,7 +4,16 @@
 layout. The model and its assumptions: ``tagsched.sim.cluster`` and ``tagsched.sim.engine``.
 """
 
-from tagsched.sim.cluster import ARMS, Arm, Cluster, SimResult
+from tagsched.sim.cluster import ARMS, Arm, Cluster, SimResult, StaleMode
 from tagsched.sim.run import best_split, simulate, split_candidates
 
-__all__ = ["ARMS", "Arm", "Cluster", "SimResult", "best_split", "simulate", "split_candidates"]
+__all__ = [
+    "ARMS",
+    "Arm",
+    "Cluster",
+    "SimResult",
+    "StaleMode",
+    "best_split",
+    "simulate",
+    "split_candidates",
+]

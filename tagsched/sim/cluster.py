@@ -24,7 +24,8 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
   group whose oldest token lags the trainer by more than the staleness bound is dropped and its
   tokens counted as aborted (the real batcher drops such samples one by one and trains the
   rest; dropping whole groups keeps every step at ``groups_per_step`` groups, so every arm
-  trains the same samples);
+  trains the same samples). With ``StaleMode.DOWNWEIGHT`` (the trainer's ``downweight`` mode)
+  stale groups are trained like the others, and their lag is in the staleness figures;
 - **weights**: a step's new version is loaded by every serving engine in ``waves`` rolling
   waves (engines by id, dealt round-robin; a wave starts once every engine of an earlier wave
   serves the version: the rule of ``rollout.worker``'s ``_wait_for_wave``). Without partial
@@ -65,6 +66,14 @@ class Arm(StrEnum):
 
 
 ARMS = tuple(Arm)
+
+
+class StaleMode(StrEnum):
+    """The trainer's ``staleness_mode``: what a sample past the staleness bound gets."""
+
+    DROP = "drop"
+    DOWNWEIGHT = "downweight"
+
 
 _LAYOUT = {
     Arm.SYNC_COLOCATED: Layout.COLOCATED,
@@ -158,6 +167,7 @@ class Cluster:
         steps: int,
         staleness: int,
         waves: int = 1,
+        stale: StaleMode = StaleMode.DROP,
     ) -> None:
         if not 1 <= trainer_devices <= devices:
             raise ValueError(f"trainer_devices must be in [1, {devices}], got {trainer_devices}")
@@ -167,6 +177,7 @@ class Cluster:
         self.arm = arm
         self.steps = steps
         self.staleness = 0 if arm is Arm.SYNC_COLOCATED else staleness
+        self.stale = stale
         self.partial = arm in (Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED)
         self.waves = waves
         self.loop = Loop()
@@ -369,7 +380,8 @@ class Cluster:
         kept: deque[_Group] = deque()
         while self.ready:
             group = self.ready.popleft()
-            if self.version - group.first_version() > self.staleness:
+            lag = self.version - group.first_version()
+            if lag > self.staleness and self.stale is StaleMode.DROP:
                 self.dropped += 1
                 self.dropped_tokens += sum(s.tokens for s in group.samples)
                 continue

@@ -64,6 +64,7 @@ class Generation:
     engine: Engine | None = None
     start_p: float = 0.0
     finish_p: float = 0.0
+    placed: int = 0  # placement order on its engine (ties broken by it: runs are reproducible)
 
     @property
     def left(self) -> float:
@@ -147,14 +148,15 @@ class Engine:
         gen.engine = self
         gen.start_p = self._p
         gen.finish_p = self._p + gen.left
+        gen.placed = next(self._order)
         self.residents.add(gen)
-        heapq.heappush(self._heap, (gen.finish_p, next(self._order), gen))
+        heapq.heappush(self._heap, (gen.finish_p, gen.placed, gen))
         self._schedule()
 
     def abort_all(self) -> list[Generation]:
         """Take every resident generation off, its progress kept in ``done``."""
         self._advance()
-        out = sorted(self.residents, key=lambda g: g.finish_p)
+        out = sorted(self.residents, key=lambda g: (g.finish_p, g.placed))
         for gen in out:
             gen.done += min(gen.left, max(0.0, self._p - gen.start_p))
             gen.engine = None

@@ -3,7 +3,7 @@
 from functools import lru_cache
 
 from common.workload import Workload
-from tagsched.sim.cluster import Arm, Cluster, SimResult
+from tagsched.sim.cluster import Arm, Cluster, SimResult, StaleMode
 
 
 def simulate(
@@ -15,20 +15,24 @@ def simulate(
     trainer_devices: int | None = None,
     *,
     waves: int = 1,
+    stale: StaleMode = StaleMode.DROP,
 ) -> SimResult:
     """Simulate ``steps`` trainer steps of ``arm`` on ``devices`` devices.
 
     ``trainer_devices``: the trainer's share (every device for ``sync_colocated``, whatever is
     given); None: the best split by a sweep (``best_split``): the disaggregated layout's for
     ``disaggregated`` and ``partial_rollout``, the multiplexed layout's own for ``multiplexed``
-    (lending changes which split is best). ``waves``: rolling weight-update waves.
+    (lending changes which split is best). ``waves``: rolling weight-update waves. ``stale``:
+    the trainer's staleness mode (drop stale groups, or train them downweighted).
     """
     kind = Arm(arm)
     if kind is Arm.SYNC_COLOCATED:
         trainer_devices = devices
     elif trainer_devices is None:
         swept = Arm.MULTIPLEXED if kind is Arm.MULTIPLEXED else Arm.DISAGGREGATED
-        trainer_devices = best_split(workload, devices, steps, staleness, arm=swept, waves=waves)
+        trainer_devices = best_split(
+            workload, devices, steps, staleness, arm=swept, waves=waves, stale=stale
+        )
     cluster = Cluster(
         workload,
         kind,
@@ -37,6 +41,7 @@ def simulate(
         steps=steps,
         staleness=staleness,
         waves=waves,
+        stale=stale,
     )
     return cluster.run()
 
@@ -59,12 +64,13 @@ def best_split(
     *,
     arm: Arm = Arm.DISAGGREGATED,
     waves: int = 1,
+    stale: StaleMode = StaleMode.DROP,
 ) -> int:
     """The trainer device count that reaches ``steps`` soonest in ``arm`` (by default the
     static split a careful operator would tune), over ``split_candidates``, on the workload's
     seed."""
     times = {
-        k: simulate(workload, arm, devices, steps, staleness, k, waves=waves).time_s
+        k: simulate(workload, arm, devices, steps, staleness, k, waves=waves, stale=stale).time_s
         for k in split_candidates(devices)
     }
     return min(times, key=times.__getitem__)
