@@ -1,10 +1,11 @@
 """The cluster simulator's arms and sweeps (``tagsched.sim``), with tables, JSON and plots.
 
 Arms at equal devices, staleness bound, length sampler and trained samples: ``sync_colocated``;
-``disaggregated`` (async) at the best static trainer/rollout split found by a sweep;
-``partial_rollout`` (that plus in-place weight updates); ``multiplexed`` (that plus lending the
-trainer's devices). Each point runs ``--seeds`` seeds; gains are per-seed ratios of time to
-``--steps`` steps, reported as mean and min..max. The best split is swept on seed 0.
+``disaggregated`` (async, the rollout side drains and syncs together) at the best static
+trainer/rollout split found by a sweep; ``partial_rollout`` (that plus in-place weight updates);
+``multiplexed`` (that plus lending the trainer's devices); each async arm at its own best split
+(swept on seed 0), plus ``multiplexed_static``: lending at partial_rollout's split. Each point
+runs ``--seeds`` seeds; gains are per-seed ratios of time to ``--steps`` steps (mean, min..max).
 
 Sweeps around the main (agentic, long-tailed) scenario: switch cost (0.1x to 10x of 5 s, with
 the trainer's idle window and the lends per step: the crossover), tail heaviness (sigma),
@@ -98,11 +99,12 @@ def point(
     seeds: int,
     stale: StaleMode = StaleMode.DROP,
 ) -> dict:
-    """Every arm on ``seeds`` seeds: the static arms at the best static split, the multiplexed
-    arm at its own best split (both swept on seed 0), and lending at the static split."""
-    split = best_split(w, devices, steps, staleness, stale=stale)
-    mux_split = best_split(w, devices, steps, staleness, arm=Arm.MULTIPLEXED, stale=stale)
-    splits = {str(a): split for a in Arm} | {"multiplexed": mux_split, STATIC_LENDING: split}
+    """Every arm on ``seeds`` seeds, each async arm at its own best split (swept on seed 0),
+    and lending at the partial_rollout arm's split."""
+    splits = {"sync_colocated": devices}
+    for arm in (Arm.DISAGGREGATED, Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED):
+        splits[str(arm)] = best_split(w, devices, steps, staleness, arm=arm, stale=stale)
+    splits[STATIC_LENDING] = splits["partial_rollout"]
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for seed in range(seeds):
         ws = replace(w, seed=seed)
@@ -116,7 +118,14 @@ def point(
         ratios = [d["time_s"] / n["time_s"] for n, d in zip(runs[num], runs[den], strict=True)]
         gains[name] = {"mean": statistics.fmean(ratios), "min": min(ratios), "max": max(ratios)}
     summary = {arm: _summary(rs) for arm, rs in runs.items()}
-    return {"split": split, "mux_split": mux_split, "gains": gains, "arms": summary, "runs": runs}
+    return {
+        "split": splits["partial_rollout"],
+        "mux_split": splits["multiplexed"],
+        "splits": splits,
+        "gains": gains,
+        "arms": summary,
+        "runs": runs,
+    }
 
 
 def _summary(rs: list[dict]) -> dict:
@@ -144,10 +153,8 @@ def _summary(rs: list[dict]) -> dict:
 
 # -- printing ------------------------------------------------------------------------------------
 def print_point(title: str, p: dict) -> None:
-    print(
-        f"\n== {title} (trainer devices: best static split {p['split']}, "
-        f"best multiplexed split {p['mux_split']})"
-    )
+    splits = ", ".join(f"{a} {k}" for a, k in p["splits"].items() if a != "sync_colocated")
+    print(f"\n== {title} (trainer devices: {splits})")
     print(
         f"{'arm':<16}{'time s':>9}{'samples/s':>11}{'tok/s':>9}{'idle all':>9}{'idle tr':>8}"
         f"{'idle ro':>8}{'stale':>7}{'p99':>5}{'recl p99':>9}{'abort':>7}{'bias':>6}{'lends':>7}"

@@ -29,8 +29,10 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
 - **weights**: a step's new version is loaded by every serving engine in ``waves`` rolling
   waves (engines by id, dealt round-robin; a wave starts once every engine of an earlier wave
   serves the version: the rule of ``rollout.worker``'s ``_wait_for_wave``). Without partial
-  rollout an engine stops taking work and drains its residents first; with it, it pauses them
-  (KV kept) and they continue on the new weights;
+  rollout the wave's engines stop taking work and load together once all of them have drained
+  (the sync barrier of a rollout side without partial rollout, as in verl's fully-async
+  trainer); with it, each pauses its generations (KV kept), loads, and they continue on the new
+  weights (what ``rollout.worker`` does);
 - **lending** (multiplexed): a lend or a reclaim takes ``switch.warm_s``; a trainer device is
   not switched during a step. A reclaimed device aborts its generations, which continue on
   other engines after a re-prefill of their prefix (``switch.reprefill``) or start over;
@@ -338,8 +340,7 @@ class Cluster:
                 self.published += 1
         wid = self.ids[engine.eid]
         if wid in self.draining and not engine.residents:
-            self.draining.discard(wid)
-            self._load(wid)
+            self._drained(self.wave[wid])
         self._offer(wid)
         self._dispatch()
         self._maybe_train()
@@ -448,13 +449,25 @@ class Cluster:
                 if wid in self.loading or wid in self.draining:
                     continue
                 self.wave_busy[w] += 1
-                if self.partial or not self.engines[wid].residents:
+                if self.partial:
                     self._load(wid)
                 else:
                     self.engines[wid].serving = False
                     self.draining.add(wid)
+            if not self.partial:
+                self._drained(w)
             if behind:
                 return
+
+    def _drained(self, w: int) -> None:
+        """Without partial rollout, a wave loads once all its draining engines are empty (the
+        rollout side's sync barrier: what is in flight finishes on the old weights)."""
+        draining = [wid for wid in self.wave_members[w] if wid in self.draining]
+        if any(self.engines[wid].residents for wid in draining):
+            return
+        for wid in draining:
+            self.draining.discard(wid)
+            self._load(wid)
 
     def _load(self, wid: str) -> None:
         e = self.engines[wid]

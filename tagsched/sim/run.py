@@ -20,18 +20,16 @@ def simulate(
     """Simulate ``steps`` trainer steps of ``arm`` on ``devices`` devices.
 
     ``trainer_devices``: the trainer's share (every device for ``sync_colocated``, whatever is
-    given); None: the best split by a sweep (``best_split``): the disaggregated layout's for
-    ``disaggregated`` and ``partial_rollout``, the multiplexed layout's own for ``multiplexed``
-    (lending changes which split is best). ``waves``: rolling weight-update waves. ``stale``:
+    given); None: the arm's own best split by a sweep (``best_split``; lending and partial
+    rollout change which split is best). ``waves``: rolling weight-update waves. ``stale``:
     the trainer's staleness mode (drop stale groups, or train them downweighted).
     """
     kind = Arm(arm)
     if kind is Arm.SYNC_COLOCATED:
         trainer_devices = devices
     elif trainer_devices is None:
-        swept = Arm.MULTIPLEXED if kind is Arm.MULTIPLEXED else Arm.DISAGGREGATED
         trainer_devices = best_split(
-            workload, devices, steps, staleness, arm=swept, waves=waves, stale=stale
+            workload, devices, steps, staleness, arm=kind, waves=waves, stale=stale
         )
     cluster = Cluster(
         workload,
