@@ -90,7 +90,7 @@ class Scheduler:
         self._lent: set[str] = set()
         self._epoch = 0
         self._policy = LendingPolicy(config.lend_gain, config.switch_cost_s)
-        self._rate = RateMeter()
+        self._rate = RateMeter(config.rate_window_s)
         self._unsatisfied_since: float | None = None
         self._last_problem = ""
         self.assignment = Assignment()

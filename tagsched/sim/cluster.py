@@ -226,7 +226,7 @@ class Cluster:
             max_staleness=self.staleness,
         )
         self.policy = LendingPolicy(self.config.lend_gain, self.config.switch_cost_s)
-        self.rate = RateMeter()
+        self.rate = RateMeter(self.config.rate_window_s)
         self.lent: set[str] = set()
         self.switching: set[str] = set()
 
