@@ -159,6 +159,8 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 class Cluster:
+    """One simulated run of ``arm``: built from the workload and the split, then ``run()``."""
+
     def __init__(
         self,
         workload: Workload,
@@ -181,7 +183,6 @@ class Cluster:
         self.staleness = 0 if arm is Arm.SYNC_COLOCATED else staleness
         self.stale = stale
         self.partial = arm in (Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED)
-        self.waves = waves
         self.loop = Loop()
         self.rng = random.Random(workload.seed)
         self.config = SchedulerConfig(scheduler_id="sim")
