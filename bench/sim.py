@@ -296,6 +296,17 @@ def plot(results: dict) -> list[str]:
     return written
 
 
+def _slim(results: dict) -> dict:
+    """The JSON keeps per-seed runs of the main and verl points only (sweeps keep summaries)."""
+    for rows in results["sweeps"].values():
+        for row in rows:
+            row["point"].pop("runs", None)
+    for row in results["scale"]:
+        for run in row["arms"].values():
+            run.pop("wall_s", None)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -433,7 +444,7 @@ def main() -> None:
     results["images"] = plot(results)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "sim.json"
-    out.write_text(json.dumps(results, indent=1))
+    out.write_text(json.dumps(_slim(results), indent=1))
     print(f"\nwrote {out} and {', '.join(results['images'])} in {results['wall_s']:.0f}s")
 
 
