@@ -65,6 +65,10 @@ class AdmissionState:
     def outstanding(self) -> int:
         return self.admitted + self.unsettled_groups
 
+    def missing_groups(self, groups_per_step: int) -> int:
+        """Groups the trainer still lacks for its next batch (<= 0: a batch is ready)."""
+        return groups_per_step - self.unsettled_groups
+
     @property
     def room(self) -> int:
         """Groups that may be admitted now."""

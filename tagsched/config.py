@@ -67,3 +67,11 @@ class SchedulerConfig(BaseModel):
     switch_cost_s: float = Field(
         default=0.5, gt=0, description="assumed switch cost until switches have been measured"
     )
+    rate_window_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="smoothing of the group arrival rate the lending gate divides by; keep it "
+        "longer than the gaps between group arrivals (a 5 s window decayed towards zero between "
+        "them, the trainer's wait looked endless and lends at 10x the switch cost went on: "
+        "bench/sim.py)",
+    )

@@ -16,6 +16,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from broker.messages import Role
+from tagsched.spec import Assignment
+
 
 @dataclass
 class LendingPolicy:
@@ -56,6 +59,30 @@ class RateMeter:
             self.rate += alpha * (instant - self.rate)
         self._last = (now, count)
         return self.rate
+
+
+def trainer_roles(
+    assignment: Assignment,
+    policy: LendingPolicy,
+    lent: set[str],
+    *,
+    missing_groups: float,
+    groups_per_s: float,
+) -> dict[str, tuple[Role, str]]:
+    """The role each trainer worker should hold now, with the reason: lent to rollout while
+    the policy says so (lendable workers only), training otherwise. ``lent``: the workers lent
+    now. The scheduler's tick and the cluster simulator both decide with this."""
+    desired: dict[str, tuple[Role, str]] = {}
+    for wid in assignment.train:
+        lend = wid in assignment.lendable and policy.lent(
+            now_lent=wid in lent, missing_groups=missing_groups, groups_per_s=groups_per_s
+        )
+        if lend:
+            reason = f"lent: {missing_groups:g} group(s) missing, {groups_per_s:.2f}/s"
+            desired[wid] = (Role.ROLLOUT, reason)
+        else:
+            desired[wid] = (Role.TRAIN, "train" if wid not in lent else "reclaimed")
+    return desired
 
 
 def _mean(values: deque[float], default: float) -> float:

@@ -39,7 +39,7 @@ from common.metrics import serve_metrics
 from tagsched.admission import Admission, admission_limit
 from tagsched.config import LayoutConfig, SchedulerConfig, TrainerShape
 from tagsched.lease import Lease, LeaseLostError
-from tagsched.lending import LendingPolicy, RateMeter
+from tagsched.lending import LendingPolicy, RateMeter, trainer_roles
 from tagsched.metrics import (
     ASSIGNED,
     CHANGES,
@@ -90,7 +90,7 @@ class Scheduler:
         self._lent: set[str] = set()
         self._epoch = 0
         self._policy = LendingPolicy(config.lend_gain, config.switch_cost_s)
-        self._rate = RateMeter()
+        self._rate = RateMeter(config.rate_window_s)
         self._unsatisfied_since: float | None = None
         self._last_problem = ""
         self.assignment = Assignment()
@@ -189,16 +189,13 @@ class Scheduler:
         UNSATISFIED.set(0)
         state = await self._admission.state()
         rate = self._rate.update(time.monotonic(), state.groups_total)
-        missing = self._groups_per_step - state.unsettled_groups
-        desired: dict[str, tuple[Role, str]] = {}
-        for wid in self.assignment.train:
-            lend = wid in self.assignment.lendable and self._policy.lent(
-                now_lent=wid in self._lent, missing_groups=missing, groups_per_s=rate
-            )
-            if lend:
-                desired[wid] = (Role.ROLLOUT, f"lent: {missing} group(s) missing, {rate:.2f}/s")
-            else:
-                desired[wid] = (Role.TRAIN, "train" if wid not in self._lent else "reclaimed")
+        desired = trainer_roles(
+            self.assignment,
+            self._policy,
+            self._lent,
+            missing_groups=state.missing_groups(self._groups_per_step),
+            groups_per_s=rate,
+        )
         for wid in self.assignment.rollout:
             desired[wid] = (Role.ROLLOUT, "rollout")
         for wid in self.assignment.idle:

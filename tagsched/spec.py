@@ -55,10 +55,13 @@ class PlacementSpec(BaseModel):
     )
 
 
-def layout_spec(layout: Layout) -> PlacementSpec:
+def layout_spec(layout: Layout, train_workers: int = 1) -> PlacementSpec:
+    """The spec of ``layout`` with ``train_workers`` workers training (data parallel)."""
     if layout is Layout.COLOCATED:
-        return PlacementSpec(train=Demand(tags=["train", "rollout"], count=1), lend=True)
-    return PlacementSpec(lend=layout is Layout.MULTIPLEXED)
+        train = Demand(tags=["train", "rollout"], count=train_workers)
+        return PlacementSpec(train=train, lend=True)
+    train = Demand(tags=["train"], count=train_workers)
+    return PlacementSpec(train=train, lend=layout is Layout.MULTIPLEXED)
 
 
 def has_tags(worker_tags: list[str], wanted: list[str]) -> bool:

@@ -1,0 +1,74 @@
+"""Entry points: one simulated run, and the best static split by a sweep."""
+
+from functools import lru_cache
+
+from common.workload import Workload
+from tagsched.sim.cluster import Arm, Cluster, SimResult, StaleMode
+
+
+def simulate(
+    workload: Workload,
+    arm: str,
+    devices: int,
+    steps: int,
+    staleness: int,
+    trainer_devices: int | None = None,
+    *,
+    waves: int = 1,
+    stale: StaleMode = StaleMode.DROP,
+) -> SimResult:
+    """Simulate ``steps`` trainer steps of ``arm`` on ``devices`` devices.
+
+    ``trainer_devices``: the trainer's share (every device for ``sync_colocated``, whatever is
+    given); None: the arm's own best split by a sweep (``best_split``; lending and partial
+    rollout change which split is best). ``waves``: rolling weight-update waves. ``stale``:
+    the trainer's staleness mode (drop stale groups, or train them downweighted).
+    """
+    kind = Arm(arm)
+    if kind is Arm.SYNC_COLOCATED:
+        trainer_devices = devices
+    elif trainer_devices is None:
+        trainer_devices = best_split(
+            workload, devices, steps, staleness, arm=kind, waves=waves, stale=stale
+        )
+    cluster = Cluster(
+        workload,
+        kind,
+        devices=devices,
+        trainer_devices=trainer_devices,
+        steps=steps,
+        staleness=staleness,
+        waves=waves,
+        stale=stale,
+    )
+    return cluster.run()
+
+
+def split_candidates(devices: int) -> list[int]:
+    """Trainer device counts to try: every count up to half the cluster on small ones, about
+    a dozen fractions (1/32 to 5/8) on large ones."""
+    if devices <= 16:
+        return list(range(1, max(2, devices // 2 + 1)))
+    fractions = (1 / 32, 1 / 16, 1 / 10, 1 / 8, 3 / 16, 1 / 4, 5 / 16, 3 / 8, 1 / 2, 5 / 8)
+    return sorted({min(devices - 1, max(1, round(devices * f))) for f in fractions})
+
+
+@lru_cache(maxsize=256)
+def best_split(
+    workload: Workload,
+    devices: int,
+    steps: int,
+    staleness: int,
+    *,
+    arm: Arm = Arm.DISAGGREGATED,
+    waves: int = 1,
+    stale: StaleMode = StaleMode.DROP,
+) -> int:
+    """The trainer device count that reaches ``steps`` soonest in ``arm`` (by default the
+    static split a careful operator would tune), over ``split_candidates``, on the workload's
+    seed."""
+    times = {
+        k: simulate(workload, arm, devices, steps, staleness, k, waves=waves, stale=stale).time_s
+        for k in split_candidates(devices)
+    }
+    return min(times, key=times.__getitem__)
