@@ -163,6 +163,8 @@ kind = "vllm"
 dtype = "{{dtype}}"
 [layout]
 kind = "{{layout}}"
+[cpus]
+placement = "{{placement}}"
 [tasks]
 max_operand = {MAX_OPERAND}
 group_size = {GROUP}
@@ -256,7 +258,7 @@ def run_trl(python: Path, model: Path, steps: int, seed: int, save_to: Path) -> 
 
 
 async def run_seamlessflow(
-    steps: int, layout: str, dtype: str, budget_s: float | None, keep: Path
+    steps: int, layout: str, dtype: str, placement: str, budget_s: float | None, keep: Path
 ) -> dict:
     """A ``seamlessflow run``, stopped ``budget_s`` after its first admitted task (without a
     budget: after ``steps`` steps); the weights it held then are linked into ``keep``."""
@@ -273,6 +275,7 @@ async def run_seamlessflow(
                 seconds=seconds,
                 layout=layout,
                 dtype=dtype,
+                placement=placement,
             )
         )
         with EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(tmp) / "broker")) as broker:
@@ -412,6 +415,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", default="colocated", help="SeamlessFlow's [layout] kind")
     parser.add_argument("--dtype", default="float32", help="SeamlessFlow's trainer and engine")
+    parser.add_argument("--placement", default="split", help="SeamlessFlow's [cpus] placement")
+    parser.add_argument("--budget-s", type=float, help="SeamlessFlow's wall-clock without TRL")
     parser.add_argument("--cache", type=Path, default=default_state_dir() / "bench" / "trl-venv")
     args = parser.parse_args()
     python = trl_venv(args.cache) if "trl" in args.only or args.setup else None
@@ -420,7 +425,8 @@ def main() -> None:
         return
     torch.set_num_threads(os.cpu_count() or 1)
     model = smollm2_model()
-    rows, phases, accuracies, budget = [], {}, {"initial": accuracy(model, None)}, None
+    rows, phases, accuracies = [], {}, {"initial": accuracy(model, None)}
+    budget = args.budget_s
     with tempfile.TemporaryDirectory(dir="/dev/shm") as keep:
         for name in args.only:
             print(f"running {name} ...", flush=True)
@@ -442,7 +448,9 @@ def main() -> None:
                 accuracies[name] = accuracy(trained, None)
             else:
                 r = asyncio.run(
-                    run_seamlessflow(args.steps, args.layout, args.dtype, budget, Path(keep))
+                    run_seamlessflow(
+                        args.steps, args.layout, args.dtype, args.placement, budget, Path(keep)
+                    )
                 )
                 m, steps = r["metrics"], max(r["metrics"].get("steps", 0), 1)
                 phases[name] = {
@@ -466,7 +474,7 @@ def main() -> None:
             "loadavg": os.getloadavg()[0],
         },
         "trl": TRL,
-        "seamlessflow": {"layout": args.layout, "dtype": args.dtype},
+        "seamlessflow": {"layout": args.layout, "dtype": args.dtype, "placement": args.placement},
         "steps": args.steps,
         "skip": args.skip,
         "budget_s": budget,

@@ -51,8 +51,8 @@ class ServiceProcess:
 
     ``threads`` sets ``OMP_NUM_THREADS`` for it: several torch processes sharing a few cores run
     faster with one torch thread each. ``cpus`` pins it (and the processes it starts) to those
-    CPUs, and tells vLLM's CPU backend to bind its threads there too. ``env`` adds environment
-    variables.
+    CPUs, and tells vLLM's CPU backend to bind its threads there too; without ``cpus`` vLLM is
+    told not to bind at all. ``env`` adds environment variables.
     """
 
     def __init__(
@@ -79,6 +79,10 @@ class ServiceProcess:
                     f"process may use, {sorted(allowed)}"
                 )
             self._env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(cpus)))
+        else:
+            # Anywhere means anywhere: vLLM's own CPU binding would pin its worker to a core and
+            # spin its scheduler on another, taking both from whatever shares the machine.
+            self._env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self._cpus = cpus
         self.output: deque[str] = deque(maxlen=400)
         self._spawn()

@@ -769,8 +769,6 @@ def test_streamed_tool_calls_are_held_back_and_parsed_at_the_end():
 
 # -- partial rollout: the weights change mid-response ---------------------------------------
 
-NOBIND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-
 
 @pytest.mark.parametrize(
     "engine",
@@ -801,13 +799,12 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
         (folder / LOCAL_BLOB).write_bytes(blobs[v])
     # The gateway runs in its own process, as deployed: in this one it shared the CPU and event
     # loop with the test, which then published only after vLLM had made most of the tokens.
-    # Both take the model's own context (2048), not [model]'s default 512. vLLM's automatic CPU
-    # binding pins its worker to one core and spins its scheduler on the other, which on this
-    # 2-core machine stalled NATS (and so the publish) for the whole response: "nobind" lets
-    # the OS share the cores.
+    # Both take the model's own context (2048), not [model]'s default 512. (A worker without a
+    # CPU set is started with vLLM's CPU binding off: bound, vLLM pinned its worker to one core
+    # and spun its scheduler on the other, which stalled NATS, and so the publish, here.)
     context = ("--max-model-len", "2048")
     worker = worker_process(
-        broker.url, names.run, tiny_model_dir, "pw1", "--engine", engine, *context, env=NOBIND
+        broker.url, names.run, tiny_model_dir, "pw1", "--engine", engine, *context
     )
     common = ("--nats", broker.url, "--run", names.run, "--model", str(tiny_model_dir))
     gateway = ServiceProcess(
