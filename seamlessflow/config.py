@@ -16,6 +16,7 @@ from rollout.worker import WorkerConfig
 from seamlessflow.processes import SuperviseConfig
 from tagsched.admission import AdmissionError, admission_limit
 from tagsched.config import LayoutConfig, SchedulerConfig, TrainerShape
+from tagsched.spec import Layout
 from trainer.config import TrainerConfig
 from trainer.warmstart import WarmStartConfig
 from trajectory.config import TrajectoryConfig
@@ -183,6 +184,17 @@ class RunConfig(BaseModel):
             )
         except AdmissionError as exc:
             raise ValueError(str(exc)) from exc
+        return self
+
+    @model_validator(mode="after")
+    def _one_colocated_worker(self) -> "RunConfig":
+        if self.layout.kind is Layout.COLOCATED and self.rollout.workers > 1:
+            raise ValueError(
+                f"layout.kind = 'colocated' runs one worker, not rollout.workers = "
+                f"{self.rollout.workers}: every worker tagged train would hold a trainer taking "
+                "samples, and only one trains (several train workers are not built); use "
+                "'multiplexed' for one trainer worker plus rollout workers"
+            )
         return self
 
     def trainer_shape(self) -> TrainerShape:

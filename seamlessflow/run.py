@@ -324,8 +324,8 @@ class Services:
         placed on ``cpus`` (``seamlessflow.placement``): disaggregated, a trainer process on the
         trainer's CPUs and ``rollout.workers`` rollout workers on the rollout CPUs; multiplexed,
         the trainer is a worker tagged ``train,rollout`` on the trainer's CPUs (lent to rollout
-        while it waits: those CPUs generate then); colocated, every worker is tagged both and
-        runs anywhere, time-shared (the scheduler picks the one that trains). Whatever holds a
+        while it waits: those CPUs generate then); colocated, one worker tagged both runs
+        anywhere, time-shared between training and rollout. Whatever holds a
         trainer checkpoints to ``checkpoints`` (so a restart resumes)."""
         cfg = self.config
 
@@ -339,12 +339,9 @@ class Services:
 
         if layout is Layout.COLOCATED:
             anywhere = CpuSet(None, len(os.sched_getaffinity(0)))
-            both = [
-                worker(f"worker-{i}", "train,rollout", Role.IDLE, anywhere)
-                for i in range(max(1, cfg.rollout.workers))
-            ]
-            both[0].name = "trainer"  # the one the progress report reads first
-            return both
+            both = worker("worker-0", "train,rollout", Role.IDLE, anywhere)  # one (config)
+            both.name = "trainer"  # the one the progress report reads
+            return [both]
         rollout = [
             worker(f"rollout-{i}", "rollout", Role.ROLLOUT, where)
             for i, where in enumerate(cpus.workers)

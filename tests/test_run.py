@@ -221,3 +221,12 @@ def test_a_kind_chosen_section_takes_only_its_own_options(tmp_path: Path):
     config.write_text("[trainer]\ndevice = 'cpu'\n[trainer.backend]\nkind = 'megatron'\n")
     with pytest.raises(ConfigError, match="the megatron backend runs on CUDA only"):
         load_config(config)
+
+
+def test_a_colocated_run_is_one_worker(tmp_path: Path):
+    config = tmp_path / "run.toml"
+    config.write_text('[layout]\nkind = "colocated"\n[rollout]\nworkers = 2\n')
+    with pytest.raises(ConfigError, match=r"colocated' runs one worker, not rollout.workers = 2"):
+        load_config(config)
+    config.write_text('[layout]\nkind = "multiplexed"\n[rollout]\nworkers = 2\n')
+    assert load_config(config).rollout.workers == 2
