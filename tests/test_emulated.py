@@ -193,7 +193,7 @@ workers = 2
 placement = "none"
 [worker.engine]
 kind = "emulated"
-workload = {{ lengths = {{ median = 6, cap = 16 }}, engine = {{ a_s = 0.01 }}, weight_sync_s = 0.1 }}
+workload = {{ lengths = {{ median = 6, cap = 16 }}, engine = {{ a_s = 0.01 }} }}
 [trainer]
 groups_per_step = 2
 max_staleness = 1

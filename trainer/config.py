@@ -73,7 +73,10 @@ class EmulatedBackendConfig(BaseModel):
         "keys are refused",
     )
     devices: int = Field(
-        default=1, ge=1, le=1 << 16, description="devices the modelled trainer spans (data parallel)"
+        default=1,
+        ge=1,
+        le=1 << 16,
+        description="devices the modelled trainer spans (data parallel)",
     )
     weight_floats: int = Field(
         default=1024, ge=1, le=1 << 28, description="float32 values in each published weight blob"

@@ -44,9 +44,7 @@ class EmulatedEngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["emulated"] = "emulated"
-    seed: int = Field(
-        default=0, ge=0, description="draws of requests that carry no sampling seed"
-    )
+    seed: int = Field(default=0, ge=0, description="draws of requests that carry no sampling seed")
     workload: Workload = Field(
         default_factory=Workload,
         description="lengths and durations (common.workload.Workload, as a table or JSON); "
