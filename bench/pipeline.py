@@ -5,10 +5,14 @@ runner and workers) on a nats-server this script starts, at equal devices, stale
 trained samples per step. A *device* is one worker process (one engine; the trainer process or
 the trainer's worker counts as one):
 
-- ``sync_colocated``: layout colocated, every device tagged train and rollout, ``max_staleness
-  0`` and ``steps_ahead 1``: a step's groups are admitted only once the previous batch is
-  trained, so rollout and training alternate. The emulated trainer then models all devices
-  training (``devices = D``).
+- ``sync_colocated``: every device generates, then every device trains. ``max_staleness 0`` and
+  ``steps_ahead 1``: a step's groups are admitted only once the previous batch is trained, so
+  rollout and training alternate; the emulated trainer models all ``D`` devices training. It
+  runs in the multiplexed layout (the trainer's worker generates until the batch is ready;
+  the rollout workers then wait as if they trained), not the colocated one: ``seamlessflow
+  run``'s colocated layout with more than one worker stalls (each worker tagged train holds a
+  trainer that takes samples from the shared consumer whatever its role, and only the one in
+  the train role trains; and it starts ``rollout.workers`` extra rollout-only workers besides).
 - ``partial_rollout``: layout disaggregated, a trainer process and ``D - 1`` rollout workers,
   asynchronous within the staleness bound (``steps_ahead = max_staleness + 1``), with partial
   rollout: a worker pauses at a token boundary for a weight update and continues on the new
@@ -26,9 +30,9 @@ engine, so a trainer of ``k`` devices would be lent as one device's capacity.
 ``WORKLOAD`` (``common.workload``); the agent is ``emulated_agent`` below (``agent.turns`` calls,
 an environment latency between them, each call seeded with its group and member so the engine
 draws the group's lengths). ``--cluster tiny``: the tiny model on the hf engine and the torch
-trainer, 2 devices on this machine's 2 cores (the trainer's CPU and the rollout worker's CPU,
-``[cpus]`` split; colocated workers are not pinned: ``seamlessflow run`` runs them anywhere), the
-same agent on the arithmetic task with ``TINY_AGENT``'s turns and environment latency.
+trainer, 2 devices on this machine's 2 cores (``[cpus]`` split: the trainer's process or worker
+pinned to one core, the rollout worker to the other), the same agent on the arithmetic task
+(warm-started model) with ``TINY_AGENT``'s turns and environment latency.
 
 Per arm: seconds per step over ``--steps`` steps after ``--warmup`` (timed by weight-version
 arrivals on the broker), trained samples/s, trained (loss) tokens/s, the idle fraction of every
@@ -96,7 +100,7 @@ class Arm:
 ARMS = {
     arm.name: arm
     for arm in (
-        Arm("sync_colocated", "colocated", True),
+        Arm("sync_colocated", "multiplexed", True),
         Arm("partial_rollout", "disaggregated", False),
         Arm("multiplexed", "multiplexed", False),
     )
@@ -152,8 +156,14 @@ def arm_config(arm: Arm, cluster: str, run: str, out: Path, args: argparse.Names
     groups = workload.groups_per_step if workload else args.tiny_groups
     config = {
         "model": {"max_model_len": 2048 if workload else 512, "warm_start": {"steps": 0}},
-        "rollout": {"workers": devices if arm.layout == "colocated" else devices - 1},
-        "trainer": {"groups_per_step": groups, "max_staleness": staleness},
+        "rollout": {"workers": devices - 1},  # and the trainer's process or worker
+        # downweight, not drop: every arm trains every sample (the simulator drops whole groups
+        # and the trainer single samples, which would make their samples per step differ)
+        "trainer": {
+            "groups_per_step": groups,
+            "max_staleness": staleness,
+            "staleness_mode": "downweight",
+        },
         "scheduler": {"steps_ahead": staleness + 1},
         "layout": {"kind": arm.layout},
         "tasks": {
@@ -332,10 +342,9 @@ def measure(
         "reclaims": summary["scheduler"].get("reclaims", 0),
         "reclaim_p50_s": _quantile(scheduler, "sf_scheduler_reclaim_seconds", 0.5),
         "reclaim_p99_s": _quantile(scheduler, "sf_scheduler_reclaim_seconds", 0.99),
-        "stale_dropped": summary["trainer"].get("samples stale_dropped", 0),
+        "stale_downweighted": summary["trainer"].get("samples downweighted", 0),
         "trainer_step_s": summary["trainer"].get("step seconds (mean)"),
-        "started_s": round(arrivals[min(arrivals)] - started, 1),  # processes up, v0 out
-        "first_step_s": round(arrivals[min(arrivals) + 1] - arrivals[min(arrivals)], 1),
+        "first_version_s": round(arrivals[min(arrivals)] - started, 1),  # start-up included
         "wall_s": round(time.monotonic() - started, 1),
     }
 
@@ -376,13 +385,21 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
     if args.sim_path:
         sys.path.insert(0, str(args.sim_path))
     try:
-        from tagsched.sim import simulate
+        from tagsched.sim import StaleMode, simulate
     except ImportError:
         return None
     steps = args.warmup + args.steps
     staleness = 0 if arm.synchronous else args.staleness
     trainer_devices = args.devices if arm.synchronous else 1
-    r = simulate(WORKLOAD, arm.name, args.devices, steps, staleness, trainer_devices)
+    r = simulate(
+        WORKLOAD,
+        arm.name,
+        args.devices,
+        steps,
+        staleness,
+        trainer_devices,
+        stale=StaleMode.DOWNWEIGHT,
+    )
     samples_per_step = WORKLOAD.samples_per_step
     return {
         "s_per_step": round(samples_per_step / r.steady_samples_per_s, 3),
