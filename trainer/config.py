@@ -1,16 +1,18 @@
 """The trainer's typed configuration: the ``[trainer]`` section of a run's TOML."""
 
+import json
 import tempfile
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from broker.config import Tags
 from broker.registry import default_worker_id
 from broker.subjects import NAME_PATTERN
 from common.precision import Precision
+from common.workload import Workload
 
 
 def _memory_folder() -> Path:
@@ -64,7 +66,40 @@ class MegatronBackendConfig(BaseModel):
     )
 
 
-BackendConfig = Annotated[TorchBackendConfig | MegatronBackendConfig, Field(discriminator="kind")]
+class EmulatedBackendConfig(BaseModel):
+    """For benchmarks only: a backend that spends the step time ``workload.trainer`` models
+    instead of training (``trainer.backends.emulated``); its weights are a small blob."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["emulated"] = "emulated"
+    workload: Workload = Field(
+        default_factory=Workload,
+        description="its trainer cost (common.workload.Workload, as a table or JSON); unknown "
+        "keys are refused",
+    )
+    devices: int = Field(
+        default=1,
+        ge=1,
+        le=1 << 16,
+        description="devices the modelled trainer spans (data parallel)",
+    )
+    weight_floats: int = Field(
+        default=1024, ge=1, le=1 << 28, description="float32 values in each published weight blob"
+    )
+
+    @field_validator("workload", mode="before")
+    @classmethod
+    def _workload(cls, value: Any) -> Any:
+        if isinstance(value, str):  # a flag's value
+            value = json.loads(value)
+        return Workload.from_dict(value) if isinstance(value, dict) else value
+
+
+BackendConfig = Annotated[
+    TorchBackendConfig | MegatronBackendConfig | EmulatedBackendConfig,
+    Field(discriminator="kind"),
+]
 """One trainer backend's config, chosen by its ``kind``; the backend is the module
 ``trainer.backends.<kind>``."""
 

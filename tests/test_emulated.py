@@ -1,0 +1,232 @@
+"""The emulated engine and trainer backend (benchmarks only): the engine keeps the Engine contract
+(lengths from the workload's sampler and max_tokens, abort, pause/resume, version labels,
+continuations), both spend roughly the modelled time (loose bounds: this machine is shared),
+and a short ``seamlessflow run`` on them completes through a real nats-server."""
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from broker.messages import FinishReason, SamplingParams
+from common.workload import Workload
+from rollout.engines import EmulatedEngineConfig, EngineConfig, EngineError, start_engine
+from trainer.backends import TokenBatch, build_backend
+from trainer.config import EmulatedBackendConfig, TrainerConfig
+
+WORKLOAD = Workload.from_dict(
+    {
+        "lengths": {"median": 20, "sigma": 0.8, "cap": 60},
+        "engine": {"a_s": 0.004, "b_s": 0.0005, "prefill_s_per_token": 1e-4, "max_batch": 4},
+        "trainer": {"a_s": 0.2, "s_per_token": 1e-3},
+        "weight_sync_s": 0.2,
+        "group_size": 4,
+    }
+)
+PROMPT = [40, 41, 42, 10]
+"""Any prompt that does not end in a run of the engine's letters."""
+
+
+@pytest.fixture
+async def engine(tiny_model_dir: Path):
+    settings = EmulatedEngineConfig(workload=WORKLOAD, chunk_s=0.0)
+    engine = await start_engine(EngineConfig(tiny_model_dir, max_model_len=256, settings=settings))
+    yield engine
+    await engine.close()
+
+
+async def collect(engine, request_id: str, prompt: list[int], params: SamplingParams):
+    chunks = [c async for c in engine.generate(request_id, prompt, params)]
+    return [t for c in chunks for t in c.token_ids], chunks
+
+
+def drawn(seed: int, version: int = 0) -> int:
+    group, member = divmod(seed, WORKLOAD.group_size)
+    return WORKLOAD.lengths.sample_group(random.Random(group), WORKLOAD.group_size, version)[member]
+
+
+async def test_lengths_follow_the_group_draw_and_max_tokens(engine):
+    seeds = range(8, 16)  # groups 2 and 3, four members each
+    results = await asyncio.gather(
+        *(collect(engine, f"r{s}", PROMPT, SamplingParams(max_tokens=100, seed=s)) for s in seeds)
+    )
+    for seed, (ids, chunks) in zip(seeds, results, strict=True):
+        assert len(ids) == drawn(seed)
+        assert chunks[-1].finish_reason is FinishReason.STOP
+        assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    long = next(s for s in range(100) if drawn(s) > 10)
+    ids, chunks = await collect(engine, "capped", PROMPT, SamplingParams(max_tokens=5, seed=long))
+    assert len(ids) == 5 and chunks[-1].finish_reason is FinishReason.LENGTH
+    assert engine.num_running == 0
+    with pytest.raises(EngineError):
+        await collect(engine, "bad", [10**6], SamplingParams())
+
+
+async def test_abort_ends_the_stream_and_a_continuation_keeps_the_drawn_length(engine):
+    seed = next(s for s in range(100) if drawn(s) > 30)
+    params = SamplingParams(max_tokens=100, seed=seed)
+    got: list[int] = []
+    stream = engine.generate("a", PROMPT, params)
+    async for chunk in stream:
+        got += chunk.token_ids
+        if len(got) >= 10:
+            await engine.abort("a")
+        if chunk.finish_reason is not None:
+            break
+    assert chunk.finish_reason is FinishReason.ABORT
+    assert 10 <= len(got) < drawn(seed)
+    assert engine.num_running == 0
+    await engine.abort("a")  # finished: a no-op
+    # The gateway continues it so: prompt + tokens so far, the rest of max_tokens.
+    rest, _ = await collect(
+        engine, "a-1", PROMPT + got, SamplingParams(max_tokens=100 - len(got), seed=seed)
+    )
+    whole, _ = await collect(engine, "b", PROMPT, params)
+    assert got + rest == whole and len(whole) == drawn(seed)
+
+
+async def test_pause_holds_tokens_and_resume_continues_where_it_stopped(engine):
+    seed = next(s for s in range(100) if drawn(s) > 30)
+    params = SamplingParams(max_tokens=100, seed=seed)
+    whole, _ = await collect(engine, "whole", PROMPT, params)
+    got: list[int] = []
+
+    async def consume() -> None:
+        async for chunk in engine.generate("p", PROMPT, params):
+            got.extend(chunk.token_ids)
+
+    task = asyncio.create_task(consume())
+    while len(got) < 5:
+        await asyncio.sleep(0.005)
+    await engine.pause()
+    await asyncio.sleep(0.01)
+    held = len(got)
+    await asyncio.sleep(0.2)
+    assert len(got) == held and 0 < held < len(whole)  # nothing while paused, output kept
+    assert engine.num_running == 1
+    await engine.resume()
+    await asyncio.wait_for(task, 10)
+    assert got == whole
+
+
+async def test_load_weights_takes_its_time_and_relabels_the_rest(engine, tmp_path):
+    seed = next(s for s in range(100) if drawn(s) > 30)
+    chunks = []
+
+    async def consume() -> None:
+        async for chunk in engine.generate("w", PROMPT, SamplingParams(max_tokens=100, seed=seed)):
+            chunks.append(chunk)
+
+    task = asyncio.create_task(consume())
+    while sum(len(c.token_ids) for c in chunks) < 5:
+        await asyncio.sleep(0.005)
+    started = time.monotonic()
+    await engine.load_weights(3, tmp_path)
+    assert WORKLOAD.weight_sync_s <= time.monotonic() - started < 4 * WORKLOAD.weight_sync_s
+    await asyncio.wait_for(task, 10)
+    assert engine.version == 3
+    versions = [c.version for c in chunks if c.token_ids]
+    assert versions[0] == 0 and versions[-1] == 3 and versions == sorted(versions)
+
+
+async def test_time_follows_the_cost_model(engine):
+    """A batch of 8 requests on 4 slots: the modelled time, replayed here, within 2x."""
+    seeds = range(8)
+    lengths = [drawn(s) for s in seeds]
+    cost = WORKLOAD.engine
+    expected, resident, waiting = 0.0, [], list(lengths)
+    while resident or waiting:
+        admitted = waiting[: cost.max_batch - len(resident)]
+        waiting = waiting[len(admitted) :]
+        expected += cost.prefill_s(len(PROMPT) * len(admitted))
+        resident = [n - 1 for n in resident + admitted]
+        expected += cost.iteration_s(len(resident) + resident.count(0))
+        resident = [n for n in resident if n > 0]
+    started = time.monotonic()
+    await asyncio.gather(
+        *(collect(engine, f"t{s}", PROMPT, SamplingParams(max_tokens=100, seed=s)) for s in seeds)
+    )
+    took = time.monotonic() - started
+    assert expected / 1.25 <= took <= 2 * expected, (took, expected)
+
+
+def test_trainer_backend_sleeps_the_step_and_publishes_a_small_blob(tmp_path):
+    backend_config = EmulatedBackendConfig(workload=WORKLOAD, weight_floats=64)
+    backend = build_backend(tmp_path, TrainerConfig(backend=backend_config))
+    rows, width = 3, 40
+    batch = TokenBatch(
+        input_ids=torch.ones(rows, width, dtype=torch.long),
+        position_ids=torch.arange(width).repeat(rows, 1),
+        attention_mask=torch.ones(rows, width, dtype=torch.long),
+    )
+    logp = backend.token_logprobs(batch, grad=True)
+    assert logp.shape == (rows, width) and logp.requires_grad
+    assert (logp[:, 0] == 0).all() and (logp[:, 1:] < 0).all()
+    started = time.monotonic()
+    stats = backend.apply(-logp.sum() / logp.numel())
+    took = time.monotonic() - started
+    expected = WORKLOAD.trainer.step_s(rows * width)
+    assert expected <= took < 2 * expected
+    assert stats.grad_norm > 0
+    assert list(backend.hf_state_dict()) == ["emulated.weight"]
+    assert backend.hf_state_dict()["emulated.weight"].numel() == 64
+    with pytest.raises(ValueError, match="lengthz"):
+        EmulatedBackendConfig(workload={"lengthz": {}})
+    assert EmulatedEngineConfig(workload=json.dumps({"seed": 3})).workload.seed == 3
+
+
+RUN = """
+run = "{run}"
+output_dir = "{out}"
+[model.warm_start]
+steps = 0
+[rollout]
+workers = 2
+[cpus]
+placement = "none"
+[worker.engine]
+kind = "emulated"
+workload = {{ lengths = {{ median = 6, cap = 16 }}, engine = {{ a_s = 0.01 }} }}
+[trainer]
+groups_per_step = 2
+max_staleness = 1
+[trainer.backend]
+kind = "emulated"
+workload = {{ trainer = {{ a_s = 0.2 }} }}
+[tasks]
+group_size = 4
+max_tokens = 16
+backlog = 4
+[layout]
+kind = "multiplexed"
+[stop]
+max_steps = 3
+max_seconds = 60
+"""
+
+
+@pytest.mark.newest_nats
+@pytest.mark.timeout(120)
+def test_a_run_on_the_emulated_engine_and_trainer_completes(broker, run_name, tmp_path):
+    out = tmp_path / "out"
+    config = tmp_path / "run.toml"
+    config.write_text(RUN.format(run=run_name, out=out))
+    done = subprocess.run(
+        [sys.executable, "-m", "seamlessflow.cli", "run", str(config), "--nats", broker.url],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] >= 3  # the trainer may step once more while the run stops
+    assert summary["trainer"]["samples trained"] >= 3 * 2 * 4
+    assert summary["generated_tokens"] > 0

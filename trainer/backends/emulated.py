@@ -1,0 +1,90 @@
+"""For benchmarks only: a trainer backend that spends modelled time instead of training.
+
+With the emulated engine (``rollout.engines.emulated``) it lets the real trainer, scheduler and
+weight path run at a cluster's timing on a few cores. The model, and its assumptions:
+
+- A step costs ``workload.trainer.step_s(tokens, devices)`` seconds, slept in ``apply`` (the
+  trainer calls backends off its event loop), where ``tokens`` are the sample tokens (prompt and
+  output, not padding) of the training forwards since the last ``apply``: with one minibatch,
+  the step's tokens.
+- The policy is one float32 vector of ``weight_floats`` values that never moves; every token's
+  logprob is its first value, ``-log(16)``: the emulated engine's at its default cycle, so
+  behaviour and proximal logprobs agree. Losses and gradient norms are computed for real from
+  that, so the trainer's stats are of the usual kind; the optimizer step does nothing.
+- ``hf_state_dict`` is that vector under the name ``emulated.weight``: a small blob that goes
+  the whole weight path (safetensors, object store, worker fetch); the emulated engine loads it
+  without reading it.
+"""
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.backends.base import ApplyStats, TokenBatch
+from trainer.config import EmulatedBackendConfig, TrainerConfig
+from trainer.exceptions import BackendError
+
+LOGPROB = -math.log(16)
+"""Every token's logprob: the emulated engine's at its default cycle of 16 letters."""
+
+
+def build(model: Path, config: TrainerConfig) -> "EmulatedBackend":
+    """``model`` is not read."""
+    return EmulatedBackend(config)
+
+
+class EmulatedBackend:
+    def __init__(self, config: TrainerConfig) -> None:
+        if not isinstance(config.backend, EmulatedBackendConfig):
+            raise BackendError(f"the emulated backend was given a {config.backend.kind!r} config")
+        self._config = config
+        self._options = config.backend
+        self._weight = torch.nn.Parameter(torch.full((self._options.weight_floats,), LOGPROB))
+        self._tokens = 0  # sample tokens of the training forwards since the last apply
+
+    @property
+    def dp_rank(self) -> int:
+        return 0
+
+    @property
+    def dp_size(self) -> int:
+        return 1
+
+    @property
+    def row_tokens(self) -> int:
+        return 1 << 20  # packing changes nothing here: one row fits all
+
+    def token_logprobs(self, batch: TokenBatch, grad: bool) -> torch.Tensor:
+        if grad:
+            self._tokens += int(batch.attention_mask.sum())
+        with torch.set_grad_enabled(grad):
+            scored = (batch.attention_mask > 0) & (batch.position_ids > 0)
+            return torch.where(scored, self._weight[0], 0.0)
+
+    def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        if self._config.kl_coef <= 0:
+            raise BackendError("no reference model: it is loaded only when kl_coef > 0")
+        return self.token_logprobs(batch, grad=False)
+
+    def apply(self, loss: torch.Tensor | None) -> ApplyStats:
+        norm = 0.0
+        if loss is not None:
+            loss.backward()
+            norm = float(self._weight.grad.norm()) if self._weight.grad is not None else 0.0
+        self._weight.grad = None
+        tokens, self._tokens = self._tokens, 0
+        time.sleep(self._options.workload.trainer.step_s(tokens, self._options.devices))
+        return ApplyStats(grad_norm=norm, lr=self._config.lr)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {"emulated.weight": self._weight.detach().clone()}
+
+    def state(self) -> dict[str, Any]:
+        return {"weight": self._weight.detach().clone()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self._weight.copy_(state["weight"])
