@@ -77,7 +77,7 @@ class EmulatedBackend:
         self._weight.grad = None
         tokens, self._tokens = self._tokens, 0
         time.sleep(self._options.workload.trainer.step_s(tokens, self._options.devices))
-        return ApplyStats(grad_norm=norm, lr=self._config.lr)
+        return ApplyStats(grad_norm=norm, lr=self._config.lr, backward_s=0.0)  # all modelled
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return {"emulated.weight": self._weight.detach().clone()}
