@@ -4,6 +4,7 @@ real engine's logprobs, and the bfloat16 option."""
 
 import asyncio
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -103,15 +104,30 @@ def test_packed_rows_give_the_padded_loss_gradients_and_logprobs(tiny_model_dir)
     want = dict(
         zip(
             map(tuple, per_sample(padded, padded.tokens.input_ids)),
-            per_sample(padded, prox_padded),
+            zip(per_sample(padded, prox_padded), per_sample(padded, padded.mask), strict=True),
             strict=True,
         )
     )
     got = zip(
         per_sample(packed, packed.tokens.input_ids), per_sample(packed, prox_packed), strict=True
     )
-    for ids, logprobs in got:
-        assert logprobs == pytest.approx(want[tuple(ids)], abs=1e-5)
+    for ids, logprobs in got:  # on the tokens the loss reads
+        expected, read = want[tuple(ids)]
+        assert [x for x, r in zip(logprobs, read, strict=True) if r] == pytest.approx(
+            [x for x, r in zip(expected, read, strict=True) if r], abs=1e-5
+        )
+
+
+def test_logits_only_where_a_read_token_is_predicted_give_the_same_logprobs(tiny_model_dir):
+    backend = build_backend(tiny_model_dir, config(pack_tokens=1))
+    batch = collate(items(), backend.row_tokens)
+    read = batch.tokens.read
+    assert read is not None and read.any() and not read.all()
+    every = backend.token_logprobs(replace(batch.tokens, read=None), grad=False)
+    some = backend.token_logprobs(batch.tokens, grad=False)
+    torch.testing.assert_close(some[read], every[read], rtol=0, atol=1e-6)
+    # prompt positions no row reads got no logits
+    assert 0 < int((some != 0).sum()) < int((every != 0).sum())
 
 
 def test_one_minibatch_reads_proximal_logprobs_off_the_training_forward(tiny_model_dir):

@@ -256,7 +256,7 @@ def collate(items: list[TrainItem], row_tokens: int) -> BatchTensors:
             weights[at] = items[i].weight
             start += n
     return BatchTensors(
-        tokens=TokenBatch(ids, positions, attention),
+        tokens=TokenBatch(ids, positions, attention, read=mask > 0),
         mask=mask,
         behaviour=behaviour,
         versions=versions,

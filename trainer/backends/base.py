@@ -38,6 +38,9 @@ class TokenBatch:
     input_ids: torch.Tensor  # (R, T) int64
     position_ids: torch.Tensor  # (R, T) int64, 0 at each sample's first token
     attention_mask: torch.Tensor  # (R, T) int64, 1 on sample tokens, 0 on padding
+    read: torch.Tensor | None = None
+    """(R, T) bool: the tokens whose logprob is read (the loss tokens); a backend may leave the
+    others 0 and skip their logits. None: every token."""
 
     @property
     def packed(self) -> bool:
@@ -107,17 +110,33 @@ class TrainerBackend(Protocol):
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, batch: TokenBatch, temperature: float = 1.0
+    logits: torch.Tensor,
+    batch: TokenBatch,
+    temperature: float = 1.0,
+    at: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[r, t]`` = log p(ids[r, t] | the earlier tokens of its sample) from ``[r, t, vocab]``
+    """``[r, t]`` = log p(ids[r, t] | the earlier tokens of its sample) from ``[r, k, vocab]``
     logits at the sampling ``temperature`` (the distribution rollout sampled from, as its
-    behaviour logprobs are); a sample's first token and padding are 0. The one reading of logits
-    for every backend."""
+    behaviour logprobs are); a sample's first token, padding and tokens without logits are 0.
+    ``at``: the k positions the logits were computed at (``logit_positions``), None for all.
+    The one reading of logits for every backend."""
     ids = batch.input_ids.to(logits.device)
-    scored = (batch.attention_mask[:, 1:] > 0) & (batch.position_ids[:, 1:] > 0)
-    shifted = logits[:, :-1].float() / temperature
-    picked = shifted.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    if at is None:  # logits at every position; the last one predicts nothing
+        at = torch.arange(ids.shape[1] - 1, device=logits.device)
+        logits = logits[:, :-1]
+    targets = at.to(logits.device) + 1
+    scored = (batch.attention_mask[:, targets] > 0) & (batch.position_ids[:, targets] > 0)
+    shifted = logits.float() / temperature
+    picked = shifted.gather(-1, ids[:, targets, None]).squeeze(-1)
     logp = picked - torch.logsumexp(shifted, dim=-1)
     out = torch.zeros(ids.shape, dtype=logp.dtype, device=logits.device)
-    out[:, 1:] = torch.where(scored.to(logits.device), logp, 0.0)
+    out[:, targets] = torch.where(scored.to(logits.device), logp, 0.0)
     return out
+
+
+def logit_positions(batch: TokenBatch) -> torch.Tensor | None:
+    """The positions whose logits predict a token that is read (``batch.read`` shifted by one,
+    over all rows), or None for all of them."""
+    if batch.read is None:
+        return None
+    return torch.nonzero(batch.read[:, 1:].any(dim=0)).squeeze(1)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from common.precision import Precision, unsupported
-from trainer.backends.base import ApplyStats, TokenBatch, logprobs_from_logits
+from trainer.backends.base import ApplyStats, TokenBatch, logit_positions, logprobs_from_logits
 from trainer.config import TorchBackendConfig, TrainerConfig
 from trainer.exceptions import BackendError
 
@@ -91,12 +91,16 @@ class TorchBackend:
         ):
             # No attention mask and no cache: then transformers reads the samples of a row off
             # the position ids (with a cache it would not) and attends causally within each.
+            # Logits only where a read token is predicted: the LM head and softmax over the
+            # vocabulary are a large share of a small model's step, and prompts are read by none.
+            at = logit_positions(batch)
             logits = model(
                 input_ids=batch.input_ids.to(self._device),
                 position_ids=batch.position_ids.to(self._device),
                 use_cache=False,
+                logits_to_keep=0 if at is None else at.to(self._device),
             ).logits
-        return logprobs_from_logits(logits, batch, self._config.temperature)
+        return logprobs_from_logits(logits, batch, self._config.temperature, at)
 
     def apply(self, loss: torch.Tensor | None) -> ApplyStats:
         params = [p for p in self.model.parameters() if p.requires_grad]
