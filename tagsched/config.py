@@ -16,8 +16,8 @@ class LayoutConfig(BaseModel):
 
     kind: Layout = Field(
         default=Layout.DISAGGREGATED,
-        description="colocated, disaggregated or multiplexed; the default was the fastest on 2 "
-        "cores (bench/layouts.py)",
+        description="colocated, disaggregated or multiplexed; on 2 cores the three ran the "
+        "quickstart within 10% of each other (bench/layouts.py)",
         json_schema_extra={"flag": "layout"},
     )
 
