@@ -4,8 +4,15 @@ OpenAI SDK -> gateway -> NATS -> rollout worker subprocess -> engine (b), in one
 1. latency: sequential greedy calls on a short chat prompt's token ids (``/v1/completions`` with
    a token-id prompt), each exactly ``--latency-tokens`` tokens (the prompt is chosen so that
    greedy decoding does not hit EOS first). The variants take turns call by call, so noise on
-   this shared machine falls on all of them alike. p50/p99 of (a) ``engine.generate``, (b) a
-   non-streaming call, and time to first token: (a)'s first chunk vs (b) streaming.
+   this shared machine falls on all of them alike (each round starts at the next one). p50/p99
+   of (a) ``engine.generate``, (b) a non-streaming call, and time to first token: (a)'s first
+   chunk vs (b) streaming.
+   The same rounds also run the path one layer at a time, so the overhead splits per hop:
+   (n) the generation protocol straight over NATS (publish ``GenerationRequested``, read the
+   ``TokensGenerated`` chunks: the worker and the broker), (c) a ``rollout.calls.Call`` (adds the
+   gateway's call: its request, continuation bookkeeping and the ``CallRecorded`` it stores
+   before answering), (h) plain HTTP to the gateway with httpx (adds the HTTP server, request
+   validation, detokenization and the response), then (b) through the OpenAI SDK.
 2. throughput: N concurrent multi-turn sessions (``X-Session-Id``), each ``--turns`` greedy chat
    calls of up to ``--turn-tokens`` tokens, through the data plane; then the very same calls
    (prompt ids read back from the run's call records) replayed into the in-process engine with
@@ -38,17 +45,27 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
+import httpx
 import openai
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
-from broker.messages import CallRecorded, SamplingParams
+from broker.messages import (
+    CallRecorded,
+    FinishReason,
+    GenerationRequested,
+    SamplingParams,
+    TokensGenerated,
+)
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from common.models import load_tokenizer, resolve_model
+from rollout.calls import Call, CallLimits
 from rollout.engines import ENGINE_CONFIGS, ENGINES, Engine, EngineConfig, start_engine
 from rollout.gateway import Gateway, GatewayConfig, default_stop_token_ids
 from rollout.openai_api import SESSION_HEADER
@@ -88,6 +105,15 @@ LATENCY_ROWS = [
     ("(b) streaming, whole call", "plane_stream_ms"),
 ]
 """The latency table: label, key in the summary."""
+BREAKDOWN_ROWS = [
+    ("worker + broker (n - a)", "hop_worker_ms"),
+    ("  request stored -> worker's first chunk", "nats_start_ms"),
+    ("gateway call, record stored (c - n)", "hop_call_ms"),
+    ("HTTP, validation, detok, JSON (h - c)", "hop_http_ms"),
+    ("OpenAI SDK client (b - h)", "hop_sdk_ms"),
+    ("all: b - a", "paired_overhead_ms"),
+]
+"""The per-hop table (paired by round): label, key in the summary."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +128,17 @@ class Settings:
     turns: int
     turn_tokens: int
     start_timeout_s: float
+
+
+@dataclass(frozen=True)
+class Plane:
+    """The ways into the data plane that the latency rounds use, one layer each."""
+
+    client: openai.AsyncOpenAI
+    http: httpx.AsyncClient
+    nc: NATS
+    js: JetStreamContext
+    names: RunNames
 
 
 class RecordReader:
@@ -142,6 +179,68 @@ async def engine_call(
             first = time.perf_counter()
         tokens += len(chunk.token_ids)
     return time.perf_counter() - start, (first or time.perf_counter()) - start, tokens
+
+
+async def nats_call(
+    nc: NATS, names: RunNames, prompt_ids: list[int], params: SamplingParams
+) -> tuple[float, float, int]:
+    """(seconds, seconds to the worker's first chunk, tokens) of one call made straight over
+    the generation protocol: what a worker and the broker cost, without the gateway."""
+    call_id = uuid.uuid4().hex
+    chunks: asyncio.Queue[tuple[float, TokensGenerated]] = asyncio.Queue()
+
+    async def received(msg: Msg) -> None:
+        chunks.put_nowait((time.perf_counter(), codec.decode(TokensGenerated, msg.data)))
+
+    request = GenerationRequested(
+        call_id=call_id,
+        session_id="bench-nats",
+        model=SERVED,
+        prompt_ids=prompt_ids,
+        params=params,
+        reply_to=names.gen_out(call_id),
+    )
+    start, first, tokens = time.perf_counter(), None, 0
+    sub = await nc.subscribe(request.reply_to, cb=received)
+    try:
+        await nc.jetstream().publish(names.gen_req, codec.encode(request))
+        while True:
+            at, chunk = await chunks.get()
+            first = first or at
+            tokens += len(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                break
+    finally:
+        await sub.unsubscribe()
+    if chunk.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+        raise RuntimeError(f"the worker ended a call with {chunk.finish_reason}: {chunk.error}")
+    return time.perf_counter() - start, first - start, tokens
+
+
+async def core_call(
+    nc: NATS, js: JetStreamContext, names: RunNames, prompt_ids: list[int], params: SamplingParams
+) -> tuple[float, int]:
+    """(seconds, tokens) of one ``rollout.calls.Call``: the gateway's call without HTTP."""
+    call = Call(nc, js, names, SERVED, CallLimits(), "bench-core", prompt_ids, params)
+    start, tokens = time.perf_counter(), 0
+    try:
+        await call.start()
+        async for chunk in call.tokens():
+            tokens += len(chunk.ids)
+    finally:
+        await call.close()
+    return time.perf_counter() - start, tokens
+
+
+async def http_call(
+    http: httpx.AsyncClient, prompt_ids: list[int], max_tokens: int
+) -> tuple[float, int]:
+    """(seconds, tokens) of one non-streaming call to the gateway in plain HTTP (no SDK)."""
+    body = {"model": SERVED, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0}
+    start = time.perf_counter()
+    response = await http.post("completions", json=body)
+    response.raise_for_status()
+    return time.perf_counter() - start, response.json()["usage"]["completion_tokens"]
 
 
 async def plane_call(
@@ -199,7 +298,7 @@ def _check_tokens(where: str, got: int, wanted: int) -> None:
 
 async def bench_latency(
     engine: Engine,
-    client: openai.AsyncOpenAI,
+    plane: Plane,
     prompt_ids: list[int],
     stop_ids: list[int],
     s: Settings,
@@ -212,22 +311,54 @@ async def bench_latency(
         "engine_ttft_ms": [],
         "plane_stream_ttft_ms": [],
         "plane_stream_ms": [],
+        "nats_ms": [],
+        "nats_start_ms": [],
+        "core_ms": [],
+        "http_ms": [],
     }
+    variants = [
+        lambda: engine_call(engine, prompt_ids, params),
+        lambda: nats_call(plane.nc, plane.names, prompt_ids, params),
+        lambda: core_call(plane.nc, plane.js, plane.names, prompt_ids, params),
+        lambda: http_call(plane.http, prompt_ids, k),
+        lambda: plane_call(plane.client, prompt_ids, k),
+        lambda: plane_stream(plane.client, prompt_ids, k),
+    ]
     for i in range(s.warmup + s.calls):
-        e_total, e_first, e_tokens = await engine_call(engine, prompt_ids, params)
-        p_total, p_tokens = await plane_call(client, prompt_ids, k)
-        s_total, s_first, s_tokens = await plane_stream(client, prompt_ids, k)
-        _check_tokens("engine.generate", e_tokens, k)
-        _check_tokens("the data plane", p_tokens, k)
-        _check_tokens("the data plane (stream)", s_tokens, k)
+        # Each round starts at the next variant: a call right after another process's torch
+        # call runs beside that one's still-spinning OpenMP threads (a few ms on 2 cores), so
+        # no variant may always come first or right after the in-process engine.
+        results: list[tuple] = [()] * len(variants)
+        for j in range(len(variants)):
+            v = (i + j) % len(variants)
+            results[v] = await variants[v]()
+        (e_total, e_first, e_tokens), (n_total, n_start, n_tokens) = results[:2]
+        (c_total, c_tokens), (h_total, h_tokens), (p_total, p_tokens) = results[2:5]
+        s_total, s_first, s_tokens = results[5]
+        for where, got in (
+            ("engine.generate", e_tokens),
+            ("the generation protocol", n_tokens),
+            ("a gateway call", c_tokens),
+            ("the gateway (plain HTTP)", h_tokens),
+            ("the data plane", p_tokens),
+            ("the data plane (stream)", s_tokens),
+        ):
+            _check_tokens(where, got, k)
         if i >= s.warmup:
-            for key, seconds in zip(
-                raw, (e_total, p_total, e_first, s_first, s_total), strict=True
-            ):
+            measured = (e_total, p_total, e_first, s_first, s_total)
+            measured += (n_total, n_start, c_total, h_total)
+            for key, seconds in zip(raw, measured, strict=True):
                 raw[key].append(1000 * seconds)
     # Rounds run back to back, so a round's difference is the overhead under the same load.
     raw["paired_overhead_ms"] = _minus(raw["plane_ms"], raw["engine_ms"])
     raw["paired_ttft_overhead_ms"] = _minus(raw["plane_stream_ttft_ms"], raw["engine_ttft_ms"])
+    for hop, a, b in (
+        ("worker", "engine_ms", "nats_ms"),
+        ("call", "nats_ms", "core_ms"),
+        ("http", "core_ms", "http_ms"),
+        ("sdk", "http_ms", "plane_ms"),
+    ):
+        raw[f"hop_{hop}_ms"] = _minus(raw[b], raw[a])
     summary = {key: {q: _pct(v, q) for q in QUANTILES} for key, v in raw.items()}
     for name, a, b in (
         ("overhead", "engine_ms", "plane_ms"),
@@ -347,10 +478,13 @@ async def measure(nats_url: str, engine: Engine, model: Path, s: Settings) -> di
     async with (
         Gateway(gateway_config, nats_url) as gateway,
         openai.AsyncOpenAI(base_url=gateway.url, api_key="x", max_retries=0) as client,
+        httpx.AsyncClient(base_url=gateway.url) as http,
         session(nats_url, "bench-records") as nc,
     ):
-        latency = await bench_latency(engine, client, prompt_ids, stop_ids, s)
-        records = RecordReader(nc.jetstream(), RunNames(RUN))
+        names = RunNames(RUN)
+        plane = Plane(client, http, nc, nc.jetstream(timeout=gateway_config.nats_timeout_s), names)
+        latency = await bench_latency(engine, plane, prompt_ids, stop_ids, s)
+        records = RecordReader(nc.jetstream(), names)
         throughput = [
             await bench_throughput(engine, client, records, stop_ids, n, s) for n in s.sessions
         ]
@@ -385,6 +519,10 @@ def print_report(result: dict) -> None:
         unit = "" if key.endswith("ratio") else " ms"
         cells = "".join(f"{summary[key][q]:>9.2f}" for q in QUANTILES)
         print(f"{label + unit:<40}{cells}")
+    print(f"\n{'per hop, paired by round (ms)':<40}{'p50':>9}{'p99':>9}")
+    for label, key in BREAKDOWN_ROWS:
+        cells = "".join(f"{summary[key][q]:>9.2f}" for q in QUANTILES)
+        print(f"{label:<40}{cells}")
     print()
     print(
         f"{'sessions':>8}{'calls':>7}{'prompt':>8}{'engine tok':>11}{'engine tok/s':>14}"

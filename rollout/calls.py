@@ -281,8 +281,9 @@ class Call:
                         f"{self.limits.queue_timeout_s:g}s"
                     )
                 return None
-            try:
-                return await asyncio.wait_for(self._queue.get(), min(_POLL_S, deadline - now))
+            try:  # a timeout scope, not wait_for: no task per message
+                async with asyncio.timeout(min(_POLL_S, deadline - now)):
+                    return await self._queue.get()
             except TimeoutError:
                 pass
             if self.nc.is_connected:

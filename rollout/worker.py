@@ -2,12 +2,16 @@
 chunks back to the requester, weight versions followed as they are published.
 
 Per request (``GenerationRequested``), the worker streams ``TokensGenerated`` chunks to the
-request's ``reply_to``: seq 0 at once (it may be empty: "started"), then one chunk per engine
-step, each labelled with the weight version that produced it, and an empty keepalive chunk
-whenever nothing was sent for ``keepalive_s``. The JetStream message is kept in progress while
-the request runs and acknowledged only when it is done. A request ends with the engine's finish
-reason; an attempt the worker gives up (it is stopping, or the gateway cancelled it) ends with
-``ABORT`` and the reason in ``error``, and the gateway continues the call elsewhere.
+request's ``reply_to``: seq 0 at once (it may be empty: "started"), then the engine's tokens,
+each chunk labelled with the weight version that produced it, and an empty keepalive chunk
+whenever nothing was sent for ``keepalive_s``. Tokens go at once when none went in the last
+``stream_interval_s``; the ones that follow within it wait and go together (and the last ones
+with the finish reason), so a call costs a few messages instead of one per token: each message
+wakes the broker and the gateway, and on a small machine that slows the engine itself. The
+JetStream message is kept in progress while the request runs and acknowledged only when it is
+done. A request ends with the engine's finish reason; an attempt the worker gives up (it is
+stopping, or the gateway cancelled it) ends with ``ABORT`` and the reason in ``error``, and the
+gateway continues the call elsewhere.
 
 A ``WeightsPublished`` event pauses the engine at a token boundary, loads the new version and
 resumes: in-flight requests continue on the new weights, and their chunks say so.
@@ -25,6 +29,7 @@ weights stay loaded and keep following new versions, so it rejoins serving the c
 import asyncio
 import contextlib
 import logging
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -132,6 +137,12 @@ class WorkerConfig(BaseModel):
         description="the role it takes at start, until the scheduler asks for another",
     )
     keepalive_s: float = Field(default=1.0, gt=0, description="empty chunk after this silence")
+    stream_interval_s: float = Field(
+        default=0.01,
+        ge=0,
+        description="tokens generated within this long of the last tokens sent wait and go in "
+        "one chunk (the first and the last go at once); 0: a chunk per engine step",
+    )
     heartbeat_s: float = Field(default=5.0, gt=0, description="worker KV renewal period")
     weight_waves: int = Field(
         default=1,
@@ -162,6 +173,11 @@ class _Attempt:
     seq: int = 0
     last_sent: float = field(default_factory=time.monotonic)
     abort_reason: str | None = None
+    held: GenerationChunk | None = None
+    """Tokens generated but not sent yet (one weight version): they go with the next ones."""
+    tokens_sent_at: float = -math.inf
+    flusher: asyncio.Task | None = None
+    """Sends ``held`` when ``stream_interval_s`` has passed, if nothing else sent it first."""
 
 
 class RolloutWorker:
@@ -339,18 +355,62 @@ class RolloutWorker:
                 error = None
                 if chunk.finish_reason is FinishReason.ABORT:
                     error = attempt.abort_reason or "aborted by the engine"
-                await self._send(attempt, chunk, error)
+                await self._forward(attempt, chunk, error)
                 finish = chunk.finish_reason or finish
         except EngineError as exc:
             log.warning(kv("generation_failed", call=request.call_id, error=exc))
             final = GenerationChunk([], [], self._engine.version, FinishReason.ERROR)
-            await self._send(attempt, final, str(exc))
+            await self._forward(attempt, final, str(exc))
         finally:
             keepalive.cancel()
+            if attempt.flusher is not None:
+                attempt.flusher.cancel()
             del self._attempts[key]
             self._note_busy()
             RUNNING.dec()
             REQUESTS.labels(finish.value).inc()
+
+    async def _forward(self, attempt: _Attempt, chunk: GenerationChunk, error: str | None = None):
+        """Send the engine's ``chunk`` (with any tokens held before it) now, or hold its tokens
+        for at most ``stream_interval_s`` after the last tokens sent. A chunk that ends the
+        attempt always goes at once; a new weight version first sends what the old one made."""
+        if not chunk.token_ids and chunk.finish_reason is None:
+            return  # nothing to tell
+        held = attempt.held
+        if held is not None and held.version != chunk.version:
+            await self._send_held(attempt)
+            held = None
+        if held is not None:
+            chunk = GenerationChunk(
+                held.token_ids + chunk.token_ids,
+                held.logprobs + chunk.logprobs,
+                chunk.version,
+                chunk.finish_reason,
+            )
+        attempt.held = chunk
+        wait = attempt.tokens_sent_at + self._config.stream_interval_s - time.monotonic()
+        if chunk.finish_reason is not None or wait <= 0:
+            await self._send_held(attempt, error)
+        elif attempt.flusher is None:
+            attempt.flusher = asyncio.create_task(self._send_held_after(attempt, wait))
+
+    async def _send_held_after(self, attempt: _Attempt, delay: float) -> None:
+        await asyncio.sleep(delay)
+        attempt.flusher = None
+        if attempt.held is not None:
+            await self._send_held(attempt)
+
+    async def _send_held(self, attempt: _Attempt, error: str | None = None) -> None:
+        """Send the held tokens now. Taking them, numbering the chunk and queueing it on the
+        connection happen without a pause, so chunks leave in ``seq`` order."""
+        chunk, attempt.held = attempt.held, None
+        assert chunk is not None
+        if attempt.flusher is not None:  # not the flusher itself: it clears this first
+            attempt.flusher.cancel()
+            attempt.flusher = None
+        if chunk.token_ids:
+            attempt.tokens_sent_at = time.monotonic()
+        await self._send(attempt, chunk, error)
 
     async def _send(self, attempt: _Attempt, chunk: GenerationChunk, error: str | None = None):
         message = TokensGenerated(

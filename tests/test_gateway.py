@@ -798,7 +798,8 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
     # A version is published as soon as a worker has started the response. Whether it is loaded
     # while the response still runs is a real race (vLLM makes 1000 tiny-model tokens in about a
     # second, and on 2 cores the data plane can stall behind it), so a response that one version
-    # did not split is tried again with the next one, up to 8.
+    # did not split is tried again with the next one, up to 8. 1500 tokens: since the worker
+    # sends tokens in a few chunks instead of one per step, responses end sooner.
     n_tokens = 1500
     tries = range(1, 9)
     blobs = {0: None} | {v: perturbed_weights(tiny_model_dir, seed=v) for v in tries}

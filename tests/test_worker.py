@@ -87,7 +87,8 @@ async def registered(js, names: RunNames, worker_id: str) -> WorkerRegistered | 
 @pytest.fixture
 def worker(broker, names: RunNames, tiny_model_dir: Path):
     # The model's own context (2048), as the requests below assume; [model]'s default is 512.
-    args = ("--max-running", "4", "--max-model-len", "2048")
+    # Tokens are held up to 50 ms (default 10 ms), so chunks hold several even on a slow machine.
+    args = ("--max-running", "4", "--max-model-len", "2048", "--stream-interval-s", "0.05")
     proc = worker_process(broker.url, names.run, tiny_model_dir, "w1", *args)
     yield proc.wait_ready()
     proc.stop()
@@ -119,6 +120,45 @@ async def test_worker_streams_token_exact_chunks_and_acks(worker, nc, js, names,
     assert (await again.finished()).finish_reason is FinishReason.LENGTH
 
 
+async def test_tokens_travel_in_few_chunks_and_reassemble_exactly(
+    broker, worker, nc, js, names, tiny_model_dir
+):
+    """Tokens made within stream_interval_s of the last ones sent share a chunk: far fewer
+    messages than tokens, the same tokens and logprobs in the same order as one per step."""
+    call = await Call(nc, names, "c1", max_tokens=60, temperature=0).start()
+    await call.finished()
+    assert call.tokens == greedy(tiny_model_dir, PROMPT, 60)
+    assert [c.seq for c in call.chunks] == list(range(len(call.chunks)))
+    assert len(call.chunks[1].token_ids) == 1  # the first token is not held back
+    assert len(call.chunks) < 60 and max(len(c.token_ids) for c in call.chunks) > 1
+    assert all(len(c.logprobs) == len(c.token_ids) for c in call.chunks)
+
+    # With stream_interval_s = 0 a worker sends a chunk per engine step: the same tokens.
+    stepwise = worker_process(
+        broker.url,
+        names.run,
+        tiny_model_dir,
+        "w2",
+        "--max-running",
+        "4",
+        "--max-model-len",
+        "2048",
+        "--stream-interval-s",
+        "0",
+    )
+    worker.stop()  # only w2 takes the next request
+    try:
+        stepwise.wait_ready()
+        again = await Call(nc, names, "c2", max_tokens=60, temperature=0).start()
+        await again.finished()
+        assert [len(c.token_ids) for c in again.chunks] == [0] + [1] * 60
+        assert again.tokens == call.tokens
+        logprobs = [lp for c in call.chunks for lp in c.logprobs]
+        assert [lp for c in again.chunks for lp in c.logprobs] == pytest.approx(logprobs)
+    finally:
+        stepwise.stop()
+
+
 async def test_weight_update_mid_request_relabels_the_rest(
     broker, worker, nc, js, names, tiny_model_dir
 ):
@@ -130,6 +170,9 @@ async def test_weight_update_mid_request_relabels_the_rest(
     assert event.sha256 == hashlib.sha256(blob).hexdigest()
     last = await call.finished()
     assert last.finish_reason is FinishReason.LENGTH and len(call.tokens) == n_tokens
+    # Chunks carry several tokens, yet none crosses the switch (a chunk has one version; the
+    # continuation below is checked against the new weights from the first relabelled token).
+    assert max(len(c.token_ids) for c in call.chunks) > 1
     versions = [c.version for c in call.chunks for _ in c.token_ids]
     switch = versions.index(1)
     assert 5 <= switch < n_tokens and versions == [0] * switch + [1] * (n_tokens - switch)
@@ -225,6 +268,8 @@ async def test_cancel_then_stop_end_attempts_with_abort(worker, nc, js, names):
     last = await call.finished()
     assert last.finish_reason is FinishReason.ABORT and "client went away" in last.error
     await eventually(lambda: _stream_empty(js, names.gen_stream))
+    # Tokens held for the next chunk went out with the abort: every token generated arrived.
+    assert await metric(worker.metrics_url, "sf_rollout_tokens_total") == len(call.tokens)
 
     running = await Call(nc, names, "c2", max_tokens=100000, temperature=1.0).start()
     await eventually(lambda: len(running.tokens) >= 3)
