@@ -25,6 +25,7 @@ Assumptions, all stated where they are used:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 from dataclasses import dataclass, field
@@ -210,6 +211,14 @@ class Workload:
     def to_dict(self) -> dict:
         """Plain nested dict (JSON-ready); ``from_dict`` reads it back."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def parse(cls, value: Any) -> Any:
+        """A config field's value as a workload: a table, or JSON text (a flag's value); anything
+        else is returned as it is, for the field's own type check."""
+        if isinstance(value, str):
+            value = json.loads(value)
+        return cls.from_dict(value) if isinstance(value, dict) else value
 
     @classmethod
     def from_dict(cls, d: dict) -> Workload:

@@ -1,6 +1,5 @@
 """The trainer's typed configuration: the ``[trainer]`` section of a run's TOML."""
 
-import json
 import tempfile
 from enum import StrEnum
 from pathlib import Path
@@ -91,9 +90,7 @@ class EmulatedBackendConfig(BaseModel):
     @field_validator("workload", mode="before")
     @classmethod
     def _workload(cls, value: Any) -> Any:
-        if isinstance(value, str):  # a flag's value
-            value = json.loads(value)
-        return Workload.from_dict(value) if isinstance(value, dict) else value
+        return Workload.parse(value)
 
 
 BackendConfig = Annotated[

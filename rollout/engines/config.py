@@ -1,7 +1,6 @@
 """The typed configs that choose an engine (``kind``) and hold that engine's own options: the
 ``[worker.engine]`` section of a run's TOML. Pure pydantic: reading them needs no engine."""
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -66,9 +65,7 @@ class EmulatedEngineConfig(BaseModel):
     @field_validator("workload", mode="before")
     @classmethod
     def _workload(cls, value: Any) -> Any:
-        if isinstance(value, str):  # a flag's value
-            value = json.loads(value)
-        return Workload.from_dict(value) if isinstance(value, dict) else value
+        return Workload.parse(value)
 
 
 EngineSettings = Annotated[
