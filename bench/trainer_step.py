@@ -9,7 +9,10 @@ interleaved, so a busy machine slows them alike:
   before: still the path with several minibatches);
 - ``fused``: padded rows, proximal logprobs read off the training forward;
 - ``packed-N``: fused, samples packed into rows of N tokens, for each N of ``--pack-tokens``;
-- ``bf16``: packed (the first N), forward and backward autocast to bfloat16 (if this CPU has it).
+- ``shared``: fused, each group's prompt run once (``trainer.batcher.shared_prefixes``), its
+  completions on its keys and values;
+- ``bf16``, ``shared-bf16``: packed (the first N) or shared, forward and backward autocast to
+  bfloat16 (if this CPU has it).
 
 Each step is timed in the pieces ``trainer.step.train_step`` runs: collate, proximal forward,
 training forward + loss, backward, optimizer (clip + AdamW). The mismatch columns compare the
@@ -60,6 +63,7 @@ class Variant:
     pack_tokens: int
     separate_proximal: bool
     dtype: Precision
+    share_prefixes: bool = False
 
     def config(self) -> TrainerConfig:
         backend = TorchBackendConfig(pack_tokens=self.pack_tokens, dtype=self.dtype)
@@ -118,7 +122,7 @@ def timed_step(backend, items, variant: Variant, config: TrainerConfig) -> dict[
     times = {}
     cpu = time.process_time()
     t = time.perf_counter()
-    batch = collate(items, backend.row_tokens)
+    batch = collate(items, backend.row_tokens, variant.share_prefixes)
     times["collate"] = time.perf_counter() - t
     t = time.perf_counter()
     proximal = proximal_logprobs(backend, batch) if variant.separate_proximal else None
@@ -164,9 +168,12 @@ def main() -> None:
         Variant("old", 1, True, f32),
         Variant("fused", 1, False, f32),
         *(Variant(f"packed-{n}", n, False, f32) for n in args.pack_tokens),
+        Variant("shared", args.pack_tokens[0], False, f32, share_prefixes=True),
     ]
     if bf16 is None:
         variants.append(Variant("bf16", args.pack_tokens[0], False, Precision.BFLOAT16))
+        bf16_shared = Variant("shared-bf16", args.pack_tokens[0], False, Precision.BFLOAT16, True)
+        variants.append(bf16_shared)
     else:
         print(f"no bf16 variant: {bf16}")
 

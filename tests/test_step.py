@@ -1,6 +1,6 @@
-"""The trainer step on the tiny model: packed rows train exactly as padded ones (loss, gradients,
-samples isolated), the one-forward proximal equals a separate forward, the mismatch against a
-real engine's logprobs, and the bfloat16 option."""
+"""The trainer step on the tiny model: packed rows and shared prefixes train exactly as padded
+rows (loss, gradients, samples isolated), the one-forward proximal equals a separate forward,
+the mismatch against a real engine's logprobs, and the bfloat16 option."""
 
 import asyncio
 import random
@@ -116,6 +116,85 @@ def test_packed_rows_give_the_padded_loss_gradients_and_logprobs(tiny_model_dir)
         assert [x for x, r in zip(logprobs, read, strict=True) if r] == pytest.approx(
             [x for x, r in zip(expected, read, strict=True) if r], abs=1e-5
         )
+
+
+def grouped(seed: int = 2) -> list[TrainItem]:
+    """Three groups of four completions of one prompt each (two prompts of one length, one
+    longer), a two-turn sample that shares the first group's prompt (its second prompt is read by
+    nothing), and a sample alone."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(3, 500) for _ in range(n))
+
+    prompts = [tokens(6), tokens(6), tokens(11)]
+    samples = [
+        sample(f"g{g}s{i}", f"g{g}", prompt=p, completion=tokens(rng.randint(1, 7)), group_size=4)
+        for g, p in enumerate(prompts)
+        for i in range(4)
+    ]
+    two_turns = sample("turns", "t", prompt=prompts[0], completion=tokens(9))
+    mask = list(two_turns.loss_mask)
+    mask[9:12] = [0, 0, 0]  # the tool's answer, then the second turn
+    samples += [two_turns.model_copy(update={"loss_mask": mask}), sample("alone", "a")]
+    samples = [
+        s.model_copy(update={"logprobs": [-rng.uniform(0.5, 8) * m for m in s.loss_mask]})
+        for s in samples
+    ]
+    by_group: dict[str, list[SampleReady]] = {}
+    for s in samples:
+        by_group.setdefault(s.group_id, []).append(s)
+    planned, _, _ = plan_step(list(by_group.values()), 0, config())
+    return planned
+
+
+def test_a_shared_prefix_runs_once_and_gives_the_padded_loss_gradients_and_logprobs(
+    tiny_model_dir,
+):
+    train = grouped()
+    backend = build_backend(tiny_model_dir, config(pack_tokens=1))
+    assert backend.shares_prefixes
+    padded = collate(train, backend.row_tokens)
+    shared = collate(train, backend.row_tokens, share_prefixes=True)
+    assert not padded.tokens.prefixes
+    # Rows by item: 0-3, 4-7, 8-11 the groups, 12 the two-turn sample (first prompt), 13 alone.
+    lengths = {p.length: p.groups for p in shared.tokens.prefixes}
+    assert lengths == {6: ((0, 1, 2, 3, 12), (4, 5, 6, 7)), 11: ((8, 9, 10, 11),)}
+    torch.testing.assert_close(shared.mask, padded.mask[shared_order(padded, shared)])
+
+    total = padded.loss_tokens
+    want, _ = minibatch_loss(backend, padded, total, config())
+    got, got_logprobs = minibatch_loss(backend, shared, total, config())
+    assert float(got.loss.detach()) == pytest.approx(float(want.loss.detach()), rel=1e-5)
+    for a, b in zip(grads(backend, got.loss), grads(backend, want.loss), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    want_logprobs = proximal_logprobs(backend, padded)[shared_order(padded, shared)]
+    read = shared.mask > 0
+    torch.testing.assert_close(got_logprobs[read], want_logprobs[read], rtol=0, atol=1e-5)
+
+
+def shared_order(padded, shared) -> list[int]:
+    """The padded batch's row of each of ``shared``'s rows (same tokens)."""
+    rows = [tuple(r) for r in padded.tokens.input_ids.tolist()]
+    return [rows.index(tuple(r)) for r in shared.tokens.input_ids.tolist()]
+
+
+def test_prefixes_are_shared_only_where_they_save_tokens():
+    train = grouped()
+    one_each = [train[0], train[4], train[8], train[13]]  # no two share a prompt
+    assert not collate(one_each, 1, share_prefixes=True).tokens.prefixes
+    # a long completion next to short ones: padding every row to it outweighs the prompt saved
+    long = train[0].sample.model_copy(
+        update={
+            "token_ids": train[0].sample.token_ids + [7] * 200,
+            "loss_mask": train[0].sample.loss_mask + [1] * 200,
+            "logprobs": train[0].sample.logprobs + [-1.0] * 200,
+            "versions": train[0].sample.versions + [0] * 200,
+        }
+    )
+    lopsided = [replace(train[0], sample=long), *train[1:4]]
+    assert not collate(lopsided, 512, share_prefixes=True).tokens.prefixes
+    assert collate(train[:4], 512, share_prefixes=True).tokens.prefixes
 
 
 def test_logits_only_where_a_read_token_is_predicted_give_the_same_logprobs(tiny_model_dir):

@@ -17,7 +17,7 @@ from enum import StrEnum
 import torch
 
 from broker.messages import SampleReady
-from trainer.backends.base import TokenBatch
+from trainer.backends.base import SharedPrefix, TokenBatch
 from trainer.config import StalenessMode, TrainerConfig
 from trainer.exceptions import BatchError
 from trainer.losses import group_advantages
@@ -218,19 +218,56 @@ def pack(lengths: list[int], row_tokens: int) -> list[list[int]]:
         else:
             rows[row].append(i)
             room[row] -= lengths[i]
-    fullest = max(sum(lengths[i] for i in row) for row in rows)
-    if len(rows) * fullest * PACKED_TOKEN_COST >= len(lengths) * max(lengths):
+    if layout_cost(lengths, rows) >= len(lengths) * max(lengths):
         return [[i] for i in order]
     return rows
 
 
-def collate(items: list[TrainItem], row_tokens: int) -> BatchTensors:
+def layout_cost(lengths: list[int], rows: list[list[int]]) -> float:
+    """Padded tokens of ``rows`` (indices of ``lengths``), a packed one costing
+    ``PACKED_TOKEN_COST``."""
+    fullest = max(sum(lengths[i] for i in row) for row in rows)
+    return len(rows) * fullest * (PACKED_TOKEN_COST if any(len(r) > 1 for r in rows) else 1.0)
+
+
+def shared_prefixes(items: list[TrainItem]) -> tuple[tuple[SharedPrefix, ...], int]:
+    """With one row per item (in order), the rows that share the tokens before their first loss
+    token, by prefix length, and the tokens a backend running each prefix once then computes
+    (each length's rows padded to the longest of them; rows sharing nothing padded alike)."""
+    by_prefix: dict[tuple[int, ...], list[int]] = {}
+    for i, item in enumerate(items):
+        s = item.sample
+        first = next((t for t, m in enumerate(s.loss_mask) if m and t > 0), None)
+        if first is not None:
+            by_prefix.setdefault(tuple(s.token_ids[:first]), []).append(i)
+    by_length: dict[int, list[tuple[int, ...]]] = {}
+    for prefix, rows in by_prefix.items():
+        if len(rows) > 1:
+            by_length.setdefault(len(prefix), []).append(tuple(rows))
+    prefixes = tuple(SharedPrefix(n, tuple(groups)) for n, groups in sorted(by_length.items()))
+    lengths = [len(i.sample.token_ids) for i in items]
+    shared = {r for p in prefixes for r in p.rows}
+    alone = [n for i, n in enumerate(lengths) if i not in shared]
+    tokens = len(alone) * max(alone, default=0) + sum(
+        len(p.groups) * p.length + len(p.rows) * (max(lengths[r] for r in p.rows) - p.length)
+        for p in prefixes
+    )
+    return prefixes, tokens
+
+
+def collate(items: list[TrainItem], row_tokens: int, share_prefixes: bool = False) -> BatchTensors:
     """``items`` packed into rows of up to ``row_tokens`` tokens (see ``pack``), each row then
-    padded to the fullest one."""
+    padded to the fullest one; or, with ``share_prefixes`` (the backend runs a shared prefix
+    once) and where that computes fewer tokens, one row per item with their shared prefixes."""
     if not items:
         raise BatchError("cannot collate an empty list of samples")
     lengths = [len(i.sample.token_ids) for i in items]
     rows = pack(lengths, row_tokens)
+    prefixes: tuple[SharedPrefix, ...] = ()
+    if share_prefixes:
+        found, tokens = shared_prefixes(items)
+        if found and tokens < layout_cost(lengths, rows):
+            rows, prefixes = [[i] for i in range(len(items))], found
     shape = (len(rows), max(sum(lengths[i] for i in row) for row in rows))
     ids = torch.zeros(shape, dtype=torch.long)
     positions = torch.arange(shape[1]).repeat(shape[0], 1)  # padding keeps its column: unread
@@ -256,7 +293,7 @@ def collate(items: list[TrainItem], row_tokens: int) -> BatchTensors:
             weights[at] = items[i].weight
             start += n
     return BatchTensors(
-        tokens=TokenBatch(ids, positions, attention, read=mask > 0),
+        tokens=TokenBatch(ids, positions, attention, read=mask > 0, prefixes=prefixes),
         mask=mask,
         behaviour=behaviour,
         versions=versions,

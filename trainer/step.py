@@ -53,7 +53,10 @@ def train_step(
     minibatches = split(items, config.minibatches)
     totals = [sum(_loss_tokens(i) for i in mb) for mb in minibatches]
     shards = [mb[backend.dp_rank :: backend.dp_size] for mb in minibatches]
-    batches = [collate(shard, backend.row_tokens) if shard else None for shard in shards]
+    batches = [
+        collate(shard, backend.row_tokens, backend.shares_prefixes) if shard else None
+        for shard in shards
+    ]
     # 1. Before any update: reference logprobs, and proximal ones when there are several updates.
     separate = len(batches) > 1
     seconds = dict.fromkeys(PHASES, 0.0)

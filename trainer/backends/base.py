@@ -7,6 +7,11 @@ owns everything else (batching, advantages, losses, checkpoints, NATS). Layout c
   more samples back to back, then padding. ``position_ids`` count from 0 at each sample's first
   token, and a token attends only to the earlier tokens of its own sample. A backend that cannot
   isolate samples sharing a row reports ``row_tokens == 1`` and gets one sample per row.
+- Samples that begin alike (a GRPO group's prompt, a conversation tree's trunk) may instead be
+  laid out one per row with ``TokenBatch.prefixes`` naming the rows that share their first
+  tokens, none of them read. A backend with ``shares_prefixes`` runs each prefix once and the
+  rest of its rows on top of it (its keys and values); the rows are whole, so any backend may
+  also compute them as they are.
 - ``token_logprobs`` returns ``(R, T)`` float32 where ``[r, t]`` is the log-probability of
   ``input_ids[r, t]`` given the earlier tokens of its sample; a sample's first token (no context)
   and padding are 0. Within a sample this is the position convention of ``SampleReady.logprobs``,
@@ -31,6 +36,21 @@ import torch
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Rows whose samples begin with the same ``length`` tokens, of which none is read (so only
+    the last prefix position's logits matter): ``groups`` holds the row indices of each distinct
+    prefix. All prefixes of one ``SharedPrefix`` have the same length, so they run as one batch.
+    """
+
+    length: int
+    groups: tuple[tuple[int, ...], ...]
+
+    @property
+    def rows(self) -> list[int]:
+        return [r for group in self.groups for r in group]
+
+
+@dataclass(frozen=True)
 class TokenBatch:
     """Token ids of some samples packed into rows, on CPU; the backend moves them to its device.
     Padding only ever follows a row's last sample, so causal attention keeps samples from it."""
@@ -41,6 +61,20 @@ class TokenBatch:
     read: torch.Tensor | None = None
     """(R, T) bool: the tokens whose logprob is read (the loss tokens); a backend may leave the
     others 0 and skip their logits. None: every token."""
+    prefixes: tuple[SharedPrefix, ...] = ()
+    """Only in a batch with one sample per row; a row is in at most one of them."""
+
+    def select(self, rows: list[int], length: int) -> "TokenBatch":
+        """These ``rows``, cut to their first ``length`` columns, without ``prefixes``."""
+        index = torch.tensor(rows)
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t[index, :length]
+
+        read = None if self.read is None else cut(self.read)
+        return TokenBatch(
+            cut(self.input_ids), cut(self.position_ids), cut(self.attention_mask), read
+        )
 
     @property
     def packed(self) -> bool:
@@ -75,6 +109,12 @@ class TrainerBackend(Protocol):
     def row_tokens(self) -> int:
         """Tokens a row of a ``TokenBatch`` may hold (a longer sample gets a row of its own);
         1 when the backend takes one sample per row."""
+        ...
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether ``token_logprobs`` runs each of a batch's ``prefixes`` once (else a batch is
+        better packed than laid out for them)."""
         ...
 
     def token_logprobs(self, batch: TokenBatch, grad: bool) -> torch.Tensor:

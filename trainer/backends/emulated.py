@@ -53,6 +53,8 @@ class EmulatedBackend:
     def dp_size(self) -> int:
         return 1
 
+    shares_prefixes = False
+
     @property
     def row_tokens(self) -> int:
         return 1 << 20  # packing changes nothing here: one row fits all

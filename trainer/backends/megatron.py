@@ -133,6 +133,8 @@ class MegatronBackend:
 
         return parallel_state.get_data_parallel_world_size()
 
+    shares_prefixes = False
+
     @property
     def row_tokens(self) -> int:
         return 1  # one sample per row: the GPTModel gets a plain causal mask, not a packed one
