@@ -7,9 +7,10 @@ step that used it is committed. Per step (``Trainer.run``):
 
 1. take ``groups_per_step`` complete groups; advantages, staleness bound;
 2. train on every rank (off the event loop);
-3. checkpoint (model, optimizer, version v+1, the ids of recent steps), atomically;
-4. release the samples' handlers: the ingress acks them;
-5. publish version v+1 (``trainer.publisher``: a host-local copy in the step, the object store
+3. every ``checkpoint_every`` versions (and at stop): checkpoint (model, optimizer, version
+   v+1, the ids of recent steps) atomically, log the steps it holds, and release their samples'
+   handlers: the ingress acks them. Until then they stay un-acked, so a crash gives them back;
+4. publish version v+1 (``trainer.publisher``: a host-local copy in the step, the object store
    in the background) and time how long until every rollout worker serves it.
 
 NATS errors on the way are a broker outage, not a failed step: the weights of a version are
@@ -219,20 +220,22 @@ class Trainer:
         self._stepping = asyncio.Lock()
         self.roles: RoleHolder | None = None  # accounts busy time once set
         self._publisher = WeightPublisher(js, names, config, PUBLISH_SECONDS)
+        self._uncommitted: list[StepRecord] = []  # steps since the last checkpoint
 
     # -- samples ----------------------------------------------------------------------------
     async def on_sample(self, sample: SampleReady, delivery: Delivery) -> None:
         """Ingress handler: returns (-> ack) once the step that consumed the sample is committed."""
         if self._stopping:  # after the hand-back: nobody would release it
             raise HandBack("trainer stopping")
-        # 1. Trained before this (re)delivery: acknowledge it again, train nothing.
-        if sample.sample_id in self._trained:
-            SAMPLES.labels(Outcome.DUPLICATE.value).inc()
-            log.info(kv("sample_duplicate", sample=sample.sample_id, seq=delivery.stream_seq))
-            return
-        # 2. Held already (a second delivery while its group fills): share the first's outcome.
+        # 1. Held already (a second delivery while its group fills, or while the step that
+        # trained it waits for its checkpoint): share the first's outcome.
         future = self._waiting.get(sample.sample_id)
         if future is None:
+            # 2. Trained and committed before this (re)delivery: acknowledge it, train nothing.
+            if sample.sample_id in self._trained:
+                SAMPLES.labels(Outcome.DUPLICATE.value).inc()
+                log.info(kv("sample_duplicate", sample=sample.sample_id, seq=delivery.stream_seq))
+                return
             try:
                 self._batcher.add(sample)
             except BatchError as exc:
@@ -284,6 +287,7 @@ class Trainer:
                     finally:
                         if self.roles is not None:
                             self.roles.set_busy(False)
+            await self._commit()  # stopped: the steps since the last checkpoint are kept
         finally:
             self._stopping = True
             self._release(list(self._waiting), HandBack("trainer stopping"))
@@ -311,11 +315,9 @@ class Trainer:
             record = StepRecord(self.version, tuple(consumed), dropped)
             self._recent = [*self._recent, record][-self._config.keep_trained_steps :]
             self._trained.update(consumed)
-            if self._config.checkpoint_dir is not None:
-                await asyncio.to_thread(
-                    checkpoint.append_steps, self._config.checkpoint_dir, [record]
-                )
-            self._release(consumed)
+            self._uncommitted.append(record)
+            if len(self._uncommitted) == 1:  # no trained step waits for a checkpoint: log it
+                await self._commit(checkpointed=False)
             log.warning(kv("step_skipped", samples=len(consumed), reason="all dropped"))
             return
         # 2. Train on every rank.
@@ -328,20 +330,19 @@ class Trainer:
         stepped = time.monotonic()
         STEP_SECONDS.observe(stepped - started)
         version = self.version + 1
-        # 3. Commit: the checkpoint, then the acks.
+        # 3. Commit (every checkpoint_every versions): the checkpoint, the steps log, the acks.
         record = StepRecord(version, tuple(consumed), dropped)
         self._recent = [*self._recent, record][-self._config.keep_trained_steps :]
-        await self._checkpoint(version)
         self.version = version
         self._trained = {sid for r in self._recent for sid in r.sample_ids}
-        self._release(consumed)
-        # 4. Publish the new version; audit log; metrics.
+        self._uncommitted.append(record)
+        if self._config.checkpoint_dir is None or version % self._config.checkpoint_every == 0:
+            await self._commit()
+        # 4. Publish the new version; metrics.
         await self._publisher.publish(version, self._ranks.backend.hf_state_dict)
         VERSION.set(version)
         for _, seconds in self._watch.stepped(version, stepped):
             SERVING_SECONDS.observe(seconds)
-        if self._config.checkpoint_dir is not None:
-            await asyncio.to_thread(checkpoint.append_steps, self._config.checkpoint_dir, [record])
         try:
             await self._registration.put(version=version)
         except NatsError as exc:  # the next heartbeat writes the entry, with this version
@@ -373,6 +374,20 @@ class Trainer:
                     )
                 )
         return tuple(dropped)
+
+    async def _commit(self, checkpointed: bool = True) -> None:
+        """Make the steps since the last commit durable: checkpoint the current version (unless
+        ``checkpointed`` is False: only dropped samples since), append them to the steps log,
+        then acknowledge their samples."""
+        records, self._uncommitted = self._uncommitted, []
+        if not records:
+            return
+        directory = self._config.checkpoint_dir
+        if checkpointed:
+            await self._checkpoint(self.version)
+        if directory is not None:
+            await asyncio.to_thread(checkpoint.append_steps, directory, records)
+        self._release([sid for r in records for sid in r.sample_ids])
 
     async def _checkpoint(self, version: int) -> None:
         directory = self._config.checkpoint_dir
@@ -481,9 +496,18 @@ class Trainer:
     # -- start ------------------------------------------------------------------------------
     async def publish_if_missing(self) -> None:
         """After a restart: publish the checkpoint's version if the weights stream lacks it
-        (the process died between the checkpoint and the publication)."""
+        (the process died between the checkpoint and the publication), or as a new version
+        after those published since it (``checkpoint_every`` > 1)."""
         latest = await retry(lambda: latest_weights(self._js, self._names), what="weights_latest")
         published = latest.version if latest else 0
+        if 0 < published - self.version < self._config.checkpoint_every:
+            # The steps since the last checkpoint died with the process; their samples come back
+            # (never acknowledged) and are trained again. Their versions stay taken: a version
+            # names one set of weights, so these weights go on after them, checkpointed at once
+            # (a second crash resumes here).
+            log.warning(kv("versions_lost", checkpoint=self.version, published=published))
+            self.version = published + 1
+            await self._checkpoint(self.version)
         if published > self.version:
             raise TrainerError(
                 f"the weights stream of run {self._names.run} already has v{published} but this "
