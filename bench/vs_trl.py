@@ -14,10 +14,11 @@ temperature 1, lr 1e-5 (constant), no KL, one optimizer step per batch.
   gradient checkpointing). It runs ``--steps`` steps; its wall-clock from ``train()`` to the
   end is the budget SeamlessFlow gets.
 - ``seamlessflow``: ``seamlessflow run`` with the equivalent config (vLLM engine, ``--layout``,
-  ``--dtype``) on a broker this script starts. Its clock starts when the scheduler admits the
-  first task (engines loaded, as TRL's model is when ``train()`` starts) and it is stopped when
-  TRL's budget is spent. The weights it held then are kept (a hard link to the trainer's tmpfs
-  copy, no copy).
+  ``--dtype``) on a broker this script starts. It checkpoints only at stop
+  (``trainer.checkpoint_every``), as TRL saves none (``save_strategy="no"``). Its clock starts
+  when the scheduler admits the first task (engines loaded, as TRL's model is when ``train()``
+  starts) and it is stopped when TRL's budget is spent. The weights it held then are kept (a
+  hard link to the trainer's tmpfs copy, no copy).
 
 Per system: seconds per step and trained samples/s (steady state: the first ``--skip`` steps
 left out), generated tokens/s, the time per step by phase (TRL: generation with scoring,
@@ -181,6 +182,7 @@ backend = {{{{ kind = "torch", dtype = "{{dtype}}" }}}}
 temperature = 1.0
 groups_per_step = {PROMPTS}
 max_staleness = 8
+checkpoint_every = 1000000
 [stop]
 max_steps = {{steps}}
 max_seconds = {{seconds}}
@@ -361,6 +363,7 @@ async def _scrape_run(out: Path) -> dict[str, float]:
         ("publish", "sf_trainer_weight_publish_seconds", {"path": "local"}),
         ("load", "sf_rollout_weight_load_seconds", {}),
         ("serving", "sf_trainer_weights_serving_seconds", {}),
+        ("mismatch", "sf_trainer_mismatch_mean_abs", {}),
     ):
         count = metric_sum(samples, f"{name}_count", **labels)
         totals[f"{key}_s_mean"] = metric_sum(samples, f"{name}_sum", **labels) / max(count, 1)
@@ -414,7 +417,12 @@ def main() -> None:
     parser.add_argument("--setup", action="store_true", help="only create the TRL venv")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", default="colocated", help="SeamlessFlow's [layout] kind")
-    parser.add_argument("--dtype", default="float32", help="SeamlessFlow's trainer and engine")
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32"],
+        help="SeamlessFlow's trainer and engine: a run each",
+    )
     parser.add_argument("--placement", default="split", help="SeamlessFlow's [cpus] placement")
     parser.add_argument("--budget-s", type=float, help="SeamlessFlow's wall-clock without TRL")
     parser.add_argument("--cache", type=Path, default=default_state_dir() / "bench" / "trl-venv")
@@ -446,11 +454,15 @@ def main() -> None:
                 row = _row(name, r["step_seconds"], args.skip, r["wall_s"],
                            sum(r["generated_tokens"]))  # fmt: skip
                 accuracies[name] = accuracy(trained, None)
-            else:
+                row |= r["resources"] | {"accuracy": accuracies[name]}
+                rows.append(row)
+                continue
+            for dtype in args.dtype:
+                name = "seamlessflow" if dtype == "float32" else f"seamlessflow-{dtype}"
+                print(f"  {name} ...", flush=True)
+                (where := Path(keep) / dtype).mkdir()
                 r = asyncio.run(
-                    run_seamlessflow(
-                        args.steps, args.layout, args.dtype, args.placement, budget, Path(keep)
-                    )
+                    run_seamlessflow(args.steps, args.layout, dtype, args.placement, budget, where)
                 )
                 m, steps = r["metrics"], max(r["metrics"].get("steps", 0), 1)
                 phases[name] = {
@@ -461,10 +473,11 @@ def main() -> None:
                     "step -> all serving": m["serving_s_mean"],
                 }
                 row = _row(name, r["step_seconds"], args.skip, r["wall_s"], m["generated_tokens"])
+                row["mismatch_mean_abs"] = m["mismatch_s_mean"]  # a mean of logprobs, not seconds
                 weights = Path(r["weights"]) if r["weights"] else None
                 accuracies[name] = accuracy(model, weights)
-            row |= r["resources"] | {"accuracy": accuracies[name]}
-            rows.append(row)
+                row |= r["resources"] | {"accuracy": accuracies[name]}
+                rows.append(row)
     _show(rows, phases, accuracies, budget)
     RESULTS.mkdir(exist_ok=True)
     result = {
@@ -497,9 +510,11 @@ def _show(rows: list[dict], phases: dict, accuracies: dict, budget: float | None
                  f"{r['peak_rss_gb']:.2f}", f"{r['accuracy']:.2f}")  # fmt: skip
         print(f"{r['system']:>13}" + "".join(f"{c!s:>12}" for c in cells))
     by = {r["system"]: r for r in rows}
-    if {"trl", "seamlessflow"} <= by.keys():
-        ratio = by["seamlessflow"]["samples_per_s"] / by["trl"]["samples_per_s"]
-        print(f"seamlessflow / trl trained samples/s: {ratio:.2f}x")
+    for name, r in by.items():
+        if "trl" in by and name != "trl":
+            ratio = r["samples_per_s"] / by["trl"]["samples_per_s"]
+            print(f"{name} / trl trained samples/s: {ratio:.2f}x, logprob mismatch "
+                  f"{r['mismatch_mean_abs']:.1e}")  # fmt: skip
     print(f"initial model accuracy: {accuracies['initial']:.2f}")
     for name, parts in phases.items():
         print(f"\n{name}: seconds per step by phase")
