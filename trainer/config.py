@@ -162,10 +162,10 @@ class TrainerConfig(BaseModel):
     checkpoint_every: int = Field(
         default=1,
         ge=1,
-        description="checkpoint every this many versions (and at stop); a step's samples are "
-        "acknowledged by the checkpoint that holds it, so after a crash the steps since the last "
-        "one are trained again, as new versions. A checkpoint (model and AdamW state, 1.6 GB "
-        "for SmolLM2) took 1.9 s of a 10 s step on 2 cores",
+        description="checkpoint every this many versions (and at stop); a crash loses the steps "
+        "since the last one (their samples were acknowledged) and training goes on from it under "
+        "new versions. A checkpoint (model and AdamW state, 1.6 GB for SmolLM2) took 1.9 s of a "
+        "10 s step on 2 cores",
     )
     keep_trained_steps: int = Field(
         default=64, ge=1, description="steps whose sample ids a checkpoint remembers (dedup)"

@@ -8,9 +8,10 @@ step that used it is committed. Per step (``Trainer.run``):
 1. take ``groups_per_step`` complete groups; advantages, staleness bound;
 2. train on every rank (off the event loop);
 3. every ``checkpoint_every`` versions (and at stop): checkpoint (model, optimizer, version
-   v+1, the ids of recent steps) atomically, log the steps it holds, and release their samples'
-   handlers: the ingress acks them. Until then they stay un-acked, so a crash gives them back;
-4. publish version v+1 (``trainer.publisher``: a host-local copy in the step, the object store
+   v+1, the ids of recent steps) atomically and log the steps it holds;
+4. release the samples' handlers: the ingress acks them (rollout is paced by unsettled samples,
+   so they are not held until a checkpoint: a crash loses the steps since the last one);
+5. publish version v+1 (``trainer.publisher``: a host-local copy in the step, the object store
    in the background) and time how long until every rollout worker serves it.
 
 NATS errors on the way are a broker outage, not a failed step: the weights of a version are
@@ -227,15 +228,14 @@ class Trainer:
         """Ingress handler: returns (-> ack) once the step that consumed the sample is committed."""
         if self._stopping:  # after the hand-back: nobody would release it
             raise HandBack("trainer stopping")
-        # 1. Held already (a second delivery while its group fills, or while the step that
-        # trained it waits for its checkpoint): share the first's outcome.
+        # 1. Trained before this (re)delivery: acknowledge it again, train nothing.
+        if sample.sample_id in self._trained:
+            SAMPLES.labels(Outcome.DUPLICATE.value).inc()
+            log.info(kv("sample_duplicate", sample=sample.sample_id, seq=delivery.stream_seq))
+            return
+        # 2. Held already (a second delivery while its group fills): share the first's outcome.
         future = self._waiting.get(sample.sample_id)
         if future is None:
-            # 2. Trained and committed before this (re)delivery: acknowledge it, train nothing.
-            if sample.sample_id in self._trained:
-                SAMPLES.labels(Outcome.DUPLICATE.value).inc()
-                log.info(kv("sample_duplicate", sample=sample.sample_id, seq=delivery.stream_seq))
-                return
             try:
                 self._batcher.add(sample)
             except BatchError as exc:
@@ -318,6 +318,7 @@ class Trainer:
             self._uncommitted.append(record)
             if len(self._uncommitted) == 1:  # no trained step waits for a checkpoint: log it
                 await self._commit(checkpointed=False)
+            self._release(consumed)
             log.warning(kv("step_skipped", samples=len(consumed), reason="all dropped"))
             return
         # 2. Train on every rank.
@@ -330,14 +331,15 @@ class Trainer:
         stepped = time.monotonic()
         STEP_SECONDS.observe(stepped - started)
         version = self.version + 1
-        # 3. Commit (every checkpoint_every versions): the checkpoint, the steps log, the acks.
+        # 3. Commit (every checkpoint_every versions): the checkpoint, the steps log; the acks.
         record = StepRecord(version, tuple(consumed), dropped)
         self._recent = [*self._recent, record][-self._config.keep_trained_steps :]
         self.version = version
         self._trained = {sid for r in self._recent for sid in r.sample_ids}
         self._uncommitted.append(record)
-        if self._config.checkpoint_dir is None or version % self._config.checkpoint_every == 0:
+        if version % self._config.checkpoint_every == 0:
             await self._commit()
+        self._release(consumed)
         # 4. Publish the new version; metrics.
         await self._publisher.publish(version, self._ranks.backend.hf_state_dict)
         VERSION.set(version)
@@ -377,8 +379,8 @@ class Trainer:
 
     async def _commit(self, checkpointed: bool = True) -> None:
         """Make the steps since the last commit durable: checkpoint the current version (unless
-        ``checkpointed`` is False: only dropped samples since), append them to the steps log,
-        then acknowledge their samples."""
+        ``checkpointed`` is False: only dropped samples since), then append them to the steps
+        log."""
         records, self._uncommitted = self._uncommitted, []
         if not records:
             return
@@ -387,7 +389,6 @@ class Trainer:
             await self._checkpoint(self.version)
         if directory is not None:
             await asyncio.to_thread(checkpoint.append_steps, directory, records)
-        self._release([sid for r in records for sid in r.sample_ids])
 
     async def _checkpoint(self, version: int) -> None:
         directory = self._config.checkpoint_dir
@@ -501,10 +502,10 @@ class Trainer:
         latest = await retry(lambda: latest_weights(self._js, self._names), what="weights_latest")
         published = latest.version if latest else 0
         if 0 < published - self.version < self._config.checkpoint_every:
-            # The steps since the last checkpoint died with the process; their samples come back
-            # (never acknowledged) and are trained again. Their versions stay taken: a version
-            # names one set of weights, so these weights go on after them, checkpointed at once
-            # (a second crash resumes here).
+            # The steps since the last checkpoint died with the process (their samples were
+            # acknowledged: they are lost too). Their versions stay taken: a version names one
+            # set of weights, so these weights go on after them, checkpointed at once (a second
+            # crash resumes here).
             log.warning(kv("versions_lost", checkpoint=self.version, published=published))
             self.version = published + 1
             await self._checkpoint(self.version)
