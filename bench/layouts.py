@@ -7,8 +7,9 @@ per trainer step (RL only, after warm start and process start), the reward of th
 10 policy versions, samples trained and stale-dropped, and the scheduler's lends, reclaims and
 their mean latency, read from each run's ``summary.json``. Ratios are to disaggregated.
 
-Usage: python bench/layouts.py [--steps 60] [--rounds 1]  (about 2 min per layout and round on
-2 cores). Prints a table and writes bench/results/layouts.json.
+Usage: python bench/layouts.py [--steps 60] [--rounds 1] [--layouts ...]  (about 2 min per
+layout and round on 2 cores). Prints a table and writes bench/results/layouts.json (with fewer
+layouts: layouts-<them>.json; ratios then to the first).
 """
 
 import argparse
@@ -66,15 +67,16 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     args = parser.parse_args()
-    runs: dict[str, list[dict]] = {layout: [] for layout in LAYOUTS}
+    runs: dict[str, list[dict]] = {layout: [] for layout in args.layouts}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="sf-bench-layouts-") as tmp:
         for round_ in range(args.rounds):
-            for layout in LAYOUTS:
+            for layout in args.layouts:
                 print(f"round {round_ + 1}/{args.rounds}: {layout} ...", flush=True)
                 runs[layout].append(run_layout(layout, args.steps, Path(tmp) / str(round_)))
-    base = statistics.median(r["s_per_step"] for r in runs["disaggregated"])
+    base = statistics.median(r["s_per_step"] for r in runs[args.layouts[0]])
     rows = {}
     for layout, results in runs.items():
         per_step = statistics.median(r["s_per_step"] for r in results)
@@ -99,7 +101,8 @@ def main() -> None:
     fastest = min(rows, key=lambda layout: rows[layout]["s_per_step"])
     print(f"fastest here: {fastest}")
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "layouts.json"
+    some = "" if len(args.layouts) == len(LAYOUTS) else "-" + "-".join(args.layouts)
+    path = RESULTS / f"layouts{some}.json"
     result = {
         "steps": args.steps,
         "rounds": args.rounds,
