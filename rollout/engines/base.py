@@ -23,10 +23,11 @@ text: tokenizing and chat templates belong to the gateway. Contract (checked for
 - ``close`` aborts what is in flight, then releases the engine; it never hangs.
 """
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -106,3 +107,82 @@ class Engine(Protocol):
     async def load_weights(self, version: int, path: Path) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class InProcessEngine:
+    """What the engines that schedule their own requests in this process (``hf``, ``emulated``)
+    share: requests by id, each streaming the chunks put on its ``queue``; a scheduler task
+    woken by ``_wake`` and held off by ``_paused``; checks of a request before it is admitted.
+    A subclass sets ``name``, implements ``_admit`` (check, then register a request with
+    ``queue`` and ``done``) and ``_release``, and starts its scheduler."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: EngineConfig, vocab_size: int) -> None:
+        self._config = config
+        self.vocab_size = vocab_size
+        self._version = config.version
+        self._requests: dict[str, Any] = {}
+        self._step_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._paused = False
+        self._closed = False
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_running(self) -> int:
+        return len(self._requests)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        request = self._admit(request_id, prompt_ids, params)
+        try:
+            while True:
+                chunk = await request.queue.get()
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            if not request.done:  # the consumer left early
+                self._release(request, FinishReason.ABORT)
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Any:
+        raise NotImplementedError
+
+    def _release(self, request: Any, outcome: FinishReason) -> None:
+        raise NotImplementedError
+
+    def _check_request(self, request_id: str, prompt_ids: list[int]) -> None:
+        """Refuse (``EngineError``, counted as rejected) a duplicate id, a prompt that is empty
+        or leaves no room for a token, or a token outside the vocabulary."""
+        try:
+            self._check_open()
+            if request_id in self._requests:
+                raise EngineError(f"request {request_id!r} is already running")
+            limit = self._config.max_model_len
+            if not 0 < len(prompt_ids) < limit:
+                raise EngineError(
+                    f"request {request_id!r}: the prompt has {len(prompt_ids)} tokens; "
+                    f"between 1 and {limit - 1} (max_model_len {limit} minus one) are allowed"
+                )
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise EngineError(
+                    f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        except EngineError:
+            ENGINE_REQUESTS.labels(self.name, "rejected").inc()
+            raise
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"the {self.name} engine is closed")

@@ -39,7 +39,6 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +51,7 @@ from rollout.engines.base import (
     EngineConfig,
     EngineError,
     GenerationChunk,
+    InProcessEngine,
 )
 from rollout.engines.config import EmulatedEngineConfig
 
@@ -114,8 +114,10 @@ class _Request:
     done: bool = False
 
 
-class EmulatedEngine:
+class EmulatedEngine(InProcessEngine):
     """Implements ``rollout.engines.base.Engine``; create it with ``start``."""
+
+    name = ENGINE
 
     def __init__(
         self,
@@ -125,47 +127,19 @@ class EmulatedEngine:
         vocab_size: int,
         eos: int,
     ) -> None:
-        self._config = config
+        super().__init__(config, vocab_size)
         self._settings = settings
         self._workload = settings.workload
         self._letters = letters
         self._position = {token: i for i, token in enumerate(letters)}
         self._logprob = -math.log(len(letters))
-        self.vocab_size = vocab_size
         self._eos = eos
-        self._version = config.version
         self._rng = random.Random(settings.seed)
         self._requests: dict[str, _Request] = {}
         self._waiting: deque[_Request] = deque()
         self._resident: list[_Request] = []
         self._deadline: float | None = None
-        self._step_lock = asyncio.Lock()
-        self._wake = asyncio.Event()
-        self._paused = False
-        self._closed = False
         self._scheduler = asyncio.create_task(self._schedule(), name="emulated-engine-scheduler")
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def num_running(self) -> int:
-        return len(self._requests)
-
-    async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[GenerationChunk]:
-        request = self._admit(request_id, prompt_ids, params)
-        try:
-            while True:
-                chunk = await request.queue.get()
-                yield chunk
-                if chunk.finish_reason is not None:
-                    return
-        finally:
-            if not request.done:  # the consumer left early
-                self._release(request, FinishReason.ABORT)
 
     async def abort(self, request_id: str) -> None:
         request = self._requests.get(request_id)
@@ -178,10 +152,6 @@ class EmulatedEngine:
         self._paused = True
         async with self._step_lock:  # the iteration in flight, if any, has finished
             self._send_all()
-
-    async def resume(self) -> None:
-        self._paused = False
-        self._wake.set()
 
     async def load_weights(self, version: int, path: Path) -> None:
         self._check_open()
@@ -209,11 +179,7 @@ class EmulatedEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> _Request:
-        try:
-            self._check_request(request_id, prompt_ids)
-        except EngineError:
-            ENGINE_REQUESTS.labels(ENGINE, "rejected").inc()
-            raise
+        self._check_request(request_id, prompt_ids)
         resumed = self._resumed(prompt_ids)
         request = _Request(
             id=request_id,
@@ -226,23 +192,6 @@ class EmulatedEngine:
         self._waiting.append(request)
         self._wake.set()
         return request
-
-    def _check_request(self, request_id: str, prompt_ids: list[int]) -> None:
-        self._check_open()
-        if request_id in self._requests:
-            raise EngineError(f"request {request_id!r} is already running")
-        limit = self._config.max_model_len
-        if not 0 < len(prompt_ids) < limit:
-            raise EngineError(
-                f"request {request_id!r}: the prompt has {len(prompt_ids)} tokens; "
-                f"between 1 and {limit - 1} (max_model_len {limit} minus one) are allowed"
-            )
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineError(
-                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
 
     def _resumed(self, prompt_ids: list[int]) -> int:
         """How many of this engine's output tokens end ``prompt_ids``: the longest trailing run
@@ -278,10 +227,6 @@ class EmulatedEngine:
             self._resident.remove(request)
         else:
             self._waiting.remove(request)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineError("the emulated engine is closed")
 
     # -- scheduling -----------------------------------------------------------------------------
 

@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from rollout.engines.base import (
     EngineConfig,
     EngineError,
     GenerationChunk,
+    InProcessEngine,
 )
 
 log = logging.getLogger(__name__)
@@ -100,48 +100,22 @@ class _Request:
     done: bool = False
 
 
-class HFEngine:
+class HFEngine(InProcessEngine):
     """Implements ``rollout.engines.base.Engine``; create it with ``start``."""
+
+    name = ENGINE
 
     def __init__(
         self, config: EngineConfig, model: torch.nn.Module, executor: ThreadPoolExecutor
     ) -> None:
-        self._config = config
+        super().__init__(config, model.get_input_embeddings().num_embeddings)
         self._model = model
         self._executor = executor
-        self._version = config.version
-        self.vocab_size: int = model.get_input_embeddings().num_embeddings
         self._eos_ids = eos_token_ids(config.model)
         self._shapes, self._aliases = _parameter_layout(model)
         self._requests: dict[str, _Request] = {}
         self._seeds = itertools.count(config.settings.seed)
-        self._step_lock = asyncio.Lock()
-        self._wake = asyncio.Event()
-        self._paused = False
-        self._closed = False
         self._scheduler = asyncio.create_task(self._schedule(), name="hf-engine-scheduler")
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def num_running(self) -> int:
-        return len(self._requests)
-
-    async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[GenerationChunk]:
-        request = self._admit(request_id, prompt_ids, params)
-        try:
-            while True:
-                chunk = await request.queue.get()
-                yield chunk
-                if chunk.finish_reason is not None:
-                    return
-        finally:
-            if not request.done:  # the consumer left early
-                self._release(request, FinishReason.ABORT)
 
     async def abort(self, request_id: str) -> None:
         request = self._requests.get(request_id)
@@ -152,10 +126,6 @@ class HFEngine:
         self._paused = True
         async with self._step_lock:  # the step in flight, if any, has finished
             pass
-
-    async def resume(self) -> None:
-        self._paused = False
-        self._wake.set()
 
     async def load_weights(self, version: int, path: Path) -> None:
         self._check_open()
@@ -206,11 +176,7 @@ class HFEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> _Request:
-        try:
-            self._check_request(request_id, prompt_ids)
-        except EngineError:
-            ENGINE_REQUESTS.labels(ENGINE, "rejected").inc()
-            raise
+        self._check_request(request_id, prompt_ids)
         seed = params.seed if params.seed is not None else next(self._seeds)
         request = _Request(
             id=request_id,
@@ -223,32 +189,11 @@ class HFEngine:
         self._wake.set()
         return request
 
-    def _check_request(self, request_id: str, prompt_ids: list[int]) -> None:
-        self._check_open()
-        if request_id in self._requests:
-            raise EngineError(f"request {request_id!r} is already running")
-        limit = self._config.max_model_len
-        if not 0 < len(prompt_ids) < limit:
-            raise EngineError(
-                f"request {request_id!r}: the prompt has {len(prompt_ids)} tokens; "
-                f"between 1 and {limit - 1} (max_model_len {limit} minus one) are allowed"
-            )
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineError(
-                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
-
     def _release(self, request: _Request, outcome: FinishReason) -> None:
         ENGINE_REQUESTS.labels(ENGINE, outcome.value).inc()
         request.done = True
         request.cache = None
         del self._requests[request.id]
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineError("the hf engine is closed")
 
     # -- scheduling -----------------------------------------------------------------------------
 
