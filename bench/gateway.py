@@ -24,7 +24,8 @@ while the other variant runs. Load averages before and after are recorded as a n
 
 Usage: python bench/gateway.py [--engine hf|vllm] [--calls 60] [--sessions 1,4,16] [--turns 8]
 (the defaults take about 1.5 min with hf, 2 min with vllm, on 2 cores).
-Prints a table and writes bench/results/gateway.json, which keeps one entry per engine: a run
+Prints a table and writes bench/results/gateway.json (``--stream-interval S``: the worker's
+``stream_interval_s``, results in gateway-stream<S>.json), which keeps one entry per engine: a run
 replaces its engine's entry and leaves the others. In an entry, ``latency.summary`` maps each
 measure to its quantiles ("50", "99"; ms, or b / a for ``*_ratio``) and ``latency.raw`` holds every
 measured call in ms.
@@ -128,6 +129,7 @@ class Settings:
     turns: int
     turn_tokens: int
     start_timeout_s: float
+    stream_interval_s: float | None  # the worker's [worker] stream_interval_s; None: its default
 
 
 @dataclass(frozen=True)
@@ -438,14 +440,19 @@ def _minus(b: list[float], a: list[float]) -> list[float]:
     return [y - x for x, y in zip(a, b, strict=True)]
 
 
-async def run_bench(nats_url: str, model: Path, s: Settings) -> dict:
-    """Provision the run, start the worker and the in-process engine side by side, measure."""
+async def run_bench(nats_url: str, model: Path, s: Settings, scratch: Path) -> dict:
+    """Provision the run, start the worker and the in-process engine side by side, measure.
+    ``scratch``: a folder that outlives the worker (its config goes there)."""
     # SIGTERM unwinds like Ctrl-C (asyncio.run cancels on SIGINT): every process is stopped.
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     async with session(nats_url, "bench-provision") as nc:
         await provision_run(nc.jetstream(), RUN, ProvisionConfig())
     args = ["--engine", s.engine, "--max-running", str(max(s.sessions))]
     args += ["--max-model-len", str(s.max_model_len)]
+    if s.stream_interval_s is not None:
+        config = scratch / "worker.toml"
+        config.write_text(f"[worker]\nstream_interval_s = {s.stream_interval_s}\n")
+        args += ["--config", str(config)]
     # The worker's engine gets torch's default threads, like the in-process one.
     worker = worker_process(nats_url, RUN, model, "bench-w1", *args, threads=None)
     try:
@@ -537,9 +544,11 @@ def print_report(result: dict) -> None:
 
 
 def write_result(result: dict) -> Path:
-    """Replace this engine's entry in gateway.json, keeping the other engines' entries."""
+    """Replace this engine's entry in gateway.json (gateway-stream<interval>.json with
+    ``--stream-interval``), keeping the other engines' entries."""
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "gateway.json"
+    interval = result["settings"]["stream_interval_s"]
+    path = RESULTS / ("gateway.json" if interval is None else f"gateway-stream{interval:g}.json")
     try:
         entries = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -565,6 +574,9 @@ def parse_args() -> Settings:
     parser.add_argument("--turns", type=int, default=8, help="calls per session")
     parser.add_argument("--turn-tokens", type=int, default=64, help="max_tokens per call")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="worker start, s")
+    parser.add_argument(
+        "--stream-interval", type=float, help="the worker's stream_interval_s (default: its own)"
+    )
     args = parser.parse_args()
     sessions = tuple(int(n) for n in args.sessions.split(",") if n)
     if args.calls < 2 or not sessions or min(sessions) < 1 or args.turns < 1:
@@ -580,6 +592,7 @@ def parse_args() -> Settings:
         turns=args.turns,
         turn_tokens=args.turn_tokens,
         start_timeout_s=args.start_timeout,
+        stream_interval_s=args.stream_interval,
     )
 
 
@@ -595,7 +608,7 @@ def main() -> None:
         EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state))) as broker,
     ):
         try:
-            measured = asyncio.run(run_bench(broker.url, model, settings))
+            measured = asyncio.run(run_bench(broker.url, model, settings, Path(state)))
         except (KeyboardInterrupt, asyncio.CancelledError):
             sys.exit("interrupted: the worker and the broker are stopped, nothing was written")
         nats_server = ".".join(map(str, broker.version))
