@@ -145,10 +145,21 @@ async def announce_local(
 
 
 def _prune_local(run_folder: Path, older_than: int) -> None:
-    for path in run_folder.glob("v*"):
-        version = _blob_version(path.name + ".safetensors")
-        if version is not None and version < older_than:
+    for path, version in _local_versions(run_folder):
+        if version < older_than:
             shutil.rmtree(path, ignore_errors=True)  # a worker loading it keeps its open mapping
+
+
+def newest_local(root: Path, names: RunNames) -> int:
+    """The newest version with a host-local copy of the run under ``root`` (0: none). The
+    weights stream keeps one message, which may be an older version's object-store announcement
+    that landed after this one's local announcement."""
+    return max((v for _, v in _local_versions(Path(root) / names.run)), default=0)
+
+
+def _local_versions(run_folder: Path) -> list[tuple[Path, int]]:
+    found = [(path, _blob_version(path.name + ".safetensors")) for path in run_folder.glob("v*")]
+    return [(path, v) for path, v in found if v is not None]
 
 
 def local_copy(event: WeightsPublished) -> Path | None:

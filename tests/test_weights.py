@@ -7,6 +7,7 @@ from broker.weights import (
     fetch_weights,
     fetch_weights_apart,
     latest_weights,
+    newest_local,
     publish_weights,
 )
 
@@ -71,3 +72,11 @@ async def test_fetch_apart_uses_its_own_connection_and_loop(broker, js, names):
     missing = event.model_copy(update={"location": f"objstore://{names.weights_store}/v7.x"})
     with pytest.raises(WeightsIntegrityError, match=r"weights v1: cannot read objstore://"):
         await fetch_weights_apart(broker.url, missing)
+
+
+def test_the_newest_local_copy_is_read_off_the_version_folders(names, tmp_path):
+    assert newest_local(tmp_path, names) == 0  # no folder yet
+    run = tmp_path / names.run
+    for name in ("v1", "v3", "v10.partial", "vx", "other"):
+        (run / name).mkdir(parents=True)
+    assert newest_local(tmp_path, names) == 3

@@ -46,7 +46,7 @@ from broker.retry import BACKOFF, retry
 from broker.roles import REGISTRY as ROLE_METRICS
 from broker.roles import RoleHolder
 from broker.subjects import Durable, RunNames
-from broker.weights import latest_weights
+from broker.weights import latest_weights, newest_local
 from common.log import kv
 from common.metrics import serve_metrics
 from trainer import checkpoint
@@ -501,6 +501,8 @@ class Trainer:
         after those published since it (``checkpoint_every`` > 1)."""
         latest = await retry(lambda: latest_weights(self._js, self._names), what="weights_latest")
         published = latest.version if latest else 0
+        if self._config.local_weights:  # a newer version may have been announced here only
+            published = max(published, newest_local(self._config.local_weights_dir, self._names))
         if 0 < published - self.version < self._config.checkpoint_every:
             # The steps since the last checkpoint died with the process (their samples were
             # acknowledged: they are lost too). Their versions stay taken: a version names one

@@ -64,8 +64,8 @@ class TorchBackend:
             betas=config.betas,
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
-            # one kernel over all parameters: 0.5 s a step on CPU for SmolLM2 with the default
-            # (foreach) implementation
+            # one kernel over all parameters: the optimizer phase of a SmolLM2 step on 2 CPU
+            # cores went from 0.53 s (the default, foreach) to 0.20 s
             fused=self._device.type in ("cpu", "cuda"),
         )
         self._reference = None
@@ -106,8 +106,8 @@ class TorchBackend:
                 return self._rows(model, batch)
             out = torch.zeros(batch.input_ids.shape, device=self._device)
             for prefix in batch.prefixes:
-                shared = self._shared(model, batch, prefix)
-                out = out.index_copy(0, self._index(prefix.rows), shared)
+                logprobs = self._shared(model, batch, prefix)
+                out = out.index_copy(0, self._index(prefix.rows), logprobs)
             shared = {r for prefix in batch.prefixes for r in prefix.rows}
             if alone := [r for r in range(batch.input_ids.shape[0]) if r not in shared]:
                 rows = batch.select(alone, batch.input_ids.shape[1])
