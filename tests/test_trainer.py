@@ -213,11 +213,12 @@ def _trainer_process(url: str, run: str, model: Path, config: Path) -> ServicePr
     return ServiceProcess("trainer", *args)
 
 
-@pytest.mark.newest_nats
-async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
-    broker, nc, js, run_name, tiny_model_dir, tmp_path
-):
-    # Samples the killed trainer held come back after ack_wait: make it short.
+async def _killable_run(
+    nc, js, run_name: str, tmp_path: Path, worker_id: str, extra: str = ""
+) -> tuple[RunNames, Path, Path, list[WeightsPublished]]:
+    """A run whose killed trainer's samples come back soon (ack_wait 3 s); its trainer's
+    checkpoint folder and config file (``extra`` lines added to ``[trainer]``); and every
+    weights announcement as it is made (the stream keeps only the last)."""
     quick = ConsumerLimits(ack_wait_s=3, max_deliver=10, max_ack_pending=8192)
     await provision_run(js, run_name, SMALL_RUN.model_copy(update={"trainer": quick}))
     names = RunNames(run_name)
@@ -225,18 +226,25 @@ async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
     config = tmp_path / "run.toml"
     config.write_text(
         f'[trainer]\ncheckpoint_dir = "{ckpt}"\nweights_dir = "{tmp_path / "weights"}"\n'
-        'groups_per_step = 1\nlr = 1e-3\nmax_staleness = 1000\nworker_id = "trainer-k"\n'
+        f'groups_per_step = 1\nlr = 1e-3\nmax_staleness = 1000\nworker_id = "{worker_id}"\n' + extra
     )
-    first = [group(f"g{i}", 2, base=i) for i in range(6)]
-    second = [group(f"h{i}", 2, base=i) for i in range(4)]
-    everything = {s.sample_id for g in first + second for s in g}
-    published: list[WeightsPublished] = []  # the stream keeps only the last: watch them all
+    published: list[WeightsPublished] = []
 
     async def on_weights(msg) -> None:
         published.append(codec.decode(WeightsPublished, msg.data))
 
     await nc.subscribe(names.weights, cb=on_weights)
+    return names, ckpt, config, published
 
+
+@pytest.mark.newest_nats
+async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
+    broker, nc, js, run_name, tiny_model_dir, tmp_path
+):
+    names, ckpt, config, published = await _killable_run(nc, js, run_name, tmp_path, "trainer-k")
+    first = [group(f"g{i}", 2, base=i) for i in range(6)]
+    second = [group(f"h{i}", 2, base=i) for i in range(4)]
+    everything = {s.sample_id for g in first + second for s in g}
     proc = await asyncio.to_thread(
         _trainer_process(broker.url, names.run, tiny_model_dir, config).wait_ready
     )
@@ -333,23 +341,10 @@ async def _eq(value, want) -> bool:
 async def test_a_crash_loses_the_steps_since_the_checkpoint_and_training_goes_on_as_new_versions(
     broker, nc, js, run_name, tiny_model_dir, tmp_path
 ):
-    quick = ConsumerLimits(ack_wait_s=3, max_deliver=10, max_ack_pending=8192)
-    await provision_run(js, run_name, SMALL_RUN.model_copy(update={"trainer": quick}))
-    names = RunNames(run_name)
-    ckpt = tmp_path / "ckpt"
-    config = tmp_path / "run.toml"
-    config.write_text(
-        f'[trainer]\ncheckpoint_dir = "{ckpt}"\nweights_dir = "{tmp_path / "weights"}"\n'
-        'groups_per_step = 1\nlr = 1e-3\nmax_staleness = 1000\nworker_id = "trainer-c"\n'
-        "checkpoint_every = 3\n"
+    names, ckpt, config, published = await _killable_run(
+        nc, js, run_name, tmp_path, "trainer-c", "checkpoint_every = 3\n"
     )
     groups = [group(f"g{i}", 2, base=i) for i in range(5)]
-    published: list[WeightsPublished] = []
-
-    async def on_weights(msg) -> None:
-        published.append(codec.decode(WeightsPublished, msg.data))
-
-    await nc.subscribe(names.weights, cb=on_weights)
     proc = await asyncio.to_thread(
         _trainer_process(broker.url, names.run, tiny_model_dir, config).wait_ready
     )

@@ -502,7 +502,10 @@ class Trainer:
         latest = await retry(lambda: latest_weights(self._js, self._names), what="weights_latest")
         published = latest.version if latest else 0
         if self._config.local_weights:  # a newer version may have been announced here only
-            published = max(published, newest_local(self._config.local_weights_dir, self._names))
+            newest = await asyncio.to_thread(
+                newest_local, self._config.local_weights_dir, self._names
+            )
+            published = max(published, newest)
         if 0 < published - self.version < self._config.checkpoint_every:
             # The steps since the last checkpoint died with the process (their samples were
             # acknowledged: they are lost too). Their versions stay taken: a version names one
