@@ -17,7 +17,8 @@ from pathlib import Path
 from common.exceptions import SeamlessFlowError
 from common.log import setup_logging
 from common.models import MODELS  # cheap: torch is imported inside its functions
-from seamlessflow.config import DEFAULT_RUN, ConfigError, RunConfig, load_config
+from seamlessflow.config import DEFAULT_RUN, RunConfig, load_config
+from seamlessflow.exceptions import ConfigError, InputError
 from seamlessflow.flags import Flag, add_flags, apply_flags, section_flags
 
 
@@ -195,7 +196,7 @@ def _submit(args: argparse.Namespace) -> int:
             with open(args.tasks) as f:
                 tasks, errors = parse_tasks(f, args.tasks)
         except OSError as exc:
-            raise SeamlessFlowError(f"cannot read {args.tasks}: {exc}") from exc
+            raise InputError(f"cannot read {args.tasks}: {exc}") from exc
     for error in errors:
         print(error, file=sys.stderr)
     names = RunNames(args.run or DEFAULT_RUN)

@@ -9,10 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
 from broker.subjects import NAME_PATTERN
-from common.exceptions import SeamlessFlowError
 from rollout.agents.config import AgentsConfig
 from rollout.gateway.config import GatewaySettings
 from rollout.worker import WorkerConfig
+from seamlessflow.exceptions import ConfigError
 from seamlessflow.processes import SuperviseConfig
 from tagsched.admission import AdmissionError, admission_limit
 from tagsched.config import LayoutConfig, SchedulerConfig, TrainerShape
@@ -20,11 +20,6 @@ from tagsched.spec import Layout
 from trainer.config import TrainerConfig
 from trainer.warmstart import WarmStartConfig
 from trajectory.config import TrajectoryConfig
-
-
-class ConfigError(SeamlessFlowError):
-    """A configuration file is missing, unreadable or invalid."""
-
 
 DEFAULT_RUN = "quickstart"
 

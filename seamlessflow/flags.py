@@ -21,7 +21,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from seamlessflow.config import ConfigError, RunConfig, override
+from seamlessflow.config import RunConfig, override
+from seamlessflow.exceptions import ConfigError
 
 
 @dataclass(frozen=True)

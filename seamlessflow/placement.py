@@ -11,13 +11,9 @@ turn. ``"none"`` sets no affinity: threads come from ``trainer.threads`` and ``r
 
 from dataclasses import dataclass
 
-from common.exceptions import SeamlessFlowError
 from seamlessflow.config import CpusConfig, Placement, RolloutConfig
+from seamlessflow.exceptions import PlacementError
 from trainer.config import TrainerConfig
-
-
-class PlacementError(SeamlessFlowError):
-    """The configured CPU sets do not fit this machine."""
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,10 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.server import die_with_parent
-from common.exceptions import SeamlessFlowError
+from seamlessflow.exceptions import ServiceProcessError
 
 READY = "ready:"
 """What a long-running ``seamlessflow`` command prints once it is serving."""
-
-
-class ServiceProcessError(SeamlessFlowError):
-    """A service process did not start or did not stop in time."""
 
 
 class SuperviseConfig(BaseModel):

@@ -47,6 +47,7 @@ from common.models import resolve_model
 from common.paths import default_state_dir
 from rollout.agents import arithmetic
 from seamlessflow.config import RunConfig
+from seamlessflow.exceptions import RunFailedError
 from seamlessflow.launcher import local_broker, stop_on_signals
 from seamlessflow.placement import CpuPlan, CpuSet, place
 from seamlessflow.processes import ServiceProcess, SuperviseConfig, worker_process
@@ -75,10 +76,6 @@ SCRAPE_TARGETS = "scrape_targets.json"
 CHECKPOINTS = "checkpoints"
 """The trainer's checkpoints, in the run's output folder, unless ``trainer.checkpoint_dir`` is
 set: a restarted trainer resumes from them."""
-
-
-class RunFailedError(SeamlessFlowError):
-    """A process of the run kept failing or the run could not start."""
 
 
 def prepare_model(config: RunConfig) -> Path:

@@ -27,8 +27,8 @@ from nats.js import JetStreamContext
 
 from broker.registry import watch_workers
 from broker.subjects import RunNames
-from common.exceptions import SeamlessFlowError
 from common.log import kv
+from seamlessflow.exceptions import TargetError
 from tagsched.spec import has_tags
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ KINDS = ("broker", "worker", "gateway", "trajectory", "trainer", "agents", "sche
 
 def job_name(kind: str) -> str:
     if kind not in KINDS:
-        raise SeamlessFlowError(f"unknown process kind {kind!r}; one of {', '.join(KINDS)}")
+        raise TargetError(f"unknown process kind {kind!r}; one of {', '.join(KINDS)}")
     return f"seamlessflow-{kind}"
 
 
@@ -51,7 +51,7 @@ def target_group(metrics_url: str, kind: str, run: str) -> dict:
     except ValueError:
         port = None
     if url.scheme != "http" or not url.hostname or not port:
-        raise SeamlessFlowError(f"not an http://host:port/... metrics URL: {metrics_url!r}")
+        raise TargetError(f"not an http://host:port/... metrics URL: {metrics_url!r}")
     labels = {"job": job_name(kind), "run": run, "__metrics_path__": url.path or "/metrics"}
     return {"targets": [url.netloc], "labels": labels}
 
@@ -111,7 +111,7 @@ class ScrapeTargets:
                 kind = "worker" if has_tags(entry.tags, ["rollout"]) else "trainer"
                 try:
                     target_group(entry.metrics_url, kind, self.run)
-                except SeamlessFlowError as exc:
+                except TargetError as exc:
                     log.warning(kv("scrape_target_skipped", worker=worker_id, error=exc))
                     continue
                 self._registered[worker_id] = (entry.metrics_url, kind)

@@ -8,8 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from seamlessflow.config import CpusConfig, RolloutConfig, RunConfig
-from seamlessflow.placement import CpuSet, PlacementError, place
-from seamlessflow.processes import ServiceProcess, ServiceProcessError
+from seamlessflow.exceptions import PlacementError, ServiceProcessError
+from seamlessflow.placement import CpuSet, place
+from seamlessflow.processes import ServiceProcess
 from trainer.config import TrainerConfig
 
 EIGHT = set(range(8))

@@ -17,7 +17,8 @@ from broker.messages import SampleReady, SessionEnded, WeightsPublished
 from broker.subjects import RunNames
 from broker.weights import fetch_weights
 from rollout.engines import VLLMEngineConfig
-from seamlessflow.config import ConfigError, RunConfig, load_config
+from seamlessflow.config import RunConfig, load_config
+from seamlessflow.exceptions import ConfigError
 from seamlessflow.progress import RunStats
 from tests.support import stream_messages
 from trainer.checkpoint import read_steps

@@ -17,7 +17,8 @@ from broker.messages import (
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.subjects import Durable, RunNames
 from common.metrics import serve_metrics
-from seamlessflow.config import ConfigError, load_config
+from seamlessflow.config import load_config
+from seamlessflow.exceptions import ConfigError
 from seamlessflow.processes import ServiceProcess
 from tests.support import SMALL_RUN, eventually, metric, stream_messages
 from trajectory.config import TrajectoryConfig
