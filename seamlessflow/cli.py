@@ -17,7 +17,8 @@ from pathlib import Path
 from common.exceptions import SeamlessFlowError
 from common.log import setup_logging
 from common.models import MODELS  # cheap: torch is imported inside its functions
-from seamlessflow.config import DEFAULT_RUN, RunConfig, load_config
+from common.ready import claim_handshake
+from seamlessflow.config import DEFAULT_RUN, RunConfig, load_config, override
 from seamlessflow.exceptions import ConfigError, InputError
 from seamlessflow.flags import Flag, add_flags, apply_flags, section_flags
 
@@ -113,7 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("agents", help="run agents on a run's tasks against a gateway until Ctrl-C")
     _add_nats(p)
     _add_run(p)
-    p.add_argument("--gateway", required=True, help="gateway URL (with or without /v1)")
     _add_config(p, "[agents] and [provision] sections")
     # No --temperature: trainer and agents must agree on it, so it is set in the --config file.
     _add_service(p, section_flags("agents", skip=("temperature",)))
@@ -144,7 +144,7 @@ def _settings(args: argparse.Namespace) -> RunConfig:
     """The run config of ``--config`` (or the defaults), with the given flags and ``--run``."""
     config = apply_flags(load_config(args.config), args, args.flags)
     if getattr(args, "run", None):  # the broker serves every run: it has no --run
-        config = config.model_copy(update={"run": args.run})
+        config = override(config, {"run": args.run})
     return config
 
 
@@ -321,9 +321,17 @@ def _agents(args: argparse.Namespace) -> int:
     from seamlessflow.launcher import serve_until_signalled
 
     c = _settings(args)
+    if c.agents.gateway is None:
+        raise ConfigError("agents need the gateway's URL: --gateway or [agents] gateway")
     asyncio.run(
         serve_until_signalled(
-            serve_agents, args.nats, c.run, c.provision, c.agents, args.gateway, args.metrics_port
+            serve_agents,
+            args.nats,
+            c.run,
+            c.provision,
+            c.agents,
+            c.agents.gateway,
+            args.metrics_port,
         )
     )
     return 0
@@ -369,8 +377,8 @@ def _run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     if args.run:
-        config = config.model_copy(update={"run": args.run})
-    asyncio.run(run_rl(config, args.config, args.nats))
+        config = override(config, {"run": args.run})
+    asyncio.run(run_rl(config, args.nats))
     return 0
 
 
@@ -393,6 +401,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    claim_handshake()
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:

@@ -1,5 +1,6 @@
 """The configuration of a local run: one typed model read from TOML; each part gets its section."""
 
+import json
 import tomllib
 from enum import StrEnum
 from pathlib import Path
@@ -201,15 +202,18 @@ class RunConfig(BaseModel):
 
 
 def load_config(path: Path | None) -> RunConfig:
-    """Defaults when ``path`` is None; else the TOML file, validated, with errors that name it."""
+    """Defaults when ``path`` is None; else the file, validated, with errors that name it: TOML,
+    or JSON for a ``.json`` file (the resolved configs ``seamlessflow run`` gives its children)."""
     if path is None:
         return RunConfig()
+    kind = "JSON" if path.suffix == ".json" else "TOML"
     try:
-        data = tomllib.loads(path.read_text())
+        text = path.read_text()
+        data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid {kind}: {exc}") from exc
     try:
         return override(RunConfig(), data)
     except ValidationError as exc:

@@ -1,12 +1,14 @@
 """Service processes started by SeamlessFlow itself (tests, benchmarks, the local launcher).
 
 ``ServiceProcess`` runs one ``seamlessflow <command>`` as a child process, reads its output in a
-thread (kept for error reports), and knows it is serving once the command prints its ready line:
-a line containing ``ready:`` and ending in ``metrics=<url>``. Every long-running command
-(``worker``, ``gateway``, ``trajectory``, ``trainer``, ``agents``) prints one. ``restart``
-starts the same command again (a supervisor's restart after the process exited).
+thread (kept for error reports), and knows it is serving once the command writes its ready
+handshake (``common.ready``): one JSON object on a pipe of its own, never its output, so no log
+line can be mistaken for it. Every long-running command (``broker``, ``worker``, ``gateway``,
+``trajectory``, ``trainer``, ``agents``, ``scheduler``) writes one. ``restart`` starts the same
+command again (a supervisor's restart after the process exited).
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -20,10 +22,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.server import die_with_parent
+from common.ready import READY_FD
 from seamlessflow.exceptions import ServiceProcessError
-
-READY = "ready:"
-"""What a long-running ``seamlessflow`` command prints once it is serving."""
 
 
 class SuperviseConfig(BaseModel):
@@ -85,29 +85,47 @@ class ServiceProcess:
 
     def _spawn(self) -> None:
         self.metrics_url = ""
+        self.handshake: dict = {}
+        """The child's ready handshake (``common.ready``), once it serves."""
         self.started_at = time.monotonic()
         self._ready = threading.Event()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "seamlessflow.cli", *self.args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=self._env,
-            # Its own session: Ctrl-C reaches the launcher, which stops children in order; and it
-            # dies with the launcher even when that is killed.
-            start_new_session=True,
-            preexec_fn=die_with_parent if self._cpus is None else partial(_pin, self._cpus),
-        )
-        threading.Thread(target=self._read, args=(self.proc, self._ready), daemon=True).start()
+        ready_r, ready_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "seamlessflow.cli", *self.args],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**self._env, READY_FD: str(ready_w)},
+                pass_fds=(ready_w,),
+                # Its own session: Ctrl-C reaches the launcher, which stops children in order;
+                # and it dies with the launcher even when that is killed.
+                start_new_session=True,
+                preexec_fn=die_with_parent if self._cpus is None else partial(_pin, self._cpus),
+            )
+        finally:
+            os.close(ready_w)  # the child's copy is the only writer
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+        threading.Thread(target=self._handshake, args=(ready_r, self._ready), daemon=True).start()
 
-    def _read(self, proc: subprocess.Popen, ready: threading.Event) -> None:
+    def _read(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
             self.output.append(line)
-            if READY in line and not ready.is_set():
-                self.metrics_url = line.rsplit("metrics=", 1)[1].strip()
-                ready.set()
-        ready.set()  # exited: wake a waiter
+
+    def _handshake(self, fd: int, ready: threading.Event) -> None:
+        """Take the child's handshake; a pipe closed without one (it exited) leaves it unset."""
+        with os.fdopen(fd) as pipe:
+            line = pipe.readline()
+        try:
+            handshake = json.loads(line) if line else {}
+        except json.JSONDecodeError:
+            self.output.append(f"--- {self.name}: unreadable ready handshake {line!r} ---\n")
+            handshake = {}
+        if handshake.get("metrics_url"):
+            self.handshake = handshake
+            self.metrics_url = handshake["metrics_url"]
+            ready.set()
 
     def restart(self) -> None:
         """Start the command again; the process must have exited. Its output goes on in
@@ -119,13 +137,17 @@ class ServiceProcess:
 
     @property
     def serving(self) -> bool:
-        """Whether it printed its ready line (and is still running)."""
-        return self._ready.is_set() and bool(self.metrics_url) and self.proc.poll() is None
+        """Whether it wrote its ready handshake (and is still running)."""
+        return self._ready.is_set() and self.proc.poll() is None
 
     def wait_ready(self, timeout: float = 120.0) -> "ServiceProcess":
         """Return once the process serves; stop it and raise if it exits or is not serving in
         ``timeout`` seconds."""
-        if self._ready.wait(timeout) and self.metrics_url:
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                break
+        if self._ready.is_set():
             return self
         self.stop()
         code = self.proc.returncode

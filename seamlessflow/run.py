@@ -4,7 +4,9 @@
 2. Start the embedded broker (a fresh store under the run's output folder) or use ``--nats``,
    and provision the run.
 3. Start the processes with fixed roles: trajectory manager, trainer, rollout workers, gateway,
-   agent runner (each a ``seamlessflow`` child process serving ``/metrics``), and list every
+   agent runner (each a ``seamlessflow`` child process serving ``/metrics``, started with
+   ``--config`` and nothing else: its resolved, validated run config, written to the run's
+   output folder under ``configs/``; the broker's URL is in its environment), and list every
    ``/metrics`` (the embedded broker's too, and workers that join through the registry) in
    ``scrape_targets.json`` for Prometheus (``seamlessflow.targets``).
 4. Keep a small backlog of tasks queued, and show a live progress line built from the data plane
@@ -26,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import httpx
@@ -46,11 +49,11 @@ from common.metrics import scrape
 from common.models import resolve_model
 from common.paths import default_state_dir
 from rollout.agents import arithmetic
-from seamlessflow.config import RunConfig
+from seamlessflow.config import RunConfig, override
 from seamlessflow.exceptions import RunFailedError
 from seamlessflow.launcher import local_broker, stop_on_signals
 from seamlessflow.placement import CpuPlan, CpuSet, place
-from seamlessflow.processes import ServiceProcess, SuperviseConfig, worker_process
+from seamlessflow.processes import ServiceProcess, SuperviseConfig
 from seamlessflow.progress import RunStats
 from seamlessflow.report import (
     RunSummary,
@@ -72,6 +75,9 @@ PLAIN_LINE_EVERY_S = 10.0
 SCRAPE_TARGETS = "scrape_targets.json"
 """The run's Prometheus ``file_sd`` targets, in its output folder (``seamlessflow.targets``)."""
 
+
+CONFIGS = "configs"
+"""Each child's resolved run config (``<name>.json``), in the run's output folder."""
 
 CHECKPOINTS = "checkpoints"
 """The trainer's checkpoints, in the run's output folder, unless ``trainer.checkpoint_dir`` is
@@ -96,7 +102,7 @@ def output_dir(config: RunConfig) -> Path:
     return config.output_dir or default_state_dir() / "runs" / config.run
 
 
-async def run_rl(config: RunConfig, config_path: Path | None, nats: str | None) -> RunSummary:
+async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
     """Run the loop described in the module docstring; return its summary."""
     stop = stop_on_signals()
     out = output_dir(config)
@@ -105,7 +111,8 @@ async def run_rl(config: RunConfig, config_path: Path | None, nats: str | None) 
     if nats is None:
         shutil.rmtree(out / "broker", ignore_errors=True)  # every run starts from a fresh store
     shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)  # and a new run from the model
-    broker = config.broker.model_copy(update={"state_dir": out / "broker"})
+    shutil.rmtree(out / CONFIGS, ignore_errors=True)
+    broker = override(config, {"broker": {"state_dir": str(out / "broker")}}).broker
     names = RunNames(config.run)
     async with (
         local_broker(nats, broker) as embedded,
@@ -125,7 +132,7 @@ async def run_rl(config: RunConfig, config_path: Path | None, nats: str | None) 
         print(f"broker {url}, model {model}, output {out}", flush=True)
         print(f"prometheus targets (file_sd): {targets.path}", flush=True)
         follow = asyncio.create_task(targets.follow(js, names))
-        services = Services(url, config, config_path, model, out / CHECKPOINTS)
+        services = Services(url, config, model, out / CHECKPOINTS, out / CONFIGS)
         stats = RunStats()
         started = time.time()
         try:
@@ -254,58 +261,68 @@ class TaskFeed:
 
 @dataclass
 class Services:
-    """The run's child processes, started in dependency order and stopped in reverse."""
+    """The run's child processes, started in dependency order and stopped in reverse. Each is
+    started with ``--config <configs>/<name>.json`` only: the run config with what is the
+    child's own (its model folder, worker id, tags, role, CPUs' threads, ports) resolved and the
+    whole validated, so a child never sees a setting its parent did not check."""
 
     url: str
     config: RunConfig
-    config_path: Path | None
     model: Path
     checkpoint_dir: Path
     """The trainer's, when the config sets none: a restarted trainer resumes from it."""
+    configs: Path
 
     def __post_init__(self) -> None:
         self.running: list[ServiceProcess] = []
         self._supervised: dict[str, _Supervised] = {}
         self._targets: ScrapeTargets | None = None
 
+    def resolve(self, name: str, changes: dict[str, Any]) -> Path:
+        """Write the child ``name``'s config: the run's with ``changes`` (nested like the TOML),
+        validated as a whole; return its path."""
+        resolved = override(self.config, {"model": {"name": str(self.model)}, **changes})
+        self.configs.mkdir(parents=True, exist_ok=True)
+        path = self.configs / f"{name}.json"
+        path.write_text(resolved.model_dump_json(indent=2) + "\n")
+        return path
+
+    def child(
+        self, name: str, command: str, changes: dict[str, Any], where: CpuSet | None = None
+    ) -> ServiceProcess:
+        """``seamlessflow <command> --config <its resolved config>``, on ``where``'s CPUs."""
+        threads, cpus = (1, None) if where is None else (where.threads, where.cpus)
+        env = {"SEAMLESSFLOW_NATS_URL": self.url, "SEAMLESSFLOW_RUN": self.config.run}
+        path = self.resolve(name, changes)
+        return ServiceProcess(
+            name, command, "--config", str(path), threads=threads, cpus=cpus, env=env
+        )
+
     async def start(self, targets: ScrapeTargets) -> None:
         """Start every process; each becomes a scrape target once it serves."""
-        cfg = self.config
-        config_args = ["--config", str(self.config_path)] if self.config_path else []
-        where = ["--nats", self.url, "--run", cfg.run]
-        common = [*where, *config_args]
-        layout = cfg.layout.kind
-        cpus = place(cfg.cpus, cfg.trainer, cfg.rollout, os.sched_getaffinity(0))
+        layout = self.config.layout.kind
+        cpus = place(
+            self.config.cpus, self.config.trainer, self.config.rollout, os.sched_getaffinity(0)
+        )
         print(
             f"starting scheduler ({layout}), trajectory manager, trainer, rollout workers, "
             "gateway ...",
             flush=True,
         )
-        checkpoints = (
-            [] if cfg.trainer.checkpoint_dir else ["--checkpoint-dir", str(self.checkpoint_dir)]
-        )
         first = [
-            ServiceProcess("scheduler", "scheduler", *common),  # its [scheduler] and [layout]
-            ServiceProcess("trajectory", "trajectory", *common),
-            *self._trainer_and_workers(layout, config_args, checkpoints, cpus),
+            self.child("scheduler", "scheduler", {}),
+            self.child("trajectory", "trajectory", {}),
+            *self._trainer_and_workers(layout, cpus),
         ]
-        gateway = ServiceProcess(
-            "gateway",
-            "gateway",
-            *common,  # its [model] and [gateway] sections
-            "--model",
-            str(self.model),
-            "--port",
-            "0",
-        )
+        gateway = self.child("gateway", "gateway", {"gateway": {"port": 0}})
         self.running = [*first, gateway]
         await self._ready(self.running)
         for proc in self.running:
             targets.add(proc.metrics_url, proc.command)
         gateway_url = gateway.metrics_url.removesuffix("/metrics") + "/v1"
         # A restarted gateway must listen where the agents call it.
-        gateway.args[gateway.args.index("--port") + 1] = str(urlparse(gateway_url).port)
-        agents = ServiceProcess("agents", "agents", *common, "--gateway", gateway_url)
+        self.resolve("gateway", {"gateway": {"port": urlparse(gateway_url).port}})
+        agents = self.child("agents", "agents", {"agents": {"gateway": gateway_url}})
         self.running.append(agents)
         await self._ready([agents])
         targets.add(agents.metrics_url, agents.command)
@@ -314,53 +331,40 @@ class Services:
         self._targets = targets
         self._supervised = {p.name: _Supervised(p) for p in self.running}
 
-    def _trainer_and_workers(
-        self, layout: Layout, config_args: list[str], checkpoints: list[str], cpus: CpuPlan
-    ) -> list[ServiceProcess]:
+    def _trainer_and_workers(self, layout: Layout, cpus: CpuPlan) -> list[ServiceProcess]:
         """The trainer and the rollout workers, tagged for ``layout`` (``tagsched.spec``) and
         placed on ``cpus`` (``seamlessflow.placement``): disaggregated, a trainer process on the
         trainer's CPUs and ``rollout.workers`` rollout workers on the rollout CPUs; multiplexed,
         the trainer is a worker tagged ``train,rollout`` on the trainer's CPUs (lent to rollout
         while it waits: those CPUs generate then); colocated, one worker tagged both runs
-        anywhere, time-shared between training and rollout. Whatever holds a
-        trainer checkpoints to ``checkpoints`` (so a restart resumes)."""
+        anywhere, time-shared between training and rollout. Whatever holds a trainer
+        checkpoints to ``checkpoint_dir`` unless the config sets one (so a restart resumes)."""
         cfg = self.config
+        checkpoints = (
+            {} if cfg.trainer.checkpoint_dir else {"checkpoint_dir": str(self.checkpoint_dir)}
+        )
 
-        def worker(name: str, tags: str, role: Role, where: CpuSet) -> ServiceProcess:
-            args = [*config_args, "--tags", tags, "--role", role.value]  # [model], [worker], ...
-            if "train" in tags.split(","):
-                args += [*checkpoints, "--threads", str(where.threads)]
-            return worker_process(
-                self.url, cfg.run, self.model, name, *args, threads=where.threads, cpus=where.cpus
-            )
+        def worker(name: str, worker_id: str, tags: list[str], role: Role, where: CpuSet):
+            changes: dict[str, Any] = {
+                "worker": {"worker_id": worker_id, "tags": tags, "role": role.value}
+            }
+            if "train" in tags:
+                changes["trainer"] = {**checkpoints, "threads": where.threads}
+            return self.child(name, "worker", changes, where)
 
         if layout is Layout.COLOCATED:
             anywhere = CpuSet(None, len(os.sched_getaffinity(0)))
-            both = worker("worker-0", "train,rollout", Role.IDLE, anywhere)  # one (config)
-            both.name = "trainer"  # the one the progress report reads
-            return [both]
+            # one (config); named trainer: the one the progress report reads
+            return [worker("trainer", "worker-0", ["train", "rollout"], Role.IDLE, anywhere)]
         rollout = [
-            worker(f"rollout-{i}", "rollout", Role.ROLLOUT, where)
+            worker(f"rollout-{i}", f"rollout-{i}", ["rollout"], Role.ROLLOUT, where)
             for i, where in enumerate(cpus.workers)
         ]
         if layout is Layout.MULTIPLEXED:
-            trainer = worker("trainer-0", "train,rollout", Role.TRAIN, cpus.trainer)
-            trainer.name = "trainer"
+            trainer = worker("trainer", "trainer-0", ["train", "rollout"], Role.TRAIN, cpus.trainer)
             return [trainer, *rollout]
-        where = ["--nats", self.url, "--run", cfg.run, *config_args]
-        trainer = ServiceProcess(
-            "trainer",
-            "trainer",
-            *where,
-            "--model",
-            str(self.model),
-            *checkpoints,
-            "--threads",
-            str(cpus.trainer.threads),
-            threads=cpus.trainer.threads,
-            cpus=cpus.trainer.cpus,
-        )
-        return [trainer, *rollout]
+        changes = {"trainer": {**checkpoints, "threads": cpus.trainer.threads}}
+        return [self.child("trainer", "trainer", changes, cpus.trainer), *rollout]
 
     @staticmethod
     async def _ready(procs: list[ServiceProcess]) -> None:

@@ -7,10 +7,11 @@ the newest one only.
 """
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from broker.client import session
 from broker.provision import provision_run
@@ -93,3 +94,34 @@ def stack(broker: EmbeddedBroker, tiny_model_dir: Path) -> Iterator[Stack]:
     """A provisioned run with one rollout worker (hf, tiny model) and a gateway, per module."""
     with gateway_stack(broker.url, tiny_model_dir) as stack:
         yield stack
+
+
+SMALL_STREAM = {"max_bytes": 4 << 20, "max_age_s": 3600.0}
+
+
+@pytest.fixture
+def run_toml(tmp_path: Path) -> Callable[..., Path]:
+    """Writes ``tmp_path/run.toml``, a small ``seamlessflow run`` config (short context, small
+    groups and streams, output under ``tmp_path/out``) for the run ``run``, with ``sections``
+    (``trainer={...}``) merged into its tables key by key (``warm_start_steps`` sets the
+    warm start's steps), and returns its path."""
+
+    def write(run: str, *, warm_start_steps: int = 30, **sections: dict) -> Path:
+        streams = ("tasks", "gen", "traj", "samples", "weights", "dead")
+        config = {
+            "run": run,
+            "output_dir": str(tmp_path / "out"),
+            "model": {"max_model_len": 256, "warm_start": {"steps": warm_start_steps}},
+            "tasks": {"group_size": 4, "backlog": 4},
+            "provision": {
+                "weights_store_max_bytes": 48 << 20,
+                **{part: SMALL_STREAM for part in streams},
+            },
+        }
+        for name, table in sections.items():
+            config[name] = {**config.get(name, {}), **table}
+        path = tmp_path / "run.toml"
+        path.write_text(tomli_w.dumps(config))
+        return path
+
+    return write

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,6 @@ from tests.support import (
     free_port,
     stream_messages,
 )
-from tests.test_run import SMALL_STREAMS
 from tests.test_trainer import group, publish
 from trainer import checkpoint
 from trainer.config import TrainerConfig
@@ -53,35 +53,7 @@ from trainer.config import TrainerConfig
 pytestmark = [pytest.mark.faults]
 
 GROUP = 4
-CONFIG = """
-run = "{run}"
-output_dir = "{out}"
-
-[model]
-max_model_len = 256
-[model.warm_start]
-steps = 10
-
-[tasks]
-group_size = {group}
-backlog = 4
-
-[trainer]
-groups_per_step = 2
-
-[stop]
-max_steps = 100000
-max_seconds = 900
-
-[supervise]
-backoff_s = 0.5
-backoff_max_s = 2.0
-
-[provision]
-weights_store_max_bytes = 50331648
-replicas = {replicas}
-"""
-CHILDREN = ("scheduler", "trajectory", "trainer", "worker rollout-0", "gateway", "agents")
+CHILDREN = ("scheduler", "trajectory", "trainer", "rollout-0", "gateway", "agents")
 RECOVERY_TIMEOUT_S = 150.0
 CHILD_PID = re.compile(
     r"^(?:  )?(\S.*?)(?:\s+pid\s+| serving again \(pid )(\d+)\)?\s+(http://\S+/metrics)"
@@ -152,15 +124,21 @@ async def _until(condition, timeout: float, run: RunProcess, what: str) -> None:
         await asyncio.sleep(0.2)
 
 
-def _start_run(tmp_path: Path, url: str, replicas: int = 1) -> tuple[RunProcess, Path]:
+def _start_run(
+    tmp_path: Path, url: str, run_toml: Callable[..., Path], replicas: int = 1
+) -> tuple[RunProcess, Path]:
     """``seamlessflow run`` (run name ``faults``) on ``url``; returns it and its checkpoints."""
-    out = tmp_path / "out"
-    config = tmp_path / "run.toml"
-    config.write_text(
-        CONFIG.format(run="faults", out=out, group=GROUP, replicas=replicas) + SMALL_STREAMS
+    config = run_toml(
+        "faults",
+        warm_start_steps=10,
+        tasks={"group_size": GROUP},
+        trainer={"groups_per_step": 2},
+        stop={"max_steps": 100000, "max_seconds": 900},
+        supervise={"backoff_s": 0.5, "backoff_max_s": 2.0},
+        provision={"replicas": replicas},
     )
     env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}
-    return RunProcess(config, url, env), out / "checkpoints"
+    return RunProcess(config, url, env), tmp_path / "out" / "checkpoints"
 
 
 async def _stop_run(run: RunProcess) -> None:
@@ -176,9 +154,11 @@ async def _stop_run(run: RunProcess) -> None:
 
 @pytest.mark.newest_nats
 @pytest.mark.timeout(900)
-async def test_run_survives_kills_and_broker_restarts_losing_nothing(nats_binary, tmp_path):
+async def test_run_survives_kills_and_broker_restarts_losing_nothing(
+    nats_binary, tmp_path, run_toml
+):
     broker = Broker(tmp_path / "broker", nats_binary)
-    run, ckpt = _start_run(tmp_path, broker.url)
+    run, ckpt = _start_run(tmp_path, broker.url, run_toml)
     table: list[tuple[str, float, int]] = []
     try:
         await _until(lambda: _version(ckpt) >= 2, 300, run, "version 2")
@@ -308,12 +288,12 @@ async def test_a_step_taken_while_the_broker_is_down_is_published_when_it_is_bac
 
 @pytest.mark.newest_nats
 @pytest.mark.timeout(600)
-async def test_a_run_on_a_3_node_cluster_loses_a_node_and_goes_on(nats_binary, tmp_path):
+async def test_a_run_on_a_3_node_cluster_loses_a_node_and_goes_on(nats_binary, tmp_path, run_toml):
     """Streams and buckets with 3 replicas (from ``[provision] replicas``); the processes are
     given all three servers; one server is killed mid-run."""
     cluster = await NatsCluster(nats_binary, tmp_path / "cluster").start()
     try:
-        run, ckpt = _start_run(tmp_path, cluster.url, replicas=3)
+        run, ckpt = _start_run(tmp_path, cluster.url, run_toml, replicas=3)
         try:
             await _until(lambda: _version(ckpt) >= 2, 300, run, "version 2")
             before, started = _version(ckpt), time.monotonic()

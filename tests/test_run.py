@@ -27,50 +27,20 @@ from trainer.config import MegatronBackendConfig, TorchBackendConfig
 STEPS = 4
 GROUP = 4
 
-CONFIG = """
-run = "{run}"
-output_dir = "{out}"
-
-[model]
-max_model_len = 256
-[model.warm_start]
-steps = 30
-
-[tasks]
-group_size = {group}
-backlog = 4
-
-[trainer]
-groups_per_step = 2
-max_staleness = 2
-
-[layout]
-kind = "{layout}"
-
-[stop]
-max_steps = {steps}
-max_seconds = 240
-
-[provision]
-weights_store_max_bytes = 50331648
-"""
-SMALL_STREAMS = "".join(
-    f"[provision.{part}]\nmax_bytes = 4194304\nmax_age_s = 3600.0\n"
-    for part in ("tasks", "gen", "traj", "samples", "weights", "dead")
-)
-
 
 @pytest.mark.newest_nats
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("layout", ["disaggregated", "multiplexed", "colocated"])
 async def test_run_trains_the_tiny_model_through_the_data_plane(
-    broker, js, run_name, tmp_path, layout
+    broker, js, run_name, tmp_path, run_toml, layout
 ):
     out = tmp_path / "out"
-    config = tmp_path / "run.toml"
-    config.write_text(
-        CONFIG.format(run=run_name, out=out, group=GROUP, steps=STEPS, layout=layout)
-        + SMALL_STREAMS
+    config = run_toml(
+        run_name,
+        tasks={"group_size": GROUP},
+        trainer={"groups_per_step": 2, "max_staleness": 2},
+        layout={"kind": layout},
+        stop={"max_steps": STEPS, "max_seconds": 240},
     )
     env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(

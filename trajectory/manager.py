@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
@@ -34,6 +35,7 @@ from broker.provision import durable_info
 from broker.subjects import Durable, RunNames
 from common.log import kv
 from common.metrics import serve_metrics
+from common.ready import announce_ready
 from trajectory.config import TrajectoryConfig
 from trajectory.tree import SessionBuild, build_session
 
@@ -258,8 +260,8 @@ async def serve_trajectory(
     try:
         async with session(url, f"seamlessflow-trajectory-{run}") as nc:
             manager = TrajectoryManager(nc.jetstream(), RunNames(run), provision.traj, config)
-            ready = f"trajectory ready: run={run} metrics={metrics.url}"
-            await manager.run(stop, on_ready=lambda: print(ready, flush=True))
+            ready = partial(announce_ready, "trajectory", metrics.url, run=run)
+            await manager.run(stop, on_ready=ready)
     finally:
         metrics.close()
     print("trajectory stopped", flush=True)

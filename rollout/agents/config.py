@@ -26,6 +26,13 @@ class AgentsConfig(BaseModel):
         description="an external command (argv) run once per attempt instead of a Python agent",
         json_schema_extra={"replaces": ["agent"]},
     )
+    gateway: str | None = Field(
+        default=None,
+        pattern=r"^https?://",
+        max_length=2048,
+        description="the gateway's URL (with or without /v1); required to run agents",
+        json_schema_extra={"flag": "gateway"},
+    )
     model: str | None = Field(
         default=None,
         min_length=1,
