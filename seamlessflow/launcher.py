@@ -24,6 +24,7 @@ from broker.roles import RoleHolder
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from common.metrics import MetricsEndpoint, serve_metrics
+from common.ready import announce_ready
 from rollout.engines import EngineConfig, start_engine
 from rollout.engines.base import REGISTRY as ENGINE_METRICS
 from rollout.worker import REGISTRY as WORKER_METRICS
@@ -95,10 +96,12 @@ async def serve_broker(config: EmbeddedBrokerConfig) -> None:
     stop = stop_on_signals()
     with EmbeddedBroker(config) as broker:
         async with broker_metrics(broker.url, config.metrics_port) as metrics:
-            print(
-                f"broker ready: nats={broker.url} monitoring={broker.monitoring_url} "
-                f"store={broker.store_dir} metrics={metrics.url}",
-                flush=True,
+            announce_ready(
+                "broker",
+                metrics.url,
+                nats=broker.url,
+                monitoring=broker.monitoring_url,
+                store=broker.store_dir,
             )
             await stop.wait()
     print("broker stopped", flush=True)
