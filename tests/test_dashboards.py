@@ -11,9 +11,9 @@ import pytest
 import broker.metrics
 import broker.roles
 import rollout.agents.runner
-import rollout.calls
 import rollout.engines.base
 import rollout.gateway
+import rollout.gateway.calls
 import rollout.worker
 import tagsched.metrics
 import trainer.service
@@ -32,7 +32,7 @@ SERVED = {
         broker.roles.REGISTRY,
         trainer.service.REGISTRY,  # a worker tagged train holds a trainer too
     ],
-    "gateway": [rollout.gateway.REGISTRY, rollout.calls.REGISTRY],
+    "gateway": [rollout.gateway.REGISTRY, rollout.gateway.calls.REGISTRY],
     "trajectory": [trajectory.manager.REGISTRY, broker.metrics.REGISTRY],
     "trainer": [trainer.service.REGISTRY, broker.metrics.REGISTRY, broker.roles.REGISTRY],
     "agents": [rollout.agents.runner.REGISTRY, broker.metrics.REGISTRY],
