@@ -9,9 +9,9 @@ OpenAI SDK -> gateway -> NATS -> rollout worker subprocess -> engine (b), in one
    chunk vs (b) streaming.
    The same rounds also run the path one layer at a time, so the overhead splits per hop:
    (n) the generation protocol straight over NATS (publish ``GenerationRequested``, read the
-   ``TokensGenerated`` chunks: the worker and the broker), (c) a ``rollout.calls.Call`` (adds the
-   gateway's call: its request, continuation bookkeeping and the ``CallRecorded`` it stores
-   before answering), (h) plain HTTP to the gateway with httpx (adds the HTTP server, request
+   ``TokensGenerated`` chunks: the worker and the broker), (c) a ``rollout.gateway.calls.Call``
+   (adds the gateway's call: its request, continuation bookkeeping and the ``CallRecorded`` it
+   stores before answering), (h) plain HTTP to the gateway with httpx (adds the HTTP server, request
    validation, detokenization and the response), then (b) through the OpenAI SDK.
 2. throughput: N concurrent multi-turn sessions (``X-Session-Id``), each ``--turns`` greedy chat
    calls of up to ``--turn-tokens`` tokens, through the data plane; then the very same calls
@@ -64,12 +64,11 @@ from broker.messages import (
 )
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
-from broker.subjects import RunNames
+from broker.subjects import SESSION_HEADER, RunNames
 from common.models import load_tokenizer, resolve_model
-from rollout.calls import Call, CallLimits
 from rollout.engines import ENGINE_CONFIGS, ENGINES, Engine, EngineConfig, start_engine
 from rollout.gateway import Gateway, GatewayConfig, default_stop_token_ids
-from rollout.openai_api import SESSION_HEADER
+from rollout.gateway.calls import Call, CallLimits
 from seamlessflow.processes import worker_process
 
 RESULTS = Path(__file__).parent / "results"
@@ -222,7 +221,7 @@ async def nats_call(
 async def core_call(
     nc: NATS, js: JetStreamContext, names: RunNames, prompt_ids: list[int], params: SamplingParams
 ) -> tuple[float, int]:
-    """(seconds, tokens) of one ``rollout.calls.Call``: the gateway's call without HTTP."""
+    """(seconds, tokens) of one ``rollout.gateway.calls.Call``: the gateway's call without HTTP."""
     call = Call(nc, js, names, SERVED, CallLimits(), "bench-core", prompt_ids, params)
     start, tokens = time.perf_counter(), 0
     try:

@@ -19,8 +19,9 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from broker import codec
-from broker.exceptions import BrokerError, InvalidMessageError
+from broker.exceptions import InvalidMessageError
 from broker.messages import MessageRejected
+from broker.provision import run_stream_info
 from broker.subjects import RunNames
 
 PayloadEncoding = Literal["json", "msgpack", "base64"]
@@ -57,13 +58,7 @@ async def read_dead_letters(
     """Every dead letter of the run (of ``source`` only, if given), oldest first. A message on
     the dead-letter stream that is no ``MessageRejected`` is listed too, as its raw bytes."""
     stream = names.dead_stream
-    try:
-        state = (await js.stream_info(stream)).state
-    except NotFoundError as exc:
-        raise BrokerError(
-            f"run {names.run!r} is not provisioned: no stream {stream} (run `seamlessflow "
-            "provision`)"
-        ) from exc
+    state = (await run_stream_info(js, names, stream)).state
     subject = names.dead(source) if source is not None else None
     letters = []
     for seq in range(state.first_seq, state.last_seq + 1) if state.messages else ():

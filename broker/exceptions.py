@@ -26,7 +26,8 @@ class BrokerStartError(BrokerError):
 
 
 class RunNotProvisionedError(BrokerError):
-    """A run's stream or durable consumer is missing: ``seamlessflow provision`` it first."""
+    """A stream or durable consumer of the run is missing; raised only by ``broker.provision``
+    (``run_stream_info``, ``durable_info``), with the one wording that says what to run."""
 
 
 class ProvisionConflictError(BrokerError):

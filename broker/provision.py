@@ -8,6 +8,7 @@ naming every differing setting when something exists with another configuration.
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -31,6 +32,8 @@ from broker.subjects import Durable, RunNames
 from common.log import kv
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 KV_STREAM = "KV_{}"
 OBJ_STREAM = "OBJ_{}"
@@ -309,15 +312,28 @@ async def stream_status(js: JetStreamContext, info: StreamInfo) -> StreamStatus:
     return StreamStatus(info.config.name, info.state.messages, info.state.bytes, consumers)
 
 
+async def run_stream_info(js: JetStreamContext, names: RunNames, stream: str) -> StreamInfo:
+    """The info of one of the run's streams; ``RunNotProvisionedError`` when it is missing."""
+    return await _provisioned(names, f"stream {stream}", js.stream_info(stream))
+
+
 async def durable_info(
     js: JetStreamContext, names: RunNames, stream: str, durable: str
 ) -> ConsumerInfo:
-    """The info of one of the run's durable consumers; ``RunNotProvisionedError`` saying what to
-    do when it is missing. Long-running consumers call it before saying they are ready."""
+    """The info of one of the run's durable consumers; ``RunNotProvisionedError`` when it is
+    missing. Long-running consumers call it before saying they are ready."""
+    return await _provisioned(
+        names, f"consumer {durable} on stream {stream}", js.consumer_info(stream, durable)
+    )
+
+
+async def _provisioned(names: RunNames, what: str, lookup: Awaitable[T]) -> T:
+    """``lookup``'s answer; if ``what`` (a part of the run) is missing, the one error that says
+    so, naming the run and what to run."""
     try:
-        return await js.consumer_info(stream, durable)
+        return await lookup
     except NotFoundError as exc:
         raise RunNotProvisionedError(
-            f"run {names.run!r} is not provisioned: no consumer {durable} on {stream} "
+            f"run {names.run!r} is not provisioned: no {what} "
             f"(run `seamlessflow provision --run {names.run}`)"
         ) from exc

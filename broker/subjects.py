@@ -1,4 +1,5 @@
-"""Every subject, stream, consumer and bucket name of a run. Nobody else formats one.
+"""Every subject, stream, consumer and bucket name of a run, and the session header's name.
+Nobody else formats one.
 
 All subjects of run ``r`` live under ``sf.r.`` so several runs share one NATS cluster; stream
 names are ``SF_r_<PART>`` and buckets ``sf-r-<part>``. ``docs/protocol.md`` lists them for
@@ -14,6 +15,10 @@ from broker.exceptions import InvalidNameError
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 """Run, worker, call and session ids: one subject token, usable in stream and bucket names."""
 _NAME = re.compile(NAME_PATTERN)
+
+SESSION_HEADER = "X-Session-Id"
+"""The HTTP header that ties an agent's calls to the gateway into one session (else the
+request's ``user`` field); its value is a session id (``NAME_PATTERN``)."""
 
 
 def check_name(kind: str, name: str) -> str:

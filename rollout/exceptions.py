@@ -1,10 +1,15 @@
-"""Errors raised by the rollout side: models, workers and the gateway."""
+"""Errors raised by the rollout side: engines, workers, the gateway and the agent runner (whose
+own errors, in ``rollout.agents.exceptions``, derive from ``RolloutError`` too)."""
 
 from common.exceptions import SeamlessFlowError
 
 
 class RolloutError(SeamlessFlowError):
     """Something in rollout failed."""
+
+
+class EngineError(RolloutError):
+    """An engine failed to start, generate or load weights."""
 
 
 class InvalidRequestError(RolloutError):

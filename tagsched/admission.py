@@ -30,15 +30,11 @@ from broker.config import StreamLimits
 from broker.ingress import Delivery, HandBack, Ingress, tasks_ingress
 from broker.messages import TaskSubmitted
 from broker.subjects import Durable, RunNames
-from common.exceptions import SeamlessFlowError
 from common.log import kv
+from tagsched.exceptions import AdmissionError
 from tagsched.metrics import ADMISSION_WAIT, ADMITTED, LIMIT, OUTSTANDING, WAITING
 
 log = logging.getLogger(__name__)
-
-
-class AdmissionError(SeamlessFlowError):
-    """Admission settings that cannot keep the staleness bound."""
 
 
 def admission_limit(*, steps_ahead: int, groups_per_step: int, max_staleness: int) -> int:

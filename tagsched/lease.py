@@ -16,16 +16,12 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from broker.subjects import RunNames
-from common.exceptions import SeamlessFlowError
 from common.log import kv
+from tagsched.exceptions import LeaseLostError
 
 log = logging.getLogger(__name__)
 
 KEY = "scheduler"
-
-
-class LeaseLostError(SeamlessFlowError):
-    """Another scheduler holds the run's lease now."""
 
 
 class Lease:

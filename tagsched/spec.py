@@ -18,11 +18,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.messages import WorkerRegistered
-from common.exceptions import SeamlessFlowError
-
-
-class UnsatisfiableSpecError(SeamlessFlowError):
-    """The live workers cannot meet a placement spec; the message names the missing tags."""
+from tagsched.exceptions import UnsatisfiableSpecError
 
 
 class Layout(StrEnum):

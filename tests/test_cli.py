@@ -99,6 +99,7 @@ def test_submit_reads_stdin_and_status_flags_a_missing_run(broker, run_name):
     # The run was never provisioned: a clear error, not a traceback.
     assert done.returncode == 2
     assert f"run '{run_name}' is not provisioned" in done.stderr
+    assert f"no stream SF_{run_name}_TASKS" in done.stderr
     assert "Traceback" not in done.stderr
     done = sf("status", "--nats", broker.url, "--run", run_name)
     assert done.returncode == 1
@@ -225,7 +226,10 @@ async def test_dead_letters_lists_real_dead_letters_with_decoded_payloads(broker
 def test_dead_letters_of_a_missing_run_is_one_line_error(broker, run_name):
     done = sf("dead-letters", "--nats", broker.url, "--run", run_name)
     assert done.returncode == 2
-    assert f"run '{run_name}' is not provisioned: no stream SF_{run_name}_DEAD" in done.stderr
+    assert (
+        f"run '{run_name}' is not provisioned: no stream SF_{run_name}_DEAD "
+        f"(run `seamlessflow provision --run {run_name}`)"
+    ) in done.stderr
     assert "Traceback" not in done.stderr
 
 

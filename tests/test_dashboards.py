@@ -11,7 +11,6 @@ import pytest
 import broker.metrics
 import broker.roles
 import rollout.agents.runner
-import rollout.calls
 import rollout.engines.base
 import rollout.gateway
 import rollout.worker
@@ -19,6 +18,7 @@ import tagsched.metrics
 import trainer.service
 import trajectory.manager
 from broker.metrics import StreamDepthCollector
+from rollout.gateway.calls import REGISTRY as CALL_METRICS
 from seamlessflow.targets import KINDS
 
 DASHBOARDS = sorted((Path(__file__).parents[1] / "dashboards" / "grafana").glob("*.json"))
@@ -32,7 +32,7 @@ SERVED = {
         broker.roles.REGISTRY,
         trainer.service.REGISTRY,  # a worker tagged train holds a trainer too
     ],
-    "gateway": [rollout.gateway.REGISTRY, rollout.calls.REGISTRY],
+    "gateway": [rollout.gateway.REGISTRY, CALL_METRICS],
     "trajectory": [trajectory.manager.REGISTRY, broker.metrics.REGISTRY],
     "trainer": [trainer.service.REGISTRY, broker.metrics.REGISTRY, broker.roles.REGISTRY],
     "agents": [rollout.agents.runner.REGISTRY, broker.metrics.REGISTRY],

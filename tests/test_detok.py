@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout.detok import REPLACEMENT, Detokenizer, partial_suffix_len
+from rollout.gateway.detok import REPLACEMENT, Detokenizer, partial_suffix_len
 from tests.support import byte_tokens
 
 HYPOTHESIS = settings(

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from broker.client import session
+from broker.exceptions import RunNotProvisionedError
 from broker.messages import (
     CallRecorded,
     FinishReason,
@@ -26,9 +27,8 @@ from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from broker.weights import LOCAL_BLOB, announce_local, local_folder
-from rollout.exceptions import GenerationUnavailableError
 from rollout.gateway import Gateway, serve_gateway
-from rollout.openai_api import ToolCallStream, parse_tool_calls
+from rollout.gateway.openai_api import ToolCallStream, parse_tool_calls
 from seamlessflow.processes import ServiceProcess, worker_process
 from tests.support import (
     MODEL,
@@ -535,7 +535,8 @@ async def test_serve_gateway_runs_until_stopped(broker, names, tiny_model_dir, c
 
 
 async def test_unprovisioned_run_is_refused(broker, tiny_model_dir):
-    with pytest.raises(GenerationUnavailableError, match="not provisioned"):
+    expected = "run 'never_provisioned' is not provisioned: no stream SF_never_provisioned_GEN"
+    with pytest.raises(RunNotProvisionedError, match=expected):
         async with Gateway(config(tiny_model_dir, "never_provisioned"), broker.url):
             pass
 

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollout.exceptions import InvalidRequestError
-from rollout.prompts import Prompt, SessionStore, echoed_turn, render_chat
+from rollout.gateway.prompts import Prompt, SessionStore, echoed_turn, render_chat
 
 HYPOTHESIS = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

@@ -27,8 +27,9 @@ from broker.subjects import Durable, RunNames
 from rollout.gateway import Gateway
 from seamlessflow.processes import ServiceProcess, worker_process
 from seamlessflow.submit import submit_tasks
-from tagsched.admission import AdmissionError, admission_limit
+from tagsched.admission import admission_limit
 from tagsched.config import SchedulerConfig
+from tagsched.exceptions import AdmissionError, UnsatisfiableSpecError
 from tagsched.lending import LendingPolicy, RateMeter
 from tagsched.metrics import REGISTRY
 from tagsched.scheduler import Scheduler
@@ -36,7 +37,6 @@ from tagsched.spec import (
     Demand,
     Layout,
     PlacementSpec,
-    UnsatisfiableSpecError,
     assign,
     has_tags,
     layout_spec,

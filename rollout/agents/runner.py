@@ -42,7 +42,7 @@ from broker.messages import SessionEnded, TaskSubmitted
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.retry import retry
-from broker.subjects import Durable, RunNames
+from broker.subjects import SESSION_HEADER, Durable, RunNames
 from common.log import kv
 from common.metrics import serve_metrics
 from rollout.agents.agents import (
@@ -62,7 +62,6 @@ from rollout.agents.exceptions import (
     RunnerStoppingError,
 )
 from rollout.agents.verifiers import binary_reward, bind
-from rollout.openai_api import SESSION_HEADER
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ computing (``common.workload``). A typed config (``rollout.engines.config``) cho
 
 import importlib
 
-from rollout.engines.base import Engine, EngineConfig, EngineError, GenerationChunk
+from rollout.engines.base import Engine, EngineConfig, GenerationChunk
 from rollout.engines.config import (
     ENGINE_CONFIGS,
     EmulatedEngineConfig,
@@ -16,6 +16,7 @@ from rollout.engines.config import (
     HFEngineConfig,
     VLLMEngineConfig,
 )
+from rollout.exceptions import EngineError
 
 ENGINES = tuple(ENGINE_CONFIGS)
 """Engine kinds; kind ``k`` is the module ``rollout.engines.<k>`` with

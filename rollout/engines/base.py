@@ -32,8 +32,8 @@ from typing import Any, ClassVar, Protocol
 from prometheus_client import CollectorRegistry, Counter
 
 from broker.messages import FinishReason, SamplingParams
-from common.exceptions import SeamlessFlowError
 from rollout.engines.config import EngineSettings, HFEngineConfig
+from rollout.exceptions import EngineError
 
 REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
@@ -51,10 +51,6 @@ ENGINE_WEIGHT_LOADS = Counter(
     ["engine", "outcome"],
     registry=REGISTRY,
 )
-
-
-class EngineError(SeamlessFlowError):
-    """An engine failed to start, generate or load weights."""
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,11 @@
 - ``choices``: one request's choices as they run (events, the run of tasks);
 - ``responses``: JSON, SSE and OpenAI-style error bodies;
 - ``app``: the HTTP routes and ``/metrics``; ``metrics``: the gateway's metric registry;
-- ``server``: ``Gateway`` (the process, as ``async with``) and ``serve_gateway``.
+- ``server``: ``Gateway`` (the process, as ``async with``) and ``serve_gateway``;
+- ``calls``: one LLM call over NATS per the generation protocol, and its metric registry.
 
-The pure cores live beside the package: ``rollout.openai_api`` (request/response models, tool
-calls), ``rollout.prompts`` (templates, per-session token reuse), ``rollout.detok``.
+Its pure cores: ``openai_api`` (request/response models, tool calls), ``prompts`` (templates,
+per-session token reuse), ``detok`` (incremental detokenization with stop strings).
 """
 
 from rollout.gateway.app import build_app

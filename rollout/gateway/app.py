@@ -10,7 +10,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from common.metrics import process_registry
-from rollout.calls import REGISTRY as CALL_METRICS
+from rollout.gateway.calls import REGISTRY as CALL_METRICS
 from rollout.gateway.metrics import REGISTRY, REQUESTS
 from rollout.gateway.responses import error_response
 from rollout.gateway.service import OpenAIService

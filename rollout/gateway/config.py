@@ -5,7 +5,7 @@ from pathlib import Path
 from pydantic import ConfigDict, Field
 
 from broker.subjects import NAME_PATTERN
-from rollout.calls import CallLimits
+from rollout.gateway.calls import CallLimits
 
 
 class GatewaySettings(CallLimits):

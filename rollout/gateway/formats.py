@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from broker.messages import ToolCall
 from rollout.gateway.choices import Event
-from rollout.openai_api import (
+from rollout.gateway.openai_api import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -35,7 +35,7 @@ from rollout.openai_api import (
     now,
     to_json,
 )
-from rollout.prompts import echoed_turn, render_chat
+from rollout.gateway.prompts import echoed_turn, render_chat
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:

@@ -1,5 +1,5 @@
 """The gateway's own metrics, in its own registry (``common.metrics``); its calls' metrics are
-``rollout.calls.REGISTRY``."""
+``rollout.gateway.calls.REGISTRY``."""
 
 from prometheus_client import CollectorRegistry, Counter
 

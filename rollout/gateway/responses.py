@@ -10,7 +10,6 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
 from common.log import kv
-from rollout.calls import ERRORS
 from rollout.exceptions import (
     ClientDisconnectedError,
     ContextLengthError,
@@ -20,7 +19,8 @@ from rollout.exceptions import (
     ModelNotFoundError,
     RecordUnavailableError,
 )
-from rollout.openai_api import ErrorBody, ErrorDetail, to_json
+from rollout.gateway.calls import ERRORS
+from rollout.gateway.openai_api import ErrorBody, ErrorDetail, to_json
 
 log = logging.getLogger(__name__)
 

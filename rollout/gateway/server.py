@@ -10,9 +10,9 @@ from typing import Any
 import uvicorn
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 
 from broker.client import connect, disconnect
+from broker.provision import run_stream_info
 from broker.subjects import RunNames
 from common.exceptions import ModelError
 from common.log import kv
@@ -141,12 +141,7 @@ def _listen(host: str, port: int) -> socket.socket:
 async def _check_provisioned(js: JetStreamContext, names: RunNames) -> None:
     for stream in (names.gen_stream, names.traj_stream):
         try:
-            await js.stream_info(stream)
-        except NotFoundError as exc:
-            raise GenerationUnavailableError(
-                f"run {names.run!r} is not provisioned: stream {stream} is missing "
-                f"(run `seamlessflow provision --run {names.run}`)"
-            ) from exc
+            await run_stream_info(js, names, stream)
         except (NatsError, OSError) as exc:
             raise GenerationUnavailableError(
                 f"cannot check run {names.run!r} on NATS: {type(exc).__name__}: {exc}"

@@ -1,11 +1,11 @@
 """The request path, one for both endpoints (``rollout.gateway.formats`` supplies what differs):
 
-1. validate the request (``rollout.openai_api``) and find its session: header ``X-Session-Id``,
-   else the ``user`` field, else a fresh id;
+1. validate the request (``rollout.gateway.openai_api``) and find its session: header
+   ``X-Session-Id``, else the ``user`` field, else a fresh id;
 2. build the prompt ids: render the chat template (or take the client's text or ids) and reuse
-   the ids of the session's earlier turns (``rollout.prompts``);
-3. run one ``rollout.calls.Call`` per choice, each in its own task, detokenizing its tokens
-   (``rollout.detok``) with stop strings and tool-call parsing;
+   the ids of the session's earlier turns (``rollout.gateway.prompts``);
+3. run one ``rollout.gateway.calls.Call`` per choice, each in its own task, detokenizing its
+   tokens (``rollout.gateway.detok``) with stop strings and tool-call parsing;
 4. answer (JSON, or SSE as the tokens arrive) and remember each finished turn for the session,
    as the client will echo it.
 
@@ -31,10 +31,8 @@ from starlette.responses import JSONResponse, Response
 
 from broker.codec import describe
 from broker.messages import FinishReason, SamplingParams, ToolCall
-from broker.subjects import NAME_PATTERN, RunNames
+from broker.subjects import NAME_PATTERN, SESSION_HEADER, RunNames
 from common.log import kv
-from rollout.calls import Call
-from rollout.detok import Detokenizer
 from rollout.exceptions import (
     ClientDisconnectedError,
     ContextLengthError,
@@ -44,13 +42,13 @@ from rollout.exceptions import (
     RecordUnavailableError,
     RolloutError,
 )
+from rollout.gateway.calls import Call
 from rollout.gateway.choices import ChoiceSpec, Event, Run
 from rollout.gateway.config import GatewayConfig
+from rollout.gateway.detok import Detokenizer
 from rollout.gateway.formats import ChatFormat, CompletionFormat, Format, usage
 from rollout.gateway.metrics import PROMPT_TOKENS, TOKENS_OUT
-from rollout.gateway.responses import json_response, report_error, sse
-from rollout.openai_api import (
-    SESSION_HEADER,
+from rollout.gateway.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -59,7 +57,8 @@ from rollout.openai_api import (
     now,
     to_json,
 )
-from rollout.prompts import Prompt, SessionStore
+from rollout.gateway.prompts import Prompt, SessionStore
+from rollout.gateway.responses import json_response, report_error, sse
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker.messages import MAX_SAFE_INT, FunctionCall, ToolCall
-from rollout.detok import partial_suffix_len
+from rollout.gateway.detok import partial_suffix_len
 
 MAX_STOP_STRINGS = 16
-# The HTTP header that ties an agent's calls into one session (else the request's `user` field).
-SESSION_HEADER = "X-Session-Id"
 
 
 class _Strict(BaseModel):
