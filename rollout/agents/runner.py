@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 import openai
@@ -45,6 +46,7 @@ from broker.retry import retry
 from broker.subjects import SESSION_HEADER, Durable, RunNames
 from common.log import kv
 from common.metrics import serve_metrics
+from common.ready import announce_ready
 from rollout.agents.agents import (
     Agent,
     AgentContext,
@@ -482,8 +484,7 @@ async def serve_agents(
             runner = AgentRunner(
                 nc.jetstream(), RunNames(run), provision.tasks, config, gateway_url
             )
-            ready = f"agents ready: run={run} metrics={metrics.url}"
-            await runner.run(stop, on_ready=lambda: print(ready, flush=True))
+            await runner.run(stop, on_ready=partial(announce_ready, "agents", metrics.url, run=run))
     finally:
         metrics.close()
     print("agents stopped", flush=True)

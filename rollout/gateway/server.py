@@ -17,6 +17,7 @@ from broker.subjects import RunNames
 from common.exceptions import ModelError
 from common.log import kv
 from common.models import eos_token_ids, load_tokenizer, model_info
+from common.ready import announce_ready
 from rollout.exceptions import GenerationUnavailableError, RolloutError
 from rollout.gateway.app import build_app
 from rollout.gateway.config import GatewayConfig
@@ -151,9 +152,6 @@ async def _check_provisioned(js: JetStreamContext, names: RunNames) -> None:
 async def serve_gateway(config: GatewayConfig, nats_url: str, stop: asyncio.Event) -> None:
     """Serve the gateway until ``stop`` is set."""
     async with Gateway(config, nats_url) as gateway:
-        print(
-            f"gateway ready: url={gateway.url} model={config.model} run={config.run} "
-            f"metrics=http://{config.host}:{gateway.port}/metrics",
-            flush=True,
-        )
+        metrics = f"http://{config.host}:{gateway.port}/metrics"
+        announce_ready("gateway", metrics, url=gateway.url, model=config.model, run=config.run)
         await stop.wait()
