@@ -15,8 +15,9 @@ from rollout.gateway.config import GatewaySettings
 from rollout.worker import WorkerConfig
 from seamlessflow.exceptions import ConfigError
 from seamlessflow.processes import SuperviseConfig
-from tagsched.admission import AdmissionError, admission_limit
+from tagsched.admission import admission_limit
 from tagsched.config import LayoutConfig, SchedulerConfig, TrainerShape
+from tagsched.exceptions import AdmissionError
 from tagsched.spec import Layout
 from trainer.config import TrainerConfig
 from trainer.warmstart import WarmStartConfig

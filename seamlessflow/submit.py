@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from tqdm import tqdm
 
 from broker import codec
 from broker.exceptions import BrokerError, InvalidMessageError
 from broker.messages import TaskSubmitted
+from broker.provision import run_stream_info
 from broker.subjects import RunNames
 from common.log import kv
 
@@ -52,13 +52,7 @@ async def submit_tasks(
 
     ``progress=None`` shows a bar only on a terminal.
     """
-    try:
-        await js.stream_info(names.tasks_stream)
-    except NotFoundError as exc:
-        raise BrokerError(
-            f"run {names.run!r} is not provisioned on this broker (no stream "
-            f"{names.tasks_stream}): run `seamlessflow provision --run {names.run}` first"
-        ) from exc
+    await run_stream_info(js, names, names.tasks_stream)
     report = SubmitReport()
     disable = None if progress is None else not progress
     with tqdm(total=len(tasks), unit="task", desc="submit", disable=disable) as bar:
