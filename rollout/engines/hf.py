@@ -31,10 +31,10 @@ from rollout.engines.base import (
     ENGINE_REQUESTS,
     ENGINE_WEIGHT_LOADS,
     EngineConfig,
-    EngineError,
     GenerationChunk,
     InProcessEngine,
 )
+from rollout.exceptions import EngineError
 
 log = logging.getLogger(__name__)
 

@@ -53,11 +53,11 @@ from rollout.engines.base import (
     ENGINE_REQUESTS,
     ENGINE_WEIGHT_LOADS,
     EngineConfig,
-    EngineError,
     GenerationChunk,
 )
 from rollout.engines.config import VLLMEngineConfig
 from rollout.engines.vllm_worker import WeightReloader
+from rollout.exceptions import EngineError
 
 log = logging.getLogger(__name__)
 
