@@ -12,10 +12,10 @@ from broker.subjects import NAME_PATTERN
 from common.exceptions import SeamlessFlowError
 from rollout.agents.config import AgentsConfig
 from rollout.gateway.config import GatewaySettings
-from rollout.worker import WorkerConfig
+from rollout.worker_config import WorkerConfig
 from seamlessflow.processes import SuperviseConfig
 from tagsched.admission import AdmissionError, admission_limit
-from tagsched.config import LayoutConfig, SchedulerConfig, TrainerShape
+from tagsched.config import LayoutConfig, SchedulerConfig
 from tagsched.spec import Layout
 from trainer.config import TrainerConfig
 from trainer.warmstart import WarmStartConfig
@@ -196,9 +196,6 @@ class RunConfig(BaseModel):
                 "'multiplexed' for one trainer worker plus rollout workers"
             )
         return self
-
-    def trainer_shape(self) -> TrainerShape:
-        return TrainerShape(self.trainer.groups_per_step, self.trainer.max_staleness)
 
     output_dir: Path | None = Field(
         default=None, description="summary and reward curve; default: <state dir>/runs/<run>"
