@@ -289,21 +289,8 @@ class Trainer:
         names = self._names
         await durable_info(self._js, names, names.samples_stream, Durable.TRAINER)
         await self.publish_if_missing()
-        ingress = Ingress(
-            self._js,
-            names,
-            source="trainer",
-            stream=names.samples_stream,
-            durable=Durable.TRAINER,
-            schema=SampleReady,
-            handler=self.on_sample,
-            max_payload=provision.samples.max_payload,
-            batch=256,
-            concurrency=self._config.max_pending_samples,
-            fetch_timeout=0.5,
-        )
         ingress_stop = asyncio.Event()
-        consuming = asyncio.create_task(ingress.run(ingress_stop))
+        consuming = asyncio.create_task(self._samples(provision).run(ingress_stop))
         following = asyncio.create_task(self._watch.follow(self._js, names))  # until cancelled
         uploading = asyncio.create_task(self._publisher.run())
         stepping = asyncio.create_task(self.run(stop))
@@ -333,6 +320,22 @@ class Trainer:
         ):
             if task.exception() is not None:
                 raise TrainerError(f"{what} failed: {task.exception()!r}") from task.exception()
+
+    def _samples(self, provision: ProvisionConfig) -> Ingress[SampleReady]:
+        """The validated ingress of the run's samples, handled by ``on_sample``."""
+        return Ingress(
+            self._js,
+            self._names,
+            source="trainer",
+            stream=self._names.samples_stream,
+            durable=Durable.TRAINER,
+            schema=SampleReady,
+            handler=self.on_sample,
+            max_payload=provision.samples.max_payload,
+            batch=256,
+            concurrency=self._config.max_pending_samples,
+            fetch_timeout=0.5,
+        )
 
     # -- start ------------------------------------------------------------------------------
     async def publish_if_missing(self) -> None:
