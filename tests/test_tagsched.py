@@ -12,6 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from nats.errors import NoRespondersError
 
 from broker import codec
 from broker.messages import (
@@ -26,6 +27,7 @@ from broker.messages import (
 )
 from broker.provision import provision_run
 from broker.registry import Registration
+from broker.roles import membership
 from broker.subjects import Durable, RunNames
 from rollout.gateway import Gateway
 from seamlessflow.processes import ServiceProcess, worker_process
@@ -51,6 +53,7 @@ from tests.support import (
     eventually,
     gateway_config,
     metric,
+    registered,
     stream_messages,
 )
 
@@ -221,6 +224,36 @@ async def ask(nc, names: RunNames, wid: str, role: Role, epoch: int) -> RoleChan
 async def entry(js, names: RunNames, wid: str) -> WorkerRegistered:
     bucket = await js.key_value(names.workers_kv)
     return codec.decode(WorkerRegistered, (await bucket.get(wid)).value)
+
+
+async def test_membership_takes_the_role_serves_requests_and_leaves_in_order(nc, js, names):
+    """In: the entry's role taken, the entry written, role requests served, heartbeats. Out,
+    here by an error in the body: heartbeats stopped, requests no longer served, the entry
+    deleted (and not written again by a late heartbeat)."""
+    taken: list[Role] = []
+
+    async def switch(role: Role) -> None:
+        taken.append(role)
+
+    registration = await Registration.open(js, names, "m1", tags=["rollout"], role=Role.IDLE)
+    with pytest.raises(RuntimeError, match="the body failed"):
+        async with membership(nc, names, registration, switch, heartbeat_s=0.1) as roles:
+            assert taken == [Role.IDLE]
+            first = await registered(js, names, "m1")
+            assert (first.role, first.epoch) == (Role.IDLE, 0)
+            assert (await ask(nc, names, "m1", Role.ROLLOUT, 1)).ok
+            assert taken == [Role.IDLE, Role.ROLLOUT] and roles.role is Role.ROLLOUT
+
+            async def renewed() -> bool:
+                entry = await registered(js, names, "m1")
+                return entry.heartbeat_at > first.heartbeat_at and entry.role is Role.ROLLOUT
+
+            await eventually(renewed)
+            raise RuntimeError("the body failed")
+    await asyncio.sleep(0.3)  # three heartbeat periods
+    assert await registered(js, names, "m1") is None
+    with pytest.raises(NoRespondersError):
+        await nc.request(names.ctl_role("m1"), b"", timeout=5)
 
 
 async def test_a_worker_changes_role_by_epoch_and_refuses_stale_ones(
