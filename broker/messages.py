@@ -290,6 +290,16 @@ class WeightsPublished(Message):
         return self
 
 
+class TrainerShape(BaseModel):
+    """What admission needs of a trainer's settings (``[trainer]``), as the trainer runs them."""
+
+    model_config = Message.model_config
+
+    groups_per_step: int = Field(ge=1, lt=MAX_SAFE_INT)
+    max_staleness: int = Field(ge=0, lt=MAX_SAFE_INT)
+    staleness_mode: Literal["drop", "downweight"] = "drop"
+
+
 class WorkerRegistered(Message):
     """A worker's tags and state. # worker -> scheduler, as key ``<worker_id>`` of the
     ``sf-<run>-workers`` KV bucket, rewritten on every heartbeat."""
@@ -311,6 +321,9 @@ class WorkerRegistered(Message):
     )
     version: Version | None = Field(default=None, description="weight version loaded, if any")
     metrics_url: str | None = Field(default=None, max_length=512)
+    trainer: TrainerShape | None = Field(
+        default=None, description="set by a worker holding the trainer: the scheduler admits by it"
+    )
     started_at: Timestamp | None = Field(
         default=None, description="when this registration began: a new one re-admits it"
     )

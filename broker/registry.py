@@ -17,7 +17,7 @@ from nats.js.kv import KeyValue
 
 from broker import codec
 from broker.exceptions import InvalidMessageError
-from broker.messages import Role, WorkerRegistered
+from broker.messages import Role, TrainerShape, WorkerRegistered
 from broker.subjects import RunNames
 from common.log import kv
 
@@ -32,7 +32,7 @@ def default_worker_id(prefix: str = "") -> str:
 
 class Registration:
     """One worker's entry: ``put`` writes it now (with a fresh heartbeat), ``keep_alive`` renews
-    it every ``period`` seconds until ``stop``, ``delete`` removes it."""
+    it every ``period`` seconds until cancelled, ``delete`` removes it."""
 
     def __init__(
         self,
@@ -44,6 +44,7 @@ class Registration:
         capacity: int = 1,
         version: int | None = None,
         metrics_url: str | None = None,
+        trainer: TrainerShape | None = None,
     ) -> None:
         self._bucket = bucket
         now = time.time()
@@ -56,6 +57,7 @@ class Registration:
             capacity=capacity,
             version=version,
             metrics_url=metrics_url,
+            trainer=trainer,
             started_at=now,
             heartbeat_at=now,
         )
@@ -89,8 +91,8 @@ class Registration:
         """Begin a new registration (a fenced worker is re-admitted once it shows one)."""
         self._entry = self._entry.model_copy(update={"started_at": time.time()})
 
-    async def keep_alive(self, period: float, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+    async def keep_alive(self, period: float) -> None:
+        while True:
             await asyncio.sleep(period)
             try:
                 await self.put()

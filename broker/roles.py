@@ -13,13 +13,15 @@ scheduler sends ``RoleChangeRequested`` as a core NATS request on
   meantime: the worker goes idle and begins a new registration, which is what re-admits it.
 
 Requests are handled one at a time, in arrival order. Rollout workers and trainers both hold their
-role through this class, so both export the same ``sf_worker_*`` metrics.
+role through this class, so both export the same ``sf_worker_*`` metrics, and both register with
+``membership``: one lifecycle for every process that holds a role.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -97,6 +99,10 @@ class RoleHolder:
         self._since = time.monotonic()
         self._show(registration.entry.role)
         TAGS.labels(",".join(registration.entry.tags)).set(1)
+
+    @property
+    def registration(self) -> Registration:
+        return self._registration
 
     @property
     def role(self) -> Role:
@@ -210,3 +216,28 @@ class RoleHolder:
             await msg.respond(codec.encode(ack))
         except NatsError as exc:  # the scheduler times out and asks again or fences
             log.warning(kv("role_ack_failed", epoch=epoch, error=exc))
+
+
+@contextlib.asynccontextmanager
+async def membership(
+    nc: NATS, names: RunNames, registration: Registration, switch: Switch, *, heartbeat_s: float
+) -> AsyncIterator[RoleHolder]:
+    """A process's membership of the run: take the entry's role (``switch``), write the entry,
+    serve role-change requests, renew the entry every ``heartbeat_s``. On the way out, normal or
+    not: stop the heartbeats, stop the role requests, delete the entry, in that order, each step
+    taken even if one before it raised."""
+    async with contextlib.AsyncExitStack() as leave:  # runs its callbacks last-in, first-out
+        await switch(registration.entry.role)
+        await registration.put()
+        leave.push_async_callback(registration.delete)
+        roles = RoleHolder(nc, names, registration, switch)
+        leave.push_async_callback(roles.stop)
+        await roles.start()
+        heartbeat = asyncio.create_task(registration.keep_alive(heartbeat_s))
+        leave.push_async_callback(_cancel, heartbeat)
+        yield roles
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

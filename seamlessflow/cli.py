@@ -251,7 +251,7 @@ def _schema(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from common.models import resolve_model
     from rollout.engines import EngineConfig
-    from seamlessflow.launcher import serve_worker
+    from seamlessflow.launcher import serve_until_signalled
     from tagsched.spec import has_tags
 
     config = _settings(args)
@@ -261,17 +261,35 @@ def _worker(args: argparse.Namespace) -> int:
         settings=config.worker.engine,
     )
     worker = config.worker
+    if not has_tags(worker.tags, ["train"]):
+        from rollout.serve import serve_worker
+
+        asyncio.run(
+            serve_until_signalled(
+                serve_worker,
+                args.nats,
+                config.run,
+                config.provision,
+                engine,
+                worker,
+                args.metrics_port,
+            )
+        )
+        return 0
     # A worker tagged train also holds a trainer (its [trainer] section, under the worker's id).
-    trainer = None
-    if has_tags(worker.tags, ["train"]):
-        trainer = config.trainer.model_copy(
-            update={"worker_id": worker.worker_id, "tags": worker.tags}
-        )
-    asyncio.run(
-        serve_worker(
-            args.nats, config.run, config.provision, engine, worker, args.metrics_port, trainer
-        )
+    from colocate.worker import Colocated, serve_colocated
+
+    trainer = config.trainer.model_copy(update={"worker_id": worker.worker_id, "tags": worker.tags})
+    colocated = Colocated(
+        url=args.nats,
+        run=config.run,
+        provision=config.provision,
+        engine=engine,
+        worker=worker,
+        trainer=trainer,
+        metrics_port=args.metrics_port,
     )
+    asyncio.run(serve_until_signalled(serve_colocated, colocated))
     return 0
 
 
@@ -340,7 +358,7 @@ def _agents(args: argparse.Namespace) -> int:
 def _trainer(args: argparse.Namespace) -> int:
     from common.models import resolve_model
     from seamlessflow.launcher import serve_until_signalled
-    from trainer.service import serve_trainer
+    from trainer.serve import serve_trainer
 
     c = _settings(args)
     model = resolve_model(c.model.name)
@@ -365,7 +383,7 @@ def _scheduler(args: argparse.Namespace) -> int:
             c.provision,
             c.scheduler,
             c.layout,
-            c.trainer_shape(),
+            c.trainer.shape(),
             args.metrics_port,
         )
     )

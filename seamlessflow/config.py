@@ -12,11 +12,11 @@ from broker.config import EmbeddedBrokerConfig, ProvisionConfig
 from broker.subjects import NAME_PATTERN
 from rollout.agents.config import AgentsConfig
 from rollout.gateway.config import GatewaySettings
-from rollout.worker import WorkerConfig
+from rollout.worker_config import WorkerConfig
 from seamlessflow.exceptions import ConfigError
 from seamlessflow.processes import SuperviseConfig
 from tagsched.admission import admission_limit
-from tagsched.config import LayoutConfig, SchedulerConfig, TrainerShape
+from tagsched.config import LayoutConfig, SchedulerConfig
 from tagsched.exceptions import AdmissionError
 from tagsched.spec import Layout
 from trainer.config import TrainerConfig
@@ -193,9 +193,6 @@ class RunConfig(BaseModel):
                 "'multiplexed' for one trainer worker plus rollout workers"
             )
         return self
-
-    def trainer_shape(self) -> TrainerShape:
-        return TrainerShape(self.trainer.groups_per_step, self.trainer.max_staleness)
 
     output_dir: Path | None = Field(
         default=None, description="summary and reward curve; default: <state dir>/runs/<run>"

@@ -1,5 +1,5 @@
-"""Long-running local commands (the embedded broker, a rollout worker) and what they share:
-signal handling and the broker URL of a local run."""
+"""Long-running local commands (the embedded broker) and what they share: signal handling, the
+broker URL of a local run, and the status tables."""
 
 import asyncio
 import signal
@@ -8,30 +8,17 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from broker.client import session
-from broker.config import EmbeddedBrokerConfig, ProvisionConfig
-from broker.messages import Role, WorkerRegistered
-from broker.metrics import REGISTRY as INGRESS_METRICS
+from broker.config import EmbeddedBrokerConfig
+from broker.messages import WorkerRegistered
 from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus
-from broker.registry import Registration
-from broker.roles import REGISTRY as ROLE_METRICS
-from broker.roles import RoleHolder
 from broker.server import EmbeddedBroker
-from broker.subjects import RunNames
 from common.metrics import MetricsEndpoint, serve_metrics
 from common.ready import announce_ready
-from rollout.engines import EngineConfig, start_engine
-from rollout.engines.base import REGISTRY as ENGINE_METRICS
-from rollout.worker import REGISTRY as WORKER_METRICS
-from rollout.worker import RolloutWorker, WorkerConfig
-
-if TYPE_CHECKING:
-    from trainer.config import TrainerConfig
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -105,130 +92,6 @@ async def serve_broker(config: EmbeddedBrokerConfig) -> None:
             )
             await stop.wait()
     print("broker stopped", flush=True)
-
-
-async def serve_worker(
-    url: str,
-    run: str,
-    provision: ProvisionConfig,
-    engine_config: EngineConfig,
-    worker: WorkerConfig,
-    metrics_port: int = 0,
-    trainer: "TrainerConfig | None" = None,
-) -> None:
-    """Run one worker process until SIGINT/SIGTERM: engine, /metrics, then the worker loop.
-    With ``trainer`` (a worker tagged ``train``) the process also holds a trainer on the same
-    model, and takes the ``train`` role as well as ``rollout`` and ``idle``."""
-    stop = stop_on_signals()
-    parts = [WORKER_METRICS, ENGINE_METRICS, INGRESS_METRICS, ROLE_METRICS]
-    if trainer is not None:
-        from trainer.service import REGISTRY as TRAINER_METRICS
-
-        parts.append(TRAINER_METRICS)
-    metrics = serve_metrics(*parts, port=metrics_port)
-    loaded = await start_engine(engine_config)
-    try:
-        async with session(url, f"seamlessflow-worker-{worker.worker_id}") as nc:
-            rollout = RolloutWorker(
-                nc,
-                RunNames(run),
-                loaded,
-                worker,
-                provision.gen,
-                nats_url=url,
-                metrics_url=metrics.url,
-            )
-            ready = (
-                f"worker {worker.worker_id} ready: engine={engine_config.settings.kind} "
-                f"model={engine_config.model} run={run} tags={','.join(worker.tags)} "
-                f"metrics={metrics.url}"
-            )
-
-            def on_ready() -> None:
-                print(ready, flush=True)
-
-            if trainer is None:
-                await rollout.run(stop, on_ready=on_ready)
-            else:
-                model = engine_config.model
-                await _serve_with_trainer(
-                    nc, run, provision, rollout, worker, trainer, model, metrics.url, stop, on_ready
-                )
-    finally:
-        await loaded.close()
-        metrics.close()
-    print(f"worker {worker.worker_id} stopped", flush=True)
-
-
-async def _serve_with_trainer(
-    nc, run, provision, rollout, worker, trainer_config, model, metrics_url, stop, on_ready
-) -> None:
-    """One process, one registration, two parts: the rollout worker serves as ``rollout``, the
-    trainer steps as ``train``. Switching stops one part before starting the other: taking
-    ``train`` stops routing to the engine, aborts its generations (they continue elsewhere)
-    and pauses it warm; giving ``train`` up lets the step in progress commit first."""
-    from trainer.service import ServingWatch, Trainer, open_ranks
-
-    names = RunNames(run)
-    js = nc.jetstream()
-    ranks, start = await open_ranks(model, trainer_config)
-    try:
-        registration = await Registration.open(
-            js,
-            names,
-            worker.worker_id,
-            tags=worker.tags,
-            role=worker.role,
-            capacity=worker.max_running,
-            version=start.version if start else 0,
-            metrics_url=metrics_url,
-        )
-        trainer = Trainer(
-            js,
-            names,
-            trainer_config,
-            ranks,
-            registration,
-            ServingWatch(provision.workers_ttl_s),
-            start,
-        )
-
-        async def switch(role: Role) -> None:
-            if role is Role.TRAIN:
-                await rollout.take(Role.IDLE)
-                await trainer.take(Role.TRAIN)
-            else:
-                await trainer.take(Role.IDLE)
-                await rollout.take(role)
-
-        roles = trainer.roles = RoleHolder(nc, names, registration, switch)
-        await trainer.take(Role.TRAIN if worker.role is Role.TRAIN else Role.IDLE)
-        await registration.put()
-        await roles.start()
-        heartbeat = asyncio.create_task(registration.keep_alive(worker.heartbeat_s, stop))
-
-        async def part(coro) -> None:
-            try:
-                await coro
-            finally:
-                stop.set()  # one part ending ends the other
-
-        try:
-            outcomes = await asyncio.gather(
-                part(trainer.serve(provision, stop)),
-                part(rollout.run(stop, on_ready, registration=registration, roles=roles)),
-                return_exceptions=True,
-            )
-        finally:
-            heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
-            await roles.stop()
-            await registration.delete()
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-    finally:
-        await asyncio.to_thread(ranks.close)
 
 
 def print_status(status: RunStatus, out=sys.stdout) -> None:

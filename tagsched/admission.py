@@ -8,6 +8,9 @@ runners) only while the run's outstanding work stays within the staleness bound:
                 + samples the trainer has not settled, counted in groups
     limit       = steps_ahead * groups_per_step,  steps_ahead <= max_staleness + 1
 
+``groups_per_step`` and ``max_staleness`` are the trainer's own, read off its registry entry by
+the scheduler (``set_limit``); until it has them, nothing is admitted.
+
 A group admitted when fewer than ``limit`` groups are outstanding has fewer than ``steps_ahead``
 trainer steps ahead of it, so it is trained within the staleness bound: rollout is paced instead
 of running ahead and having its finished work thrown away by the trainer's staleness drop (which
@@ -94,17 +97,21 @@ class Admission:
         names: RunNames,
         tasks: StreamLimits,
         *,
-        limit: int,
+        limit: int | None = None,
         poll_s: float = 0.25,
     ) -> None:
         self._js = js
         self._names = names
         self._tasks = tasks
-        self.limit = limit
         self._poll_s = poll_s
         self._group_sizes: deque[int] = deque(maxlen=64)  # of recently admitted tasks
         self._stop = asyncio.Event()
-        LIMIT.set(self.limit)
+        self.set_limit(limit)
+
+    def set_limit(self, limit: int | None) -> None:
+        """Outstanding groups allowed from now on; None admits nothing."""
+        self.limit = limit
+        LIMIT.set(limit or 0)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Admit client tasks until ``stop``; a task waiting for room is handed back then."""
@@ -130,7 +137,8 @@ class Admission:
         trainer = await self._js.consumer_info(n.samples_stream, Durable.TRAINER)
         sizes = self._group_sizes
         per_group = sum(sizes) / len(sizes) if sizes else 1.0
-        state = admission_state(agents, trainer, limit=self.limit, samples_per_group=per_group)
+        limit = self.limit or 0
+        state = admission_state(agents, trainer, limit=limit, samples_per_group=per_group)
         OUTSTANDING.set(state.outstanding)
         return state
 

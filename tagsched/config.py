@@ -1,7 +1,5 @@
 """The scheduler's settings (``[scheduler]``) and the cluster layout (``[layout]``)."""
 
-from dataclasses import dataclass
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.messages import NAME_PATTERN
@@ -23,14 +21,6 @@ class LayoutConfig(BaseModel):
 
     def spec(self) -> PlacementSpec:
         return layout_spec(self.kind)
-
-
-@dataclass(frozen=True)
-class TrainerShape:
-    """What the scheduler needs of the trainer's settings (they live in ``[trainer]``)."""
-
-    groups_per_step: int
-    max_staleness: int
 
 
 class SchedulerConfig(BaseModel):

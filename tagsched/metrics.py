@@ -14,9 +14,19 @@ OUTSTANDING = Gauge(
 )
 LIMIT = Gauge(
     "sf_scheduler_admission_limit",
-    "Outstanding groups allowed: steps_ahead * groups_per_step",
+    "Outstanding groups allowed: steps_ahead * the registered trainer's groups_per_step (0 "
+    "until a trainer registers, or while its shape is refused)",
     registry=REGISTRY,
 )
+REFUSED = Counter(
+    "sf_scheduler_admission_refused",
+    "Trainer shapes (its registry entry) admission refused to follow, admitting nothing: "
+    "disagreeing with the scheduler's config (mismatch) or past the staleness bound (staleness)",
+    ["reason"],
+    registry=REGISTRY,
+)
+for _reason in ("mismatch", "staleness"):
+    REFUSED.labels(_reason)
 WAITING = Gauge(
     "sf_scheduler_admission_waiting",
     "1 while a task waits for room under the staleness bound",

@@ -1,6 +1,9 @@
 """The tag scheduler: one active per run (``tagsched.lease``), it
 
-1. admits client tasks within the staleness bound (``tagsched.admission``);
+1. admits client tasks within the staleness bound (``tagsched.admission``), by the shape the
+   trainer registered (``WorkerRegistered.trainer``: its ``groups_per_step`` and
+   ``max_staleness``); one that disagrees with the scheduler's own config, when it has one, is
+   refused with an ERROR and nothing is admitted until they agree;
 2. assigns roles to the live workers of the registry by the placement spec (``tagsched.spec``)
    and moves each worker whose role differs with ``RoleChangeRequested`` (a new epoch each) on
    ``sf.<run>.ctl.role.<worker_id>``; a worker that does not ack within the deadline is fenced:
@@ -27,7 +30,13 @@ from broker import codec
 from broker.client import session
 from broker.config import ProvisionConfig
 from broker.exceptions import InvalidMessageError
-from broker.messages import Role, RoleChangeAcked, RoleChangeRequested, WorkerRegistered
+from broker.messages import (
+    Role,
+    RoleChangeAcked,
+    RoleChangeRequested,
+    TrainerShape,
+    WorkerRegistered,
+)
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.registry import watch_workers
@@ -36,8 +45,8 @@ from broker.subjects import Durable, RunNames
 from common.exceptions import SeamlessFlowError
 from common.log import kv
 from common.metrics import serve_metrics
-from tagsched.admission import Admission, admission_limit
-from tagsched.config import LayoutConfig, SchedulerConfig, TrainerShape
+from tagsched.admission import Admission, AdmissionError, admission_limit
+from tagsched.config import LayoutConfig, SchedulerConfig
 from tagsched.lease import Lease, LeaseLostError
 from tagsched.lending import LendingPolicy, RateMeter, trainer_roles
 from tagsched.metrics import (
@@ -49,6 +58,7 @@ from tagsched.metrics import (
     LEND_SECONDS,
     LENT,
     RECLAIM_SECONDS,
+    REFUSED,
     REGISTRY,
     UNSATISFIED,
 )
@@ -70,17 +80,20 @@ class Scheduler:
         spec: PlacementSpec,
         admission: Admission,
         *,
-        groups_per_step: int,
         workers_ttl_s: float,
         lease_s: float,
+        configured: TrainerShape | None = None,
     ) -> None:
+        """``configured``: the trainer's shape as this scheduler's config has it, if it has one;
+        a trainer registering another is refused."""
         self._nc = nc
         self._js = nc.jetstream()
         self._names = names
         self._config = config
         self._spec = spec
         self._admission = admission
-        self._groups_per_step = groups_per_step
+        self._configured = configured
+        self.trainer: TrainerShape | None = None  # the registered trainer's shape, once seen
         self._ttl = workers_ttl_s
         self._lease_s = lease_s
         self._workers: dict[str, WorkerRegistered] = {}
@@ -160,6 +173,8 @@ class Scheduler:
         if entry is None:
             self._workers.pop(worker_id, None)
             return
+        if entry.trainer is not None:
+            self._follow_trainer(worker_id, entry.trainer)
         known = self._workers.get(worker_id)
         if worker_id in self._fenced and entry.started_at != self._fenced[worker_id]:
             del self._fenced[worker_id]  # a new registration: re-admitted
@@ -168,6 +183,36 @@ class Scheduler:
             # our own record is ahead (acked, not yet written back): keep its role and epoch
             entry = entry.model_copy(update={"role": known.role, "epoch": known.epoch})
         self._workers[worker_id] = entry
+
+    def _follow_trainer(self, worker_id: str, shape: TrainerShape) -> None:
+        """Admit by the registered trainer's ``shape``, or admit nothing when it disagrees with
+        this scheduler's config or cannot keep the staleness bound (an ERROR and a count, once
+        per shape seen)."""
+        if shape == self.trainer:
+            return
+        self.trainer = shape
+        limit, reason, error = None, None, ""
+        if self._configured is not None and shape != self._configured:
+            reason = "mismatch"
+            error = (
+                f"trainer {worker_id} runs {_describe(shape)} but this scheduler's config has "
+                f"{_describe(self._configured)}: admitting nothing until they agree"
+            )
+        else:
+            try:
+                limit = admission_limit(
+                    steps_ahead=self._config.steps_ahead,
+                    groups_per_step=shape.groups_per_step,
+                    max_staleness=shape.max_staleness,
+                )
+            except AdmissionError as exc:
+                reason, error = "staleness", f"trainer {worker_id}: {exc}: admitting nothing"
+        self._admission.set_limit(limit)
+        if reason is not None:
+            REFUSED.labels(reason).inc()
+            log.error(kv("admission_refused", reason=reason, error=error))
+        else:
+            log.info(kv("admission_limit", limit=limit, trainer=worker_id, **shape.model_dump()))
 
     # -- one tick -----------------------------------------------------------------------------
     def live(self) -> dict[str, WorkerRegistered]:
@@ -189,12 +234,10 @@ class Scheduler:
         UNSATISFIED.set(0)
         state = await self._admission.state()
         rate = self._rate.update(time.monotonic(), state.groups_total)
+        # No trainer registered yet: nothing to lend (as if its batch were ready).
+        missing = state.missing_groups(self.trainer.groups_per_step) if self.trainer else 0
         desired = trainer_roles(
-            self.assignment,
-            self._policy,
-            self._lent,
-            missing_groups=state.missing_groups(self._groups_per_step),
-            groups_per_s=rate,
+            self.assignment, self._policy, self._lent, missing_groups=missing, groups_per_s=rate
         )
         for wid in self.assignment.rollout:
             desired[wid] = (Role.ROLLOUT, "rollout")
@@ -293,32 +336,36 @@ async def serve_scheduler(
     provision: ProvisionConfig,
     config: SchedulerConfig,
     layout: LayoutConfig,
-    shape: TrainerShape,
+    shape: TrainerShape | None,
     metrics_port: int,
     stop: asyncio.Event,
 ) -> None:
-    """Run a scheduler (active once it holds the lease) until ``stop``: /metrics, NATS."""
-    limit = admission_limit(
-        steps_ahead=config.steps_ahead,
-        groups_per_step=shape.groups_per_step,
-        max_staleness=shape.max_staleness,
-    )
+    """Run a scheduler (active once it holds the lease) until ``stop``: /metrics, NATS.
+    ``shape``: the trainer's as this scheduler's config has it, if it has one (its admission
+    limit is checked at once; admission follows the registered trainer's)."""
+    limit = None
+    if shape is not None:
+        limit = admission_limit(
+            steps_ahead=config.steps_ahead,
+            groups_per_step=shape.groups_per_step,
+            max_staleness=shape.max_staleness,
+        )
     metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
     try:
         async with session(url, f"seamlessflow-{config.scheduler_id}") as nc:
             js = nc.jetstream()
             names = RunNames(run)
             await durable_info(js, names, names.tasks_stream, Durable.SCHEDULER)
-            admission = Admission(js, names, provision.tasks, limit=limit)
+            admission = Admission(js, names, provision.tasks)
             scheduler = Scheduler(
                 nc,
                 names,
                 config,
                 layout.spec(),
                 admission,
-                groups_per_step=shape.groups_per_step,
                 workers_ttl_s=provision.workers_ttl_s,
                 lease_s=provision.scheduler_lease_s,
+                configured=shape,
             )
 
             def ready() -> None:
@@ -332,3 +379,10 @@ async def serve_scheduler(
     finally:
         metrics.close()
     print("scheduler stopped", flush=True)
+
+
+def _describe(shape: TrainerShape) -> str:
+    return (
+        f"groups_per_step={shape.groups_per_step} max_staleness={shape.max_staleness} "
+        f"staleness_mode={shape.staleness_mode}"
+    )

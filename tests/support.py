@@ -18,11 +18,18 @@ from typing import TypeVar
 import openai
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, MiB, ProvisionConfig, StreamLimits
-from broker.messages import GenerationCancelled, GenerationRequested, Message, TokensGenerated
+from broker.messages import (
+    GenerationCancelled,
+    GenerationRequested,
+    Message,
+    TokensGenerated,
+    WorkerRegistered,
+)
 from broker.provision import provision_run
 from broker.server import find_nats_server, server_version
 from broker.subjects import Durable, RunNames
@@ -101,6 +108,17 @@ async def eventually(
                 return
             assert watch is None or not watch.done(), watch.exception()
             await asyncio.sleep(0.05)
+
+
+async def registered(js, names: RunNames, worker_id: str) -> WorkerRegistered | None:
+    """``worker_id``'s registry entry; None when it has none (never written, or deleted). Any
+    other failure (the broker, a bad entry) is raised."""
+    bucket = await js.key_value(names.workers_kv)
+    try:
+        entry = await bucket.get(worker_id)
+    except (KeyNotFoundError, KeyDeletedError):
+        return None
+    return codec.decode(WorkerRegistered, entry.value)
 
 
 def perturbed_weights(model_dir: Path, seed: int) -> bytes:

@@ -13,9 +13,9 @@ import broker.roles
 import rollout.agents.runner
 import rollout.engines.base
 import rollout.gateway
-import rollout.worker
+import rollout.metrics
 import tagsched.metrics
-import trainer.service
+import trainer.metrics
 import trajectory.manager
 from broker.metrics import StreamDepthCollector
 from rollout.gateway.calls import REGISTRY as CALL_METRICS
@@ -26,15 +26,15 @@ DASHBOARDS = sorted((Path(__file__).parents[1] / "dashboards" / "grafana").glob(
 SERVED = {
     "broker": [StreamDepthCollector()],
     "worker": [
-        rollout.worker.REGISTRY,
+        rollout.metrics.REGISTRY,
         rollout.engines.base.REGISTRY,
         broker.metrics.REGISTRY,
         broker.roles.REGISTRY,
-        trainer.service.REGISTRY,  # a worker tagged train holds a trainer too
+        trainer.metrics.REGISTRY,  # a worker tagged train holds a trainer too
     ],
     "gateway": [rollout.gateway.REGISTRY, CALL_METRICS],
     "trajectory": [trajectory.manager.REGISTRY, broker.metrics.REGISTRY],
-    "trainer": [trainer.service.REGISTRY, broker.metrics.REGISTRY, broker.roles.REGISTRY],
+    "trainer": [trainer.metrics.REGISTRY, broker.metrics.REGISTRY, broker.roles.REGISTRY],
     "agents": [rollout.agents.runner.REGISTRY, broker.metrics.REGISTRY],
     "scheduler": [tagsched.metrics.REGISTRY, broker.metrics.REGISTRY],
 }

@@ -224,7 +224,7 @@ async def test_a_step_taken_while_the_broker_is_down_is_published_when_it_is_bac
     times out and is trained while the broker is down. The trainer does not die: its acks and
     its weight publish wait for the broker, and once it is back v1 is published (once), the
     sample is acked, and the next group makes v2."""
-    from trainer.service import serve_trainer
+    from trainer.serve import serve_trainer
 
     caplog.set_level(logging.INFO, logger="broker.retry")
     broker = Broker(tmp_path / "broker", nats_binary)

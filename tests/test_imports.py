@@ -18,7 +18,8 @@ LAYERS = {
     "trainer": 2,
     "trajectory": 2,
     "tagsched": 2,
-    "seamlessflow": 3,
+    "colocate": 3,
+    "seamlessflow": 4,
 }
 
 

@@ -2,6 +2,7 @@
 failover, on a real broker with real worker and scheduler processes."""
 
 import asyncio
+import logging
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from nats.errors import NoRespondersError
 
 from broker import codec
 from broker.messages import (
@@ -20,9 +22,12 @@ from broker.messages import (
     RoleChangeRequested,
     SampleReady,
     TaskSubmitted,
+    TrainerShape,
     WorkerRegistered,
 )
 from broker.provision import provision_run
+from broker.registry import Registration
+from broker.roles import membership
 from broker.subjects import Durable, RunNames
 from rollout.gateway import Gateway
 from seamlessflow.processes import ServiceProcess, worker_process
@@ -48,6 +53,7 @@ from tests.support import (
     eventually,
     gateway_config,
     metric,
+    registered,
     stream_messages,
 )
 
@@ -220,6 +226,36 @@ async def entry(js, names: RunNames, wid: str) -> WorkerRegistered:
     return codec.decode(WorkerRegistered, (await bucket.get(wid)).value)
 
 
+async def test_membership_takes_the_role_serves_requests_and_leaves_in_order(nc, js, names):
+    """In: the entry's role taken, the entry written, role requests served, heartbeats. Out,
+    here by an error in the body: heartbeats stopped, requests no longer served, the entry
+    deleted (and not written again by a late heartbeat)."""
+    taken: list[Role] = []
+
+    async def switch(role: Role) -> None:
+        taken.append(role)
+
+    registration = await Registration.open(js, names, "m1", tags=["rollout"], role=Role.IDLE)
+    with pytest.raises(RuntimeError, match="the body failed"):
+        async with membership(nc, names, registration, switch, heartbeat_s=0.1) as roles:
+            assert taken == [Role.IDLE]
+            first = await registered(js, names, "m1")
+            assert (first.role, first.epoch) == (Role.IDLE, 0)
+            assert (await ask(nc, names, "m1", Role.ROLLOUT, 1)).ok
+            assert taken == [Role.IDLE, Role.ROLLOUT] and roles.role is Role.ROLLOUT
+
+            async def renewed() -> bool:
+                entry = await registered(js, names, "m1")
+                return entry.heartbeat_at > first.heartbeat_at and entry.role is Role.ROLLOUT
+
+            await eventually(renewed)
+            raise RuntimeError("the body failed")
+    await asyncio.sleep(0.3)  # three heartbeat periods
+    assert await registered(js, names, "m1") is None
+    with pytest.raises(NoRespondersError):
+        await nc.request(names.ctl_role("m1"), b"", timeout=5)
+
+
 async def test_a_worker_changes_role_by_epoch_and_refuses_stale_ones(
     broker, nc, js, names, tiny_model_dir
 ):
@@ -299,7 +335,9 @@ async def test_role_changes_under_load_lose_and_duplicate_no_generation(
         assert reply.choices[0].text == same.choices[0].text
 
 
-def scheduler(nc, names: RunNames, spec: PlacementSpec, **fields) -> Scheduler:
+def scheduler(
+    nc, names: RunNames, spec: PlacementSpec, configured: TrainerShape | None = None, **fields
+) -> Scheduler:
     from tagsched.admission import Admission
 
     return Scheduler(
@@ -307,10 +345,10 @@ def scheduler(nc, names: RunNames, spec: PlacementSpec, **fields) -> Scheduler:
         names,
         SchedulerConfig(**fields),
         spec,
-        Admission(nc.jetstream(), names, SMALL_RUN.tasks, limit=8),
-        groups_per_step=1,
+        Admission(nc.jetstream(), names, SMALL_RUN.tasks),
         workers_ttl_s=SMALL_RUN.workers_ttl_s,
         lease_s=SMALL_RUN.scheduler_lease_s,
+        configured=configured,
     )
 
 
@@ -384,6 +422,91 @@ async def test_a_worker_frozen_mid_work_is_fenced_its_call_continues_and_it_is_r
             if w is not None:
                 w.proc.send_signal(signal.SIGCONT)
                 w.stop()
+
+
+# -- admission by the registered trainer's shape -------------------------------------------------
+
+TRAIN_ONLY = PlacementSpec(train=Demand(tags=["train"]), rollout=Demand(tags=["rollout"], count=0))
+
+
+async def trainer_entry(js, names: RunNames, shape: TrainerShape) -> Registration:
+    """A trainer's registry entry, as ``seamlessflow trainer`` writes it."""
+    registration = await Registration.open(
+        js, names, "trainer-1", tags=["train"], role=Role.TRAIN, trainer=shape
+    )
+    await registration.put()
+    return registration
+
+
+async def admitted(js, names: RunNames) -> int:
+    info = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
+    return info.num_pending + info.num_ack_pending
+
+
+async def stays_admitted(js, names: RunNames, n: int, watch: asyncio.Task) -> None:
+    """``n`` tasks reach the agents, and no more after a while."""
+    await eventually(lambda: _eq(admitted(js, names), n), watch=watch)
+    await asyncio.sleep(1.0)
+    assert await admitted(js, names) == n
+
+
+async def _eq(value, want) -> bool:
+    return await value == want
+
+
+def refused(reason: str) -> float:
+    return REGISTRY.get_sample_value("sf_scheduler_admission_refused_total", {"reason": reason})
+
+
+async def test_admission_follows_the_registered_trainers_shape(nc, js, names):
+    """Nothing is admitted until a trainer registers; then steps_ahead (2) times the trainer's
+    groups_per_step, as its entry says and as it changes; a shape past the staleness bound
+    (steps_ahead > max_staleness + 1) is refused and admits nothing more."""
+    s = scheduler(nc, names, TRAIN_ONLY, steps_ahead=2, tick_s=0.1)
+    stop = asyncio.Event()
+    running = asyncio.create_task(s.run(stop))
+    stale0 = refused("staleness")
+    try:
+        await submit_tasks(js, names, [task(f"t{i}") for i in range(12)], progress=False)
+        await stays_admitted(js, names, 0, running)
+        trainer = await trainer_entry(js, names, TrainerShape(groups_per_step=2, max_staleness=1))
+        await stays_admitted(js, names, 4, running)
+        assert REGISTRY.get_sample_value("sf_scheduler_admission_limit") == 4
+        await trainer.put(trainer=TrainerShape(groups_per_step=3, max_staleness=1))
+        await stays_admitted(js, names, 6, running)
+        await trainer.put(trainer=TrainerShape(groups_per_step=4, max_staleness=0))
+        await eventually(lambda: refused("staleness") == stale0 + 1, watch=running)
+        await stays_admitted(js, names, 6, running)
+        assert REGISTRY.get_sample_value("sf_scheduler_admission_limit") == 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+
+
+async def test_a_trainer_disagreeing_with_the_schedulers_config_is_refused(nc, js, names, caplog):
+    """The scheduler's config says groups_per_step 2; the trainer registers 3: an ERROR naming
+    both, counted, and nothing admitted. Once the trainer registers the same, admission runs."""
+    configured = TrainerShape(groups_per_step=2, max_staleness=1)
+    s = scheduler(nc, names, TRAIN_ONLY, configured, steps_ahead=2, tick_s=0.1)
+    stop = asyncio.Event()
+    running = asyncio.create_task(s.run(stop))
+    mismatch0 = refused("mismatch")
+    try:
+        await submit_tasks(js, names, [task(f"t{i}") for i in range(6)], progress=False)
+        trainer = await trainer_entry(js, names, TrainerShape(groups_per_step=3, max_staleness=1))
+        await eventually(lambda: refused("mismatch") == mismatch0 + 1, watch=running)
+        await trainer.put()  # a heartbeat: the same shape again
+        await stays_admitted(js, names, 0, running)
+        assert refused("mismatch") == mismatch0 + 1  # once per shape, not per heartbeat
+        (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert line.startswith("admission_refused reason=mismatch")
+        assert "trainer trainer-1 runs groups_per_step=3 max_staleness=1" in line
+        assert "this scheduler's config has groups_per_step=2 max_staleness=1" in line
+        await trainer.put(trainer=configured)
+        await stays_admitted(js, names, 4, running)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
 
 
 # -- the scheduler process ---------------------------------------------------------------------

@@ -16,12 +16,12 @@ from safetensors.torch import load, save_file
 
 from broker import codec
 from broker.config import ConsumerLimits, ProvisionConfig
-from broker.messages import MessageRejected, SampleReady, WeightsPublished, WorkerRegistered
+from broker.messages import MessageRejected, SampleReady, TrainerShape, WeightsPublished
 from broker.provision import provision_run
 from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights, host_id, latest_weights
 from seamlessflow.processes import ServiceProcess, worker_process
-from tests.support import SMALL_RUN, eventually, metric, stream_messages
+from tests.support import SMALL_RUN, eventually, metric, registered, stream_messages
 from tests.test_losses import sample
 from trainer import checkpoint
 from trainer.batcher import plan_step
@@ -96,14 +96,6 @@ def test_two_rank_data_parallel_step_equals_one_rank(tiny_model_dir, tmp_path):
 
 
 # -- the service, in process --------------------------------------------------------------------
-async def _registered(js, names: RunNames, worker_id: str) -> WorkerRegistered | None:
-    kv = await js.key_value(names.workers_kv)
-    try:
-        return codec.decode(WorkerRegistered, (await kv.get(worker_id)).value)
-    except Exception:
-        return None
-
-
 async def _stored(js, names: RunNames) -> bool:
     """The newest announcement is the object store's (not a host-local copy)."""
     latest = await latest_weights(js, names)
@@ -119,7 +111,7 @@ async def _consumer_settled(js, names: RunNames) -> bool:
 async def test_service_trains_groups_and_settles_every_sample(
     broker, js, names, tiny_model_dir, tmp_path, caplog
 ):
-    from trainer.service import serve_trainer
+    from trainer.serve import serve_trainer
 
     caplog.set_level(logging.WARNING, logger="trainer.service")
 
@@ -136,8 +128,11 @@ async def test_service_trains_groups_and_settles_every_sample(
     serving = asyncio.create_task(
         serve_trainer(broker.url, names.run, ProvisionConfig(), config, tiny_model_dir, 0, stop)
     )
-    await eventually(lambda: _registered(js, names, "trainer-t"), watch=serving, timeout=60)
-    url = (await _registered(js, names, "trainer-t")).metrics_url
+    await eventually(lambda: registered(js, names, "trainer-t"), watch=serving, timeout=60)
+    entry = await registered(js, names, "trainer-t")
+    url = entry.metrics_url
+    # The entry carries what the scheduler admits by.
+    assert entry.trainer == TrainerShape(groups_per_step=2, max_staleness=0, staleness_mode="drop")
     before = {o: await metric(url, "sf_trainer_samples_total", outcome=o) for o in
               ("trained", "stale_dropped", "duplicate")}  # fmt: skip
     dropped_before = await metric(url, "sf_trainer_samples_dropped_total", reason="stale")
@@ -197,13 +192,13 @@ async def test_service_trains_groups_and_settles_every_sample(
         lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         for gid, n in (("c", 2), ("d", 1)):
             assert any(f"samples_dropped group={gid} reason=stale samples={n}" in x for x in lines)
-        assert (await _registered(js, names, "trainer-t")).version == 1
+        assert (await registered(js, names, "trainer-t")).version == 1
         assert await metric(url, "sf_trainer_version") == 1
     finally:
         worker.stop()
         stop.set()
         await serving
-    assert await _registered(js, names, "trainer-t") is None
+    assert await registered(js, names, "trainer-t") is None
     assert not (config.local_weights_dir / names.run).exists()  # stopped: its copies are freed
 
 
@@ -295,7 +290,7 @@ async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
 async def test_checkpoints_every_few_versions_and_at_stop(
     broker, js, names, tiny_model_dir, tmp_path
 ):
-    from trainer.service import serve_trainer
+    from trainer.serve import serve_trainer
 
     ckpt = tmp_path / "ckpt"
     config = TrainerConfig(
@@ -312,8 +307,8 @@ async def test_checkpoints_every_few_versions_and_at_stop(
         serve_trainer(broker.url, names.run, ProvisionConfig(), config, tiny_model_dir, 0, stop)
     )
     try:
-        await eventually(lambda: _registered(js, names, "trainer-e"), watch=serving, timeout=60)
-        url = (await _registered(js, names, "trainer-e")).metrics_url
+        await eventually(lambda: registered(js, names, "trainer-e"), watch=serving, timeout=60)
+        url = (await registered(js, names, "trainer-e")).metrics_url
         for n, g in enumerate((group("a", 2), group("b", 3), group("c", 2)), start=1):
             await publish(js, names, *g)
             await eventually(lambda n=n: _eq(metric(url, "sf_trainer_version"), n), watch=serving)

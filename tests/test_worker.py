@@ -16,13 +16,13 @@ from broker.messages import (
     SamplingParams,
     TokensGenerated,
     WeightsPublished,
-    WorkerRegistered,
 )
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.registry import watch_workers
 from broker.subjects import RunNames
 from broker.weights import LOCAL_BLOB, announce_local, host_id, local_folder, publish_weights
-from rollout.worker import RolloutWorker, WorkerConfig
+from rollout.worker import RolloutWorker
+from rollout.worker_config import WorkerConfig
 from seamlessflow.processes import worker_process
 from tests.support import (
     SMALL_RUN,
@@ -30,6 +30,7 @@ from tests.support import (
     greedy,
     metric,
     perturbed_weights,
+    registered,
     stream_messages,
 )
 
@@ -74,14 +75,6 @@ class Call:
         await asyncio.wait_for(self.done.wait(), timeout)
         await self.sub.unsubscribe()
         return self.chunks[-1]
-
-
-async def registered(js, names: RunNames, worker_id: str) -> WorkerRegistered | None:
-    kv = await js.key_value(names.workers_kv)
-    try:
-        return codec.decode(WorkerRegistered, (await kv.get(worker_id)).value)
-    except Exception:
-        return None
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from broker.config import Tags
+from broker.messages import TrainerShape
 from broker.registry import default_worker_id
 from broker.subjects import NAME_PATTERN
 from common.precision import Precision
@@ -201,6 +202,14 @@ class TrainerConfig(BaseModel):
         default_factory=lambda: ["train"], description="capability tags, comma-separated"
     )
     heartbeat_s: float = Field(default=5.0, gt=0, description="worker registry renewal period")
+
+    def shape(self) -> TrainerShape:
+        """What the scheduler admits by (the trainer's registry entry carries it)."""
+        return TrainerShape(
+            groups_per_step=self.groups_per_step,
+            max_staleness=self.max_staleness,
+            staleness_mode=self.staleness_mode.value,
+        )
 
     @model_validator(mode="after")
     def _backend_fits(self) -> Self:

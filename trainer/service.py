@@ -21,173 +21,49 @@ shutdown the first error is the one raised; later ones are logged.
 
 The trainer holds a role (``broker.roles``): it steps only as ``train``; asked to take another
 (its worker lent to rollout, or idle), it finishes the step in progress and waits, still taking
-and holding samples, until it is ``train`` again.
+and holding samples, until it is ``train`` again. The process around it: ``trainer.serve``.
 """
 
 import asyncio
 import logging
-import math
 import time
-from pathlib import Path
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from broker.client import session
 from broker.config import ProvisionConfig
 from broker.exceptions import InvalidMessageError
 from broker.ingress import Delivery, HandBack, Ingress
-from broker.messages import Role, SampleReady, WorkerRegistered
-from broker.metrics import REGISTRY as INGRESS_METRICS
+from broker.messages import Role, SampleReady
 from broker.provision import durable_info
-from broker.registry import Registration, watch_workers
-from broker.retry import BACKOFF, retry
-from broker.roles import REGISTRY as ROLE_METRICS
+from broker.retry import retry
 from broker.roles import RoleHolder
 from broker.subjects import Durable, RunNames
 from broker.weights import latest_weights, newest_local
 from common.log import kv
-from common.metrics import serve_metrics
 from trainer import checkpoint
-from trainer.batcher import DROPPED, Batcher, DropReason, Outcome, lag, plan_step
+from trainer.batcher import DROPPED, Batcher, Outcome, lag, plan_step
 from trainer.checkpoint import Checkpoint, StepRecord
 from trainer.config import TrainerConfig
 from trainer.exceptions import BatchError, TrainerError
+from trainer.metrics import (
+    CHECKPOINT_SECONDS,
+    DROPPED_SAMPLES,
+    GROUPS_EXPIRED,
+    HELD,
+    INVALID,
+    PUBLISH_SECONDS,
+    SAMPLES,
+    STALENESS,
+    STEP_SECONDS,
+    VERSION,
+    report_step,
+)
 from trainer.publisher import WeightPublisher
-from trainer.ranks import RankGroup, set_threads
-from trainer.step import PHASES
+from trainer.ranks import RankGroup
+from trainer.watch import ServingWatch
 
 log = logging.getLogger(__name__)
-
-_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
-
-STEPS = Counter("sf_trainer_steps", "Training steps committed", registry=REGISTRY)
-VERSION = Gauge("sf_trainer_version", "Weight version the trainer holds", registry=REGISTRY)
-SAMPLES = Counter(
-    "sf_trainer_samples", "Samples consumed, by outcome", ["outcome"], registry=REGISTRY
-)
-for _outcome in Outcome:  # every outcome exported from the start, at 0
-    SAMPLES.labels(_outcome.value)
-DROPPED_SAMPLES = Counter(
-    "sf_trainer_samples_dropped",
-    "Samples consumed but not trained, by reason (each group's drop is also a WARNING line "
-    "and the step's line in steps.jsonl names them)",
-    ["reason"],
-    registry=REGISTRY,
-)
-for _reason in DropReason:
-    DROPPED_SAMPLES.labels(_reason.value)
-INVALID = Counter(
-    "sf_trainer_invalid_samples",
-    "Samples refused because they contradict their group",
-    registry=REGISTRY,
-)
-HELD = Gauge(
-    "sf_trainer_samples_held", "Samples held un-acked until their step commits", registry=REGISTRY
-)
-LOSS = Gauge(
-    "sf_trainer_loss",
-    "Policy loss per loss token of the last step (rank 0's shard)",
-    registry=REGISTRY,
-)
-REWARD = Gauge(
-    "sf_trainer_reward_mean", "Mean reward of the last step's samples", registry=REGISTRY
-)
-ADV_STD = Gauge("sf_trainer_advantage_std", "Std of the last step's advantages", registry=REGISTRY)
-KL = Gauge("sf_trainer_kl", "Mean k3 KL to the reference model in the last step", registry=REGISTRY)
-GRAD_NORM = Gauge(
-    "sf_trainer_grad_norm", "Gradient norm before clipping, last optimizer step", registry=REGISTRY
-)
-MISMATCH = Gauge(
-    "sf_trainer_mismatch",
-    "Behaviour vs proximal logprobs on same-version tokens, last step",
-    ["stat"],  # mean_abs, max_abs, kl
-    registry=REGISTRY,
-)
-MISMATCH_HIST = Histogram(
-    "sf_trainer_mismatch_mean_abs",
-    "Per step: mean |behaviour - proximal| logprob on same-version tokens",
-    # fp32 on one device agrees to ~1e-7 (observed ~5e-7): the buckets reach well below that
-    buckets=(1e-9, 1e-8, 1e-7, 3e-7, 1e-6, 3e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
-    registry=REGISTRY,
-)
-STALENESS = Histogram(
-    "sf_trainer_sample_staleness",
-    "Versions a sample's oldest loss token lags the trainer",
-    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
-    registry=REGISTRY,
-)
-STEP_SECONDS = Histogram(
-    "sf_trainer_step_seconds", "Training (all ranks) per step", buckets=_SECONDS, registry=REGISTRY
-)
-CHECKPOINT_SECONDS = Histogram(
-    "sf_trainer_checkpoint_seconds", "Writing one checkpoint", buckets=_SECONDS, registry=REGISTRY
-)
-PUBLISH_SECONDS = Histogram(
-    "sf_trainer_weight_publish_seconds",
-    "From a version's optimizer step to its announcement, by path: local (the host-local copy, "
-    "in the step) or store (the object store or weights_dir, in the background)",
-    ["path"],
-    buckets=_SECONDS,
-    registry=REGISTRY,
-)
-SERVING_SECONDS = Histogram(
-    "sf_trainer_weights_serving_seconds",
-    "From an optimizer step to every rollout worker serving its version",
-    buckets=_SECONDS,
-    registry=REGISTRY,
-)
-TOKENS = Counter("sf_trainer_tokens", "Loss tokens trained", registry=REGISTRY)
-PHASE_SECONDS = Counter(
-    "sf_trainer_phase_seconds",
-    "Rank 0's training time by phase (trainer.step.PHASES): proximal, reference, forward, "
-    "backward, optimizer",
-    ["phase"],
-    registry=REGISTRY,
-)
-for _phase in PHASES:  # exported from the start, at 0
-    PHASE_SECONDS.labels(_phase)
-GROUPS_EXPIRED = Counter(
-    "sf_trainer_groups_expired",
-    "Groups trained incomplete after group_timeout_s",
-    registry=REGISTRY,
-)
-
-
-class ServingWatch:
-    """Times each version from its optimizer step until every live rollout worker in the
-    registry reports it (a worker counts as live until ``ttl`` after its last heartbeat)."""
-
-    def __init__(self, ttl: float, keep: int = 16) -> None:
-        self._ttl = ttl
-        self._keep = keep
-        self._workers: dict[str, WorkerRegistered] = {}
-        self._pending: dict[int, float] = {}  # version -> time.monotonic() of its step
-
-    def stepped(self, version: int, at: float) -> list[tuple[int, float]]:
-        self._pending[version] = at
-        while len(self._pending) > self._keep:
-            del self._pending[min(self._pending)]
-        return self._settle()
-
-    def seen(self, worker_id: str, entry: WorkerRegistered | None) -> list[tuple[int, float]]:
-        if entry is None or entry.role is not Role.ROLLOUT:
-            self._workers.pop(worker_id, None)
-        else:
-            self._workers[worker_id] = entry
-        return self._settle()
-
-    def _settle(self) -> list[tuple[int, float]]:
-        """(version, seconds) of each pending version every live rollout worker now serves."""
-        now = time.time()
-        live = [w for w in self._workers.values() if now - w.heartbeat_at <= self._ttl]
-        if not live:
-            return []
-        serving = min(w.version if w.version is not None else -1 for w in live)
-        done = [v for v in self._pending if v <= serving]
-        return [(v, time.monotonic() - self._pending.pop(v)) for v in sorted(done)]
 
 
 class Trainer:
@@ -199,7 +75,6 @@ class Trainer:
         names: RunNames,
         config: TrainerConfig,
         ranks: RankGroup,
-        registration: Registration,
         watch: ServingWatch,
         start: Checkpoint | None,
     ) -> None:
@@ -207,7 +82,6 @@ class Trainer:
         self._names = names
         self._config = config
         self._ranks = ranks
-        self._registration = registration
         self._watch = watch
         self.version = start.version if start else 0
         self._recent: list[StepRecord] = list(start.recent) if start else []
@@ -219,7 +93,7 @@ class Trainer:
         self._may_step = asyncio.Event()  # set while the trainer holds the train role
         self._may_step.set()
         self._stepping = asyncio.Lock()
-        self.roles: RoleHolder | None = None  # accounts busy time once set
+        self._roles: RoleHolder | None = None  # set by serve: busy time, the entry's version
         self._publisher = WeightPublisher(js, names, config, PUBLISH_SECONDS)
         self._uncommitted: list[StepRecord] = []  # steps since the last checkpoint
 
@@ -280,13 +154,13 @@ class Trainer:
                     await _first(self._wake.wait(), stop.wait(), timeout=min(timeout, 5.0))
                     continue
                 async with self._stepping:
-                    if self.roles is not None:
-                        self.roles.set_busy(True)
+                    if self._roles is not None:
+                        self._roles.set_busy(True)
                     try:
                         await self._step(groups)
                     finally:
-                        if self.roles is not None:
-                            self.roles.set_busy(False)
+                        if self._roles is not None:
+                            self._roles.set_busy(False)
             await self._commit()  # stopped: the steps since the last checkpoint are kept
         finally:
             self._stopping = True
@@ -343,13 +217,13 @@ class Trainer:
         # 4. Publish the new version; metrics.
         await self._publisher.publish(version, self._ranks.backend.hf_state_dict)
         VERSION.set(version)
-        for _, seconds in self._watch.stepped(version, stepped):
-            SERVING_SECONDS.observe(seconds)
-        try:
-            await self._registration.put(version=version)
-        except NatsError as exc:  # the next heartbeat writes the entry, with this version
-            log.warning(kv("registration_put_failed", version=version, error=exc))
-        self._report(items, stats, stepped - started)
+        self._watch.stepped(version, stepped)
+        if self._roles is not None:
+            try:
+                await self._roles.registration.put(version=version)
+            except NatsError as exc:  # the next heartbeat writes the entry, with this version
+                log.warning(kv("registration_put_failed", version=version, error=exc))
+        report_step(self.version, items, stats, stepped - started)
 
     def _drops(
         self, groups: list[list[SampleReady]], outcomes: dict[str, Outcome]
@@ -400,71 +274,24 @@ class Trainer:
         await asyncio.to_thread(checkpoint.save, directory, ckpt)
         CHECKPOINT_SECONDS.observe(time.monotonic() - started)
 
-    def _report(self, items, stats, seconds: float) -> None:
-        rewards = [i.sample.reward for i in items]
-        advantages = [i.advantage for i in items]
-        mean_adv = sum(advantages) / len(advantages)
-        adv_std = math.sqrt(sum((a - mean_adv) ** 2 for a in advantages) / len(advantages))
-        reward_mean = sum(rewards) / len(rewards)
-        STEPS.inc()
-        TOKENS.inc(stats.loss_tokens)
-        for phase, spent in stats.seconds.items():
-            PHASE_SECONDS.labels(phase).inc(spent)
-        LOSS.set(stats.loss)
-        REWARD.set(reward_mean)
-        ADV_STD.set(adv_std)
-        KL.set(stats.kl)
-        GRAD_NORM.set(stats.grad_norm)
-        m = stats.mismatch
-        if m.tokens:
-            MISMATCH.labels("mean_abs").set(m.mean_abs)
-            MISMATCH.labels("max_abs").set(m.max_abs)
-            MISMATCH.labels("kl").set(m.kl)
-            MISMATCH_HIST.observe(m.mean_abs)
-        log.info(
-            kv(
-                "train_step",
-                version=self.version,
-                samples=stats.samples,
-                tokens=stats.loss_tokens,
-                reward_mean=round(reward_mean, 4),
-                loss=round(stats.loss, 6),
-                kl=round(stats.kl, 6),
-                grad_norm=round(stats.grad_norm, 4),
-                mismatch_tokens=m.tokens,
-                mismatch_mean_abs=round(m.mean_abs, 6),
-                mismatch_max_abs=round(m.max_abs, 6),
-                mismatch_kl=round(m.kl, 8),
-                seconds=round(seconds, 3),
-            )
-        )
-
     # -- serving ----------------------------------------------------------------------------
     async def serve(
-        self, provision: ProvisionConfig, stop: asyncio.Event, on_ready=lambda: None
+        self,
+        provision: ProvisionConfig,
+        roles: RoleHolder,
+        stop: asyncio.Event,
+        on_ready=lambda: None,
     ) -> None:
         """Publish what a crash may have left unpublished, then consume samples and step until
-        ``stop`` (or until training, consuming or following workers fails: that raises). The
-        caller owns the registration, its heartbeats and ``roles``."""
+        ``stop`` (or until training, consuming or following workers fails: that raises).
+        ``roles`` belongs to whoever opened the membership (``broker.roles.membership``)."""
+        self._roles = roles
         names = self._names
         await durable_info(self._js, names, names.samples_stream, Durable.TRAINER)
         await self.publish_if_missing()
-        ingress = Ingress(
-            self._js,
-            names,
-            source="trainer",
-            stream=names.samples_stream,
-            durable=Durable.TRAINER,
-            schema=SampleReady,
-            handler=self.on_sample,
-            max_payload=provision.samples.max_payload,
-            batch=256,
-            concurrency=self._config.max_pending_samples,
-            fetch_timeout=0.5,
-        )
         ingress_stop = asyncio.Event()
-        consuming = asyncio.create_task(ingress.run(ingress_stop))
-        following = asyncio.create_task(self.follow_workers())  # ends only when cancelled
+        consuming = asyncio.create_task(self._samples(provision).run(ingress_stop))
+        following = asyncio.create_task(self._watch.follow(self._js, names))  # until cancelled
         uploading = asyncio.create_task(self._publisher.run())
         stepping = asyncio.create_task(self.run(stop))
         log.info(kv("trainer_started", run=names.run, version=self.version))
@@ -493,6 +320,22 @@ class Trainer:
         ):
             if task.exception() is not None:
                 raise TrainerError(f"{what} failed: {task.exception()!r}") from task.exception()
+
+    def _samples(self, provision: ProvisionConfig) -> Ingress[SampleReady]:
+        """The validated ingress of the run's samples, handled by ``on_sample``."""
+        return Ingress(
+            self._js,
+            self._names,
+            source="trainer",
+            stream=self._names.samples_stream,
+            durable=Durable.TRAINER,
+            schema=SampleReady,
+            handler=self.on_sample,
+            max_payload=provision.samples.max_payload,
+            batch=256,
+            concurrency=self._config.max_pending_samples,
+            fetch_timeout=0.5,
+        )
 
     # -- start ------------------------------------------------------------------------------
     async def publish_if_missing(self) -> None:
@@ -525,18 +368,6 @@ class Trainer:
             await self._publisher.publish(self.version, self._ranks.backend.hf_state_dict)
         VERSION.set(self.version)
 
-    async def follow_workers(self) -> None:
-        """Follow the registry for the time-to-serving metric; a watch the broker dropped (a
-        restart) is started again, so this only ends when cancelled."""
-        while True:
-            try:
-                async for worker_id, entry in watch_workers(self._js, self._names):
-                    for _, seconds in self._watch.seen(worker_id, entry):
-                        SERVING_SECONDS.observe(seconds)
-            except NatsError as exc:
-                log.warning(kv("worker_watch_failed", error=exc))
-            await asyncio.sleep(BACKOFF.max_s)
-
 
 async def _first(*waits, timeout: float | None = None) -> None:  # noqa: ASYNC109
     """Wait for the first of ``waits`` (coroutines) to finish, or ``timeout``; cancel the rest."""
@@ -546,77 +377,3 @@ async def _first(*waits, timeout: float | None = None) -> None:  # noqa: ASYNC10
     finally:
         for task in tasks:
             task.cancel()
-
-
-async def open_ranks(model: Path, config: TrainerConfig) -> tuple[RankGroup, Checkpoint | None]:
-    """Every rank built and resumed from the newest checkpoint, if any (off the event loop)."""
-    set_threads(config)
-    ranks = await asyncio.to_thread(RankGroup, model, config)
-    start, path = None, None
-    try:
-        if config.checkpoint_dir is not None:
-            path = checkpoint.latest_path(config.checkpoint_dir)
-            start = await asyncio.to_thread(checkpoint.load_file, path) if path else None
-        await asyncio.to_thread(ranks.load, start, path)
-        if start is not None:
-            # The process may have died between a checkpoint and its line in the steps log.
-            await asyncio.to_thread(checkpoint.append_steps, config.checkpoint_dir, start.recent)
-    except BaseException:
-        await asyncio.to_thread(ranks.close)
-        raise
-    return ranks, start
-
-
-async def serve_trainer(
-    url: str,
-    run: str,
-    provision: ProvisionConfig,
-    config: TrainerConfig,
-    model: Path,
-    metrics_port: int,
-    stop: asyncio.Event,
-) -> None:
-    """Run the trainer (all its ranks) until ``stop``: /metrics, ranks, checkpoint, NATS."""
-    metrics = serve_metrics(REGISTRY, INGRESS_METRICS, ROLE_METRICS, port=metrics_port)
-    ranks, start = await open_ranks(model, config)
-    try:
-        async with session(url, f"seamlessflow-{config.worker_id}") as nc:
-            js = nc.jetstream()
-            names = RunNames(run)
-            registration = await Registration.open(
-                js,
-                names,
-                config.worker_id,
-                tags=config.tags,
-                role=Role.TRAIN,
-                version=start.version if start else 0,
-                metrics_url=metrics.url,
-            )
-            await registration.put()
-            trainer = Trainer(
-                js, names, config, ranks, registration, ServingWatch(provision.workers_ttl_s), start
-            )
-            trainer.roles = RoleHolder(nc, names, registration, trainer.take)
-            await trainer.roles.start()
-            heartbeat = asyncio.create_task(registration.keep_alive(config.heartbeat_s, stop))
-
-            def ready() -> None:
-                print(
-                    f"trainer ready: run={run} version={trainer.version} metrics={metrics.url}",
-                    flush=True,
-                )
-
-            try:
-                await trainer.serve(provision, stop, on_ready=ready)
-            finally:
-                heartbeat.cancel()
-                await asyncio.gather(heartbeat, return_exceptions=True)
-                await trainer.roles.stop()
-                await registration.delete()
-    finally:
-        try:
-            await asyncio.to_thread(ranks.close)
-        except Exception as exc:  # logged, so that it never hides why the trainer stopped
-            log.error(kv("ranks_close_failed", error=f"{type(exc).__name__}: {exc}"))
-        metrics.close()
-    print("trainer stopped", flush=True)

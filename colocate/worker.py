@@ -1,0 +1,105 @@
+"""One process, one registration, two parts: the rollout worker serves as ``rollout``, the
+trainer steps as ``train``. Switching stops one part before starting the other: taking ``train``
+stops routing to the engine, aborts its generations (they continue elsewhere) and pauses it warm;
+giving ``train`` up lets the step in progress commit first."""
+
+import asyncio
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+
+from broker.client import session
+from broker.config import ProvisionConfig
+from broker.messages import Role
+from broker.roles import membership
+from broker.subjects import RunNames
+from common.metrics import serve_metrics
+from rollout.engines import Engine, EngineConfig, start_engine
+from rollout.serve import METRICS, ready_line, worker_registration
+from rollout.worker import RolloutWorker
+from rollout.worker_config import WorkerConfig
+from trainer.config import TrainerConfig
+from trainer.metrics import REGISTRY as TRAINER_METRICS
+from trainer.serve import close_ranks, open_ranks
+from trainer.service import Trainer
+from trainer.watch import ServingWatch
+
+
+@dataclass(frozen=True)
+class Colocated:
+    """A worker process that also holds the trainer (a worker tagged ``train``)."""
+
+    url: str
+    run: str
+    provision: ProvisionConfig
+    engine: EngineConfig
+    worker: WorkerConfig
+    trainer: TrainerConfig
+    """The ``[trainer]`` section under the worker's id and tags."""
+    metrics_port: int = 0
+
+
+async def serve_colocated(c: Colocated, stop: asyncio.Event) -> None:
+    """Run the worker and its trainer until ``stop`` (or until either part ends)."""
+    metrics = serve_metrics(*METRICS, TRAINER_METRICS, port=c.metrics_port)
+    engine = await start_engine(c.engine)
+    try:
+        async with session(c.url, f"seamlessflow-worker-{c.worker.worker_id}") as nc:
+            await _serve(nc, c, engine, metrics.url, stop)
+    finally:
+        await engine.close()
+        metrics.close()
+    print(f"worker {c.worker.worker_id} stopped", flush=True)
+
+
+async def _serve(
+    nc: NATS, c: Colocated, engine: Engine, metrics_url: str, stop: asyncio.Event
+) -> None:
+    names = RunNames(c.run)
+    js = nc.jetstream()
+    ranks, start = await open_ranks(c.engine.model, c.trainer)
+    try:
+        rollout = RolloutWorker(nc, names, engine, c.worker, c.provision.gen, nats_url=c.url)
+        watch = ServingWatch(c.provision.workers_ttl_s)
+        trainer = Trainer(js, names, c.trainer, ranks, watch, start)
+        await rollout.load_latest()
+        registration = await worker_registration(
+            js,
+            names,
+            c.worker,
+            version=rollout.version,
+            metrics_url=metrics_url,
+            trainer=c.trainer.shape(),
+        )
+
+        async def switch(role: Role) -> None:
+            if role is Role.TRAIN:
+                await rollout.take(Role.IDLE)
+                await trainer.take(Role.TRAIN)
+            else:
+                await trainer.take(Role.IDLE)
+                await rollout.take(role)
+
+        ready = ready_line(c.run, c.engine, c.worker, metrics_url)
+        async with membership(
+            nc, names, registration, switch, heartbeat_s=c.worker.heartbeat_s
+        ) as roles:
+            outcomes = await asyncio.gather(
+                _part(trainer.serve(c.provision, roles, stop), stop),
+                _part(rollout.run(roles, stop, lambda: print(ready, flush=True)), stop),
+                return_exceptions=True,
+            )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+    finally:
+        await close_ranks(ranks)
+
+
+async def _part(part: Awaitable[None], stop: asyncio.Event) -> None:
+    """Run one part; its end, normal or not, ends the other."""
+    try:
+        await part
+    finally:
+        stop.set()

@@ -1,0 +1,250 @@
+"""A rollout worker following the published weight versions.
+
+Each ``WeightsPublished`` event pauses the engine at a token boundary, loads the new version and
+resumes: in-flight requests continue on the new weights, and their chunks say so. A version is
+tried once (one that fails is counted and the engine keeps the version it has); one superseded
+while queued is skipped; another host's in-memory copy waits for the object store's
+announcement. With ``weight_waves`` > 1 the rollout workers load in waves, so not all capacity
+pauses at once. A load past ``weight_load_timeout_s`` quarantines the worker (routing stops, its
+generations continue elsewhere) until it holds the newest version.
+"""
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Protocol
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+
+from broker import codec
+from broker.exceptions import BrokerError, InvalidMessageError
+from broker.messages import Role, WeightsPublished
+from broker.registry import Registration, read_workers
+from broker.subjects import RunNames
+from broker.weights import fetch_weights_apart, latest_weights, local_copy
+from common.log import kv
+from rollout.engines import Engine, EngineError
+from rollout.metrics import (
+    INTERRUPTIONS,
+    QUARANTINES,
+    VERSION,
+    WAVE_WAIT,
+    WEIGHT_ERRORS,
+    WEIGHT_LOAD,
+)
+from rollout.worker_config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+class Served(Protocol):
+    """What weight loads need of the worker: whether it serves, and stopping or resuming that."""
+
+    def serving(self) -> bool:
+        """Consuming ``gen.req`` now (an idle worker's engine stays paused)."""
+        ...
+
+    def in_flight(self) -> int: ...
+
+    async def quarantine(self) -> None:
+        """Stop routing to the worker and abort what it has in flight."""
+        ...
+
+    async def rejoin(self) -> None:
+        """Serve again, if the worker's role is rollout."""
+        ...
+
+
+class WeightFollower:
+    """Loads the run's weight versions into ``engine``, one at a time, under ``lock`` (which the
+    worker's role switches also take, so a switch never resumes a load in progress)."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: RunNames,
+        engine: Engine,
+        config: WorkerConfig,
+        worker: Served,
+        lock: asyncio.Lock,
+        *,
+        nats_url: str,
+    ) -> None:
+        self._js = js
+        self._names = names
+        self._engine = engine
+        self._config = config
+        self._worker = worker
+        self._lock = lock
+        self._nats_url = nats_url  # weights are fetched on a connection of their own
+        self._tried_version = -1
+        self._registration: Registration | None = None  # told of each version once following
+        self.quarantined = False
+
+    async def load_latest(self) -> None:
+        """Load the newest published version, if any: at start, before registering."""
+        if (event := await latest_weights(self._js, self._names)) is not None:
+            await self._load_or_count(event)
+        VERSION.set(self._engine.version)
+
+    async def follow(self, registration: Registration) -> Subscription:
+        """Load every version published from now on, writing each to ``registration``."""
+        self._registration = registration
+        return await self._js.subscribe(
+            self._names.weights,
+            cb=self._on_weights,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        )
+
+    async def _on_weights(self, msg: Msg) -> None:
+        try:
+            event = codec.decode(WeightsPublished, msg.data)
+        except InvalidMessageError as exc:
+            WEIGHT_ERRORS.inc()
+            log.error(kv("bad_weights_event", subject=msg.subject, error=exc.reason))
+            return
+        await self._load_or_count(event)
+
+    async def _load_or_count(self, event: WeightsPublished) -> None:
+        """Load ``event``'s version; a version that cannot be fetched or loaded is logged and
+        counted, and the engine keeps serving the version it has."""
+        try:
+            await self._load(event)
+        except (BrokerError, EngineError, NatsError) as exc:
+            WEIGHT_ERRORS.inc()
+            log.error(kv("weights_load_failed", version=event.version, error=exc))
+
+    async def _newest(self, event: WeightsPublished) -> bool:
+        """Whether ``event`` is newer than any version tried and not superseded."""
+        if event.version <= max(self._engine.version, self._tried_version):
+            return False
+        latest = await latest_weights(self._js, self._names)
+        if latest is not None and latest.version > event.version:
+            # Superseded while queued (the trainer steps faster than this worker loads, and old
+            # blobs are pruned): the newer event is next; load that one instead.
+            log.info(kv("weights_superseded", version=event.version, latest=latest.version))
+            return False
+        return True
+
+    async def _load(self, event: WeightsPublished) -> None:
+        """Fetch and load ``event``'s version if it is newer than any tried before (a version
+        that failed is not tried again). Called at start, then from the weights subscription,
+        whose callbacks run one at a time: loads never overlap."""
+        if not await self._newest(event):
+            return
+        local = local_copy(event) if event.host is not None else None
+        if event.host is not None and local is None:
+            # another host's in-memory copy: this version's object-store announcement follows
+            log.debug(kv("weights_not_local", version=event.version, host=event.host))
+            return
+        self._tried_version = event.version
+        started = time.monotonic()
+        await self._wait_for_wave(event.version)
+        async with self._weights_folder(event, local) as folder:
+            fetched = time.monotonic()
+            try:
+                async with self._lock:
+                    INTERRUPTIONS.labels("weight_update").inc(self._worker.in_flight())
+                    await self._engine.pause()
+                    try:
+                        await self._load_within_deadline(event.version, folder)
+                    finally:
+                        if self._worker.serving():  # an idle worker's engine stays paused
+                            await self._engine.resume()
+            finally:
+                await self._rejoin()
+        seconds = time.monotonic() - started
+        WEIGHT_LOAD.observe(seconds)
+        VERSION.set(self._engine.version)
+        if self._registration is not None:  # tell the registry now, not at the next heartbeat
+            await self._registration.put(version=self._engine.version)
+        log.info(
+            kv(
+                "weights_loaded",
+                version=event.version,
+                seconds=round(seconds, 3),
+                fetch_seconds=round(fetched - started, 3),
+                path="local" if event.host is not None else "store",
+                in_flight=self._worker.in_flight(),
+            )
+        )
+
+    @contextlib.asynccontextmanager
+    async def _weights_folder(
+        self, event: WeightsPublished, local: Path | None
+    ) -> AsyncIterator[Path]:
+        """A folder holding ``event``'s safetensors: the host-local copy itself, or the blob
+        fetched from the store into a temporary folder."""
+        if local is not None:
+            yield local
+            return
+        blob = await fetch_weights_apart(self._nats_url, event)
+        with tempfile.TemporaryDirectory(prefix="sf-weights-") as folder:
+            await asyncio.to_thread((Path(folder) / "model.safetensors").write_bytes, blob)
+            del blob
+            yield Path(folder)
+
+    async def _wait_for_wave(self, version: int) -> None:
+        """With ``weight_waves`` > 1, wait (serving the old version) until every live rollout
+        worker of an earlier wave serves ``version``, or ``wave_timeout_s``. Waves are the live
+        rollout workers sorted by id, dealt round-robin."""
+        waves = self._config.weight_waves
+        if waves <= 1 or not self._worker.serving():  # an idle worker pauses nobody's capacity
+            return
+        me = self._config.worker_id
+        started = time.monotonic()
+        fresh_s = 3 * self._config.heartbeat_s
+        while time.monotonic() - started < self._config.wave_timeout_s:
+            now = time.time()
+            live = {
+                w.worker_id: w
+                for w in await read_workers(self._js, self._names)
+                if w.role is Role.ROLLOUT and not w.quarantined and now - w.heartbeat_at < fresh_s
+            }
+            ids = sorted(live)
+            if me not in ids:
+                break
+            wave = ids.index(me) % waves
+            earlier = [live[w] for i, w in enumerate(ids) if i % waves < wave]
+            if all((w.version if w.version is not None else -1) >= version for w in earlier):
+                break
+            await asyncio.sleep(0.1)
+        WAVE_WAIT.observe(time.monotonic() - started)
+
+    async def _load_within_deadline(self, version: int, folder: Path) -> None:
+        """Load ``version``; past ``weight_load_timeout_s``, quarantine this worker (stop routing
+        to it, abort what it has in flight so the gateway continues it elsewhere) and wait for
+        the load to end. The load itself is never cut short: that would leave mixed weights."""
+        load = asyncio.ensure_future(self._engine.load_weights(version, folder))
+        done, _ = await asyncio.wait({load}, timeout=self._config.weight_load_timeout_s)
+        if not done:
+            QUARANTINES.inc()
+            self.quarantined = True
+            log.error(kv("weights_load_stuck", version=version, quarantined=True))
+            if self._registration is not None:
+                await self._registration.put(quarantined=True)
+            await self._worker.quarantine()
+        await load
+
+    async def _rejoin(self) -> None:
+        """Leave quarantine once the newest published version has been tried (loaded, or
+        failed and counted: then the worker serves the version it has, as any worker would)."""
+        if not self.quarantined:
+            return
+        latest = await latest_weights(self._js, self._names)
+        if latest is not None and latest.version > max(self._engine.version, self._tried_version):
+            return  # that version's event is next: rejoin after it
+        self.quarantined = False
+        if self._registration is not None:
+            await self._registration.put(quarantined=False)
+        await self._worker.rejoin()
+        log.info(kv("worker_rejoined", version=self._engine.version))

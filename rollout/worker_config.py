@@ -1,0 +1,54 @@
+"""A rollout worker's settings (``[worker]``)."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from broker.config import Tags
+from broker.messages import NAME_PATTERN, Role, RoleField
+from broker.registry import default_worker_id
+from rollout.engines import EngineSettings, HFEngineConfig
+
+
+class WorkerConfig(BaseModel):
+    """One rollout worker process."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    worker_id: str = Field(
+        default_factory=default_worker_id,
+        pattern=NAME_PATTERN,
+        description="this worker's key in the worker registry; default: <host>-<pid>",
+    )
+    tags: Tags = Field(
+        default_factory=lambda: ["rollout"], description="capability tags, comma-separated"
+    )
+    max_running: int = Field(default=32, ge=1, description="requests generated at once")
+    role: RoleField = Field(
+        default=Role.ROLLOUT,
+        description="the role it takes at start, until the scheduler asks for another",
+    )
+    keepalive_s: float = Field(default=1.0, gt=0, description="empty chunk after this silence")
+    stream_interval_s: float = Field(
+        default=0.01,
+        ge=0,
+        description="tokens generated within this long of the last tokens sent wait and go in "
+        "one chunk (the first and the last go at once); 0: a chunk per engine step",
+    )
+    heartbeat_s: float = Field(default=5.0, gt=0, description="worker KV renewal period")
+    weight_waves: int = Field(
+        default=1,
+        ge=1,
+        description="rolling weight updates: rollout workers (by id) load a version in this many "
+        "waves, each once the waves before it serve it, so not all capacity pauses at once",
+    )
+    wave_timeout_s: float = Field(
+        default=30.0, gt=0, description="a wave loads anyway after waiting this long"
+    )
+    weight_load_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="an engine still loading weights after this is quarantined: routing stops, "
+        "its generations continue elsewhere, and it rejoins serving the newest version",
+    )
+    engine: EngineSettings = Field(
+        default_factory=HFEngineConfig, description="the engine (its kind) and its own options"
+    )

@@ -1,0 +1,64 @@
+"""How long a new weight version takes to reach every rollout worker, read off the registry."""
+
+import asyncio
+import logging
+import time
+
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+
+from broker.messages import Role, WorkerRegistered
+from broker.registry import watch_workers
+from broker.retry import BACKOFF
+from broker.subjects import RunNames
+from common.log import kv
+from trainer.metrics import SERVING_SECONDS
+
+log = logging.getLogger(__name__)
+
+
+class ServingWatch:
+    """Times each version from its optimizer step until every live rollout worker in the
+    registry reports it (a worker counts as live until ``ttl`` after its last heartbeat), into
+    ``sf_trainer_weights_serving_seconds``."""
+
+    def __init__(self, ttl: float, keep: int = 16) -> None:
+        self._ttl = ttl
+        self._keep = keep
+        self._workers: dict[str, WorkerRegistered] = {}
+        self._pending: dict[int, float] = {}  # version -> time.monotonic() of its step
+
+    def stepped(self, version: int, at: float) -> None:
+        """``version`` was made at ``at`` (``time.monotonic()``)."""
+        self._pending[version] = at
+        while len(self._pending) > self._keep:
+            del self._pending[min(self._pending)]
+        self._settle()
+
+    def seen(self, worker_id: str, entry: WorkerRegistered | None) -> None:
+        if entry is None or entry.role is not Role.ROLLOUT:
+            self._workers.pop(worker_id, None)
+        else:
+            self._workers[worker_id] = entry
+        self._settle()
+
+    async def follow(self, js: JetStreamContext, names: RunNames) -> None:
+        """Follow the registry; a watch the broker dropped (a restart) is started again, so
+        this only ends when cancelled."""
+        while True:
+            try:
+                async for worker_id, entry in watch_workers(js, names):
+                    self.seen(worker_id, entry)
+            except NatsError as exc:
+                log.warning(kv("worker_watch_failed", error=exc))
+            await asyncio.sleep(BACKOFF.max_s)
+
+    def _settle(self) -> None:
+        """Observe each pending version every live rollout worker now serves."""
+        now = time.time()
+        live = [w for w in self._workers.values() if now - w.heartbeat_at <= self._ttl]
+        if not live:
+            return
+        serving = min(w.version if w.version is not None else -1 for w in live)
+        for version in [v for v in self._pending if v <= serving]:
+            SERVING_SECONDS.observe(time.monotonic() - self._pending.pop(version))
