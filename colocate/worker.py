@@ -6,6 +6,7 @@ giving ``train`` up lets the step in progress commit first."""
 import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from functools import partial
 
 from nats.aio.client import Client as NATS
 
@@ -16,7 +17,7 @@ from broker.roles import membership
 from broker.subjects import RunNames
 from common.metrics import serve_metrics
 from rollout.engines import Engine, EngineConfig, start_engine
-from rollout.serve import METRICS, ready_line, worker_registration
+from rollout.serve import METRICS, announce, worker_registration
 from rollout.worker import RolloutWorker
 from rollout.worker_config import WorkerConfig
 from trainer.config import TrainerConfig
@@ -81,13 +82,13 @@ async def _serve(
                 await trainer.take(Role.IDLE)
                 await rollout.take(role)
 
-        ready = ready_line(c.run, c.engine, c.worker, metrics_url)
+        ready = partial(announce, c.run, c.engine, c.worker, metrics_url)
         async with membership(
             nc, names, registration, switch, heartbeat_s=c.worker.heartbeat_s
         ) as roles:
             outcomes = await asyncio.gather(
                 _part(trainer.serve(c.provision, roles, stop), stop),
-                _part(rollout.run(roles, stop, lambda: print(ready, flush=True)), stop),
+                _part(rollout.run(roles, stop, ready), stop),
                 return_exceptions=True,
             )
         for outcome in outcomes:

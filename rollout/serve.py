@@ -1,6 +1,7 @@
 """The rollout worker process: engine, /metrics, membership of the run, then the worker loop."""
 
 import asyncio
+from functools import partial
 
 from nats.js import JetStreamContext
 
@@ -13,6 +14,7 @@ from broker.roles import REGISTRY as ROLE_METRICS
 from broker.roles import membership
 from broker.subjects import RunNames
 from common.metrics import serve_metrics
+from common.ready import announce_ready
 from rollout.engines import EngineConfig, start_engine
 from rollout.engines.base import REGISTRY as ENGINE_METRICS
 from rollout.metrics import REGISTRY as WORKER_METRICS
@@ -47,12 +49,18 @@ async def worker_registration(
     )
 
 
-def ready_line(run: str, engine: EngineConfig, config: WorkerConfig, metrics_url: str) -> str:
-    """What a worker prints once it serves."""
-    return (
-        f"worker {config.worker_id} ready: engine={engine.settings.kind} "
-        f"model={engine.model} run={run} tags={','.join(config.tags)} "
-        f"metrics={metrics_url}"
+def announce(run: str, engine: EngineConfig, config: WorkerConfig, metrics_url: str) -> None:
+    """Say the worker serves (``common.ready``)."""
+    tags = ",".join(config.tags)
+    kind = engine.settings.kind
+    announce_ready(
+        "worker",
+        metrics_url,
+        id=config.worker_id,
+        engine=kind,
+        model=engine.model,
+        run=run,
+        tags=tags,
     )
 
 
@@ -76,11 +84,11 @@ async def serve_worker(
             registration = await worker_registration(
                 nc.jetstream(), names, config, version=worker.version, metrics_url=metrics.url
             )
-            ready = ready_line(run, engine_config, config, metrics.url)
+            ready = partial(announce, run, engine_config, config, metrics.url)
             async with membership(
                 nc, names, registration, worker.take, heartbeat_s=config.heartbeat_s
             ) as roles:
-                await worker.run(roles, stop, on_ready=lambda: print(ready, flush=True))
+                await worker.run(roles, stop, on_ready=ready)
     finally:
         await engine.close()
         metrics.close()

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from functools import partial
 
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
@@ -45,6 +46,7 @@ from broker.subjects import Durable, RunNames
 from common.exceptions import SeamlessFlowError
 from common.log import kv
 from common.metrics import serve_metrics
+from common.ready import announce_ready
 from tagsched.admission import Admission, AdmissionError, admission_limit
 from tagsched.config import LayoutConfig, SchedulerConfig
 from tagsched.lease import Lease, LeaseLostError
@@ -368,13 +370,9 @@ async def serve_scheduler(
                 configured=shape,
             )
 
-            def ready() -> None:
-                print(
-                    f"scheduler ready: run={run} layout={layout.kind} admission_limit={limit} "
-                    f"metrics={metrics.url}",
-                    flush=True,
-                )
-
+            ready = partial(
+                announce_ready, "scheduler", metrics.url, run=run, layout=layout.kind, limit=limit
+            )
             await scheduler.run(stop, on_ready=ready)
     finally:
         metrics.close()

@@ -5,7 +5,6 @@ following it), and resume after ``kill -9`` of the ``seamlessflow trainer`` proc
 import asyncio
 import hashlib
 import logging
-import re
 import signal
 import time
 from pathlib import Path
@@ -253,8 +252,7 @@ async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
         _trainer_process(broker.url, names.run, tiny_model_dir, config).wait_ready
     )
     try:
-        ready = next(line for line in restarted.output if "trainer ready:" in line)
-        resumed_at = int(re.search(r"version=(\d+)", ready).group(1))
+        resumed_at = restarted.handshake["version"]
         assert resumed_at >= 2
         await eventually(
             lambda: sum(len(s.sample_ids) for s in checkpoint.read_steps(ckpt)) >= len(everything),
@@ -354,8 +352,7 @@ async def test_a_crash_loses_the_steps_since_the_checkpoint_and_training_goes_on
     )
     try:
         assert any("versions_lost" in line for line in restarted.output)
-        ready = next(line for line in restarted.output if "trainer ready:" in line)
-        assert int(re.search(r"version=(\d+)", ready).group(1)) == 3  # after v1 and v2
+        assert restarted.handshake["version"] == 3  # after v1 and v2
         await eventually(lambda: max(e.version for e in published) >= 6, timeout=120)
         await eventually(lambda: _consumer_settled(js, names), timeout=30)
     finally:

@@ -15,6 +15,7 @@ from broker.roles import membership
 from broker.subjects import RunNames
 from common.log import kv
 from common.metrics import serve_metrics
+from common.ready import announce_ready
 from trainer import checkpoint
 from trainer.checkpoint import Checkpoint
 from trainer.config import TrainerConfig
@@ -83,10 +84,7 @@ async def serve_trainer(
             )
 
             def ready() -> None:
-                print(
-                    f"trainer ready: run={run} version={trainer.version} metrics={metrics.url}",
-                    flush=True,
-                )
+                announce_ready("trainer", metrics.url, run=run, version=trainer.version)
 
             async with membership(
                 nc, names, registration, trainer.take, heartbeat_s=config.heartbeat_s
