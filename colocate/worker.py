@@ -37,7 +37,8 @@ class Colocated:
     engine: EngineConfig
     worker: WorkerConfig
     trainer: TrainerConfig
-    """The ``[trainer]`` section under the worker's id and tags."""
+    """The ``[trainer]`` section (its ``worker_id`` and ``tags`` unused: the process registers
+    as the worker)."""
     metrics_port: int = 0
 
 

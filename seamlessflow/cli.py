@@ -276,17 +276,16 @@ def _worker(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    # A worker tagged train also holds a trainer (its [trainer] section, under the worker's id).
+    # A worker tagged train also holds a trainer ([trainer]; it registers as the worker).
     from colocate.worker import Colocated, serve_colocated
 
-    trainer = config.trainer.model_copy(update={"worker_id": worker.worker_id, "tags": worker.tags})
     colocated = Colocated(
         url=args.nats,
         run=config.run,
         provision=config.provision,
         engine=engine,
         worker=worker,
-        trainer=trainer,
+        trainer=config.trainer,
         metrics_port=args.metrics_port,
     )
     asyncio.run(serve_until_signalled(serve_colocated, colocated))
