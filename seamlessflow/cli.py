@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from common.exceptions import SeamlessFlowError
@@ -55,82 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="seamlessflow", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("SEAMLESSFLOW_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("broker", help="run the embedded NATS JetStream broker until Ctrl-C")
-    _add_config(p, "[broker] section")
-    _add_service(p, section_flags("broker"), metrics=False)
-
-    p = sub.add_parser("provision", help="create a run's streams, consumers and buckets")
-    _add_nats(p)
-    _add_run(p)
-    _add_config(p, "[provision] section")
-
-    p = sub.add_parser(
-        "status", help="show a run's streams and consumers, its workers and its scheduler"
-    )
-    _add_nats(p)
-    _add_run(p)
-
-    p = sub.add_parser("submit", help="publish tasks from a JSONL file ('-' for stdin)")
-    _add_nats(p)
-    _add_run(p)
-    p.add_argument("tasks", help="JSONL file, one TaskSubmitted per line")
-
-    p = sub.add_parser("dead-letters", help="list a run's dead letters with their payloads")
-    _add_nats(p)
-    _add_run(p)
-    p.add_argument("--source", help="only those of this ingress (e.g. 'tasks')")
-    p.add_argument("--json", action="store_true", help="one JSON array instead of text")
-
-    p = sub.add_parser("schema", help="wire schemas")
-    schema_sub = p.add_subparsers(dest="schema_command", required=True)
-    e = schema_sub.add_parser("export", help="write a JSON Schema file per message")
-    e.add_argument("dir", type=Path)
-
-    p = sub.add_parser("worker", help="run a rollout worker until Ctrl-C")
-    _add_nats(p)
-    _add_run(p)
-    _add_config(p, "[model], [worker], [provision] and, tagged train, [trainer] sections")
-    model = section_flags("model", only=("name", "max_model_len"))
-    trainer = section_flags("trainer", only=("checkpoint_dir", "threads"))  # tagged train
-    _add_service(p, model + section_flags("worker") + trainer)
-
-    p = sub.add_parser("gateway", help="serve the OpenAI-compatible API until Ctrl-C")
-    _add_nats(p)
-    _add_run(p)
-    _add_config(p, "[model] and [gateway] sections")
-    model = section_flags("model", only=("name", "served_name", "max_model_len"))
-    _add_service(p, model + section_flags("gateway"), metrics=False)  # /metrics on its port
-
-    p = sub.add_parser("model", help="build or unpack a model for CPU and print its folder")
-    p.add_argument("name", choices=sorted(MODELS))
-
-    p = sub.add_parser("trajectory", help="run the trajectory manager until Ctrl-C")
-    _add_nats(p)
-    _add_run(p)
-    _add_config(p, "[trajectory] and [provision] sections")
-    _add_service(p, section_flags("trajectory"))
-
-    p = sub.add_parser("agents", help="run agents on a run's tasks against a gateway until Ctrl-C")
-    _add_nats(p)
-    _add_run(p)
-    _add_config(p, "[agents] and [provision] sections")
-    # No --temperature: trainer and agents must agree on it, so it is set in the --config file.
-    _add_service(p, section_flags("agents", skip=("temperature",)))
-
-    p = sub.add_parser("trainer", help="run the trainer (all its ranks) until Ctrl-C")
-    _add_nats(p)
-    _add_run(p)
-    _add_config(p, "[model], [trainer] and [provision] sections")
-    trainer = section_flags("trainer", skip=("temperature",))  # as for agents
-    _add_service(p, section_flags("model", only=("name",)) + trainer)
-
-    p = sub.add_parser("scheduler", help="run the tag scheduler (one leads per run) until Ctrl-C")
-    _add_nats(p)
-    _add_run(p)
-    _add_config(p, "[scheduler], [layout], [trainer] and [provision] sections")
-    _add_service(p, section_flags("scheduler") + section_flags("layout"))
-
+    _add_tools(sub)
+    for name, help_text, sections, flags, metrics in _services():
+        p = sub.add_parser(name, help=help_text)
+        _add_nats(p)
+        _add_run(p)
+        _add_config(p, sections)
+        _add_service(p, flags, metrics=metrics)
     p = sub.add_parser(
         "run", help="run the whole RL loop on this machine (embedded broker by default)"
     )
@@ -138,6 +70,90 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nats(p, embedded=True)
     _add_run(p)
     return parser
+
+
+def _add_tools(sub) -> None:
+    """The commands that run once and exit (and the embedded broker)."""
+    p = sub.add_parser("broker", help="run the embedded NATS JetStream broker until Ctrl-C")
+    _add_config(p, "[broker] section")
+    _add_service(p, section_flags("broker"), metrics=False)
+    p = sub.add_parser("provision", help="create a run's streams, consumers and buckets")
+    _add_nats(p)
+    _add_run(p)
+    _add_config(p, "[provision] section")
+    p = sub.add_parser(
+        "status", help="show a run's streams and consumers, its workers and its scheduler"
+    )
+    _add_nats(p)
+    _add_run(p)
+    p = sub.add_parser("submit", help="publish tasks from a JSONL file ('-' for stdin)")
+    _add_nats(p)
+    _add_run(p)
+    p.add_argument("tasks", help="JSONL file, one TaskSubmitted per line")
+    p = sub.add_parser("dead-letters", help="list a run's dead letters with their payloads")
+    _add_nats(p)
+    _add_run(p)
+    p.add_argument("--source", help="only those of this ingress (e.g. 'tasks')")
+    p.add_argument("--json", action="store_true", help="one JSON array instead of text")
+    p = sub.add_parser("schema", help="wire schemas")
+    schema_sub = p.add_subparsers(dest="schema_command", required=True)
+    e = schema_sub.add_parser("export", help="write a JSON Schema file per message")
+    e.add_argument("dir", type=Path)
+    p = sub.add_parser("model", help="build or unpack a model for CPU and print its folder")
+    p.add_argument("name", choices=sorted(MODELS))
+
+
+def _services() -> list[tuple[str, str, str, list[Flag], bool]]:
+    """The long-running parts (a declarative table): name, help, the config sections they read,
+    their settings flags, and whether they serve /metrics on a port of their own."""
+    model = partial(section_flags, "model")
+    # No --temperature for trainer and agents: they must agree on it, so it is set in the file.
+    return [
+        (
+            "worker",
+            "run a rollout worker until Ctrl-C",
+            "[model], [worker], [provision] and, tagged train, [trainer] sections",
+            model(only=("name", "max_model_len"))
+            + section_flags("worker")
+            + section_flags("trainer", only=("checkpoint_dir", "threads")),  # tagged train
+            True,
+        ),
+        (
+            "gateway",
+            "serve the OpenAI-compatible API until Ctrl-C",
+            "[model] and [gateway] sections",
+            model(only=("name", "served_name", "max_model_len")) + section_flags("gateway"),
+            False,  # /metrics on its own port
+        ),
+        (
+            "trajectory",
+            "run the trajectory manager until Ctrl-C",
+            "[trajectory] and [provision] sections",
+            section_flags("trajectory"),
+            True,
+        ),
+        (
+            "agents",
+            "run agents on a run's tasks against a gateway until Ctrl-C",
+            "[agents] and [provision] sections",
+            section_flags("agents", skip=("temperature",)),
+            True,
+        ),
+        (
+            "trainer",
+            "run the trainer (all its ranks) until Ctrl-C",
+            "[model], [trainer] and [provision] sections",
+            model(only=("name",)) + section_flags("trainer", skip=("temperature",)),
+            True,
+        ),
+        (
+            "scheduler",
+            "run the tag scheduler (one leads per run) until Ctrl-C",
+            "[scheduler], [layout], [trainer] and [provision] sections",
+            section_flags("scheduler") + section_flags("layout"),
+            True,
+        ),
+    ]
 
 
 def _settings(args: argparse.Namespace) -> RunConfig:
