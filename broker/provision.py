@@ -8,6 +8,7 @@ naming every differing setting when something exists with another configuration.
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeVar
 
 from nats.js import JetStreamContext
@@ -71,36 +72,41 @@ class RunPlan:
     """Settings of the KV and object-store streams that must match on re-provisioning."""
 
 
+def _stream(
+    cfg: ProvisionConfig,
+    name: str,
+    subjects: list[str],
+    limits: StreamLimits,
+    retention: RetentionPolicy = RetentionPolicy.LIMITS,
+    per_subject: int = -1,
+) -> StreamConfig:
+    return StreamConfig(
+        name=name,
+        subjects=subjects,
+        retention=retention,
+        storage=StorageType.FILE,
+        num_replicas=cfg.replicas,
+        placement=_placement(cfg),
+        # A full work queue is a real backlog: refuse new messages (the publisher gets an
+        # error) rather than silently drop unconsumed ones. Limits streams are history.
+        discard=DiscardPolicy.NEW if retention is RetentionPolicy.WORK_QUEUE else DiscardPolicy.OLD,
+        max_bytes=limits.max_bytes,
+        max_age=limits.max_age_s,
+        max_msg_size=limits.max_msg_size,
+        max_msgs_per_subject=per_subject,
+        duplicate_window=limits.duplicate_window_s,
+    )
+
+
+def _placement(cfg: ProvisionConfig) -> Placement | None:
+    return Placement(cfg.placement.cluster, cfg.placement.tags) if cfg.placement else None
+
+
 def plan(run: str, cfg: ProvisionConfig) -> RunPlan:
+    """Everything the run ``run`` needs on the broker (a declarative table of it)."""
     n = RunNames(run)
-    where = Placement(cfg.placement.cluster, cfg.placement.tags) if cfg.placement else None
-
-    def stream(
-        name: str,
-        subjects: list[str],
-        limits: StreamLimits,
-        retention: RetentionPolicy = RetentionPolicy.LIMITS,
-        per_subject: int = -1,
-    ) -> StreamConfig:
-        return StreamConfig(
-            name=name,
-            subjects=subjects,
-            retention=retention,
-            storage=StorageType.FILE,
-            num_replicas=cfg.replicas,
-            placement=where,
-            # A full work queue is a real backlog: refuse new messages (the publisher gets an
-            # error) rather than silently drop unconsumed ones. Limits streams are history.
-            discard=DiscardPolicy.NEW
-            if retention is RetentionPolicy.WORK_QUEUE
-            else DiscardPolicy.OLD,
-            max_bytes=limits.max_bytes,
-            max_age=limits.max_age_s,
-            max_msg_size=limits.max_msg_size,
-            max_msgs_per_subject=per_subject,
-            duplicate_window=limits.duplicate_window_s,
-        )
-
+    where = _placement(cfg)
+    stream = partial(_stream, cfg)
     work = RetentionPolicy.WORK_QUEUE
     streams = [
         stream(n.tasks_stream, [n.tasks, n.tasks_admitted], cfg.tasks, work),
