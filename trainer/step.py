@@ -57,20 +57,8 @@ def train_step(
         collate(shard, backend.row_tokens, backend.shares_prefixes) if shard else None
         for shard in shards
     ]
-    # 1. Before any update: reference logprobs, and proximal ones when there are several updates.
-    separate = len(batches) > 1
     seconds = dict.fromkeys(PHASES, 0.0)
-    clock = time.perf_counter()
-    proximals = [proximal_logprobs(backend, b) if b and separate else None for b in batches]
-    if separate:
-        seconds["proximal"] = time.perf_counter() - clock
-    clock = time.perf_counter()
-    references = [
-        backend.reference_logprobs(b.tokens).float() if b and config.kl_coef > 0 else None
-        for b in batches
-    ]
-    if config.kl_coef > 0:
-        seconds["reference"] = time.perf_counter() - clock
+    proximals, references = _before_updates(backend, batches, config, seconds)
     # 2. One optimizer step per minibatch; a rank without samples still joins the reduction.
     loss_sum = kl_sum = 0.0
     rank_tokens = clipped = capped = 0
@@ -111,6 +99,29 @@ def train_step(
         capped_tokens=capped,
         seconds=seconds,
     )
+
+
+def _before_updates(
+    backend: TrainerBackend,
+    batches: list[BatchTensors | None],
+    config: TrainerConfig,
+    seconds: dict[str, float],
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Before any update: proximal logprobs when there are several updates, and reference
+    logprobs with a KL term; their time goes to ``seconds``."""
+    separate = len(batches) > 1
+    clock = time.perf_counter()
+    proximals = [proximal_logprobs(backend, b) if b and separate else None for b in batches]
+    if separate:
+        seconds["proximal"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    references = [
+        backend.reference_logprobs(b.tokens).float() if b and config.kl_coef > 0 else None
+        for b in batches
+    ]
+    if config.kl_coef > 0:
+        seconds["reference"] = time.perf_counter() - clock
+    return proximals, references
 
 
 def proximal_logprobs(backend: TrainerBackend, batch: BatchTensors) -> torch.Tensor:

@@ -391,16 +391,11 @@ class AgentRunner:
         group = group_id(task.task_id, delivery.num_delivered, delivery.retry)
         return [e.model_copy(update={"group_id": group}) for e in ended]
 
-    async def _attempt(
-        self,
-        task: TaskSubmitted,
-        sid: str,
-        agent: Agent,
-        reward: Reward,
-        verify: Callable[[str], bool],
-        model: str,
-    ) -> SessionEnded:
-        ctx = AgentContext(
+    def _context(
+        self, task: TaskSubmitted, sid: str, verify: Callable[[str], bool], model: str
+    ) -> AgentContext:
+        """What one attempt's agent is given: a client that sends the session id, and so on."""
+        return AgentContext(
             task=task,
             session_id=sid,
             gateway_url=self.gateway_url,
@@ -410,6 +405,17 @@ class AgentRunner:
             max_tokens=self._config.max_tokens,
             verify=verify,
         )
+
+    async def _attempt(
+        self,
+        task: TaskSubmitted,
+        sid: str,
+        agent: Agent,
+        reward: Reward,
+        verify: Callable[[str], bool],
+        model: str,
+    ) -> SessionEnded:
+        ctx = self._context(task, sid, verify, model)
         started = time.monotonic()
         outcome, reason = "failed", ""
         try:
