@@ -73,6 +73,16 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
     assert [step.version for step in steps] == list(range(1, len(steps) + 1))
     assert scheduler["workers fenced"] == 0
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Each child ran on its resolved config: the run's, with what is the child's own filled in.
+    workers = ["trainer"] if layout == "colocated" else ["trainer", "rollout-0"]
+    children = {p.stem: load_config(p) for p in (out / "configs").glob("*.json")}
+    assert sorted(children) == sorted(["scheduler", "trajectory", "gateway", "agents", *workers])
+    assert all(c.run == run_name and c.trainer.groups_per_step == 2 for c in children.values())
+    assert children["gateway"].gateway.port > 0  # the port it bound: a restart listens there
+    gateway = f"http://127.0.0.1:{children['gateway'].gateway.port}/v1"
+    assert children["agents"].agents.gateway == gateway
+    if layout != "disaggregated":
+        assert children["trainer"].worker.tags == ["train", "rollout"]
 
     names = RunNames(run_name)
     weights = await stream_messages(js, names.weights_stream, WeightsPublished)
