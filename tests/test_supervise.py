@@ -1,11 +1,14 @@
 """``seamlessflow run``'s supervision of its children, on real ``seamlessflow`` processes: a
 child that exits is restarted after a backoff, and one that keeps failing ends the run."""
 
+import json
+import os
 import signal
 import time
 
 import pytest
 
+from common.ready import READY_FD, announce_ready, claim_handshake
 from seamlessflow.processes import ServiceProcess, SuperviseConfig
 from seamlessflow.run import _Supervised
 
@@ -26,6 +29,11 @@ def test_a_killed_child_is_restarted_and_serves_again(broker, names):
     cfg = SuperviseConfig(backoff_s=0.5)
     proc = ServiceProcess("trajectory", "trajectory", "--nats", broker.url, "--run", names.run)
     proc.wait_ready()
+    assert proc.handshake == {
+        "process": "trajectory",
+        "metrics_url": proc.metrics_url,
+        "run": names.run,
+    }
     supervised = _Supervised(proc)
     try:
         first_pid = proc.proc.pid
@@ -54,3 +62,21 @@ def test_a_child_that_keeps_failing_is_given_up_after_max_restarts():
     supervised.tick(cfg)
     assert supervised.restarts == cfg.max_restarts  # not restarted again: the run ends
     assert supervised.status() == "broken down"
+
+
+def test_the_ready_handshake_is_one_json_object_on_a_pipe_of_its_own(monkeypatch, capsys):
+    """The launcher reads readiness from the pipe, never the output: the child takes the pipe
+    out of its environment (its own children neither see nor inherit it), writes one object
+    and closes it; a second announcement is printed only."""
+    read, write = os.pipe()
+    monkeypatch.setenv(READY_FD, str(write))
+    claim_handshake()
+    assert READY_FD not in os.environ and not os.get_inheritable(write)
+    url = "http://127.0.0.1:9/metrics"
+    announce_ready("trainer", url, run="r", version=3)
+    announce_ready("trainer", url, run="r", version=4)
+    with os.fdopen(read) as pipe:  # at EOF: the writer closed it after one object
+        sent = [json.loads(line) for line in pipe]
+    assert sent == [{"process": "trainer", "metrics_url": url, "run": "r", "version": 3}]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [f"trainer ready: run=r version={v} metrics={url}" for v in (3, 4)]
