@@ -5,19 +5,18 @@
 2. publish: tasks/s into JetStream, waiting for each PubAck in turn vs 64 in flight.
 3. ingress: validated tasks/s through ``broker.ingress.Ingress`` (decode, handler, ack).
 
-Usage: python bench/dataplane.py [--tasks 2000]
+Usage: python -m bench.dataplane [--tasks 2000]
 Prints a table and writes bench/results/dataplane.json.
 """
 
 import argparse
 import asyncio
 import json
-import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
+from bench.machine import machine
 from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
@@ -159,11 +158,7 @@ def main() -> None:
         print(f"{key:<32}{value:>12.1f}")
     RESULTS.mkdir(exist_ok=True)
     result = {
-        "machine": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "nats_server": server,
-        },
+        "machine": machine(nats_server=server),
         "tasks": args.tasks,
         "codec": codec_rows,
         "dataplane": plane,

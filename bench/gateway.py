@@ -22,7 +22,7 @@ OpenAI SDK -> gateway -> NATS -> rollout worker subprocess -> engine (b), in one
 The in-process engine and the worker's engine are both loaded the whole time; each is idle
 while the other variant runs. Load averages before and after are recorded as a noise hint.
 
-Usage: python bench/gateway.py [--engine hf|vllm] [--calls 60] [--sessions 1,4,16] [--turns 8]
+Usage: python -m bench.gateway [--engine hf|vllm] [--calls 60] [--sessions 1,4,16] [--turns 8]
 (the defaults take about 1.5 min with hf, 2 min with vllm, on 2 cores).
 Prints a table and writes bench/results/gateway.json (``--stream-interval S``: the worker's
 ``stream_interval_s``, results in gateway-stream<S>.json), which keeps one entry per engine: a run
@@ -52,6 +52,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from bench.machine import machine
 from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
@@ -518,7 +519,7 @@ def print_report(result: dict) -> None:
     print(
         f"engine {s['engine']}, model {s['model']}: {s['calls']} calls of "
         f"{s['latency_tokens']} tokens (prompt {lat['prompt_tokens']} tokens); load average "
-        f"{result['machine']['loadavg_before']:.2f} -> {result['machine']['loadavg_after']:.2f}"
+        f"{result['machine']['loadavg_before']:.2f} -> {result['machine']['loadavg']:.2f}"
     )
     print(f"{'latency':<40}{'p50':>9}{'p99':>9}")
     for label, key in LATENCY_ROWS:
@@ -613,13 +614,7 @@ def main() -> None:
         nats_server = ".".join(map(str, broker.version))
     result = {
         "settings": {**asdict(settings), "model_path": str(model), "served_as": SERVED},
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "loadavg_before": loadavg_before,
-            "loadavg_after": os.getloadavg()[0],
-            "wall_s": time.perf_counter() - started,
-        },
+        "machine": machine(loadavg_before=loadavg_before, wall_s=time.perf_counter() - started),
         "versions": _versions(settings.engine, nats_server),
         **measured,
     }

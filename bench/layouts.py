@@ -7,7 +7,7 @@ per trainer step (RL only, after warm start and process start), the reward of th
 10 policy versions, samples trained and stale-dropped, and the scheduler's lends, reclaims and
 their mean latency, read from each run's ``summary.json``. Ratios are to disaggregated.
 
-Usage: python bench/layouts.py [--steps 60] [--rounds 1] [--layouts ...]  (about 2 min per
+Usage: python -m bench.layouts [--steps 60] [--rounds 1] [--layouts ...]  (about 2 min per
 layout and round on 2 cores). Prints a table and writes bench/results/layouts.json (with fewer
 layouts: layouts-<them>.json; ratios then to the first).
 """
@@ -15,13 +15,14 @@ layouts: layouts-<them>.json; ratios then to the first).
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.machine import machine
 
 RESULTS = Path(__file__).parent / "results"
 LAYOUTS = ("disaggregated", "multiplexed", "colocated")
@@ -70,7 +71,7 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     args = parser.parse_args()
     runs: dict[str, list[dict]] = {layout: [] for layout in args.layouts}
-    load_before = os.getloadavg()
+    loadavg_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="sf-bench-layouts-") as tmp:
         for round_ in range(args.rounds):
             for layout in args.layouts:
@@ -106,10 +107,7 @@ def main() -> None:
     result = {
         "steps": args.steps,
         "rounds": args.rounds,
-        "cpus": os.cpu_count(),
-        "machine": platform.platform(),
-        "load_before": load_before,
-        "load_after": os.getloadavg(),
+        "machine": machine(loadavg_before=loadavg_before),
         "fastest": fastest,
         "layouts": rows,
     }

@@ -26,8 +26,8 @@ The trainer is one device in the asynchronous arms: a trainer worker lent to rol
 engine, so a trainer of ``k`` devices would be lent as one device's capacity.
 
 ``--cluster emulated`` (default ``--devices 16``): the emulated engine and trainer backend
-(``rollout.engines.emulated``, ``trainer.backends.emulated``, benchmarks only) spend the time of
-``WORKLOAD`` (``common.workload``); the agent is ``emulated_agent`` below (``agent.turns`` calls,
+(``emulation.engine``, ``emulation.backend``, benchmarks only) spend the time of
+``WORKLOAD`` (``emulation.workload``); the agent is ``emulated_agent`` below (``agent.turns`` calls,
 an environment latency between them, each call seeded with its group and member so the engine
 draws the group's lengths). ``--cluster tiny``: the tiny model on the hf engine and the torch
 trainer, 2 devices on this machine's 2 cores (``[cpus]`` split: the trainer's process or worker
@@ -39,9 +39,9 @@ arrivals on the broker), trained samples/s, trained (loss) tokens/s, the idle fr
 worker (``sf_worker_role_seconds``, idle over all, between the end of the warm-up and the last
 scrape), lends and reclaims with the reclaim latency p50/p99 (``sf_scheduler_reclaim_seconds``
 buckets, interpolated), and, for the emulated cluster, the simulator's prediction at the same
-workload and the ratio measured/simulated (``tagsched.sim``, when it is importable).
+workload and the ratio measured/simulated (``emulation.sim``, when it is importable).
 
-Usage: flock /tmp/sf-bench.lock python bench/pipeline.py [--cluster emulated|tiny]
+Usage: flock /tmp/sf-bench.lock python -m bench.pipeline [--cluster emulated|tiny]
 [--arms a,b] [--devices 16] [--steps 8]. Prints a table, writes bench/results/pipeline.json
 (one entry per cluster, updated in place).
 """
@@ -50,7 +50,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -59,7 +58,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.workload import Workload
+from bench.machine import machine
+from emulation.workload import Workload
 
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -260,7 +260,7 @@ async def run_arm(arm: Arm, cluster: str, args: argparse.Namespace, tmp: Path) -
 
 
 def _agent(spec: dict):
-    from common.workload import AgentModel
+    from emulation.workload import AgentModel
 
     return AgentModel(**spec)
 
@@ -379,13 +379,14 @@ def _quantile(samples: list, name: str, q: float) -> float | None:
 
 def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
     """The simulator's figures for ``arm`` at ``WORKLOAD``, the same devices, trainer devices,
-    staleness and steps (``tagsched.sim.simulate``, run in this process; ``--sim-path`` puts a
+    staleness and steps (``emulation.sim.simulate``, run in this process; ``--sim-path`` puts a
     checkout holding it first on the path). Its rates are steady-state (the first quarter of
     the steps left out), like the measured ones after the warm-up. None without a simulator."""
     if args.sim_path:
         sys.path.insert(0, str(args.sim_path))
     try:
-        from tagsched.sim import StaleMode, simulate
+        from common.staleness import StalenessMode
+        from emulation.sim import simulate
     except ImportError:
         return None
     steps = args.warmup + args.steps
@@ -398,7 +399,7 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
         steps,
         staleness,
         trainer_devices,
-        stale=StaleMode.DOWNWEIGHT,
+        stale=StalenessMode.DOWNWEIGHT,
     )
     samples_per_step = WORKLOAD.samples_per_step
     return {
@@ -428,7 +429,7 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, default=2, help="of the asynchronous arms")
     parser.add_argument("--tiny-groups", type=int, default=4, help="groups per step, tiny model")
     parser.add_argument(
-        "--sim-path", type=Path, default=None, help="a checkout with tagsched.sim, if not this one"
+        "--sim-path", type=Path, default=None, help="a checkout with emulation.sim, if not this one"
     )
     args = parser.parse_args()
     for cluster in args.cluster.split(","):
@@ -482,9 +483,7 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
         "warmup": args.warmup,
         "staleness": args.staleness,
         "workload": WORKLOAD.to_dict() if cluster == "emulated" else {"agent": TINY_AGENT},
-        "cpus": os.cpu_count(),
-        "machine": platform.platform(),
-        "load_after": os.getloadavg(),
+        "machine": machine(),
         "arms": {**arms, **{row["arm"]: row for row in rows}},
     }
     path.write_text(json.dumps(results, indent=2) + "\n")

@@ -7,20 +7,20 @@ reward of the first and last 10 policy versions (``summary.json``) and the whole
 "rises" when its last mean exceeds its first by at least ``--rise``. The curves are drawn into
 one PNG next to the JSON.
 
-Usage: python bench/recipe.py [--config examples/smollm2.toml] [--runs 3] [--rise 0.1]
+Usage: python -m bench.recipe [--config examples/smollm2.toml] [--runs 3] [--rise 0.1]
 Prints a table and writes bench/results/recipe-<config stem>.json and .png.
 """
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 import tomllib
 from pathlib import Path
+
+from bench.machine import machine
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -89,8 +89,7 @@ def main() -> None:
     print(f"{sum(r['rises'] for r in rows)} of {len(rows)} runs rise by >= {args.rise}")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"recipe-{stem}.json"
-    machine = {"python": platform.python_version(), "cpus": os.cpu_count()}
-    result = {"machine": machine, "config": str(args.config), "rise": args.rise, "rows": rows}
+    result = {"machine": machine(), "config": str(args.config), "rise": args.rise, "rows": rows}
     path.write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, path.with_suffix(".png"), f"{args.config} x {len(rows)}")
     print(f"\nwrote {path} and {path.with_suffix('.png')}")

@@ -1,4 +1,4 @@
-"""The cluster simulator's arms and sweeps (``tagsched.sim``), with tables, JSON and plots.
+"""The cluster simulator's arms and sweeps (``emulation.sim``), with tables, JSON and plots.
 
 Arms at equal devices, staleness bound, length sampler and trained samples: ``sync_colocated``;
 ``disaggregated`` (async, the rollout side drains and syncs together) at the best static
@@ -13,19 +13,21 @@ rollout/train work ratio (1 to 6), staleness bound (0 to 4); and verl's publishe
 (128 devices, 7B-like costs, single turn) against its 1.58x and 2.35x; and a scale check from
 8 to 1024 devices.
 
-Usage: python bench/sim.py [--seeds 3] [--steps 20] [--quick]  (about 5 min on one core).
+Usage: python -m bench.sim [--seeds 3] [--steps 20] [--quick]  (about 5 min on one core).
 Prints tables, writes bench/results/sim.json and docs/images/sim-*.png.
 """
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from common.workload import (
+from bench.machine import machine
+from common.staleness import StalenessMode
+from emulation.sim import Arm, best_split, simulate
+from emulation.workload import (
     AgentModel,
     EngineCost,
     LengthModel,
@@ -34,7 +36,6 @@ from common.workload import (
     Workload,
 )
 from tagsched.config import SchedulerConfig
-from tagsched.sim import Arm, StaleMode, best_split, simulate
 
 RESULTS = Path(__file__).parent / "results"
 CROSSOVER_S = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
@@ -97,7 +98,7 @@ def point(
     steps: int,
     staleness: int,
     seeds: int,
-    stale: StaleMode = StaleMode.DROP,
+    stale: StalenessMode = StalenessMode.DROP,
 ) -> dict:
     """Every arm on ``seeds`` seeds, each async arm at its own best split (swept on seed 0),
     and lending at the partial_rollout arm's split."""
@@ -320,7 +321,7 @@ def main() -> None:
     n, steps, bound = args.devices, args.steps, args.staleness
 
     results: dict = {
-        "machine": platform.platform(),
+        "machine": machine(),
         "main_setting": {"devices": n, "steps": steps, "staleness": bound, "seeds": seeds},
     }
     base = workload()
@@ -403,7 +404,7 @@ def main() -> None:
     results["verl"] = {
         "published": {"streaming": 1.58, "staleness_partial": 2.35},
         "bound_1_drop": point(verl, 128, steps, 1, seeds),
-        "bound_1": point(verl, 128, steps, 1, seeds, StaleMode.DOWNWEIGHT),
+        "bound_1": point(verl, 128, steps, 1, seeds, StalenessMode.DOWNWEIGHT),
     }
     print_point("verl setting, stale groups dropped", results["verl"]["bound_1_drop"])
     p = results["verl"]["bound_1"]

@@ -23,7 +23,7 @@ bfloat16 engine with the float32 trainer.
 ``--max-new 8 16 64 128`` gives each group its own limit of new tokens: samples of unlike
 lengths, where packing saves padding (alike ones are not packed: see ``trainer.batcher.pack``).
 
-Usage: python bench/trainer_step.py [--model smollm2] [--rounds 3] [--pack-tokens 256 128]
+Usage: python -m bench.trainer_step [--model smollm2] [--rounds 3] [--pack-tokens 256 128]
 [--max-new 16]
 Prints tables and writes bench/results/trainer_step-<model>[-mixed].json.
 """
@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import time
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from bench.machine import machine
 from broker.messages import SampleReady, SamplingParams
 from common.models import load_tokenizer, resolve_model
 from common.precision import Precision, unsupported
@@ -253,15 +253,12 @@ def main() -> None:
 
     RESULTS.mkdir(exist_ok=True)
     result = {
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "threads": args.threads,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "loadavg": os.getloadavg()[0],
-            "note": "shared with other jobs while measured: compare ratios",
-        },
+        "machine": machine(
+            torch=torch.__version__,
+            threads=args.threads,
+            cpu_capability=torch.backends.cpu.get_cpu_capability(),
+            note="shared with other jobs while measured: compare ratios",
+        ),
         "model": str(model),
         "batch": {
             "samples": len(samples),

@@ -29,7 +29,7 @@ cores) and peak RSS of the tree. Then greedy accuracy on the 100 prompts ``a+b=`
 the whole task, greedy where training sampled) of the initial model, TRL's final model, and
 SeamlessFlow's model at TRL's wall-clock.
 
-Usage: python bench/vs_trl.py [--steps 10] [--skip 2] [--only trl seamlessflow] [--layout
+Usage: python -m bench.vs_trl [--steps 10] [--skip 2] [--only trl seamlessflow] [--layout
 colocated] [--dtype float32] [--setup]. Prints tables and writes bench/results/vs_trl.json.
 """
 
@@ -39,7 +39,6 @@ import contextlib
 import itertools
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -55,6 +54,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.machine import machine
 from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig
@@ -481,11 +481,7 @@ def main() -> None:
     _show(rows, phases, accuracies, budget)
     RESULTS.mkdir(exist_ok=True)
     result = {
-        "machine": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "loadavg": os.getloadavg()[0],
-        },
+        "machine": machine(),
         "trl": TRL,
         "seamlessflow": {"layout": args.layout, "dtype": args.dtype, "placement": args.placement},
         "steps": args.steps,

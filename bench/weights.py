@@ -20,7 +20,7 @@ A rollout worker fetches while its event loop also streams tokens, so every fetc
 twice: on an idle loop, and on a loop that a second task keeps busy in 2 ms slices (as an
 engine's output handling does). Writes bench/results/weights.json.
 
-Usage: python bench/weights.py [--mode paths|readers] [--sizes-mb 100 540] [--rounds 3]
+Usage: python -m bench.weights [--mode paths|readers] [--sizes-mb 100 540] [--rounds 3]
 """
 
 import argparse
@@ -29,7 +29,6 @@ import hashlib
 import io
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from bench.machine import machine
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig
 from broker.messages import WeightsPublished
@@ -272,12 +272,7 @@ def main() -> None:
     show(rows)
     RESULTS.mkdir(exist_ok=True)
     result = {
-        "machine": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "nats_server": server,
-            "loadavg": os.getloadavg()[0],
-        },
+        "machine": machine(nats_server=server),
         "rounds": args.rounds,
         "rows": rows,
     }

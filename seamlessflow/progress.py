@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from broker.messages import CallRecorded, SampleReady, WeightsPublished
+from common.staleness import lag
 
 TOKENS_WINDOW_S = 10.0
 """Tokens per second are averaged over this window."""
@@ -20,11 +21,13 @@ REWARD_WINDOW = 64
 @dataclass(frozen=True)
 class SessionPoint:
     """One scored session: when its sample arrived, the policy version that produced it (the
-    newest version among its generated tokens), the trainer's version then, and its reward."""
+    newest version among its generated tokens: the reward curve's), its lag behind the trainer's
+    version then (``common.staleness.lag``: its oldest generated token's, as the trainer
+    counts it), and its reward."""
 
     at: float
     policy_version: int
-    trainer_version: int
+    lag: int
     reward: float
 
 
@@ -53,8 +56,9 @@ class RunStats:
             return  # a session with several leaves is scored once
         self._seen_sessions.add(sample.session_id)
         versions = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
+        behind = lag(self.version, versions)
         self.sessions.append(
-            SessionPoint(now, max(versions, default=self.version), self.version, sample.reward)
+            SessionPoint(now, max(versions, default=self.version), behind, sample.reward)
         )
 
     def tokens_per_second(self, now: float) -> float:
@@ -68,11 +72,11 @@ class RunStats:
         return sum(p.reward for p in recent) / len(recent) if recent else None
 
     def staleness(self, last: int = REWARD_WINDOW) -> float | None:
-        """Mean versions between the trainer and the policy that generated recent sessions."""
+        """Mean lag of recent sessions behind the trainer."""
         recent = self.sessions[-last:]
         if not recent:
             return None
-        return sum(p.trainer_version - p.policy_version for p in recent) / len(recent)
+        return sum(p.lag for p in recent) / len(recent)
 
     def line(self, now: float) -> str:
         reward, stale = self.reward_mean(), self.staleness()

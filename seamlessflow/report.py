@@ -7,6 +7,7 @@ from pathlib import Path
 from prometheus_client.samples import Sample
 
 from common.metrics import metric_sum
+from seamlessflow.config import RunConfig
 from seamlessflow.progress import RunStats
 
 EDGE = 10
@@ -34,6 +35,20 @@ class RunSummary:
     summary_path: str
     curve_path: str
     stopped_by: str
+    benchmark_only: dict[str, str]
+    """The parts the run used that are for benchmarks only (``common.plugins``), each with why:
+    with any, its rewards and tokens are not a model's."""
+
+
+def benchmark_only(config: RunConfig) -> dict[str, str]:
+    """``{"<part> <kind>": why}`` for the run's engine and trainer backend, if for benchmarks
+    only."""
+    parts = {"engine": config.worker.engine, "trainer backend": config.trainer.backend}
+    return {
+        f"{part} {chosen.part_kind()}": chosen.benchmark_only
+        for part, chosen in parts.items()
+        if chosen.benchmark_only
+    }
 
 
 TRAINER_MEANS = {
@@ -75,7 +90,7 @@ def scheduler_report(samples: list[Sample]) -> dict[str, float]:
 
 
 def summarize(
-    run: str,
+    config: RunConfig,
     stats: RunStats,
     seconds: float,
     out: Path,
@@ -85,7 +100,7 @@ def summarize(
 ) -> RunSummary:
     curve = stats.curve()
     summary = RunSummary(
-        run=run,
+        run=config.run,
         steps=stats.version,
         seconds=round(seconds, 1),
         sessions=len(stats.sessions),
@@ -100,10 +115,11 @@ def summarize(
         summary_path=str(out / "summary.json"),
         curve_path=str(out / "reward_curve.png"),
         stopped_by=stopped_by,
+        benchmark_only=benchmark_only(config),
     )
     out.mkdir(parents=True, exist_ok=True)
     Path(summary.summary_path).write_text(json.dumps(asdict(summary), indent=2) + "\n")
-    plot_curve(curve, Path(summary.curve_path), title=f"seamlessflow run {run!r}")
+    plot_curve(curve, Path(summary.curve_path), title=f"seamlessflow run {config.run!r}")
     return summary
 
 
@@ -151,6 +167,7 @@ def print_summary(summary: RunSummary) -> None:
 
     rows = [
         ("run", summary.run),
+        *((f"benchmark only: {part}", why) for part, why in summary.benchmark_only.items()),
         ("stopped by", summary.stopped_by),
         ("trainer steps", str(summary.steps)),
         ("seconds", f"{summary.seconds:.0f}"),

@@ -147,9 +147,7 @@ async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
             with contextlib.suppress(asyncio.CancelledError):
                 await follow
             targets.clear()
-    summary = summarize(
-        config.run, stats, time.time() - started, out, stopped_by, trainer, scheduler
-    )
+    summary = summarize(config, stats, time.time() - started, out, stopped_by, trainer, scheduler)
     print_summary(summary)
     return summary
 

@@ -1,10 +1,12 @@
 """The emulated engine and trainer backend (benchmarks only): the engine keeps the Engine contract
 (lengths from the workload's sampler and max_tokens, abort, pause/resume, version labels,
 continuations), both spend roughly the modelled time (loose bounds: this machine is shared),
-and a short ``seamlessflow run`` on them completes through a real nats-server."""
+both are plugins that say they are for benchmarks only, and a short ``seamlessflow run`` on them
+completes through a real nats-server and says so in its summary."""
 
 import asyncio
 import json
+import logging
 import os
 import random
 import subprocess
@@ -16,10 +18,12 @@ import pytest
 import torch
 
 from broker.messages import FinishReason, SamplingParams
-from common.workload import Workload
-from rollout.engines import EmulatedEngineConfig, EngineConfig, EngineError, start_engine
+from common.log import kv
+from emulation.config import EmulatedBackendConfig, EmulatedEngineConfig
+from emulation.workload import Workload
+from rollout.engines import ENGINE_CONFIGS, EngineConfig, EngineError, HFEngineConfig, start_engine
 from trainer.backends import TokenBatch, build_backend
-from trainer.config import EmulatedBackendConfig, TrainerConfig
+from trainer.config import BACKEND_CONFIGS, TorchBackendConfig, TrainerConfig
 
 WORKLOAD = Workload.from_dict(
     {
@@ -182,6 +186,30 @@ def test_trainer_backend_sleeps_the_step_and_publishes_a_small_blob(tmp_path):
     assert EmulatedEngineConfig(workload=json.dumps({"seed": 3})).workload.seed == 3
 
 
+async def test_the_emulated_parts_are_plugins_that_announce_themselves_first(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """Their configs join the kinds through entry points; starting one logs a benchmark_only
+    WARNING before anything else; the product's parts log none."""
+    assert ENGINE_CONFIGS["emulated"] is EmulatedEngineConfig
+    assert BACKEND_CONFIGS["emulated"] is EmulatedBackendConfig
+    assert not HFEngineConfig.benchmark_only and not TorchBackendConfig.benchmark_only
+    caplog.set_level(logging.INFO)
+    settings = EmulatedEngineConfig(workload=WORKLOAD)
+    engine = await start_engine(EngineConfig(tiny_model_dir, max_model_len=256, settings=settings))
+    await engine.close()
+    build_backend(tmp_path, TrainerConfig(backend=EmulatedBackendConfig(workload=WORKLOAD)))
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert lines[0] == announced("engine", EmulatedEngineConfig)
+    assert announced("trainer backend", EmulatedBackendConfig) in lines
+
+
+def announced(part: str, config: type) -> tuple[int, str]:
+    return logging.WARNING, kv(
+        "benchmark_only", part=part, kind="emulated", note=config.benchmark_only
+    )
+
+
 RUN = """
 run = "{run}"
 output_dir = "{out}"
@@ -230,3 +258,8 @@ def test_a_run_on_the_emulated_engine_and_trainer_completes(broker, run_name, tm
     assert summary["steps"] >= 3  # the trainer may step once more while the run stops
     assert summary["trainer"]["samples trained"] >= 3 * 2 * 4
     assert summary["generated_tokens"] > 0
+    assert summary["benchmark_only"] == {
+        "engine emulated": EmulatedEngineConfig.benchmark_only,
+        "trainer backend emulated": EmulatedBackendConfig.benchmark_only,
+    }
+    assert "benchmark only: engine emulated" in done.stdout

@@ -1,4 +1,5 @@
-"""Imports run one way: common <- broker <- the services <- the CLI.
+"""Imports run one way: common <- broker <- the services <- the CLI, and emulation (benchmark
+and capacity-planning parts: plugins, never imported by the product).
 
 Read statically (ast), every import statement anywhere in a module counts, lazy ones included:
 a lazy import upward is still a dependency upward.
@@ -19,6 +20,7 @@ LAYERS = {
     "trajectory": 2,
     "tagsched": 2,
     "colocate": 3,
+    "emulation": 3,
     "seamlessflow": 4,
 }
 

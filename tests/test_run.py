@@ -152,7 +152,7 @@ def test_progress_core_scores_a_session_once_and_tracks_staleness():
     stats.on_sample(sample("b", [3], 0.0), 3.0)
     assert len(stats.sessions) == 2 and stats.samples == 3
     assert stats.reward_mean() == 0.5
-    assert stats.staleness() == 0.5  # (3 - 2) and (3 - 3)
+    assert stats.staleness() == 1.0  # (3 - 1) and (3 - 3): the oldest loss token counts
     assert stats.curve() == [(2, 1.0, 1), (3, 0.0, 1)]
     assert "version 3" in stats.line(4.0)
 

@@ -1,12 +1,20 @@
-"""The cluster simulator (tagsched.sim): invariants of every arm and the lending policy's
+"""The cluster simulator (emulation.sim): invariants of every arm and the lending policy's
 behaviour at the two ends of the switch-cost range. Small clusters, a few seconds in all."""
 
 from dataclasses import replace
 
 import pytest
 
-from common.workload import AgentModel, EngineCost, LengthModel, SwitchCost, TrainerCost, Workload
-from tagsched.sim import ARMS, Arm, StaleMode, best_split, simulate
+from common.staleness import StalenessMode
+from emulation.sim import ARMS, Arm, best_split, simulate
+from emulation.workload import (
+    AgentModel,
+    EngineCost,
+    LengthModel,
+    SwitchCost,
+    TrainerCost,
+    Workload,
+)
 
 
 def agentic(switch_s: float = 0.5, seed: int = 0) -> Workload:
@@ -91,7 +99,7 @@ def test_bad_splits_are_refused():
 def test_downweight_mode_trains_stale_groups_instead_of_dropping_them():
     w = agentic()
     dropped = simulate(w, "partial_rollout", 16, 10, 1, 4)
-    kept = simulate(w, "partial_rollout", 16, 10, 1, 4, stale=StaleMode.DOWNWEIGHT)
+    kept = simulate(w, "partial_rollout", 16, 10, 1, 4, stale=StalenessMode.DOWNWEIGHT)
     assert dropped.dropped_groups > 0 and dropped.staleness_max <= 1
     assert kept.dropped_groups == 0 and kept.staleness_max >= 2
     assert kept.aborted_token_fraction < dropped.aborted_token_fraction

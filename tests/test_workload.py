@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from common.workload import (
+from emulation.workload import (
     AgentModel,
     EngineCost,
     LengthModel,

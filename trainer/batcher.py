@@ -6,7 +6,7 @@ its ``session_samples``, or when it has waited ``group_timeout_s`` (some session
 samples). Groups leave in the order they completed. Advantages are computed over the group's
 sessions (one reward each), not its samples. At step time every sample is
 checked against the staleness bound: its lag is the trainer's version minus the oldest version of
-its loss tokens.
+its loss tokens (``common.staleness``).
 """
 
 import time
@@ -17,8 +17,10 @@ from enum import StrEnum
 import torch
 
 from broker.messages import SampleReady
+from common import staleness
+from common.staleness import StalenessMode
 from trainer.backends.base import SharedPrefix, TokenBatch
-from trainer.config import StalenessMode, TrainerConfig
+from trainer.config import TrainerConfig
 from trainer.exceptions import BatchError
 from trainer.losses import group_advantages
 
@@ -139,9 +141,8 @@ class TrainItem:
 
 
 def lag(sample: SampleReady, version: int) -> int:
-    """Versions the sample's oldest loss token lags ``version`` (0 without loss tokens)."""
-    versions = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
-    return max(0, version - min(versions)) if versions else 0
+    """Versions the sample's oldest loss token lags ``version`` (``common.staleness.lag``)."""
+    return staleness.lag(version, sample.versions, sample.loss_mask)
 
 
 def plan_step(

@@ -1,18 +1,21 @@
-"""The trainer's typed configuration: the ``[trainer]`` section of a run's TOML."""
+"""The trainer's typed configuration: the ``[trainer]`` section of a run's TOML. Backends of
+other packages join through the entry point group ``seamlessflow.trainer_backends``
+(``common.plugins``)."""
 
 import tempfile
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, ClassVar, Literal, Self, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from broker.config import Tags
 from broker.messages import TrainerShape
 from broker.registry import default_worker_id
 from broker.subjects import NAME_PATTERN
+from common.plugins import BACKEND_GROUP, PartConfig, part_configs
 from common.precision import Precision
-from common.workload import Workload
+from common.staleness import StalenessMode
 
 
 def _memory_folder() -> Path:
@@ -27,18 +30,10 @@ class Advantage(StrEnum):
     BASELINE = "baseline"  # reward - group mean
 
 
-class StalenessMode(StrEnum):
-    """What happens to a sample whose tokens lag the trainer by more than ``max_staleness``."""
-
-    DROP = "drop"
-    DOWNWEIGHT = "downweight"
-
-
-class TorchBackendConfig(BaseModel):
+class TorchBackendConfig(PartConfig):
     """An HF causal LM trained with torch, data-parallel over torch.distributed."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+    implementation: ClassVar[str] = "trainer.backends.torch"
     kind: Literal["torch"] = "torch"
     pack_tokens: int = Field(
         default=256,
@@ -54,52 +49,23 @@ class TorchBackendConfig(BaseModel):
     )
 
 
-class MegatronBackendConfig(BaseModel):
+class MegatronBackendConfig(PartConfig):
     """A megatron-core ``GPTModel`` (CUDA only), tensor-parallel within ``tensor_parallel``
     ranks and data-parallel over the rest."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+    implementation: ClassVar[str] = "trainer.backends.megatron"
     kind: Literal["megatron"] = "megatron"
     tensor_parallel: int = Field(
         default=1, ge=1, le=64, description="tensor-parallel ranks (must divide world_size)"
     )
 
 
-class EmulatedBackendConfig(BaseModel):
-    """For benchmarks only: a backend that spends the step time ``workload.trainer`` models
-    instead of training (``trainer.backends.emulated``); its weights are a small blob."""
+BACKEND_CONFIGS = part_configs(BACKEND_GROUP, (TorchBackendConfig, MegatronBackendConfig))
+"""Backend kind -> its config, built in or from an entry point; the backend itself is the
+module its config names (``implementation``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["emulated"] = "emulated"
-    workload: Workload = Field(
-        default_factory=Workload,
-        description="its trainer cost (common.workload.Workload, as a table or JSON); unknown "
-        "keys are refused",
-    )
-    devices: int = Field(
-        default=1,
-        ge=1,
-        le=1 << 16,
-        description="devices the modelled trainer spans (data parallel)",
-    )
-    weight_floats: int = Field(
-        default=1024, ge=1, le=1 << 28, description="float32 values in each published weight blob"
-    )
-
-    @field_validator("workload", mode="before")
-    @classmethod
-    def _workload(cls, value: Any) -> Any:
-        return Workload.parse(value)
-
-
-BackendConfig = Annotated[
-    TorchBackendConfig | MegatronBackendConfig | EmulatedBackendConfig,
-    Field(discriminator="kind"),
-]
-"""One trainer backend's config, chosen by its ``kind``; the backend is the module
-``trainer.backends.<kind>``."""
+BackendConfig = Annotated[Union[*BACKEND_CONFIGS.values()], Field(discriminator="kind")]
+"""One trainer backend's config, chosen by its ``kind``."""
 
 
 class TrainerConfig(BaseModel):

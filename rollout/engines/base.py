@@ -106,11 +106,12 @@ class Engine(Protocol):
 
 
 class InProcessEngine:
-    """What the engines that schedule their own requests in this process (``hf``, ``emulated``)
-    share: requests by id, each streaming the chunks put on its ``queue``; a scheduler task
-    woken by ``_wake`` and held off by ``_paused``; checks of a request before it is admitted.
-    A subclass sets ``name``, implements ``_admit`` (check, then register a request with
-    ``queue`` and ``done``) and ``_release``, and starts its scheduler."""
+    """What the engines that schedule their own requests in this process (``hf``, and
+    ``emulation.engine``'s) share: requests by id, each streaming the chunks put on its
+    ``queue``; a scheduler task woken by ``_wake`` and held off by ``_paused``; checks of a
+    request before it is admitted. A subclass sets ``name``, implements ``_admit`` (check, then
+    register a request with ``queue`` and ``done``) and ``_release``, and starts its
+    scheduler."""
 
     name: ClassVar[str]
 

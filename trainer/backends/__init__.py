@@ -3,6 +3,7 @@
 import importlib
 from pathlib import Path
 
+from common.plugins import announce
 from trainer.backends.base import ApplyStats, TokenBatch, TrainerBackend
 from trainer.config import TrainerConfig
 
@@ -10,6 +11,8 @@ __all__ = ["ApplyStats", "TokenBatch", "TrainerBackend", "build_backend"]
 
 
 def build_backend(model: Path, config: TrainerConfig) -> TrainerBackend:
-    """The backend ``config.backend`` chooses, loaded from ``model`` (an HF folder)."""
-    module = importlib.import_module(f"trainer.backends.{config.backend.kind}")
+    """The backend ``config.backend`` chooses, loaded from ``model`` (an HF folder); its
+    config names its module (``implementation``). A benchmark-only one says so first."""
+    announce("trainer backend", config.backend)
+    module = importlib.import_module(config.backend.implementation)
     return module.build(model, config)

@@ -1,7 +1,7 @@
 """For benchmarks only: an engine that spends modelled time instead of computing.
 
 It implements ``rollout.engines.base.Engine`` with the lengths and costs of a
-``common.workload.Workload`` (``EmulatedEngineConfig.workload``), so that many rollout workers
+``emulation.workload.Workload`` (``EmulatedEngineConfig.workload``), so that many rollout workers
 fit on a few cores while the real worker, gateway, trajectory manager and scheduler run around
 them with a cluster's timing. Its tokens mean nothing. The model, and its assumptions:
 
@@ -45,6 +45,7 @@ from pathlib import Path
 from broker.messages import FinishReason, SamplingParams
 from common.log import kv
 from common.models import eos_token_ids, model_info
+from emulation.config import EmulatedEngineConfig
 from rollout.engines.base import (
     ENGINE_REQUESTS,
     ENGINE_WEIGHT_LOADS,
@@ -53,7 +54,6 @@ from rollout.engines.base import (
     GenerationChunk,
     InProcessEngine,
 )
-from rollout.engines.config import EmulatedEngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ tags), how many groups may be outstanding (``admission.admission_limit`` and
 ``AdmissionState.room``), and whether each trainer device is lent or reclaimed, once per
 scheduler tick (``lending.trainer_roles`` with ``LendingPolicy`` fed the measured switch times,
 and ``RateMeter`` on the groups published). Durations and lengths come from
-``common.workload``. What is modelled here:
+``emulation.workload``. What is modelled here:
 
 - **devices**: ``devices`` identical devices; a trainer step is data parallel over the
   trainer's devices (``TrainerCost.step_s(tokens, devices)``); an engine per device
-  (``tagsched.sim.engine``);
+  (``emulation.sim.engine``);
 - **agents**: an admitted group is ``group_size`` samples started at once; a sample is
   ``agent.turns`` generations with an environment latency between them; its lengths are drawn
   at admission from ``LengthModel.sample_group`` (per turn, for the group, at the trainer's
@@ -21,11 +21,12 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
   devices are training (not lent, not switching), on the groups in the order they finished (the
   batcher's order). Its samples are settled (acked) when the step that trains them ends, as the
   real trainer does, so admission and the lending tick count them until then. Before a step, a
-  group whose oldest token lags the trainer by more than the staleness bound is dropped and its
-  tokens counted as aborted (the real batcher drops such samples one by one and trains the
-  rest; dropping whole groups keeps every step at ``groups_per_step`` groups, so every arm
-  trains the same samples). With ``StaleMode.DOWNWEIGHT`` (the trainer's ``downweight`` mode)
-  stale groups are trained like the others, and their lag is in the staleness figures;
+  group whose oldest token lags the trainer by more than the staleness bound
+  (``common.staleness.lag``, the trainer's rule) is dropped and its tokens counted as aborted
+  (the real batcher drops such samples one by one and trains the rest; dropping whole groups
+  keeps every step at ``groups_per_step`` groups, so every arm trains the same samples). With
+  ``StalenessMode.DOWNWEIGHT`` (the trainer's ``downweight`` mode) stale groups are trained like
+  the others, and their lag is in the staleness figures;
 - **weights**: a step's new version is loaded by every serving engine in ``waves`` rolling
   waves (engines by id, dealt round-robin; a wave starts once every engine of an earlier wave
   serves the version: the rule of ``rollout.worker``'s ``_wait_for_wave``). Without partial
@@ -45,91 +46,19 @@ from __future__ import annotations
 
 import heapq
 import random
-import statistics
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass, field
 
-from broker.messages import Role, WorkerRegistered
-from common.workload import Workload
+from broker.messages import Role
+from common.staleness import StalenessMode, lag
+from emulation.sim.engine import Engine, Generation, Loop
+from emulation.sim.measure import Measurements, RunShape, SimResult, idle_share, mean_batch
+from emulation.sim.placement import Arm, place
+from emulation.workload import Workload
 from tagsched.admission import AdmissionState, admission_limit
 from tagsched.config import SchedulerConfig
 from tagsched.lending import LendingPolicy, RateMeter, trainer_roles
-from tagsched.sim.engine import Engine, Generation, Loop
-from tagsched.spec import Layout, assign, layout_spec
-
-
-class Arm(StrEnum):
-    SYNC_COLOCATED = "sync_colocated"
-    DISAGGREGATED = "disaggregated"
-    PARTIAL_ROLLOUT = "partial_rollout"
-    MULTIPLEXED = "multiplexed"
-
-
-ARMS = tuple(Arm)
-
-
-class StaleMode(StrEnum):
-    """The trainer's ``staleness_mode``: what a sample past the staleness bound gets."""
-
-    DROP = "drop"
-    DOWNWEIGHT = "downweight"
-
-
-_LAYOUT = {
-    Arm.SYNC_COLOCATED: Layout.COLOCATED,
-    Arm.DISAGGREGATED: Layout.DISAGGREGATED,
-    Arm.PARTIAL_ROLLOUT: Layout.DISAGGREGATED,
-    Arm.MULTIPLEXED: Layout.MULTIPLEXED,
-}
-
-
-@dataclass
-class SimResult:
-    """One simulated run. Rates are over the time to ``steps`` trainer steps."""
-
-    arm: str
-    devices: int
-    trainer_devices: int
-    steps: int
-    staleness: int
-    seed: int
-    time_s: float
-    samples_per_s: float
-    tokens_per_s: float
-    """Trained tokens per second."""
-    generated_tokens_per_s: float
-    steady_samples_per_s: float
-    """Trained samples per second after the first quarter of the steps (start-up excluded)."""
-    idle: dict[str, float]
-    """Per pool (``train``: the trainer's devices, lent or not; ``rollout``, absent when empty;
-    ``all``): the share of device time doing no work (waiting, switching, loading weights)."""
-    mean_batch: float
-    """Mean resident generations of a decoding engine."""
-    staleness_mean: float
-    staleness_p99: float
-    staleness_max: int
-    reclaim_p50_s: float
-    reclaim_p99_s: float
-    """Delay of a step from its batch being ready to its devices being reclaimed, over steps
-    that waited for a reclaim (0 when none did)."""
-    reclaims: int
-    lends: int
-    step_s_mean: float
-    trainer_wait_s_mean: float
-    """Mean time between a step's end and the next one's start: the trainer's idle window."""
-    aborted_token_fraction: float
-    """Generated tokens thrown away (stale groups dropped, aborts without a re-prefill)."""
-    reprefill_token_fraction: float
-    dropped_groups: int
-    length_bias: float
-    """Mean tokens of a trained sample over the mean drawn for every admitted sample."""
-    trained_samples: int
-    wall_s: float
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(eq=False)
@@ -138,7 +67,9 @@ class _Sample:
     lengths: list[int]
     turn: int = 0
     tokens: int = 0
-    first_version: int | None = None
+    versions: list[int] = field(default_factory=list)
+    """The version of the engine each of its generations was placed on: its tokens are of these
+    versions or newer ones (an engine loads weights under them), so its oldest is here."""
 
 
 @dataclass(eq=False)
@@ -147,15 +78,9 @@ class _Group:
     samples: list[_Sample] = field(default_factory=list)
     done: int = 0
 
-    def first_version(self) -> int:
-        return min(s.first_version for s in self.samples)  # type: ignore[type-var]
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    def lag(self, version: int) -> int:
+        """Its oldest token's lag: its most stale sample's."""
+        return max(lag(version, s.versions) for s in self.samples)
 
 
 class Cluster:
@@ -171,12 +96,9 @@ class Cluster:
         steps: int,
         staleness: int,
         waves: int = 1,
-        stale: StaleMode = StaleMode.DROP,
+        stale: StalenessMode = StalenessMode.DROP,
     ) -> None:
-        if not 1 <= trainer_devices <= devices:
-            raise ValueError(f"trainer_devices must be in [1, {devices}], got {trainer_devices}")
-        if arm is not Arm.SYNC_COLOCATED and trainer_devices == devices:
-            raise ValueError(f"{arm} needs a device for rollout besides the trainer's")
+        self.placement = place(arm, devices=devices, trainer_devices=trainer_devices, waves=waves)
         self.w = workload
         self.arm = arm
         self.steps = steps
@@ -186,38 +108,16 @@ class Cluster:
         self.loop = Loop()
         self.rng = random.Random(workload.seed)
         self.config = SchedulerConfig(scheduler_id="sim")
+        self.m = Measurements()
 
-        # 1. placement: the spec's assignment of tagged devices
-        workers = {}
-        for i in range(devices):
-            wid = f"d{i:04d}"
-            if arm is Arm.SYNC_COLOCATED:
-                tags = ["train", "rollout"]
-            elif i < trainer_devices:
-                tags = ["train", "rollout"] if arm is Arm.MULTIPLEXED else ["train"]
-            else:
-                tags = ["rollout"]
-            workers[wid] = WorkerRegistered(
-                worker_id=wid, host="sim", pid=0, tags=tags, heartbeat_at=0.0
-            )
-        spec = layout_spec(_LAYOUT[arm], train_workers=trainer_devices)
-        self.assignment = assign(spec, workers)
-        ids = self.ids = sorted(workers)
+        # 1. placement: the spec's assignment of tagged devices, an engine per device
         self.engines = {
-            wid: Engine(i, workload.engine, self.loop, self._finished) for i, wid in enumerate(ids)
+            wid: Engine(i, workload.engine, self.loop, self._finished)
+            for i, wid in enumerate(self.placement.ids)
         }
-        self.train_ids = list(self.assignment.train)
-        self.role_train = set(self.train_ids)
-        self.role = {wid: Role.TRAIN for wid in self.train_ids}
-        for wid in self.assignment.rollout:
-            self.role[wid] = Role.ROLLOUT
+        for wid in self.placement.serving:
             self.engines[wid].serving = True
-        if arm is Arm.SYNC_COLOCATED:
-            for wid in self.train_ids:
-                self.engines[wid].serving = True
-        rollout = sorted(self.assignment.rollout)
-        self.wave = {wid: i % waves for i, wid in enumerate(rollout)}
-        self.wave_members = [rollout[w::waves] for w in range(waves)]
+        self.role = self.placement.roles()
         self.wave_busy = [0] * waves  # members loading or draining
 
         # 2. admission and lending: the scheduler's policy objects
@@ -245,21 +145,6 @@ class Cluster:
         self.batch_ready_at: float | None = None
         self.phase_switching = False  # sync colocated: generating -> training
         self.lent_since_step = False
-        # measurements
-        self.drawn_tokens: list[int] = []
-        self.trained_tokens: list[int] = []
-        self.staleness_seen: list[int] = []
-        self.reclaim_delays: list[float] = []
-        self.step_times: list[float] = []
-        self.step_ends: list[float] = []
-        self.waits: list[float] = []
-        self.generated = 0.0  # tokens of finished generations
-        self.lost = 0.0  # tokens aborted without a re-prefill (generated, then thrown away)
-        self.dropped_tokens = 0
-        self.reprefilled = 0
-        self.dropped = 0
-        self.n_lends = 0
-        self.n_reclaims = 0
 
     # -- admission and agents ---------------------------------------------------------------
     def _admission(self) -> AdmissionState:
@@ -283,7 +168,7 @@ class Cluster:
         self.in_flight += 1
         for i in range(w.group_size):
             sample = _Sample(group, [turn[i] for turn in per_turn])
-            self.drawn_tokens.append(sum(sample.lengths))
+            self.m.drawn_tokens.append(sum(sample.lengths))
             group.samples.append(sample)
             self._submit(Generation(sample, sample.lengths[0]))
         self._dispatch()
@@ -311,11 +196,10 @@ class Cluster:
             if not e.serving or e.free <= 0 or e.batch != batch:
                 continue
             gen = self.queue.popleft()
-            if gen.sample.first_version is None:
-                gen.sample.first_version = e.version
+            gen.sample.versions.append(e.version)
             prefix = int(gen.done)
             if prefix:
-                self.reprefilled += prefix
+                self.m.reprefilled += prefix
             e.add(gen, prefix)
             self._offer(wid)
 
@@ -326,7 +210,7 @@ class Cluster:
 
     def _finished(self, engine: Engine, gens: list[Generation]) -> None:
         for gen in gens:
-            self.generated += gen.length
+            self.m.generated += gen.length
             sample = gen.sample
             sample.tokens += gen.length
             sample.turn += 1
@@ -339,9 +223,9 @@ class Cluster:
                 self.in_flight -= 1
                 self.ready.append(group)
                 self.published += 1
-        wid = self.ids[engine.eid]
+        wid = self.placement.ids[engine.eid]
         if wid in self.draining and not engine.residents:
-            self._drained(self.wave[wid])
+            self._drained(self.placement.wave[wid])
         self._offer(wid)
         self._dispatch()
         self._maybe_train()
@@ -349,7 +233,9 @@ class Cluster:
 
     # -- the trainer ------------------------------------------------------------------------
     def _trainer_free(self) -> bool:
-        return all(self.role[w] is Role.TRAIN and w not in self.switching for w in self.train_ids)
+        return all(
+            self.role[w] is Role.TRAIN and w not in self.switching for w in self.placement.train_ids
+        )
 
     def _maybe_train(self) -> None:
         g = self.w.groups_per_step
@@ -360,7 +246,7 @@ class Cluster:
         if self.arm is Arm.SYNC_COLOCATED:
             if not self.phase_switching:
                 self.phase_switching = True
-                for wid in self.train_ids:
+                for wid in self.placement.train_ids:
                     self.engines[wid].serving = False
                 self.loop.after(self.w.switch.warm_s, self._colocated_train)
             return
@@ -371,7 +257,7 @@ class Cluster:
             self._admit()
             return
         if self.lent_since_step:
-            self.reclaim_delays.append(self.loop.now - self.batch_ready_at)
+            self.m.reclaim_delays.append(self.loop.now - self.batch_ready_at)
         self.lent_since_step = False
         self._train(batch)
 
@@ -382,10 +268,9 @@ class Cluster:
         kept: deque[_Group] = deque()
         while self.ready:
             group = self.ready.popleft()
-            lag = self.version - group.first_version()
-            if lag > self.staleness and self.stale is StaleMode.DROP:
-                self.dropped += 1
-                self.dropped_tokens += sum(s.tokens for s in group.samples)
+            if group.lag(self.version) > self.staleness and self.stale is StalenessMode.DROP:
+                self.m.dropped += 1
+                self.m.dropped_tokens += sum(s.tokens for s in group.samples)
                 continue
             if len(fresh) < self.w.groups_per_step:
                 fresh.append(group)
@@ -399,23 +284,23 @@ class Cluster:
         return fresh
 
     def _train(self, batch: list[_Group]) -> None:
-        self.waits.append(self.loop.now - (self.step_ends[-1] if self.step_ends else 0.0))
+        self.m.waits.append(self.loop.now - (self.m.step_ends[-1] if self.m.step_ends else 0.0))
         self.training = True
         self.batch_ready_at = None
         tokens = 0
         for group in batch:
             for s in group.samples:
                 tokens += s.tokens
-                self.trained_tokens.append(s.tokens)
-                self.staleness_seen.append(self.version - s.first_version)  # type: ignore[operator]
-        seconds = self.w.trainer.step_s(tokens, len(self.train_ids))
-        self.step_times.append(seconds)
+                self.m.trained_tokens.append(s.tokens)
+                self.m.staleness.append(lag(self.version, s.versions))
+        seconds = self.w.trainer.step_s(tokens, len(self.placement.train_ids))
+        self.m.step_times.append(seconds)
         self.loop.after(seconds, self._trained)
 
     def _trained(self) -> None:
         self.training = False
         self.version += 1
-        self.step_ends.append(self.loop.now)
+        self.m.step_ends.append(self.loop.now)
         if self.version >= self.steps:
             self.loop.stop()
             return
@@ -435,7 +320,7 @@ class Cluster:
         self._train(batch)
 
     def _colocated_to_rollout(self) -> None:
-        for wid in self.train_ids:
+        for wid in self.placement.train_ids:
             self.engines[wid].version = self.version
             self._serve(wid)
         self._admit()
@@ -444,7 +329,7 @@ class Cluster:
     def _update_weights(self) -> None:
         """Start loading the newest version, wave by wave: a wave starts once every engine of
         the waves before it serves it."""
-        for w, members in enumerate(self.wave_members):
+        for w, members in enumerate(self.placement.wave_members):
             behind = [wid for wid in members if self.engines[wid].version < self.version]
             for wid in behind:
                 if wid in self.loading or wid in self.draining:
@@ -463,7 +348,7 @@ class Cluster:
     def _drained(self, w: int) -> None:
         """Without partial rollout, a wave loads once all its draining engines are empty (the
         rollout side's sync barrier: what is in flight finishes on the old weights)."""
-        draining = [wid for wid in self.wave_members[w] if wid in self.draining]
+        draining = [wid for wid in self.placement.wave_members[w] if wid in self.draining]
         if any(self.engines[wid].residents for wid in draining):
             return
         for wid in draining:
@@ -481,7 +366,7 @@ class Cluster:
         self.loading.discard(wid)
         self.engines[wid].version = version
         self._serve(wid)
-        w = self.wave[wid]
+        w = self.placement.wave[wid]
         self.wave_busy[w] -= 1
         if self.wave_busy[w] == 0:
             self._update_weights()
@@ -491,7 +376,7 @@ class Cluster:
         rate = self.rate.update(self.loop.now, self.published)
         state = self._admission()
         desired = trainer_roles(
-            self.assignment,
+            self.placement.assignment,
             self.policy,
             self.lent,
             missing_groups=state.missing_groups(self.w.groups_per_step),
@@ -508,7 +393,7 @@ class Cluster:
 
     def _lend(self, wid: str) -> None:
         self.switching.add(wid)
-        self.n_lends += 1
+        self.m.lends += 1
         self.loop.after(self.w.switch.warm_s, self._lent, wid)
 
     def _lent(self, wid: str) -> None:
@@ -524,10 +409,10 @@ class Cluster:
         e = self.engines[wid]
         e.serving = False
         self.switching.add(wid)
-        self.n_reclaims += 1
+        self.m.reclaims += 1
         for gen in reversed(e.abort_all()):
             if not self.w.switch.reprefill:
-                self.lost += gen.done
+                self.m.lost += gen.done
                 gen.done = 0.0
             self._submit(gen, front=True)
         self._dispatch()
@@ -546,7 +431,7 @@ class Cluster:
         for wid in self.engines:
             self._offer(wid)
         self._admit()
-        if self.assignment.lendable and self.arm is Arm.MULTIPLEXED:
+        if self.placement.assignment.lendable and self.arm is Arm.MULTIPLEXED:
             self._tick()
         self.loop.run(max_time_s)
         if self.version < self.steps:
@@ -557,58 +442,25 @@ class Cluster:
 
     def _result(self, wall_s: float) -> SimResult:
         t = self.loop.now
-        trained_s = sum(self.step_times)  # each trainer device is busy for every step
-
-        def idle(ids: list[str]) -> float:
-            if not ids:
-                return 0.0
-            busy = sum(self.engines[w].busy_s for w in ids)
-            busy += trained_s * sum(w in self.role_train for w in ids)
-            return max(0.0, min(1.0, 1 - busy / (len(ids) * t)))
-
-        rollout = list(self.assignment.rollout)
-        decoding = sum(e.busy_s for e in self.engines.values())
-        batch_s = sum(e.batch_s for e in self.engines.values())
-        generated = self.generated + self.lost
-        trained = sum(self.trained_tokens)
-        return SimResult(
+        trained_s = sum(self.m.step_times)  # each trainer device is busy for every step
+        trainers = set(self.placement.train_ids)
+        rollout = list(self.placement.assignment.rollout)
+        idle = {
+            "train": idle_share(self.engines, self.placement.train_ids, trainers, trained_s, t),
+            **(
+                {"rollout": idle_share(self.engines, rollout, trainers, trained_s, t)}
+                if rollout
+                else {}
+            ),
+            "all": idle_share(self.engines, self.placement.ids, trainers, trained_s, t),
+        }
+        shape = RunShape(
             arm=str(self.arm),
             devices=len(self.engines),
-            trainer_devices=len(self.train_ids),
+            trainer_devices=len(self.placement.train_ids),
             steps=self.steps,
             staleness=self.staleness,
             seed=self.w.seed,
-            time_s=t,
-            samples_per_s=len(self.trained_tokens) / t,
-            tokens_per_s=trained / t,
-            generated_tokens_per_s=generated / t,
-            steady_samples_per_s=self._steady_rate(),
-            idle={
-                "train": idle(self.train_ids),
-                **({"rollout": idle(rollout)} if rollout else {}),
-                "all": idle(self.ids),
-            },
-            mean_batch=batch_s / decoding if decoding else 0.0,
-            staleness_mean=statistics.fmean(self.staleness_seen),
-            staleness_p99=_quantile(self.staleness_seen, 0.99),
-            staleness_max=max(self.staleness_seen),
-            reclaim_p50_s=_quantile(self.reclaim_delays, 0.5),
-            reclaim_p99_s=_quantile(self.reclaim_delays, 0.99),
-            reclaims=self.n_reclaims,
-            lends=self.n_lends,
-            step_s_mean=statistics.fmean(self.step_times),
-            trainer_wait_s_mean=statistics.fmean(self.waits[1:] or self.waits),
-            aborted_token_fraction=(self.dropped_tokens + self.lost) / generated,
-            reprefill_token_fraction=self.reprefilled / generated,
-            dropped_groups=self.dropped,
-            length_bias=statistics.fmean(self.trained_tokens) / statistics.fmean(self.drawn_tokens),
-            trained_samples=len(self.trained_tokens),
-            wall_s=wall_s,
+            samples_per_step=self.w.samples_per_step,
         )
-
-    def _steady_rate(self) -> float:
-        first = self.steps // 4
-        if first == 0 or first >= self.steps:
-            return len(self.trained_tokens) / self.loop.now
-        span = self.step_ends[-1] - self.step_ends[first - 1]
-        return (self.steps - first) * self.w.samples_per_step / span
+        return self.m.result(shape, t, idle, mean_batch(self.engines), wall_s)

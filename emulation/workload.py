@@ -1,6 +1,6 @@
 """The shared workload model: lengths and modelled durations of an RL post-training cluster.
 
-The cluster simulator (``tagsched.sim``) and the emulated engine and trainer backends take
+The cluster simulator (``emulation.sim``) and the emulated engine and trainer backends take
 their lengths and durations from here, so the two agree on inputs by construction. Pure
 Python: stdlib ``random`` and ``math``, frozen dataclasses, no numpy, no torch.
 

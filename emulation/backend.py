@@ -1,6 +1,6 @@
 """For benchmarks only: a trainer backend that spends modelled time instead of training.
 
-With the emulated engine (``rollout.engines.emulated``) it lets the real trainer, scheduler and
+With the emulated engine (``emulation.engine``) it lets the real trainer, scheduler and
 weight path run at a cluster's timing on a few cores. The model, and its assumptions:
 
 - A step costs ``workload.trainer.step_s(tokens, devices)`` seconds, slept in ``apply`` (the
@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
+from emulation.config import EmulatedBackendConfig
 from trainer.backends.base import ApplyStats, TokenBatch
-from trainer.config import EmulatedBackendConfig, TrainerConfig
+from trainer.config import TrainerConfig
 from trainer.exceptions import BackendError
 
 LOGPROB = -math.log(16)

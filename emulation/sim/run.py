@@ -2,8 +2,11 @@
 
 from functools import lru_cache
 
-from common.workload import Workload
-from tagsched.sim.cluster import Arm, Cluster, SimResult, StaleMode
+from common.staleness import StalenessMode
+from emulation.sim.cluster import Cluster
+from emulation.sim.measure import SimResult
+from emulation.sim.placement import Arm
+from emulation.workload import Workload
 
 
 def simulate(
@@ -15,7 +18,7 @@ def simulate(
     trainer_devices: int | None = None,
     *,
     waves: int = 1,
-    stale: StaleMode = StaleMode.DROP,
+    stale: StalenessMode = StalenessMode.DROP,
 ) -> SimResult:
     """Simulate ``steps`` trainer steps of ``arm`` on ``devices`` devices.
 
@@ -62,7 +65,7 @@ def best_split(
     *,
     arm: Arm = Arm.DISAGGREGATED,
     waves: int = 1,
-    stale: StaleMode = StaleMode.DROP,
+    stale: StalenessMode = StalenessMode.DROP,
 ) -> int:
     """The trainer device count that reaches ``steps`` soonest in ``arm`` (by default the
     static split a careful operator would tune), over ``split_candidates``, on the workload's

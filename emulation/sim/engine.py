@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.workload import EngineCost
+from emulation.workload import EngineCost
 
 
 class Loop:

@@ -1,0 +1,22 @@
+"""A discrete-event simulator of a SeamlessFlow cluster on the scheduler's own policy code.
+
+``simulate`` runs one arm; ``best_split`` sweeps the trainer/rollout split of the static
+layout. The model and its assumptions: ``emulation.sim.cluster`` (the event loop),
+``emulation.sim.placement`` (who does what per arm) and ``emulation.sim.engine``; what a run
+measures: ``emulation.sim.measure``.
+"""
+
+from emulation.sim.cluster import Cluster
+from emulation.sim.measure import SimResult
+from emulation.sim.placement import ARMS, Arm
+from emulation.sim.run import best_split, simulate, split_candidates
+
+__all__ = [
+    "ARMS",
+    "Arm",
+    "Cluster",
+    "SimResult",
+    "best_split",
+    "simulate",
+    "split_candidates",
+]

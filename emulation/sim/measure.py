@@ -1,0 +1,163 @@
+"""What a simulated run measures as it goes, and the record it returns (``SimResult``)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from emulation.sim.engine import Engine
+
+
+@dataclass
+class SimResult:
+    """One simulated run. Rates are over the time to ``steps`` trainer steps."""
+
+    arm: str
+    devices: int
+    trainer_devices: int
+    steps: int
+    staleness: int
+    seed: int
+    time_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    """Trained tokens per second."""
+    generated_tokens_per_s: float
+    steady_samples_per_s: float
+    """Trained samples per second after the first quarter of the steps (start-up excluded)."""
+    idle: dict[str, float]
+    """Per pool (``train``: the trainer's devices, lent or not; ``rollout``, absent when empty;
+    ``all``): the share of device time doing no work (waiting, switching, loading weights)."""
+    mean_batch: float
+    """Mean resident generations of a decoding engine."""
+    staleness_mean: float
+    staleness_p99: float
+    staleness_max: int
+    reclaim_p50_s: float
+    reclaim_p99_s: float
+    """Delay of a step from its batch being ready to its devices being reclaimed, over steps
+    that waited for a reclaim (0 when none did)."""
+    reclaims: int
+    lends: int
+    step_s_mean: float
+    trainer_wait_s_mean: float
+    """Mean time between a step's end and the next one's start: the trainer's idle window."""
+    aborted_token_fraction: float
+    """Generated tokens thrown away (stale groups dropped, aborts without a re-prefill)."""
+    reprefill_token_fraction: float
+    dropped_groups: int
+    length_bias: float
+    """Mean tokens of a trained sample over the mean drawn for every admitted sample."""
+    trained_samples: int
+    wall_s: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (the element at rank ``q * len``); 0 for none."""
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a run was asked to do, as its result reports it."""
+
+    arm: str
+    devices: int
+    trainer_devices: int
+    steps: int
+    staleness: int
+    seed: int
+    samples_per_step: int
+
+
+@dataclass
+class Measurements:
+    """A run's tallies, kept by the event loop as it goes."""
+
+    drawn_tokens: list[int] = field(default_factory=list)
+    """Tokens drawn for every admitted sample."""
+    trained_tokens: list[int] = field(default_factory=list)
+    """Tokens of every trained sample."""
+    staleness: list[int] = field(default_factory=list)
+    """Lag of every trained sample when trained."""
+    reclaim_delays: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    step_ends: list[float] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    generated: float = 0.0
+    """Tokens of finished generations."""
+    lost: float = 0.0
+    """Tokens aborted without a re-prefill (generated, then thrown away)."""
+    dropped_tokens: int = 0
+    reprefilled: int = 0
+    dropped: int = 0
+    lends: int = 0
+    reclaims: int = 0
+
+    def result(
+        self, shape: RunShape, t: float, idle: dict[str, float], mean_batch: float, wall_s: float
+    ) -> SimResult:
+        """The run's record at time ``t``, when its last step ended."""
+        generated = self.generated + self.lost
+        return SimResult(
+            arm=shape.arm,
+            devices=shape.devices,
+            trainer_devices=shape.trainer_devices,
+            steps=shape.steps,
+            staleness=shape.staleness,
+            seed=shape.seed,
+            time_s=t,
+            samples_per_s=len(self.trained_tokens) / t,
+            tokens_per_s=sum(self.trained_tokens) / t,
+            generated_tokens_per_s=generated / t,
+            steady_samples_per_s=self._steady_rate(shape, t),
+            idle=idle,
+            mean_batch=mean_batch,
+            staleness_mean=statistics.fmean(self.staleness),
+            staleness_p99=quantile(self.staleness, 0.99),
+            staleness_max=max(self.staleness),
+            reclaim_p50_s=quantile(self.reclaim_delays, 0.5),
+            reclaim_p99_s=quantile(self.reclaim_delays, 0.99),
+            reclaims=self.reclaims,
+            lends=self.lends,
+            step_s_mean=statistics.fmean(self.step_times),
+            trainer_wait_s_mean=statistics.fmean(self.waits[1:] or self.waits),
+            aborted_token_fraction=(self.dropped_tokens + self.lost) / generated,
+            reprefill_token_fraction=self.reprefilled / generated,
+            dropped_groups=self.dropped,
+            length_bias=statistics.fmean(self.trained_tokens) / statistics.fmean(self.drawn_tokens),
+            trained_samples=len(self.trained_tokens),
+            wall_s=wall_s,
+        )
+
+    def _steady_rate(self, shape: RunShape, t: float) -> float:
+        first = shape.steps // 4
+        if first == 0 or first >= shape.steps:
+            return len(self.trained_tokens) / t
+        span = self.step_ends[-1] - self.step_ends[first - 1]
+        return (shape.steps - first) * shape.samples_per_step / span
+
+
+def idle_share(
+    engines: dict[str, Engine], ids: list[str], trainers: set[str], trained_s: float, t: float
+) -> float:
+    """The share of the time ``t`` that devices ``ids`` did no work: their engines decoding or
+    prefilling count as work, and so does every step for a trainer device (``trained_s``)."""
+    if not ids:
+        return 0.0
+    busy = sum(engines[w].busy_s for w in ids)
+    busy += trained_s * sum(w in trainers for w in ids)
+    return max(0.0, min(1.0, 1 - busy / (len(ids) * t)))
+
+
+def mean_batch(engines: dict[str, Engine]) -> float:
+    """Mean resident generations of a decoding engine, over every engine's decoding time."""
+    decoding = sum(e.busy_s for e in engines.values())
+    batch_s = sum(e.batch_s for e in engines.values())
+    return batch_s / decoding if decoding else 0.0
