@@ -45,3 +45,11 @@ class InvalidMessageError(BrokerError):
 
 class InvalidNameError(BrokerError):
     """A run, worker or call name cannot be used inside a subject or bucket name."""
+
+
+class RetryStoppedError(UnavailableError):
+    """The caller stopped while an operation was still failing for a broker outage."""
+
+
+class WeightsIntegrityError(BrokerError):
+    """A weight blob is missing, or its size or checksum differs from its event."""

@@ -44,10 +44,10 @@ from nats.js import JetStreamContext
 
 from broker import codec
 from broker.config import StreamLimits
-from broker.exceptions import InvalidMessageError, UnavailableError
+from broker.exceptions import InvalidMessageError, RetryStoppedError, UnavailableError
 from broker.messages import HEADER_MAX, REASON_MAX, Message, MessageRejected, TaskSubmitted
 from broker.metrics import INGRESS_MESSAGES, INGRESS_PAUSED
-from broker.retry import BACKOFF, TRANSIENT, Backoff, RetryStoppedError, retry
+from broker.retry import BACKOFF, TRANSIENT, Backoff, retry
 from broker.subjects import Durable, RunNames
 from common.log import kv
 

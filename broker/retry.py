@@ -21,7 +21,7 @@ from typing import TypeVar
 from nats import errors as nats_errors
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
-from broker.exceptions import UnavailableError
+from broker.exceptions import RetryStoppedError
 from broker.metrics import NATS_RETRIES
 from common.log import kv
 
@@ -42,10 +42,6 @@ TRANSIENT = (
 )
 """NATS errors that mean the broker cannot serve now (reconnecting, restarting, JetStream not
 answering), not that the operation is wrong."""
-
-
-class RetryStoppedError(UnavailableError):
-    """The caller stopped while an operation was still failing for a broker outage."""
 
 
 @dataclass(frozen=True)

@@ -31,15 +31,11 @@ from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from broker import codec
 from broker.client import session
-from broker.exceptions import BrokerError
+from broker.exceptions import WeightsIntegrityError
 from broker.messages import WeightsPublished
 from broker.subjects import RunNames
 
 OBJSTORE = "objstore"
-
-
-class WeightsIntegrityError(BrokerError):
-    """A weight blob is missing, or its size or checksum differs from its event."""
 
 
 KEEP_VERSIONS = 3

@@ -17,3 +17,7 @@ class UnsatisfiableSpecError(TagschedError):
 
 class LeaseLostError(TagschedError):
     """Another scheduler holds the run's lease now."""
+
+
+class SchedulerError(TagschedError):
+    """The scheduler cannot go on (an unsatisfiable spec past its timeout)."""

@@ -43,13 +43,18 @@ from broker.provision import durable_info
 from broker.registry import watch_workers
 from broker.retry import BACKOFF, TRANSIENT
 from broker.subjects import Durable, RunNames
-from common.exceptions import SeamlessFlowError
 from common.log import kv
 from common.metrics import serve_metrics
 from common.ready import announce_ready
-from tagsched.admission import Admission, AdmissionError, admission_limit
+from tagsched.admission import Admission, admission_limit
 from tagsched.config import LayoutConfig, SchedulerConfig
-from tagsched.lease import Lease, LeaseLostError
+from tagsched.exceptions import (
+    AdmissionError,
+    LeaseLostError,
+    SchedulerError,
+    UnsatisfiableSpecError,
+)
+from tagsched.lease import Lease
 from tagsched.lending import LendingPolicy, RateMeter, trainer_roles
 from tagsched.metrics import (
     ASSIGNED,
@@ -64,13 +69,9 @@ from tagsched.metrics import (
     REGISTRY,
     UNSATISFIED,
 )
-from tagsched.spec import Assignment, PlacementSpec, UnsatisfiableSpecError, assign
+from tagsched.spec import Assignment, PlacementSpec, assign
 
 log = logging.getLogger(__name__)
-
-
-class SchedulerError(SeamlessFlowError):
-    """The scheduler cannot go on (an unsatisfiable spec past its timeout)."""
 
 
 class Scheduler:

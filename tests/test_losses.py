@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.messages import SampleReady
+from common.staleness import StalenessMode
 from trainer.backends.base import TokenBatch, logprobs_from_logits
 from trainer.batcher import Batcher, Outcome, lag, plan_step
-from trainer.config import Advantage, StalenessMode, TrainerConfig
+from trainer.config import Advantage, TrainerConfig
 from trainer.exceptions import BatchError
 from trainer.losses import group_advantages, k3, mismatch, policy_loss
 

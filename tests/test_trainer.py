@@ -19,12 +19,13 @@ from broker.messages import MessageRejected, SampleReady, TrainerShape, WeightsP
 from broker.provision import provision_run
 from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights, host_id, latest_weights
+from common.staleness import StalenessMode
 from seamlessflow.processes import ServiceProcess, worker_process
 from tests.support import SMALL_RUN, eventually, metric, registered, stream_messages
 from tests.test_losses import sample
 from trainer import checkpoint
 from trainer.batcher import plan_step
-from trainer.config import StalenessMode, TrainerConfig
+from trainer.config import TrainerConfig
 
 
 async def publish(js, names: RunNames, *samples: SampleReady, msg_id: bool = True) -> None:

@@ -2,8 +2,8 @@
 
 import pytest
 
+from broker.exceptions import WeightsIntegrityError
 from broker.weights import (
-    WeightsIntegrityError,
     fetch_weights,
     fetch_weights_apart,
     latest_weights,

@@ -25,7 +25,8 @@ import torch
 from prometheus_client import Histogram
 from safetensors.torch import save, save_file
 
-from broker.retry import RetryStoppedError, retry
+from broker.exceptions import RetryStoppedError
+from broker.retry import retry
 from broker.subjects import RunNames
 from broker.weights import LOCAL_BLOB, announce_local, local_folder, publish_weights
 from common.log import kv
