@@ -29,11 +29,11 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
   the others, and their lag is in the staleness figures;
 - **weights**: a step's new version is loaded by every serving engine in ``waves`` rolling
   waves (engines by id, dealt round-robin; a wave starts once every engine of an earlier wave
-  serves the version: the rule of ``rollout.worker``'s ``_wait_for_wave``). Without partial
+  serves the version: the rule of ``rollout.following``'s ``_wait_for_wave``). Without partial
   rollout the wave's engines stop taking work and load together once all of them have drained
   (the sync barrier of a rollout side without partial rollout, as in verl's fully-async
   trainer); with it, each pauses its generations (KV kept), loads, and they continue on the new
-  weights (what ``rollout.worker`` does);
+  weights (what ``rollout.following`` does);
 - **lending** (multiplexed): a lend or a reclaim takes ``switch.warm_s``; a trainer device is
   not switched during a step. A reclaimed device aborts its generations, which continue on
   other engines after a re-prefill of their prefix (``switch.reprefill``) or start over;
