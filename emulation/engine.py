@@ -167,13 +167,8 @@ class EmulatedEngine(InProcessEngine):
         log.info(kv("emulated_weights_loaded", version=version, path=path, seconds=seconds))
 
     async def close(self) -> None:
-        if self._closed:
+        if not await self._shut():
             return
-        self._closed = True
-        for request_id in list(self._requests):
-            await self.abort(request_id)
-        self._scheduler.cancel()
-        await asyncio.wait([self._scheduler])
         log.info(kv("emulated_engine_closed", model=self._config.model))
 
     # -- requests -------------------------------------------------------------------------------

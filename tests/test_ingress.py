@@ -311,6 +311,18 @@ async def test_a_task_done_as_the_broker_stops_is_acked_and_not_run_again(tmp_pa
     assert info.num_ack_pending == 0 and info.num_redelivered == 0
 
 
+def _outage_ingress(js, names: RunNames, handler, backoff: Backoff) -> Ingress[TaskSubmitted]:
+    return tasks_ingress(
+        js,
+        names,
+        handler,
+        SMALL_RUN.tasks,
+        fetch_timeout=0.2,
+        backoff=backoff,
+        durable=Durable.SCHEDULER,
+    )
+
+
 class Outage:
     """A handler whose part (a gateway, say) is down until ``up`` is set: an injected fault,
     since the ingress under test knows nothing of what its handler calls. Records every call."""
@@ -340,15 +352,7 @@ async def test_an_unavailable_part_pauses_the_ingress_and_spends_no_delivery(js,
         await js.publish(names.tasks, msgpack.packb(_task_dict(i)))
     failed0, rejected0 = _count("tasks", "failed"), _count("tasks", "rejected")
     handler = Outage()
-    ingress = tasks_ingress(
-        js,
-        names,
-        handler,
-        SMALL_RUN.tasks,
-        fetch_timeout=0.2,
-        backoff=Backoff(0.05, 0.2),
-        durable=Durable.SCHEDULER,
-    )
+    ingress = _outage_ingress(js, names, handler, Backoff(0.05, 0.2))
     stop = asyncio.Event()
     caplog.set_level(logging.INFO, logger="broker.ingress")
     run = asyncio.create_task(ingress.run(stop))
@@ -382,15 +386,7 @@ async def test_stopping_while_paused_hands_the_held_task_back(js, names):
     await js.publish(names.tasks, msgpack.packb(_task_dict(0)))
     returned0, failed0 = _count("tasks", "returned"), _count("tasks", "failed")
     handler = Outage()
-    ingress = tasks_ingress(
-        js,
-        names,
-        handler,
-        SMALL_RUN.tasks,
-        fetch_timeout=0.2,
-        backoff=Backoff(0.05),
-        durable=Durable.SCHEDULER,
-    )
+    ingress = _outage_ingress(js, names, handler, Backoff(0.05))
     await _run_until(ingress, lambda: _paused() == 1.0)
     assert _paused() == 0.0  # a stopped ingress is not paused
     assert _count("tasks", "returned") - returned0 == 1

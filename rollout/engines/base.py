@@ -111,9 +111,10 @@ class InProcessEngine:
     ``queue``; a scheduler task woken by ``_wake`` and held off by ``_paused``; checks of a
     request before it is admitted. A subclass sets ``name``, implements ``_admit`` (check, then
     register a request with ``queue`` and ``done``) and ``_release``, and starts its
-    scheduler."""
+    scheduler as ``_scheduler``."""
 
     name: ClassVar[str]
+    _scheduler: asyncio.Task
 
     def __init__(self, config: EngineConfig, vocab_size: int) -> None:
         self._config = config
@@ -150,6 +151,21 @@ class InProcessEngine:
     async def resume(self) -> None:
         self._paused = False
         self._wake.set()
+
+    async def _shut(self) -> bool:
+        """The first part of ``close``: abort every request, end the scheduler. False when
+        the engine was closed already."""
+        if self._closed:
+            return False
+        self._closed = True
+        for request_id in list(self._requests):
+            await self.abort(request_id)
+        self._scheduler.cancel()
+        await asyncio.wait([self._scheduler])
+        return True
+
+    async def abort(self, request_id: str) -> None:
+        raise NotImplementedError
 
     def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Any:
         raise NotImplementedError

@@ -162,13 +162,8 @@ class HFEngine(InProcessEngine):
         )
 
     async def close(self) -> None:
-        if self._closed:
+        if not await self._shut():
             return
-        self._closed = True
-        for request_id in list(self._requests):
-            await self.abort(request_id)
-        self._scheduler.cancel()
-        await asyncio.wait([self._scheduler])
         # Lets the step in flight finish on the engine thread, then ends the thread.
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
         log.info(kv("hf_engine_closed", model=self._config.model))
