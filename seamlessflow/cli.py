@@ -19,7 +19,7 @@ from common.exceptions import SeamlessFlowError
 from common.log import setup_logging
 from common.models import MODELS  # cheap: torch is imported inside its functions
 from common.ready import claim_handshake
-from seamlessflow.config import DEFAULT_RUN, RunConfig, load_config, override
+from seamlessflow.config import DEFAULT_RUN, RunConfig, load_config, override, read_table
 from seamlessflow.exceptions import ConfigError, InputError
 from seamlessflow.flags import Flag, add_flags, apply_flags, section_flags
 
@@ -390,6 +390,8 @@ def _scheduler(args: argparse.Namespace) -> int:
     from tagsched.scheduler import serve_scheduler
 
     c = _settings(args)
+    # Only a config that sets [trainer] can disagree with the registered trainer's shape.
+    configured = args.config is not None and "trainer" in read_table(args.config)
     asyncio.run(
         serve_until_signalled(
             serve_scheduler,
@@ -398,7 +400,7 @@ def _scheduler(args: argparse.Namespace) -> int:
             c.provision,
             c.scheduler,
             c.layout,
-            c.trainer.shape(),
+            c.trainer.shape() if configured else None,
             args.metrics_port,
         )
     )

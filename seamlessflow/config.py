@@ -204,18 +204,25 @@ def load_config(path: Path | None) -> RunConfig:
     or JSON for a ``.json`` file (the resolved configs ``seamlessflow run`` gives its children)."""
     if path is None:
         return RunConfig()
+    try:
+        return override(RunConfig(), read_table(path))
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+
+def read_table(path: Path) -> dict[str, Any]:
+    """The file's contents as nested tables, unvalidated: TOML, or JSON for a ``.json`` file."""
     kind = "JSON" if path.suffix == ".json" else "TOML"
     try:
         text = path.read_text()
-        data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
+        table = json.loads(text) if kind == "JSON" else tomllib.loads(text)
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path} is not valid {kind}: {exc}") from exc
-    try:
-        return override(RunConfig(), data)
-    except ValidationError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: a run config is a table, not {type(table).__name__}")
+    return table
 
 
 def override(config: RunConfig, changes: dict[str, Any]) -> RunConfig:
