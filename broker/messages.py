@@ -102,6 +102,14 @@ class RewardSpec(BaseModel):
     reference: str | None = Field(
         default=None, max_length=1 << 16, description="the expected answer, if any"
     )
+    function: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        max_length=256,
+        description="'module:function', a reward function given the attempt's transcript and "
+        "the task; it scores instead of the verifier (its module must be allowed by the agent "
+        "runner's agents.reward_modules)",
+    )
 
 
 class TaskSubmitted(Message):
@@ -211,7 +219,7 @@ class SessionEnded(Message):
     on ``sf.<run>.traj.end``."""
 
     session_id: Id
-    reward: float
+    reward: float = Field(description="finite (NaN and infinities are refused)")
     task_id: Id | None = None
     group_id: Id | None = None
     metrics: dict[str, float] = Field(default_factory=dict, max_length=64)

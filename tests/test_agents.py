@@ -43,7 +43,8 @@ from rollout.agents.arithmetic import (
 )
 from rollout.agents.config import AgentsConfig
 from rollout.agents.exceptions import AgentLoadError, InvalidTaskError
-from rollout.agents.runner import AgentRunner, group_id, session_id
+from rollout.agents.runner import AgentRunner
+from rollout.agents.sessions import group_id, session_id
 from rollout.agents.verifiers import bind, exact_match, last_number, number
 from seamlessflow.config import load_config
 from seamlessflow.processes import ServiceProcess

@@ -8,8 +8,13 @@ returns its final answer, which the runner then verifies. Two kinds:
   of the built-in agents of an env (``chat_agent`` here, ``rollout.agents.arithmetic``);
 - an external command in any language (``CommandAgent``), run once per attempt: env
   ``SF_GATEWAY_URL`` (base URL with ``/v1``), ``SF_SESSION_ID``, ``SF_MODEL``; the task as JSON
-  on stdin; the last line of stdout is the answer. Exit 0: done; exit 75 (``EX_TEMPFAIL``): the
-  gateway failed, retry the task later; any other code: the attempt failed.
+  on stdin; the last line of stdout is the answer, except lines ``SF_REWARD=<number>``: the last
+  of those is the attempt's own reward (``AgentResult.reward``). Exit 0: done; exit 75
+  (``EX_TEMPFAIL``): the gateway failed, retry the task later; any other code: the attempt
+  failed.
+
+How the reward is then chosen (the task's reward function, the agent's reward, the verifier)
+and checked: ``rollout.agents.rewards``.
 """
 
 import asyncio
@@ -26,11 +31,18 @@ import openai
 
 from broker import codec
 from broker.messages import ChatMessage, TaskSubmitted
-from rollout.agents.exceptions import AgentFailedError, AgentLoadError, GatewayUnavailableError
+from rollout.agents.exceptions import (
+    AgentFailedError,
+    AgentLoadError,
+    GatewayUnavailableError,
+    UnscoredError,
+)
 
 EX_TEMPFAIL = 75
 """An external command exits with this when the gateway failed: the task is retried."""
 _STDERR_KEEP = 1000
+REWARD_LINE = "SF_REWARD="
+"""A command agent's stdout line ``SF_REWARD=<number>`` gives the attempt's reward."""
 
 
 @dataclass(frozen=True)
@@ -52,11 +64,13 @@ class AgentContext:
 
 @dataclass(frozen=True)
 class AgentResult:
-    """An attempt's outcome as its agent reports it; the runner verifies ``answer``."""
+    """An attempt's outcome as its agent reports it; the runner scores it (``rewards``)."""
 
     answer: str
     turns: int = 1
     metrics: dict[str, float] = field(default_factory=dict)
+    reward: float | None = None
+    """The agent's (or its environment's) own reward; None: the task's verifier scores."""
 
 
 Agent = Callable[[AgentContext], Awaitable[AgentResult]]
@@ -136,6 +150,21 @@ class CommandAgent:
             raise GatewayUnavailableError(f"{self.argv[0]} exited {EX_TEMPFAIL}: {stderr}")
         if proc.returncode != 0:
             raise AgentFailedError(f"{self.argv[0]} exited {proc.returncode}: {stderr}")
-        # Lines end at "\n" only: other control characters may be part of the answer.
-        last = out.decode(errors="replace").removesuffix("\n").rsplit("\n", 1)[-1]
-        return AgentResult(answer=last.removesuffix("\r"))
+        return command_result(out.decode(errors="replace"))
+
+
+def command_result(stdout: str) -> AgentResult:
+    """A command's answer (its last line) and reward (its last ``SF_REWARD=`` line, if any);
+    ``UnscoredError`` when that reward is not a number."""
+    # Lines end at "\n" only: other control characters may be part of the answer.
+    lines = [line.removesuffix("\r") for line in stdout.removesuffix("\n").split("\n")]
+    rewards = [line for line in lines if line.startswith(REWARD_LINE)]
+    answers = [line for line in lines if not line.startswith(REWARD_LINE)]
+    reward = None
+    if rewards:
+        text = rewards[-1].removeprefix(REWARD_LINE).strip()
+        try:
+            reward = float(text)
+        except ValueError:
+            raise UnscoredError("not_a_number", f"printed {rewards[-1][:80]!r}") from None
+    return AgentResult(answer=answers[-1] if answers else "", reward=reward)

@@ -29,3 +29,15 @@ class GatewayUnavailableError(AgentsError, UnavailableError):
 
 class RunnerStoppingError(AgentsError, HandBack):
     """The runner is stopping: the task's attempts were cancelled and the task handed back."""
+
+
+class UnscoredError(AgentsError):
+    """An attempt's reward is unusable (not a finite number in range) or its reward function
+    raised: the attempt ends unscored, with reward 0.0 and the reason counted and logged."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        """A short label for metrics: raised, not_a_number, not_finite, out_of_range,
+        no_reward."""
+        self.reason = reason

@@ -4,15 +4,19 @@
 Per task (``TaskSubmitted``), taken through the validated tasks ingress, up to ``max_tasks`` at
 once:
 
-1. refuse what cannot be run (unknown verifier, unusable reference, no agent for the env): the
-   ingress dead-letters it with the reason, before any agent runs;
+1. refuse what cannot be run (unknown verifier, unusable reference, no agent for the env, a
+   reward function not allowed or not importable): the ingress dead-letters it with the
+   reason, before any agent runs;
 2. check the gateway serves (``/health``): if not, ``GatewayUnavailableError`` pauses the
    ingress, which holds the task (its delivery not spent, never dead-lettered for the outage)
    and runs it again once the gateway serves; it is never scored against an outage;
-3. run ``group_size`` attempts at once, each in its own session (``session_id``), and verify
-   each final answer. An agent that raises, exits non-zero or times out ends its attempt with
-   reward 0.0 and ``{"failed": 1}``; a gateway failure in any attempt cancels the others and
-   the whole task is run again as in 2, in new sessions (nothing is published for it);
+3. run ``group_size`` attempts at once, each in its own session (``session_id``), and score
+   each (``rewards``: the task's reward function, else the agent's own reward, else the
+   verifier on the final answer). An agent that raises, exits non-zero or times out ends its
+   attempt with reward 0.0 and ``{"failed": 1}``; an unusable reward (not finite, outside
+   ``reward_range``, a reward function that raised) ends it with reward 0.0 and
+   ``{"unscored": 1}``; a gateway failure in any attempt cancels the others and the whole
+   task is run again as in 2, in new sessions (nothing is published for it);
 4. publish one ``SessionEnded`` per attempt (``Nats-Msg-Id`` = session id); the ingress acks the
    task once all are stored.
 
@@ -22,7 +26,6 @@ attempts are cancelled (commands killed) and the tasks handed back (nak) unpubli
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -62,8 +65,11 @@ from rollout.agents.exceptions import (
     GatewayUnavailableError,
     InvalidTaskError,
     RunnerStoppingError,
+    UnscoredError,
 )
-from rollout.agents.verifiers import binary_reward, bind
+from rollout.agents.rewards import CallLog, Reward, Scoring, Transcript, ended, scoring_for
+from rollout.agents.sessions import gateway_base, group_id, session_id
+from rollout.agents.verifiers import binary_reward
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +91,21 @@ for _outcome in ("done", "retried", "rejected"):  # exported from the start, at 
     TASKS.labels(_outcome)
 ATTEMPTS = Counter(
     "sf_agents_attempts",
-    "Attempts by outcome: correct, wrong, failed (the agent raised or exited non-zero), "
-    "timed_out, unavailable (the gateway failed: the task is retried)",
+    "Attempts by outcome: correct, wrong (the verifier scored), rewarded (a reward function or "
+    "the agent scored), unscored (the reward was unusable), failed (the agent raised or exited "
+    "non-zero), timed_out, unavailable (the gateway failed: the task is retried)",
     ["outcome"],
     registry=REGISTRY,
 )
-for _outcome in ("correct", "wrong", "failed", "timed_out", "unavailable"):  # at 0 from the start
-    ATTEMPTS.labels(_outcome)
+for _outcome in ("correct", "wrong", "rewarded", "unscored", "failed", "timed_out", "unavailable"):
+    ATTEMPTS.labels(_outcome)  # at 0 from the start
+UNSCORED = Counter(
+    "sf_agents_unscored",
+    "Attempts left unscored (reward 0.0), by scorer (function:<module:function>, agent, "
+    "verifier) and reason (raised, not_a_number, not_finite, out_of_range, no_reward)",
+    ["scorer", "reason"],
+    registry=REGISTRY,
+)
 REWARD = Histogram(
     "sf_agents_reward",
     "Reward of each scored attempt",
@@ -112,9 +126,6 @@ ATTEMPT_SECONDS = Histogram(
 )
 RUNNING = Gauge("sf_agents_tasks_running", "Tasks whose attempts are running", registry=REGISTRY)
 
-Reward = Callable[[bool, int], float]
-"""``(correct, turns) -> reward``."""
-
 
 @dataclass(frozen=True)
 class Environment:
@@ -130,73 +141,6 @@ ENVIRONMENTS: dict[str, Environment] = {
 }
 """Built-in envs. A configured agent (``agent`` or ``command``) runs any env; an env not listed
 here is then scored with ``binary_reward``."""
-
-
-def session_id(task_id: str, attempt: int, delivery: int = 1, retry: int = 0) -> str:
-    """The session of attempt ``attempt`` at a task: ``<task_id>-<attempt>``, with ``-d<n>`` for
-    the ``n``-th delivery of the task and ``-r<k>`` for its ``k``-th run after an outage on one
-    delivery (a retried task starts fresh sessions). A task id too long to fit the 64-character
-    id is cut and completed with its hash."""
-    return _suffixed(task_id, f"-{attempt}{_retried(delivery, retry)}")
-
-
-def group_id(task_id: str, delivery: int = 1, retry: int = 0) -> str:
-    """The group of a task's attempts: the task id, with ``-d<n>``/``-r<k>`` once it is retried
-    (so a retried task's fresh sessions never join the sessions of an earlier run)."""
-    suffix = _retried(delivery, retry)
-    return _suffixed(task_id, suffix) if suffix else task_id
-
-
-def _retried(delivery: int, retry: int) -> str:
-    return (f"-d{delivery}" if delivery > 1 else "") + (f"-r{retry}" if retry > 0 else "")
-
-
-def _suffixed(task_id: str, suffix: str) -> str:
-    if len(task_id) + len(suffix) <= 64:
-        return task_id + suffix
-    digest = hashlib.sha256(task_id.encode()).hexdigest()[:24]
-    return f"{task_id[: 64 - len(suffix) - 25]}-{digest}{suffix}"
-
-
-def gateway_base(url: str) -> str:
-    """The gateway's OpenAI base URL (``.../v1``), given it with or without ``/v1``."""
-    url = url.rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
-
-
-def scored(
-    task: TaskSubmitted,
-    sid: str,
-    result: AgentResult,
-    correct: bool,
-    reward: Reward,
-    seconds: float,
-) -> SessionEnded:
-    """The ``SessionEnded`` of an attempt that finished."""
-    metrics = {
-        **result.metrics,
-        "turns": float(result.turns),
-        "correct": 1.0 if correct else 0.0,
-        "latency_s": seconds,
-    }
-    return _ended(task, sid, reward(correct, result.turns), metrics)
-
-
-def failed(task: TaskSubmitted, sid: str, seconds: float) -> SessionEnded:
-    """The ``SessionEnded`` of an attempt whose agent failed: reward 0.0, so its group still
-    completes."""
-    return _ended(task, sid, 0.0, {"failed": 1.0, "latency_s": seconds})
-
-
-def _ended(task: TaskSubmitted, sid: str, reward: float, metrics: dict[str, float]) -> SessionEnded:
-    return SessionEnded(
-        session_id=sid,
-        reward=reward,
-        task_id=task.task_id,
-        group_id=task.task_id,
-        metrics=dict(list(metrics.items())[:64]),
-        group_size=task.group_size,
-    )
 
 
 class AgentRunner:
@@ -221,7 +165,10 @@ class AgentRunner:
             self._agent = load_agent(config.agent)
         elif config.command is not None:
             self._agent = CommandAgent(config.command)
-        self._http = httpx.AsyncClient(timeout=config.request_timeout_s)
+        self._calls = CallLog()  # the calls of sessions whose task has a reward function
+        self._http = httpx.AsyncClient(
+            timeout=config.request_timeout_s, event_hooks={"request": [self._calls.on_request]}
+        )
         self._client = openai.AsyncOpenAI(
             base_url=self.gateway_url, api_key="unused", max_retries=0, http_client=self._http
         )
@@ -273,8 +220,14 @@ class AgentRunner:
     async def _handle(self, task: TaskSubmitted, delivery: Delivery) -> None:
         # 1. Refuse what cannot be run: the ingress dead-letters it.
         try:
-            verify = bind(task.reward)
             agent, reward = self._agent_for(task.env)
+            scoring = scoring_for(
+                task.reward,
+                reward,
+                agent_may_reward=self._agent is not None,
+                reward_range=self._config.reward_range,
+                reward_modules=self._config.reward_modules,
+            )
         except InvalidTaskError as exc:
             TASKS.labels("rejected").inc()
             raise InvalidMessageError(str(exc)) from exc
@@ -285,7 +238,7 @@ class AgentRunner:
             # 2. No attempt is scored against a gateway that is down.
             model = await self._check_gateway()
             # 3. Run and score the attempts.
-            ended = await self._attempts(task, delivery, agent, reward, verify, model)
+            sessions = await self._attempts(task, delivery, agent, scoring, model)
         except GatewayUnavailableError:
             if delivery.retry == 0:  # counted once per task held; the ingress logs the pause
                 TASKS.labels("retried").inc()
@@ -299,14 +252,14 @@ class AgentRunner:
         finally:
             RUNNING.dec()
         # 4. Store every SessionEnded; the ingress acks the task after.
-        await asyncio.gather(*(self._publish(message) for message in ended))
+        await asyncio.gather(*(self._publish(message) for message in sessions))
         TASKS.labels("done").inc()
         log.info(
             kv(
                 "task_done",
                 task=task.task_id,
-                attempts=len(ended),
-                rewards=",".join(f"{m.reward:g}" for m in ended),
+                attempts=len(sessions),
+                rewards=",".join(f"{m.reward:g}" for m in sessions),
             )
         )
 
@@ -343,8 +296,7 @@ class AgentRunner:
         task: TaskSubmitted,
         delivery: Delivery,
         agent: Agent,
-        reward: Reward,
-        verify: Callable[[str], bool],
+        scoring: Scoring,
         model: str,
     ) -> list[SessionEnded]:
         """Every attempt's ``SessionEnded``; raises ``RunnerStoppingError`` when aborted and
@@ -358,8 +310,7 @@ class AgentRunner:
                             task,
                             session_id(task.task_id, i, delivery.num_delivered, delivery.retry),
                             agent,
-                            reward,
-                            verify,
+                            scoring,
                             model,
                         )
                     )
@@ -380,7 +331,7 @@ class AgentRunner:
         if running.cancelled():
             raise RunnerStoppingError(f"task {task.task_id}: attempts cancelled, runner stopping")
         try:
-            ended = running.result()
+            results = running.result()
         except ExceptionGroup as group_error:
             unavailable = [
                 e for e in group_error.exceptions if isinstance(e, GatewayUnavailableError)
@@ -389,7 +340,7 @@ class AgentRunner:
                 raise unavailable[0] from None
             raise
         group = group_id(task.task_id, delivery.num_delivered, delivery.retry)
-        return [e.model_copy(update={"group_id": group}) for e in ended]
+        return [e.model_copy(update={"group_id": group}) for e in results]
 
     def _context(
         self, task: TaskSubmitted, sid: str, verify: Callable[[str], bool], model: str
@@ -407,17 +358,13 @@ class AgentRunner:
         )
 
     async def _attempt(
-        self,
-        task: TaskSubmitted,
-        sid: str,
-        agent: Agent,
-        reward: Reward,
-        verify: Callable[[str], bool],
-        model: str,
+        self, task: TaskSubmitted, sid: str, agent: Agent, scoring: Scoring, model: str
     ) -> SessionEnded:
-        ctx = self._context(task, sid, verify, model)
+        ctx = self._context(task, sid, scoring.verifier(task.task_id), model)
         started = time.monotonic()
         outcome, reason = "failed", ""
+        if scoring.records:
+            self._calls.open(sid)
         try:
             async with asyncio.timeout(self._config.attempt_timeout_s):
                 result = await agent(ctx)
@@ -440,24 +387,73 @@ class AgentRunner:
                 ) from exc
         except TimeoutError:
             outcome, reason = "timed_out", f"timed out after {self._config.attempt_timeout_s:g}s"
+        except UnscoredError as exc:  # a command printed an SF_REWARD that is not a number
+            seconds = time.monotonic() - started
+            return self._unscored(task, sid, "agent", exc, {"latency_s": seconds})
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
         else:
-            seconds = time.monotonic() - started
-            correct = verify(result.answer)
-            ended = scored(task, sid, result, correct, reward, seconds)
-            ATTEMPTS.labels("correct" if correct else "wrong").inc()
-            REWARD.observe(ended.reward)
-            TURNS.observe(result.turns)
-            ATTEMPT_SECONDS.observe(seconds)
-            return ended
+            transcript = Transcript(
+                sid, result.answer, result.turns, self._calls.close(sid), result.reward
+            )
+            return await self._score(task, transcript, result, scoring, started)
+        finally:
+            self._calls.close(sid)
         seconds = time.monotonic() - started
         ATTEMPTS.labels(outcome).inc()
         ATTEMPT_SECONDS.observe(seconds)
         log.warning(
             kv("attempt_failed", task=task.task_id, session=sid, outcome=outcome, reason=reason)
         )
-        return failed(task, sid, seconds)
+        return ended(task, sid, 0.0, {"failed": 1.0, "latency_s": seconds})
+
+    async def _score(
+        self,
+        task: TaskSubmitted,
+        transcript: Transcript,
+        result: AgentResult,
+        scoring: Scoring,
+        started: float,
+    ) -> SessionEnded:
+        """The ``SessionEnded`` of an attempt whose agent finished: scored, or unscored."""
+        seconds = time.monotonic() - started
+        metrics = {**result.metrics, "turns": float(result.turns), "latency_s": seconds}
+        TURNS.observe(result.turns)
+        ATTEMPT_SECONDS.observe(seconds)
+        try:
+            reward, verdict = await scoring.score(task, transcript)
+        except UnscoredError as exc:
+            scorer = scoring.scorer(transcript)
+            return self._unscored(task, transcript.session_id, scorer, exc, metrics)
+        if "correct" in verdict:
+            ATTEMPTS.labels("correct" if verdict["correct"] else "wrong").inc()
+        else:
+            ATTEMPTS.labels("rewarded").inc()
+        REWARD.observe(reward)
+        return ended(task, transcript.session_id, reward, {**metrics, **verdict})
+
+    def _unscored(
+        self,
+        task: TaskSubmitted,
+        sid: str,
+        scorer: str,
+        error: UnscoredError,
+        metrics: dict[str, float],
+    ) -> SessionEnded:
+        """An attempt without a usable reward: reward 0.0, counted and logged with the reason."""
+        ATTEMPTS.labels("unscored").inc()
+        UNSCORED.labels(scorer, error.kind).inc()
+        log.warning(
+            kv(
+                "attempt_unscored",
+                task=task.task_id,
+                session=sid,
+                scorer=scorer,
+                reason=error.kind,
+                error=error.reason,
+            )
+        )
+        return ended(task, sid, 0.0, {**metrics, "unscored": 1.0})
 
     async def _publish(self, message: SessionEnded) -> None:
         """Store ``message``, trying again across a broker outage (a copy is de-duplicated by its

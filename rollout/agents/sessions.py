@@ -1,0 +1,35 @@
+"""Session and group ids of a task's attempts, and the gateway's base URL."""
+
+import hashlib
+
+
+def session_id(task_id: str, attempt: int, delivery: int = 1, retry: int = 0) -> str:
+    """The session of attempt ``attempt`` at a task: ``<task_id>-<attempt>``, with ``-d<n>`` for
+    the ``n``-th delivery of the task and ``-r<k>`` for its ``k``-th run after an outage on one
+    delivery (a retried task starts fresh sessions). A task id too long to fit the 64-character
+    id is cut and completed with its hash."""
+    return _suffixed(task_id, f"-{attempt}{_retried(delivery, retry)}")
+
+
+def group_id(task_id: str, delivery: int = 1, retry: int = 0) -> str:
+    """The group of a task's attempts: the task id, with ``-d<n>``/``-r<k>`` once it is retried
+    (so a retried task's fresh sessions never join the sessions of an earlier run)."""
+    suffix = _retried(delivery, retry)
+    return _suffixed(task_id, suffix) if suffix else task_id
+
+
+def _retried(delivery: int, retry: int) -> str:
+    return (f"-d{delivery}" if delivery > 1 else "") + (f"-r{retry}" if retry > 0 else "")
+
+
+def _suffixed(task_id: str, suffix: str) -> str:
+    if len(task_id) + len(suffix) <= 64:
+        return task_id + suffix
+    digest = hashlib.sha256(task_id.encode()).hexdigest()[:24]
+    return f"{task_id[: 64 - len(suffix) - 25]}-{digest}{suffix}"
+
+
+def gateway_base(url: str) -> str:
+    """The gateway's OpenAI base URL (``.../v1``), given it with or without ``/v1``."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
