@@ -15,6 +15,7 @@ from broker.messages import (
     WIRE_MESSAGES,
     MessageRejected,
     SampleReady,
+    SessionEnded,
     TaskSubmitted,
     TokensGenerated,
 )
@@ -169,6 +170,36 @@ def test_per_token_lists_must_align():
         codec.decode(SampleReady, msgpack.packb({**sample, "loss_mask": [True, 1, 1]}))
     with pytest.raises(InvalidMessageError, match=r"logprobs\.1: Input should be a finite number"):
         codec.decode(SampleReady, msgpack.packb({**sample, "logprobs": [0.0, float("nan"), 0.0]}))
+
+
+@pytest.mark.parametrize(
+    ("reward", "needle"),
+    [
+        (float("nan"), "reward: Input should be a finite number"),
+        (float("inf"), "reward: Input should be a finite number"),
+        ("1.0", "reward: Input should be a valid number"),
+        (None, "reward: Input should be a valid number"),
+    ],
+)
+def test_a_session_reward_from_any_client_is_a_finite_number(reward, needle):
+    """What a client that drives the gateway itself publishes on ``traj.end`` is checked: a
+    reward that is not a finite number is dead-lettered with this reason."""
+    end = {"session_id": "s", "reward": reward}
+    with pytest.raises(InvalidMessageError, match=needle):
+        codec.decode(SessionEnded, msgpack.packb(end))
+    with pytest.raises(InvalidMessageError, match=needle):  # JSON: NaN, Infinity literals too
+        codec.decode(SessionEnded, json.dumps(end).encode(), content_type=codec.Encoding.JSON)
+    assert codec.decode(SessionEnded, msgpack.packb({**end, "reward": -3.5})).reward == -3.5
+    assert codec.decode(SessionEnded, msgpack.packb({**end, "reward": 1})).reward == 1.0
+
+
+def test_a_reward_function_is_named_module_function():
+    task = {"task_id": "t", "messages": [{"role": "user", "content": "q"}]}
+    named = {**task, "reward": {"function": "pkg.rewards:score"}}
+    assert codec.decode(TaskSubmitted, msgpack.packb(named)).reward.function == "pkg.rewards:score"
+    for bad in ("score", "pkg rewards:score", "pkg:", ":score"):
+        with pytest.raises(InvalidMessageError, match=r"reward\.function: String should match"):
+            codec.decode(TaskSubmitted, msgpack.packb({**task, "reward": {"function": bad}}))
 
 
 def test_enums_travel_as_strings_and_are_checked():
