@@ -9,6 +9,8 @@ as a user's ``module:function`` would be.
 
 import logging
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +25,8 @@ from rollout.agents.exceptions import InvalidTaskError, UnscoredError
 from rollout.agents.reasoninggym import SCORE, reasoning_gym_tasks, score
 from rollout.agents.rewards import CallLog, Transcript, checked, scoring_for
 from rollout.agents.verifiers import binary_reward
-from seamlessflow.submit import submit_tasks
+from seamlessflow.config import load_config
+from seamlessflow.submit import parse_tasks, submit_tasks
 from tests.support import eventually, stream_messages
 from tests.test_agents import calls, closed_port_url, ended, runner, sample, unique
 
@@ -244,6 +247,33 @@ def test_reasoning_gym_tasks_are_made_in_code_and_scored_by_their_dataset():
     legs = reasoning_gym_tasks("leg_counting", size=1, seed=1, min_animals=2, max_animals=2)
     assert legs[0].metadata["rg_config"] == '{"max_animals": 2, "min_animals": 2}'
     assert score(Transcript("s", legs[0].reward.reference, 1), legs[0]) == 1.0
+
+
+def test_the_example_writes_tasks_that_submit_parses_and_its_config_loads():
+    root = Path(__file__).parents[1]
+    example = root / "examples" / "reasoning_gym"
+    done = subprocess.run(
+        [
+            sys.executable,
+            example / "make_tasks.py",
+            "chain_sum",
+            "--size",
+            "3",
+            "--group-size",
+            "4",
+            "--config",
+            '{"max_terms": 2}',
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    tasks, errors = parse_tasks(done.stdout.splitlines(), "make_tasks")
+    assert errors == [] and [t.task_id for t in tasks] == ["rg-0-0", "rg-0-1", "rg-0-2"]
+    assert tasks == reasoning_gym_tasks("chain_sum", size=3, seed=0, group_size=4, max_terms=2)
+    config = load_config(example / "run.toml")
+    assert config.agents.reward_range == (0.0, 1.0) and config.tasks.env == "none"
 
 
 # -- on a real broker, gateway and worker ----------------------------------------------------
