@@ -1,6 +1,9 @@
 """Agent runner: pulls tasks, runs agents against the gateway, publishes rewards.
 
 ``runner`` (the NATS adapter ``AgentRunner`` and ``serve_agents``), ``agents`` (the agent kinds:
-Python coroutine functions and external commands), ``verifiers`` (answer checks by name),
-``arithmetic`` (the quickstart environment and its tasks), ``config`` (``AgentsConfig``).
+Python coroutine functions and external commands), ``rewards`` (how an attempt is scored: a
+task's reward function, the agent's own reward, the verifier; unusable rewards), ``verifiers``
+(answer checks by name), ``sessions`` (session and group ids), ``arithmetic`` (the quickstart
+environment and its tasks), ``reasoninggym`` (reasoning-gym generators as tasks), ``config``
+(``AgentsConfig``).
 """
