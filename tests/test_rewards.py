@@ -213,6 +213,20 @@ def test_the_wire_refuses_reward_functions_that_are_not_module_function():
     assert RewardSpec(function="pkg.mod:f").function == "pkg.mod:f"
 
 
+def test_the_transcript_is_the_whole_conversation():
+    prompt = ({"role": "user", "content": "q"},)
+    unseen = Transcript("s", "a", 1, prompt=prompt)  # a command's calls are not seen
+    assert unseen.messages == [*prompt, {"role": "assistant", "content": "a"}]
+    seen = Transcript(
+        "s", "b", 2, calls=({"messages": [*prompt, {"role": "user", "content": "x"}]},)
+    )
+    assert seen.messages == [
+        *prompt,
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "b"},
+    ]
+
+
 async def test_the_call_log_records_only_open_sessions():
     import httpx
 
@@ -368,6 +382,7 @@ async def test_a_reward_function_gets_the_calls_the_agent_made(stack, js):
         assert second["messages"][:1] == first["messages"] and len(second["messages"]) == 3
         assert transcript.messages[-1] == {"role": "assistant", "content": transcript.answer}
         assert transcript.messages[:3] == second["messages"]
+        assert transcript.prompt == (first["messages"][0],) and transcript.metrics == {}
 
 
 @pytest.mark.newest_nats

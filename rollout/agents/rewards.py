@@ -32,6 +32,7 @@ import httpx
 
 from broker.messages import RewardSpec, SessionEnded, TaskSubmitted
 from broker.subjects import SESSION_HEADER
+from rollout.agents.agents import AgentResult, openai_messages
 from rollout.agents.exceptions import InvalidTaskError, UnscoredError
 from rollout.agents.verifiers import bind
 
@@ -52,14 +53,32 @@ class Transcript:
     agent_reward: float | None = None
     """The reward the agent gave, if any."""
     metrics: dict[str, float] = field(default_factory=dict)
+    """The agent's own metrics."""
+    prompt: tuple[dict[str, Any], ...] = ()
+    """The task's messages, as the OpenAI SDK sends them."""
+
+    @classmethod
+    def of(
+        cls, task: TaskSubmitted, sid: str, result: AgentResult, calls: tuple[dict[str, Any], ...]
+    ) -> "Transcript":
+        """The transcript of an attempt whose agent returned ``result``."""
+        return cls(
+            sid,
+            result.answer,
+            result.turns,
+            calls=calls,
+            agent_reward=result.reward,
+            metrics=dict(result.metrics),
+            prompt=tuple(openai_messages(task.messages)),
+        )
 
     @property
     def messages(self) -> list[dict[str, Any]]:
-        """The whole conversation: the last call's messages and the answer after them (the
-        task's messages and the answer when no call was seen)."""
-        last = self.calls[-1].get("messages", []) if self.calls else None
+        """The whole conversation: the last call's messages (the task's when no call was seen)
+        and the answer after them."""
+        last = self.calls[-1].get("messages") if self.calls else None
         if not isinstance(last, list):
-            last = []
+            last = list(self.prompt)
         return [*last, {"role": "assistant", "content": self.answer}]
 
 
@@ -77,7 +96,7 @@ def load_reward_function(ref: str, allowed: tuple[str, ...]) -> RewardFunction:
         )
     try:
         function = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # anything its import raised: the task cannot be scored
         raise InvalidTaskError(
             f"reward.function: {ref!r} cannot be loaded: {type(exc).__name__}: {exc}"
         ) from exc

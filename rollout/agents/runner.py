@@ -393,9 +393,7 @@ class AgentRunner:
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
         else:
-            transcript = Transcript(
-                sid, result.answer, result.turns, self._calls.close(sid), result.reward
-            )
+            transcript = Transcript.of(task, sid, result, self._calls.close(sid))
             return await self._score(task, transcript, result, scoring, started)
         finally:
             self._calls.close(sid)
