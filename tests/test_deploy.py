@@ -20,6 +20,7 @@ from broker.server import find_nats_server
 from seamlessflow.cli import build_parser
 from seamlessflow.config import load_config
 from seamlessflow.flags import apply_flags
+from seamlessflow.targets import job_name
 
 ROOT = Path(__file__).parents[1]
 OVERLAYS = ("single-node", "gpu-cluster")
@@ -143,8 +144,26 @@ def test_every_part_has_a_readiness_probe_and_scrape_annotations(rendered):
             probe = container.get("readinessProbe")
             assert probe and "httpGet" in probe, f"{overlay}: {container['name']} has no probe"
     assert served == PARTS | {"nats"}
+    labels_match_the_dashboards(objects)
     env = named(objects, "ConfigMap", _env_name(objects))["data"]
     assert env["SEAMLESSFLOW_METRICS_HOST"] == "0.0.0.0"  # probes reach /metrics
+
+
+def labels_match_the_dashboards(objects: list[dict]) -> None:
+    """Each part's pods carry the job and run labels the dashboards filter on (Prometheus takes
+    them from the pod labels: deploy/k8s/prometheus-scrape.yaml), the job by its command."""
+    run = tomllib.loads(named_config(objects))["run"]
+    for obj in workloads(objects):
+        template = obj["spec"]["template"]
+        labels = template["metadata"]["labels"]
+        assert labels["seamlessflow.io/run"] == run
+        (container, *_) = template["spec"]["containers"]
+        if container["image"].startswith("ghcr.io/seamlessflow/") and obj["kind"] != "Job":
+            assert labels["seamlessflow.io/job"] == job_name(container["args"][0])
+    scrape = yaml.safe_load((ROOT / "deploy" / "k8s" / "prometheus-scrape.yaml").read_text())
+    targets = {r.get("target_label"): r.get("source_labels") for r in scrape[0]["relabel_configs"]}
+    assert targets["job"] == ["__meta_kubernetes_pod_label_seamlessflow_io_job"]
+    assert targets["run"] == ["__meta_kubernetes_pod_label_seamlessflow_io_run"]
 
 
 def _env_name(objects: list[dict]) -> str:
