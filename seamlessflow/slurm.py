@@ -213,7 +213,7 @@ def _nats(p: Plan, config: RunConfig) -> str:
         "NATS_EOF",
         f'export SEAMLESSFLOW_NATS_URL="{urls}"',
         "export SEAMLESSFLOW_METRICS_HOST=0.0.0.0  # /metrics reachable from Prometheus",
-        'echo "job $SLURM_JOB_ID: NATS at $SEAMLESSFLOW_NATS_URL, logs in $SF_JOB_DIR"',
+        'echo "job $SLURM_JOB_ID: NATS at $SEAMLESSFLOW_NATS_URL (logs in $SF_JOB_DIR)"',
     ]
     for n, (group, index) in enumerate(p.nats):
         store = shlex.quote(f"{slurm.nats_store.rstrip('/')}") + f'/"$SLURM_JOB_ID"/nats-{n}'
