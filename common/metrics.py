@@ -5,6 +5,7 @@ a process serves the registries of the parts it runs, plus its own process/platf
 a trainer exports no ``sf_rollout_*`` family, a gateway no ``sf_trainer_*``.
 """
 
+import os
 from dataclasses import dataclass
 from threading import Thread
 from wsgiref.simple_server import WSGIServer
@@ -52,9 +53,12 @@ def process_registry(*parts: CollectorRegistry) -> CollectorRegistry:
 
 
 def serve_metrics(
-    *parts: CollectorRegistry, port: int = 0, host: str = "127.0.0.1"
+    *parts: CollectorRegistry, port: int = 0, host: str | None = None
 ) -> MetricsEndpoint:
-    """Serve ``parts`` (see ``process_registry``) on ``host:port`` (0: a free port), in a thread."""
+    """Serve ``parts`` (see ``process_registry``) on ``host:port`` (0: a free port), in a thread.
+    ``host`` defaults to ``$SEAMLESSFLOW_METRICS_HOST``, else 127.0.0.1 (a pod or a cluster node
+    sets 0.0.0.0 so that probes and Prometheus reach it)."""
+    host = host or os.environ.get("SEAMLESSFLOW_METRICS_HOST") or "127.0.0.1"
     server, thread = start_http_server(port, addr=host, registry=process_registry(*parts))
     return MetricsEndpoint(server=server, thread=thread)
 

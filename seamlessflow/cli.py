@@ -101,6 +101,11 @@ def _add_tools(sub) -> None:
     e.add_argument("dir", type=Path)
     p = sub.add_parser("model", help="build or unpack a model for CPU and print its folder")
     p.add_argument("name", choices=sorted(MODELS))
+    p = sub.add_parser("slurm", help="render a run's sbatch script and submit it (or print it)")
+    p.add_argument("config", nargs="?", type=Path, help="TOML run config (its [slurm] section)")
+    _add_run(p)
+    _add_service(p, section_flags("slurm"), metrics=False)
+    p.add_argument("--dry-run", action="store_true", help="print the script, do not sbatch it")
 
 
 def _services() -> list[tuple[str, str, str, list[Flag], bool]]:
@@ -407,6 +412,22 @@ def _scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slurm(args: argparse.Namespace) -> int:
+    from seamlessflow.slurm import render, submit
+
+    table = read_table(args.config) if args.config else {}  # what every part is handed
+    table.update({"run": args.run} if args.run else {})
+    config = apply_flags(load_config(args.config), args, args.flags)
+    config = override(config, {"run": args.run}) if args.run else config
+    script = render(config, table, str(args.config or "the defaults"))
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    job = submit(script, config.slurm.log_dir)
+    print(f"submitted job {job}: logs in {config.slurm.log_dir.absolute()}/{job}/")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     from seamlessflow.run import run_rl
 
@@ -431,6 +452,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "agents": _agents,
     "trainer": _trainer,
     "scheduler": _scheduler,
+    "slurm": _slurm,
     "run": _run,
 }
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from broker.config import EmbeddedBrokerConfig, ProvisionConfig
+from broker.config import EmbeddedBrokerConfig, ProvisionConfig, Tags
 from broker.subjects import NAME_PATTERN
 from rollout.agents.config import AgentsConfig
 from rollout.gateway.config import GatewaySettings
@@ -133,6 +133,73 @@ class StopConfig(_Section):
     max_seconds: float = Field(default=600.0, gt=0, description="wall-clock limit of RL")
 
 
+class SlurmNodeKind(_Section):
+    """One kind of node of a Slurm job; the trainer's and the rollout workers' kinds differ in
+    any of these, and the job is heterogeneous (a het-group each)."""
+
+    partition: str | None = Field(default=None, description="None: the cluster's default")
+    constraint: str | None = Field(default=None, description="node features (sbatch --constraint)")
+    gpus_per_node: int = Field(default=0, ge=0, le=64, description="sbatch --gpus-per-node")
+    mem: str | None = Field(default=None, description="memory per node (sbatch --mem); '0': all")
+    tags: Tags = Field(
+        default_factory=list,
+        description="the workers' capability tags on these nodes (besides train/rollout and "
+        "node=<host>), e.g. gpu=h100",
+    )
+
+
+class SlurmRollout(SlurmNodeKind):
+    """The rollout workers' nodes: the first nodes of the job (NATS and the single parts run
+    on the first of them)."""
+
+    nodes: int = Field(default=1, ge=0, le=4096, description="0: the trainer's node only")
+    workers_per_node: int = Field(
+        default=1, ge=1, le=64, description="rollout workers per node (GPUs shared out evenly)"
+    )
+
+
+class SlurmConfig(_Section):
+    """``seamlessflow slurm``: the sbatch script of a run (``seamlessflow.slurm``). The trainer
+    runs on one node of its own kind, the rollout workers on theirs."""
+
+    job_name: str = Field(default="seamlessflow", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+    time: str = Field(default="1-00:00:00", description="the job's time limit (sbatch --time)")
+    account: str | None = Field(default=None, description="sbatch --account")
+    log_dir: Path = Field(
+        default=Path("slurm-logs"),
+        description="a folder on a shared filesystem: <log_dir>/<job id>/<part>.log, the config "
+        "and the NATS config of the job",
+    )
+    setup: list[str] = Field(
+        default_factory=list,
+        description="shell lines run first on the batch node, inherited by every step (module "
+        "load ..., source .venv/bin/activate)",
+    )
+    sbatch: list[str] = Field(
+        default_factory=list, description="more sbatch options for every node kind"
+    )
+    nats_servers: int = Field(
+        default=0,
+        ge=0,
+        le=5,
+        description="NATS servers on the first nodes (1, 3 or 5: a quorum needs an odd number); "
+        "0: 3 with 3 nodes or more, else 1",
+    )
+    nats_server: str = Field(default="nats-server", description="the nats-server on the nodes")
+    nats_store: str = Field(
+        default="/tmp/seamlessflow-nats", description="node-local JetStream store (per job)"
+    )
+    nats_max_file_store: str = Field(default="64G", description="JetStream file store per server")
+    trainer: SlurmNodeKind = Field(default_factory=SlurmNodeKind, description="the trainer's node")
+    rollout: SlurmRollout = Field(default_factory=SlurmRollout)
+
+    @model_validator(mode="after")
+    def _odd_nats(self) -> "SlurmConfig":
+        if self.nats_servers % 2 == 0 and self.nats_servers:
+            raise ValueError(f"slurm.nats_servers = {self.nats_servers}: 0 (auto), 1, 3 or 5")
+        return self
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -160,6 +227,7 @@ class RunConfig(BaseModel):
     supervise: SuperviseConfig = Field(
         default_factory=SuperviseConfig, description="restarting the run's processes"
     )
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="seamlessflow slurm")
 
     @model_validator(mode="after")
     def _one_temperature(self) -> "RunConfig":

@@ -1,0 +1,390 @@
+"""``seamlessflow slurm``: a run as one sbatch script, rendered from its run config.
+
+The job's nodes are the rollout workers' (``[slurm.rollout]``, the first ones) and the
+trainer's (``[slurm.trainer]``, one node); when the two kinds differ (partition, constraint,
+GPUs, memory) the job is heterogeneous, a het-group each. NATS servers with JetStream run on the
+first nodes (a route cluster of 3 when the job has 3 nodes or more), then the run is
+provisioned, then every part is one ``srun`` step with its log in ``<log_dir>/<job id>/``: the
+trajectory manager, scheduler, gateway and agent runner on the first node, the trainer on its
+node, the rollout workers on theirs, each worker tagged with its node's tags and
+``node=<host>``. A part that exits is restarted (``[supervise]``); the job ends when one gives
+up. The script also writes the run config it was rendered from and ``scrape_targets.json``
+(Prometheus ``file_sd``, like ``seamlessflow run``'s) beside the logs.
+
+The script needs nothing but bash, ``scontrol``, ``srun`` and the ``seamlessflow`` and
+``nats-server`` commands on the nodes (``[slurm] setup`` lines put them on ``PATH``), so it runs
+against any Slurm, or against stand-ins of ``srun``/``scontrol`` (tests/test_slurm.py).
+"""
+
+import json
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from seamlessflow.config import RunConfig, SlurmConfig, SlurmNodeKind
+from seamlessflow.exceptions import ConfigError, InputError
+from tagsched.spec import Layout
+
+NATS_PORT, NATS_CLUSTER_PORT, NATS_MONITOR_PORT = 4222, 6222, 8222
+GATEWAY_PORT = 8000
+METRICS_PORTS = {"trajectory": 9401, "scheduler": 9402, "agents": 9403, "trainer": 9404}
+WORKER_METRICS_PORT = 9410
+"""A node's rollout workers serve /metrics on this port plus their local task id."""
+_SAFE_TAG = re.compile(r"^[\w.=:/+@-]+$")
+
+
+@dataclass(frozen=True)
+class Group:
+    """Nodes of one kind: ``array`` is the bash array of their host names in the script."""
+
+    role: str  # "rollout" or "trainer"
+    kind: SlurmNodeKind
+    nodes: int
+    het: int | None  # its het-group; None in a homogeneous job
+
+    @property
+    def array(self) -> str:
+        return "ROLLOUT_NODES" if self.role == "rollout" else "TRAIN_NODES"
+
+    def host(self, index: int) -> str:
+        return f"${{{self.array}[{index}]}}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where everything runs: ``groups`` in job order, the NATS servers' nodes."""
+
+    groups: tuple[Group, ...]
+    nats: tuple[tuple[Group, int], ...]
+
+    @property
+    def heterogeneous(self) -> bool:
+        return self.groups[0].het is not None
+
+    @property
+    def first(self) -> tuple[Group, int]:
+        return self.groups[0], 0
+
+    def group(self, role: str) -> Group | None:
+        return next((g for g in self.groups if g.role == role), None)
+
+
+def plan(config: RunConfig) -> Plan:
+    """The job's layout for ``config``; ``ConfigError`` for a config it cannot run."""
+    slurm = config.slurm
+    rollout, trainer = slurm.rollout, slurm.trainer
+    if config.layout.kind is Layout.COLOCATED and rollout.nodes:
+        raise ConfigError(
+            "layout.kind = 'colocated' runs one worker on the trainer's node: set "
+            "slurm.rollout.nodes = 0 (or use 'multiplexed')"
+        )
+    if rollout.gpus_per_node % rollout.workers_per_node:
+        raise ConfigError(
+            f"slurm.rollout.gpus_per_node = {rollout.gpus_per_node} is not shared out evenly "
+            f"among workers_per_node = {rollout.workers_per_node}"
+        )
+    for tag in (*rollout.tags, *trainer.tags):
+        if not _SAFE_TAG.match(tag):
+            raise ConfigError(f"slurm tag {tag!r}: letters, digits and _.=:/+@- only")
+    same = _resources(rollout) == _resources(trainer) or not rollout.nodes
+    groups = [Group("rollout", rollout, rollout.nodes, None if same else 0)] * bool(rollout.nodes)
+    groups.append(Group("trainer", trainer, 1, None if same else 1))
+    nodes = [(g, i) for g in groups for i in range(g.nodes)]
+    count = slurm.nats_servers or (3 if len(nodes) >= 3 else 1)
+    if count > len(nodes):
+        raise ConfigError(
+            f"slurm.nats_servers = {count} needs as many nodes; the job has {len(nodes)}"
+        )
+    if config.provision.replicas > count:
+        raise ConfigError(
+            f"provision.replicas = {config.provision.replicas} needs as many NATS servers; the "
+            f"job runs {count} (slurm.nats_servers)"
+        )
+    return Plan(tuple(groups), tuple(nodes[:count]))
+
+
+def _resources(kind: SlurmNodeKind) -> tuple:
+    return kind.partition, kind.constraint, kind.gpus_per_node, kind.mem
+
+
+def render(config: RunConfig, table: dict[str, Any], source: str) -> str:
+    """The sbatch script of ``config`` (read from ``table``, the run config as given, which
+    the script hands every part); ``source`` names it in the script's first lines."""
+    p = plan(config)
+    slurm = config.slurm
+    log_dir = slurm.log_dir.expanduser().absolute()
+    sections = [
+        _header(p, slurm, log_dir, config.run, source),
+        "set -euo pipefail\n",
+        *(f"{line}\n" for line in slurm.setup),
+        _nodes(p, log_dir, table),
+        _nats(p, config),
+        _supervisor(config),
+        _targets(p, config),
+        _parts(p, config, log_dir),
+    ]
+    return "\n".join(sections)
+
+
+def _header(p: Plan, slurm: SlurmConfig, log_dir: Path, run: str, source: str) -> str:
+    lines = [
+        "#!/bin/bash",
+        f"# SeamlessFlow run {run!r} on Slurm, rendered by `seamlessflow slurm` from {source}:",
+        "# render it again rather than editing it. Logs: <log_dir>/<job id>/<part>.log.",
+        f"#SBATCH --job-name={slurm.job_name}",
+        f"#SBATCH --time={slurm.time}",
+        f"#SBATCH --output={log_dir}/{slurm.job_name}-%j.log",
+    ]
+    if slurm.account:
+        lines.append(f"#SBATCH --account={slurm.account}")
+    if not p.heterogeneous:
+        nodes = sum(g.nodes for g in p.groups)
+        return "\n".join([*lines, *_component(p.groups[-1].kind, nodes, slurm)]) + "\n"
+    for group in p.groups:
+        if group.het:
+            lines.append("#SBATCH hetjob")
+        lines.append(f"# het-group {group.het}: the {group.role} nodes")
+        lines += _component(group.kind, group.nodes, slurm)
+    return "\n".join(lines) + "\n"
+
+
+def _component(kind: SlurmNodeKind, nodes: int, slurm: SlurmConfig) -> list[str]:
+    options = [f"--nodes={nodes}", "--exclusive"]
+    options += [f"--partition={kind.partition}"] * bool(kind.partition)
+    options += [f"--constraint={kind.constraint}"] * bool(kind.constraint)
+    options += [f"--gpus-per-node={kind.gpus_per_node}"] * bool(kind.gpus_per_node)
+    options += [f"--mem={kind.mem}"] * (kind.mem is not None)
+    return [f"#SBATCH {option}" for option in (*options, *slurm.sbatch)]
+
+
+def _nodes(p: Plan, log_dir: Path, table: dict[str, Any]) -> str:
+    """The host arrays, the job's folder and the run config every part reads."""
+    lines = []
+    if p.heterogeneous:
+        for g in p.groups:
+            nodelist = f'"$SLURM_JOB_NODELIST_HET_GROUP_{g.het}"'
+            lines.append(f"mapfile -t {g.array} < <(scontrol show hostnames {nodelist})")
+    else:
+        lines.append('mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")')
+        start = 0
+        for g in p.groups:
+            lines.append(f'{g.array}=("${{NODES[@]:{start}:{g.nodes}}}")')
+            start += g.nodes
+    if p.group("rollout"):
+        lines.append('ROLLOUT_LIST=$(IFS=,; echo "${ROLLOUT_NODES[*]}")')
+    config = json.dumps(table, indent=2, default=str)
+    lines += [
+        f'export SF_JOB_DIR="{log_dir}/$SLURM_JOB_ID"',
+        'mkdir -p "$SF_JOB_DIR"',
+        "# The run config as given: every part reads its section.",
+        'export SF_CONFIG="$SF_JOB_DIR/run.json"',
+        f"cat > \"$SF_CONFIG\" <<'SF_CONFIG_EOF'\n{config}\nSF_CONFIG_EOF",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _nats(p: Plan, config: RunConfig) -> str:
+    """The NATS servers' config (one file; each server's name and store from its environment)
+    and one step each."""
+    slurm = config.slurm
+    hosts = [g.host(i) for g, i in p.nats]
+    conf = [
+        "server_name: \\$NATS_NAME",
+        f"listen: 0.0.0.0:{NATS_PORT}",
+        f"http: 0.0.0.0:{NATS_MONITOR_PORT}",
+        f"max_payload: {config.broker.max_payload}",
+        "jetstream {",
+        "  store_dir: \\$NATS_STORE",
+        f"  max_file_store: {slurm.nats_max_file_store}",
+        "}",
+    ]
+    if len(hosts) > 1:
+        routes = [f"    nats://{host}:{NATS_CLUSTER_PORT}" for host in hosts]
+        conf += ["cluster {", "  name: seamlessflow", f"  listen: 0.0.0.0:{NATS_CLUSTER_PORT}"]
+        conf += ["  routes: [", *routes, "  ]", "}"]
+    urls = ",".join(f"nats://{host}:{NATS_PORT}" for host in hosts)
+    lines = [
+        f"# NATS: {len(hosts)} server(s) with JetStream" + (", a route cluster" * (len(hosts) > 1)),
+        'cat > "$SF_JOB_DIR/nats.conf" <<NATS_EOF',
+        *conf,
+        "NATS_EOF",
+        f'export SEAMLESSFLOW_NATS_URL="{urls}"',
+        "export SEAMLESSFLOW_METRICS_HOST=0.0.0.0  # /metrics reachable from Prometheus",
+        'echo "job $SLURM_JOB_ID: NATS at $SEAMLESSFLOW_NATS_URL (logs in $SF_JOB_DIR)"',
+    ]
+    for n, (group, index) in enumerate(p.nats):
+        store = shlex.quote(f"{slurm.nats_store.rstrip('/')}") + f'/"$SLURM_JOB_ID"/nats-{n}'
+        command = (
+            f"NATS_NAME=nats-{n} NATS_STORE={store} "
+            f'exec {shlex.quote(slurm.nats_server)} -c "$SF_JOB_DIR/nats.conf"'
+        )
+        lines.append(_step(f"nats-{n}", _on(group, index), command))
+    return "\n".join(lines) + "\n"
+
+
+def _on(group: Group, index: int, gpus: int = 0) -> list[str]:
+    """srun options for one task on one node of ``group``, with ``gpus`` of the node's GPUs
+    (a step gets all of the job's otherwise)."""
+    het = [f"--het-group={group.het}"] if group.het is not None else []
+    options = [*het, f'--nodelist="{group.host(index)}"', "--nodes=1", "--ntasks=1"]
+    return options + _gpus(group.kind, gpus)
+
+
+def _gpus(kind: SlurmNodeKind, per_task: int) -> list[str]:
+    if per_task:
+        return [f"--gpus-per-task={per_task}"]
+    return ["--gres=none"] if kind.gpus_per_node else []
+
+
+def _step(name: str, where: list[str], command: str, *, background: bool = True) -> str:
+    """One srun step running ``command`` (bash, expanded on the node) with its own log."""
+    options = " ".join([*where, "--overlap", f'--output="$SF_JOB_DIR/{name}.log"'])
+    return f"srun {options} \\\n  bash -c {shlex.quote(command)}" + (" &" * background)
+
+
+def _supervisor(config: RunConfig) -> str:
+    """``$SF_JOB_DIR/supervise.sh CMD...``: CMD restarted when it fails, up to ``[supervise]
+    max_restarts`` times in a row, ``backoff_s`` apart."""
+    s = config.supervise
+    body = (
+        "n=0\n"
+        'until "$@"; do\n'
+        "  n=$((n + 1))\n"
+        f'  if [ "$n" -gt {s.max_restarts} ]; then echo "$1 $2: gave up after '
+        f'{s.max_restarts} restarts" >&2; exit 1; fi\n'
+        f'  echo "$1 $2 exited: restart $n in {s.backoff_s} s" >&2\n'
+        f"  sleep {s.backoff_s}\n"
+        "done\n"
+    )
+    return f"cat > \"$SF_JOB_DIR/supervise.sh\" <<'SUPERVISE_EOF'\n{body}SUPERVISE_EOF\n"
+
+
+def _supervised(command: str) -> str:
+    return f'exec bash "$SF_JOB_DIR/supervise.sh" {command}'
+
+
+def _sf(command: str, *args: str) -> str:
+    """A ``seamlessflow`` command line in bash (``args`` already bash words)."""
+    return " ".join(("seamlessflow", command, '--config "$SF_CONFIG"', *args))
+
+
+def _targets(p: Plan, config: RunConfig) -> str:
+    """Prometheus ``file_sd`` targets of every part (``seamlessflow.targets``' shape)."""
+    first = p.first[0].host(0)
+    trainer = p.group("trainer")
+    assert trainer is not None
+    hosts = [(f"{first}:{METRICS_PORTS[kind]}", kind) for kind in ("trajectory", "scheduler")]
+    hosts += [
+        (f"{first}:{GATEWAY_PORT}", "gateway"),
+        (f"{first}:{METRICS_PORTS['agents']}", "agents"),
+    ]
+    hosts.append((f"{trainer.host(0)}:{METRICS_PORTS['trainer']}", _trainer_kind(config)))
+    if rollout := p.group("rollout"):
+        for i in range(rollout.nodes):
+            for w in range(config.slurm.rollout.workers_per_node):
+                hosts.append((f"{rollout.host(i)}:{WORKER_METRICS_PORT + w}", "worker"))
+    groups = [
+        {"targets": [target], "labels": {"job": f"seamlessflow-{kind}", "run": config.run}}
+        for target, kind in hosts
+    ]
+    body = "[\n" + ",\n".join(json.dumps(group) for group in groups) + "\n]"
+    return f'cat > "$SF_JOB_DIR/scrape_targets.json" <<TARGETS_EOF\n{body}\nTARGETS_EOF\n'
+
+
+def _trainer_kind(config: RunConfig) -> str:
+    return "trainer" if config.layout.kind is Layout.DISAGGREGATED else "worker"
+
+
+def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
+    """Provisioning (retried until NATS answers), then one step per part, then wait."""
+    first = _on(*p.first)
+    gateway = f"http://{p.first[0].host(0)}:{GATEWAY_PORT}/v1"
+    provision = f"for try in $(seq 60); do {_sf('provision')} && exit 0; sleep 2; done; exit 1"
+    ports = METRICS_PORTS
+    steps = [
+        "# The run's streams, consumers and buckets, once NATS answers.",
+        _step("provision", first, provision, background=False),
+        f'export SF_GATEWAY="{gateway}"',
+    ]
+    for name in ("trajectory", "scheduler"):
+        command = _sf(name, f"--metrics-port {ports[name]}")
+        steps.append(_step(name, first, _supervised(command)))
+    steps.append(_trainer_step(p, config, log_dir))
+    if rollout := p.group("rollout"):
+        steps.append(_rollout_step(rollout, config))
+    gateway_cmd = _sf("gateway", f"--host 0.0.0.0 --port {GATEWAY_PORT}")
+    steps.append(_step("gateway", first, _supervised(gateway_cmd)))
+    agents = _sf("agents", '--gateway "$SF_GATEWAY"', f"--metrics-port {ports['agents']}")
+    steps.append(_step("agents", first, _supervised(agents)))
+    steps += [
+        "# Until a step fails (a part gave up, a NATS server died), the time limit or scancel:",
+        "# then the job ends and Slurm stops the other steps. A part that ends cleanly (0) does",
+        "# not end the job.",
+        "status=0",
+        'while [ -n "$(jobs -pr)" ]; do',
+        "  wait -n || { status=$?; break; }",
+        "done",
+        '[ "$status" -eq 0 ] || echo "a step failed (status $status): ending the job" >&2',
+        'exit "$status"',
+    ]
+    return "\n".join(steps) + "\n"
+
+
+def _trainer_step(p: Plan, config: RunConfig, log_dir: Path) -> str:
+    """The trainer on its node: ``seamlessflow trainer`` (disaggregated), or a worker tagged
+    train and rollout that holds it (multiplexed, colocated)."""
+    group = p.group("trainer")
+    assert group is not None
+    checkpoints = config.trainer.checkpoint_dir or log_dir / f"checkpoints-{config.run}"
+    args = [f"--checkpoint-dir {shlex.quote(str(checkpoints))}"]
+    args.append(f"--metrics-port {METRICS_PORTS['trainer']}")
+    if config.layout.kind is Layout.DISAGGREGATED:
+        command = _sf("trainer", *args)
+    else:
+        role = "train" if config.layout.kind is Layout.MULTIPLEXED else "idle"
+        tags = ",".join(["train", "rollout", *group.kind.tags, "node=$SLURMD_NODENAME"])
+        command = _sf(
+            "worker",
+            f'--tags "{tags}"',
+            f"--role {role}",
+            '--worker-id "trainer-$SLURMD_NODENAME"',
+            *args,
+        )
+    where = _on(group, 0, group.kind.gpus_per_node)
+    return _step("trainer", where, _supervised(command))
+
+
+def _rollout_step(group: Group, config: RunConfig) -> str:
+    """Every rollout worker in one step: ``workers_per_node`` tasks on each rollout node."""
+    kind = config.slurm.rollout
+    tasks = group.nodes * kind.workers_per_node
+    where = [f"--het-group={group.het}"] if group.het is not None else []
+    where += ['--nodelist="$ROLLOUT_LIST"', f"--nodes={group.nodes}", f"--ntasks={tasks}"]
+    where.append(f"--ntasks-per-node={kind.workers_per_node}")
+    where += _gpus(kind, kind.gpus_per_node // kind.workers_per_node)
+    tags = ",".join(["rollout", *kind.tags, "node=$SLURMD_NODENAME"])
+    command = _sf(
+        "worker",
+        f'--tags "{tags}"',
+        "--role rollout",
+        '--worker-id "rollout-$SLURMD_NODENAME-$SLURM_LOCALID"',
+        f"--metrics-port $(({WORKER_METRICS_PORT} + SLURM_LOCALID))",
+    )
+    return _step("rollout-%N-%t", where, _supervised(command))
+
+
+def submit(script: str, log_dir: Path) -> str:
+    """``sbatch`` the script (the log folder made first: Slurm does not); the job id."""
+    log_dir.expanduser().mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run(
+            ["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=120
+        )
+    except FileNotFoundError as exc:
+        raise InputError("sbatch is not on PATH: run on a Slurm login node, or --dry-run") from exc
+    if done.returncode:
+        raise InputError(f"sbatch refused the script: {done.stderr.strip()}")
+    return done.stdout.strip().split(";")[0]

@@ -1,0 +1,289 @@
+"""``seamlessflow slurm``: the rendered sbatch script, checked by structure and by running it.
+
+The script runs under bash with stand-ins for ``srun`` (runs each task's command locally with
+the task's ``SLURMD_NODENAME``/``SLURM_LOCALID``), ``scontrol`` (prints the node list) and for
+``seamlessflow`` and ``nats-server`` (record their argv and exit), so every command line is
+checked as the nodes would run it: each ``seamlessflow`` one parses with the real parser and
+its settings validate with the run config the script wrote; the NATS config it wrote passes
+``nats-server -t``. The same script goes to a real Slurm unchanged (the network-namespace
+harness can ``sbatch`` it).
+"""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from broker.server import find_nats_server
+from seamlessflow import cli
+from seamlessflow.cli import build_parser
+from seamlessflow.config import RunConfig, load_config, override
+from seamlessflow.exceptions import ConfigError
+from seamlessflow.flags import apply_flags
+from seamlessflow.slurm import plan
+
+ROOT = Path(__file__).parents[1]
+SRUN_OPTIONS = {
+    "--het-group", "--nodelist", "--nodes", "--ntasks", "--ntasks-per-node", "--overlap",
+    "--output", "--gpus-per-task", "--gres",
+}  # fmt: skip
+FAKE_SRUN = """
+import json, os, subprocess, sys
+args = sys.argv[1:]
+options = {}
+while args and args[0].startswith("--"):
+    key, _, value = args.pop(0).partition("=")
+    options[key] = value
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(json.dumps({"srun": options, "command": args}) + "\\n")
+nodes = options["--nodelist"].split(",")
+assert len(nodes) == int(options["--nodes"]), options
+per_node = int(options.get("--ntasks-per-node", 1))
+assert per_node * len(nodes) == int(options["--ntasks"]), options
+status = 0
+for node in nodes:
+    for local in range(per_node):
+        env = {**os.environ, "SLURMD_NODENAME": node, "SLURM_LOCALID": str(local)}
+        status = max(status, subprocess.run(args, env=env).returncode)
+sys.exit(status)
+"""
+FAKE_SCONTROL = """
+import sys
+assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
+print("\\n".join(sys.argv[3].split(",")))
+"""
+FAKE_RECORDER = """
+import json, os, sys
+name = os.path.basename(sys.argv[0])
+keep = ("SEAMLESSFLOW_NATS_URL", "SEAMLESSFLOW_METRICS_HOST", "SLURMD_NODENAME", "NATS_NAME",
+        "NATS_STORE", "SF_CONFIG", "SF_JOB_DIR")
+with open(os.environ["FAKE_LOG"], "a") as log:
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    log.write(json.dumps({name: sys.argv[1:], "env": env}) + "\\n")
+failing = os.environ.get("FAKE_FAIL")
+sys.exit(1 if failing and failing in sys.argv[1:2] else 0)
+"""
+
+
+def _fake(folder: Path, name: str, source: str) -> None:
+    path = folder / name
+    path.write_text(f"#!{sys.executable}\n{source}")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.fixture
+def fakes(tmp_path: Path) -> Path:
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    _fake(folder, "srun", FAKE_SRUN)
+    _fake(folder, "scontrol", FAKE_SCONTROL)
+    _fake(folder, "seamlessflow", FAKE_RECORDER)
+    _fake(folder, "nats-server", FAKE_RECORDER)
+    return folder
+
+
+def path_with(fakes: Path) -> str:
+    return f"{fakes}:{os.environ['PATH']}"
+
+
+def render(tmp_path: Path, table: dict, *flags: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(tomli_w.dumps(table))
+    out = subprocess.run(
+        [sys.executable, "-m", "seamlessflow.cli", "slurm", str(path), "--dry-run", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=tmp_path,  # the relative log_dir is the submitting folder's
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    return out.stdout
+
+
+class Job:
+    """One run of a rendered script against the stand-ins."""
+
+    def __init__(self, script: str, tmp_path: Path, fakes: Path, groups: list[list[str]], **env):
+        self.script = script
+        path = tmp_path / "job.sh"
+        path.write_text(script)
+        self.log = tmp_path / "fake.log"
+        every = ",".join(node for nodes in groups for node in nodes)
+        slurm_env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": every, **env}
+        for i, nodes in enumerate(groups):
+            slurm_env[f"SLURM_JOB_NODELIST_HET_GROUP_{i}"] = ",".join(nodes)
+        self.done = subprocess.run(
+            ["bash", str(path)],
+            cwd=tmp_path,
+            env={**os.environ, **slurm_env, "PATH": path_with(fakes), "FAKE_LOG": str(self.log)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        self.records = [json.loads(line) for line in self.log.read_text().splitlines()]
+        self.job_dir = tmp_path / "logs" / "42"
+
+    def calls(self, name: str) -> list[dict]:
+        return [r for r in self.records if name in r]
+
+    def seamlessflow(self, monkeypatch) -> list:
+        """Every seamlessflow command line, parsed as on its node, its settings validated."""
+        parsed = []
+        for record in self.calls("seamlessflow"):
+            for key, value in record["env"].items():
+                monkeypatch.setenv(key, value)
+            args = build_parser().parse_args(record["seamlessflow"])
+            config = load_config(args.config)
+            if hasattr(args, "flags"):
+                config = apply_flags(config, args, args.flags)
+            parsed.append((args, config, record["env"]))
+        return parsed
+
+
+def base_table(**slurm) -> dict:
+    return {"run": "exp-42", "slurm": {"log_dir": "logs", **slurm}}
+
+
+def check_common(job: Job, monkeypatch, nats: int) -> list:
+    """What holds for every script: bash accepts it, it ran, every srun option is a real one,
+    the parts' logs are apart, every seamlessflow command parses and validates."""
+    assert subprocess.run(["bash", "-n", "-c", job.script]).returncode == 0
+    assert job.done.returncode == 0, job.done.stderr
+    steps = job.calls("srun")
+    for step in steps:
+        assert set(step["srun"]) <= SRUN_OPTIONS, step["srun"]
+        assert "--overlap" in step["srun"]
+    outputs = [step["srun"]["--output"] for step in steps]
+    assert len(set(outputs)) == len(outputs)
+    servers = job.calls("nats-server")
+    assert sorted(r["env"]["NATS_NAME"] for r in servers) == [f"nats-{i}" for i in range(nats)]
+    parsed = job.seamlessflow(monkeypatch)
+    urls = {env["SEAMLESSFLOW_NATS_URL"] for _, _, env in parsed}
+    assert len(urls) == 1 and len(urls.pop().split(",")) == nats
+    assert json.loads((job.job_dir / "run.json").read_text())["run"] == "exp-42"
+    targets = json.loads((job.job_dir / "scrape_targets.json").read_text())
+    assert all("$" not in t["targets"][0] for t in targets)
+    return parsed
+
+
+def check_nats_conf(job: Job, tmp_path: Path, routes: int) -> None:
+    conf = (job.job_dir / "nats.conf").read_text()
+    assert conf.count("nats://") == routes
+    env = {**os.environ, "NATS_NAME": "nats-0", "NATS_STORE": str(tmp_path / "store")}
+    check = subprocess.run(
+        [str(find_nats_server()), "-t", "-c", str(job.job_dir / "nats.conf")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_defaults_one_node_kind_one_nats_server(tmp_path, fakes, monkeypatch):
+    script = render(tmp_path, base_table())
+    assert "hetjob" not in script and "#SBATCH --nodes=2" in script
+    job = Job(script, tmp_path, fakes, [["n1", "n2"]])
+    parsed = check_common(job, monkeypatch, nats=1)
+    commands = sorted(args.command for args, _, _ in parsed)
+    assert commands == sorted(
+        ["provision", "trajectory", "scheduler", "trainer", "worker", "gateway", "agents"]
+    )
+    (worker,) = [(a, c, e) for a, c, e in parsed if a.command == "worker"]
+    assert worker[1].worker.tags == ["rollout", "node=n1"]
+    (trainer,) = [env for args, _, env in parsed if args.command == "trainer"]
+    assert trainer["SLURMD_NODENAME"] == "n2"  # the trainer on its own node
+    assert all("--het-group" not in step["srun"] for step in job.calls("srun"))  # a homogeneous job
+    check_nats_conf(job, tmp_path, routes=0)
+
+
+def test_mixed_nodes_make_a_heterogeneous_job_with_a_nats_cluster(tmp_path, fakes, monkeypatch):
+    table = base_table(
+        trainer={"partition": "h100", "gpus_per_node": 8, "tags": ["gpu=h100"]},
+        rollout={"partition": "a10", "gpus_per_node": 2, "workers_per_node": 2, "tags": ["a10"]},
+    )
+    table["provision"] = {"replicas": 3}
+    script = render(tmp_path, table, "--rollout-nodes", "3")
+    assert script.count("#SBATCH hetjob") == 1
+    assert "#SBATCH --partition=a10" in script and "#SBATCH --gpus-per-node=8" in script
+    rollout, train = ["r1", "r2", "r3"], ["t1"]
+    job = Job(script, tmp_path, fakes, [rollout, train])
+    parsed = check_common(job, monkeypatch, nats=3)
+    workers = [(c.worker, e["SLURMD_NODENAME"]) for a, c, e in parsed if a.command == "worker"]
+    assert len(workers) == 6
+    for worker, node in workers:
+        assert worker.tags == ["rollout", "a10", f"node={node}"]
+    assert len({w.worker_id for w, _ in workers}) == 6
+    groups = {step["srun"]["--output"].split("/")[-1]: step["srun"] for step in job.calls("srun")}
+    assert groups["trainer.log"]["--het-group"] == "1"
+    assert groups["trainer.log"]["--gpus-per-task"] == "8"
+    assert groups["rollout-%N-%t.log"]["--gpus-per-task"] == "1"
+    assert groups["nats-0.log"]["--gres"] == "none"  # GPUs are the workers'
+    names = [r["env"]["SLURMD_NODENAME"] for r in job.calls("nats-server")]
+    assert sorted(names) == rollout  # NATS on the first nodes
+    check_nats_conf(job, tmp_path, routes=3)
+
+
+def test_multiplexed_and_colocated_trainers_are_workers(tmp_path, fakes, monkeypatch):
+    table = base_table(rollout={"nodes": 2})
+    table["layout"] = {"kind": "multiplexed"}
+    job = Job(render(tmp_path, table), tmp_path, fakes, [["n1", "n2", "n3"]])
+    parsed = check_common(job, monkeypatch, nats=3)
+    roles = sorted(c.worker.role.value for a, c, _ in parsed if a.command == "worker")
+    assert roles == ["rollout", "rollout", "train"]
+    assert "trainer" not in {a.command for a, _, _ in parsed}
+
+    table = base_table(rollout={"nodes": 0})
+    table["layout"] = {"kind": "colocated"}
+    colocated = tmp_path / "colocated"
+    colocated.mkdir()
+    job = Job(render(colocated, table), colocated, fakes, [["n1"]])
+    parsed = check_common(job, monkeypatch, nats=1)
+    (worker,) = [c.worker for a, c, _ in parsed if a.command == "worker"]
+    assert worker.tags == ["train", "rollout", "node=n1"] and worker.role.value == "idle"
+
+
+def test_a_part_that_keeps_failing_ends_the_job(tmp_path, fakes):
+    table = base_table()
+    table["supervise"] = {"max_restarts": 2, "backoff_s": 0.01}
+    job = Job(render(tmp_path, table), tmp_path, fakes, [["n1", "n2"]], FAKE_FAIL="trajectory")
+    assert job.done.returncode == 1
+    assert "gave up after 2 restarts" in job.done.stderr
+    assert sum(r["seamlessflow"][0] == "trajectory" for r in job.calls("seamlessflow")) == 3
+
+
+@pytest.mark.parametrize(
+    "changes, error",
+    [
+        ({"layout": {"kind": "colocated"}}, "slurm.rollout.nodes = 0"),
+        ({"provision": {"replicas": 3}}, "needs as many NATS servers"),
+        ({"slurm": {"nats_servers": 3}}, "needs as many nodes"),
+        ({"slurm": {"rollout": {"gpus_per_node": 3, "workers_per_node": 2}}}, "evenly"),
+        ({"slurm": {"rollout": {"tags": ["a$b"]}}}, "letters, digits"),
+    ],
+)
+def test_configs_it_cannot_run_are_refused(changes, error):
+    with pytest.raises(ConfigError, match=error):
+        plan(override(RunConfig(), changes))
+
+
+def test_without_dry_run_it_submits_with_sbatch(tmp_path, fakes, monkeypatch, capsys):
+    sbatch = "import sys\nopen(sys.argv[0] + '.in', 'w').write(sys.stdin.read())\n"
+    _fake(fakes, "sbatch", sbatch + "print('4711;cluster')")
+    monkeypatch.setenv("PATH", path_with(fakes))
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.toml"
+    config.write_text(tomli_w.dumps(base_table()))
+    assert cli.main(["slurm", str(config), "--job-name", "mine"]) == 0
+    assert "submitted job 4711" in capsys.readouterr().out
+    submitted = (fakes / "sbatch.in").read_text()
+    assert "#SBATCH --job-name=mine" in submitted
+    assert (tmp_path / "logs").is_dir()  # sbatch --output's folder must exist
+    assert tomllib.loads(config.read_text())["run"] == "exp-42"
