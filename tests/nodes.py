@@ -343,6 +343,8 @@ def cleanup() -> None:
             path.unlink(missing_ok=True)
         if os.path.ismount(RUN_DIR):
             _sh("umount", str(RUN_DIR), check=False)
+    for base in Path(tempfile.gettempdir()).glob("sfnodes-*"):  # default bases of killed runs
+        shutil.rmtree(base, ignore_errors=True)
     for link in Path("/sys/class/net").glob(f"{PREFIX}*"):  # cables whose node is gone, bridge
         if link.name == BRIDGE or link.name[len(PREFIX) : -1].isdigit():
             _sh("ip", "link", "del", link.name, check=False)
