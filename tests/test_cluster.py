@@ -7,8 +7,9 @@ nodes on this machine (``tests.nodes``: network, UTS and mount namespaces joined
   addresses), a run provisioned with 3 replicas, a trainer on a 4th node with a rollout worker
   beside it and one on a 5th. The trainer's version reaches the worker beside it through the
   host-local copy (``path=local``) and the other through the object store (``path=store``). The
-  other worker's node is then cut off while the trainer publishes the next version; once its
-  link is back, that worker loads the current version too.
+  other worker's node is then cut off while the trainer publishes the next version, long enough
+  for the servers to drop its connection; once its link is back, that worker reconnects and
+  loads the current version too.
 """
 
 import asyncio
@@ -39,6 +40,9 @@ pytestmark = [
 
 RUN = "nodes"
 NATS_PORT, ROUTE_PORT = 4222, 6222
+PING_S = 2
+CUT_S = 12.0
+"""Long enough for the servers to drop the cut-off worker's connection (stale: PING_S * 3)."""
 SMALL_STREAM = {"max_bytes": 4 << 20, "max_age_s": 3600.0}
 LOADED = re.compile(r"weights_loaded version=(\d+) .*path=(\w+)")
 PY = sys.executable
@@ -120,6 +124,9 @@ def _start_nats(nodes: list[Node], binary: Path) -> str:
             "server_name": node.hostname,
             "listen": f"0.0.0.0:{NATS_PORT}",
             "max_payload": 2 << 20,
+            # a client cut off is dropped after about PING_S * 3 (nats-server's default: 4 min)
+            "ping_interval": f"{PING_S}s",
+            "ping_max": 2,
             "jetstream": {"store_dir": str(STATE_IN_NODE / "nats" / "jetstream")},
             "cluster": {"name": "sf-nodes", "listen": f"0.0.0.0:{ROUTE_PORT}", "routes": routes},
         }
@@ -227,12 +234,13 @@ async def _exchange_weights(url: str, cluster: Cluster, services: list[Service])
         cut = time.monotonic()
         await publish(js, names, *group("g2", 2, base=5))
         await eventually(lambda: (2, "local") in local.loads(), timeout=60)
-        await asyncio.sleep(5)
+        await asyncio.sleep(CUT_S - (time.monotonic() - cut))
         assert remote.loads() == [(1, "store")]
         cluster[3].link_up()
         back = time.monotonic()
         await eventually(lambda: (2, "store") in remote.loads(), timeout=90)
         await eventually(lambda: _at(js, names, 2), timeout=30)
+        assert "nats_reconnected client=seamlessflow-worker-w-remote" in "".join(remote.lines)
         print(f"\nlink down {back - cut:.1f} s; v2 loaded {time.monotonic() - back:.1f} s after")
         assert all(s.proc.poll() is None for s in services)
 
