@@ -219,6 +219,8 @@ async def _exchange_weights(url: str, cluster: Cluster, services: list[Service])
         await nc.subscribe(names.weights, cb=on_weights)
         await publish(js, names, *group("g1", 2))
         await eventually(lambda: _at(js, names, 1), timeout=90)
+        # (logged after the registry entry is written; the core subscription may lag too)
+        await eventually(lambda: local.loads() and remote.loads() and len(events) >= 2, timeout=10)
         boot = (cluster[4].folder / "boot_id").read_text().strip()
         # (a core subscription also sees a publish retried after a lost ack: JetStream's
         # de-duplication keeps it out of the stream only)
