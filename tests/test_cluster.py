@@ -1,0 +1,259 @@
+"""The cluster suite (marker ``cluster``: ``make test-cluster``, root only): SeamlessFlow across
+nodes on this machine (``tests.nodes``: network, UTS and mount namespaces joined by a bridge).
+
+- The nodes are apart: hostnames, ``host_id``, ``/dev/shm`` and state folders are their own, they
+  reach each other by address, and a node whose link is down is unreachable until it is back up.
+- A first run across nodes: a 3-server NATS cluster (one server per node, routes between node
+  addresses), a run provisioned with 3 replicas, a trainer on a 4th node with a rollout worker
+  beside it and one on a 5th. The trainer's version reaches the worker beside it through the
+  host-local copy (``path=local``) and the other through the object store (``path=store``). The
+  other worker's node is then cut off while the trainer publishes the next version, long enough
+  for the servers to drop its connection; once its link is back, that worker reconnects and
+  loads the current version too.
+"""
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import tomli_w
+from nats.errors import Error as NatsError
+
+from broker import codec
+from broker.client import session
+from broker.messages import WeightsPublished
+from broker.subjects import RunNames
+from tests.nodes import STATE_IN_NODE, Cluster, Node, available
+from tests.support import eventually, registered
+from tests.test_trainer import group, publish
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(available() is not None, reason=str(available())),
+]
+
+RUN = "nodes"
+NATS_PORT, ROUTE_PORT = 4222, 6222
+PING_S = 2
+CUT_S = 12.0
+"""Long enough for the servers to drop the cut-off worker's connection (stale: PING_S * 3)."""
+SMALL_STREAM = {"max_bytes": 4 << 20, "max_age_s": 3600.0}
+LOADED = re.compile(r"weights_loaded version=(\d+) .*path=(\w+)")
+PY = sys.executable
+
+
+class Service:
+    """``seamlessflow <args>`` in a node, its output kept (one torch thread, offline)."""
+
+    def __init__(self, node: Node, name: str, *args: str) -> None:
+        self.name = name
+        env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        self.proc = node.run(
+            [PY, "-m", "seamlessflow.cli", *args],
+            env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def loads(self) -> list[tuple[int, str]]:
+        """(version, path) of each weight load so far."""
+        found = (LOADED.search(line) for line in list(self.lines))
+        return [(int(m[1]), m[2]) for m in found if m]
+
+    def tail(self, n: int = 40) -> str:
+        return f"--- {self.name} ---\n" + "".join(self.lines[-n:])
+
+
+def test_nodes_are_apart(tmp_path):
+    with Cluster(2, tmp_path / "nodes") as cluster:
+        a, b = cluster
+        probe = (
+            "import socket; from broker.weights import host_id; "
+            "from common.paths import default_state_dir; "
+            "print(socket.gethostname(), host_id(), default_state_dir())"
+        )
+        seen = [node.exec([PY, "-c", probe]).split() for node in cluster]
+        assert [s[0] for s in seen] == [a.hostname, b.hostname]
+        assert seen[0][1] != seen[1][1] and seen[0][1].startswith(f"{a.hostname}/")
+        assert seen[0][2] == seen[1][2] == str(STATE_IN_NODE / "seamlessflow")
+        a.exec(
+            ["sh", "-c", f"touch /dev/shm/mine && mkdir -p {seen[0][2]} && touch {seen[0][2]}/x"]
+        )
+        assert (a.state_dir / "seamlessflow" / "x").exists()  # what the node wrote is its own
+        listing = b.exec(["sh", "-c", f"ls -A /dev/shm {STATE_IN_NODE} {cluster.base}"])
+        assert "mine" not in listing and "seamlessflow" not in listing and "sfn" not in listing
+        assert not Path("/dev/shm/mine").exists()
+        server = b.run([PY, "-c", _ECHO], stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "listening"
+        hello = f"import socket; socket.create_connection(('{b.address}', 7000), 2).send(b'hi')"
+        a.exec([PY, "-c", hello])
+        assert server.wait(10) == 0 and server.stdout.read().strip() == "b'hi'"
+        b.link_down()
+        with pytest.raises(RuntimeError, match="timed out"):
+            b.exec([PY, "-c", f"import socket; socket.create_connection(('{a.address}', 1), 1)"])
+        b.link_up()
+        refused = f"import socket; socket.create_connection(('{a.address}', 1), 5)"
+        with pytest.raises(RuntimeError, match="ConnectionRefused"):  # back: a answers
+            b.exec([PY, "-c", refused])
+
+
+_ECHO = (
+    "import socket; s = socket.socket(); s.bind(('0.0.0.0', 7000)); s.listen(); "
+    "print('listening', flush=True); c, _ = s.accept(); print(c.recv(8))"
+)
+
+
+def _start_nats(nodes: list[Node], binary: Path) -> str:
+    """One nats-server with JetStream per node, routed to the others; returns the client URL."""
+    routes = [f"nats-route://{node.address}:{ROUTE_PORT}" for node in nodes]
+    for node in nodes:
+        conf = {
+            "server_name": node.hostname,
+            "listen": f"0.0.0.0:{NATS_PORT}",
+            "max_payload": 2 << 20,
+            # a client cut off is dropped after about PING_S * 3 (nats-server's default: 4 min)
+            "ping_interval": f"{PING_S}s",
+            "ping_max": 2,
+            "jetstream": {"store_dir": str(STATE_IN_NODE / "nats" / "jetstream")},
+            "cluster": {"name": "sf-nodes", "listen": f"0.0.0.0:{ROUTE_PORT}", "routes": routes},
+        }
+        (node.state_dir / "nats.conf").write_text(json.dumps(conf))
+        log = (node.state_dir / "nats.log").open("ab")
+        node.run([binary, "-c", STATE_IN_NODE / "nats.conf"], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+    return ",".join(f"nats://{node.address}:{NATS_PORT}" for node in nodes)
+
+
+async def _jetstream_ready(url: str, nodes: list[Node], timeout: float = 60.0) -> None:
+    """Until the cluster has a JetStream meta leader (account info answers)."""
+    deadline = time.monotonic() + timeout
+    async with session(url, "pytest-nodes", give_up_after=timeout) as nc:
+        while True:
+            try:
+                await nc.jetstream().account_info()
+                return
+            except NatsError:
+                if time.monotonic() > deadline:
+                    logs = [(n.state_dir / "nats.log").read_text()[-2000:] for n in nodes]
+                    raise AssertionError("no JetStream meta leader:\n" + "\n".join(logs)) from None
+                await asyncio.sleep(0.2)
+
+
+def _run_config(path: Path) -> Path:
+    config = {
+        "model": {"max_model_len": 256},
+        "provision": {
+            "replicas": 3,
+            "weights_store_max_bytes": 48 << 20,
+            **{p: SMALL_STREAM for p in ("tasks", "gen", "traj", "samples", "weights", "dead")},
+        },
+        "trainer": {"groups_per_step": 1, "lr": 1e-3, "max_staleness": 1000, "worker_id": "tr"},
+    }
+    path.write_text(tomli_w.dumps(config))
+    return path
+
+
+@pytest.mark.newest_nats
+@pytest.mark.timeout(300)
+async def test_weights_go_local_beside_the_trainer_and_through_the_store_elsewhere(
+    nats_binary, tiny_model_dir, tmp_path
+):
+    with Cluster(5, tmp_path / "nodes") as cluster:
+        servers, remote, home = cluster.nodes[:3], cluster[3], cluster[4]
+        url = _start_nats(servers, nats_binary)
+        await _jetstream_ready(url, servers)
+        config = _run_config(tmp_path / "run.toml")
+        remote.exec([PY, "-m", "seamlessflow.cli", "provision", "--nats", url, "--run", RUN,
+                     "--config", str(config)])  # fmt: skip
+        args = (
+            "--nats",
+            url,
+            "--run",
+            RUN,
+            "--config",
+            str(config),
+            "--model",
+            str(tiny_model_dir),
+        )
+        services = [
+            Service(home, "trainer", "trainer", *args),
+            Service(home, "w-local", "worker", *args, "--worker-id", "w-local"),
+            Service(remote, "w-remote", "worker", *args, "--worker-id", "w-remote"),
+        ]
+        try:
+            await _exchange_weights(url, cluster, services)
+        except BaseException:
+            print("\n".join(s.tail() for s in services))
+            raise
+
+
+async def _exchange_weights(url: str, cluster: Cluster, services: list[Service]) -> None:
+    _, local, remote = services
+    names = RunNames(RUN)
+    async with session(url, "pytest-nodes") as nc:
+        js = nc.jetstream()
+        for s in services:
+            await eventually(lambda s=s: _registered(js, names, s), timeout=150)
+        hosts = {(await registered(js, names, w)).host for w in ("tr", "w-local", "w-remote")}
+        assert hosts == {cluster[4].hostname, cluster[3].hostname}
+        info = await js.stream_info(names.weights_stream)
+        assert info.config.num_replicas == 3
+        events: list[WeightsPublished] = []
+
+        async def on_weights(msg) -> None:
+            events.append(codec.decode(WeightsPublished, msg.data))
+
+        await nc.subscribe(names.weights, cb=on_weights)
+        await publish(js, names, *group("g1", 2))
+        await eventually(lambda: _at(js, names, 1), timeout=90)
+        # (logged after the registry entry is written; the core subscription may lag too)
+        await eventually(lambda: local.loads() and remote.loads() and len(events) >= 2, timeout=10)
+        boot = (cluster[4].folder / "boot_id").read_text().strip()
+        # (a core subscription also sees a publish retried after a lost ack: JetStream's
+        # de-duplication keeps it out of the stream only)
+        announced = list(dict.fromkeys((e.version, e.host) for e in events))
+        assert announced == [
+            (1, f"{cluster[4].hostname}/{boot}"),
+            (1, None),
+        ]
+        assert local.loads() == [(1, "local")], local.tail()
+        assert remote.loads() == [(1, "store")], remote.tail()
+        # The remote worker's node is cut off while the trainer publishes version 2.
+        cluster[3].link_down()
+        cut = time.monotonic()
+        await publish(js, names, *group("g2", 2, base=5))
+        await eventually(lambda: (2, "local") in local.loads(), timeout=60)
+        await asyncio.sleep(CUT_S - (time.monotonic() - cut))
+        assert remote.loads() == [(1, "store")]
+        cluster[3].link_up()
+        back = time.monotonic()
+        await eventually(lambda: (2, "store") in remote.loads(), timeout=90)
+        await eventually(lambda: _at(js, names, 2), timeout=30)
+        assert "nats_reconnected client=seamlessflow-worker-w-remote" in "".join(remote.lines)
+        print(f"\nlink down {back - cut:.1f} s; v2 loaded {time.monotonic() - back:.1f} s after")
+        assert all(s.proc.poll() is None for s in services)
+
+
+async def _registered(js, names: RunNames, service: Service) -> bool:
+    assert service.proc.poll() is None, f"{service.name} exited\n{service.tail()}"
+    worker_id = "tr" if service.name == "trainer" else service.name
+    return await registered(js, names, worker_id) is not None
+
+
+async def _at(js, names: RunNames, version: int) -> bool:
+    """Every worker's registry entry says ``version``."""
+    entries = [await registered(js, names, w) for w in ("tr", "w-local", "w-remote")]
+    return all(e is not None and e.version == version for e in entries)
