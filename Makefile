@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 NODE_CLIENT := tests/clients/node
 comma := ,
 
-.PHONY: setup run test test-faults lint format clean
+.PHONY: setup run test test-faults test-cluster lint format clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,11 @@ test: lint $(NODE_CLIENT)/node_modules/.package-lock.json
 # The fault suite: kills, broker restarts, outages (tests/test_faults.py and tests marked faults).
 test-faults: setup
 	$(BIN)/pytest -m faults
+
+# Several hosts as network namespaces on this machine (tests/nodes.py; root, iproute2, util-linux).
+test-cluster: setup
+	$(BIN)/python -m tests.nodes --cleanup
+	$(BIN)/pytest -m cluster
 
 clean:
 	rm -rf $(VENV) $(NODE_CLIENT)/node_modules .pytest_cache .ruff_cache .hypothesis
