@@ -36,6 +36,10 @@ Timestamp = Annotated[float, Field(ge=0)]
 """Seconds since the Unix epoch."""
 
 
+CALLABLE_REF = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
+"""``package.module:function`` (ASCII names: a wire pattern every schema validator reads alike)."""
+
+
 class Message(BaseModel):
     """Base of every wire message."""
 
@@ -104,7 +108,7 @@ class RewardSpec(BaseModel):
     )
     function: str | None = Field(
         default=None,
-        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        pattern=CALLABLE_REF,
         max_length=256,
         description="'module:function', a reward function given the attempt's transcript and "
         "the task; it scores instead of the verifier (its module must be allowed by the agent "

@@ -5,8 +5,7 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-AGENT_REF = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
-"""``package.module:function``."""
+from broker.messages import CALLABLE_REF
 
 
 class AgentsConfig(BaseModel):
@@ -16,7 +15,7 @@ class AgentsConfig(BaseModel):
 
     agent: str | None = Field(
         default=None,
-        pattern=AGENT_REF,
+        pattern=CALLABLE_REF,
         description="'module:function', an `async def agent(ctx) -> AgentResult` run for every "
         "task; default: the built-in agent of the task's env",
         json_schema_extra={"replaces": ["command"]},
