@@ -36,6 +36,7 @@ from rollout.gateway.openai_api import (
     to_json,
 )
 from rollout.gateway.prompts import echoed_turn, render_chat
+from rollout.gateway.tools import ToolPlan, ToolSupport, forced_start, plan_tools
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -71,8 +72,10 @@ class Format(ABC):
     @abstractmethod
     def requested_max_tokens(self) -> int | None: ...
 
-    parse_tools: bool = False
-    parallel_tool_calls: bool = True
+    plan: ToolPlan = ToolPlan()
+    """The request's tools: how the output's tool calls are read."""
+    call_start: str = ""
+    """The start of a forced tool call that ends the prompt text (set by ``prompt_text``)."""
 
     @property
     def client_ids(self) -> list[int] | None:
@@ -123,22 +126,35 @@ class ChatFormat(Format):
         model: str,
         tokenizer: Any,
         end_markers: Mapping[str, int],
+        tool_support: ToolSupport,
     ) -> None:
         super().__init__(body, model, tokenizer)
         self.end_markers = end_markers
         self.messages = [m.for_template() for m in body.messages]
-        self.tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         choice = body.tool_choice
-        self.tool_choice = choice.model_dump() if isinstance(choice, BaseModel) else choice
-        self.parse_tools = body.parses_tool_calls
-        self.parallel_tool_calls = body.parallel_tool_calls
+        choice = choice.model_dump() if isinstance(choice, BaseModel) else choice
+        self.plan = plan_tools(tools, choice, body.parallel_tool_calls, tool_support)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.body.requested_max_tokens
 
     def prompt_text(self) -> str:
-        return render_chat(self.tokenizer, self.messages, self.tools, self.tool_choice)
+        text = self._render(self.messages)
+        if self.plan.forced:
+            self.call_start = forced_start(
+                lambda reply: self._render([*self.messages, reply], generation_prompt=False),
+                text,
+                self.plan,
+            )
+        return text + self.call_start
+
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool = True) -> str:
+        plan = self.plan
+        return render_chat(
+            self.tokenizer, messages, plan.tools, plan.choice, generation_prompt, plan.template
+        )
 
     def echo(
         self, prompt_text: str, content: str, tool_calls: list[ToolCall], output_ids: list[int]
@@ -147,13 +163,7 @@ class ChatFormat(Format):
         reply = ChatMessageIn(
             role="assistant", content=message.content, tool_calls=message.tool_calls
         )
-        rendered = render_chat(
-            self.tokenizer,
-            [*self.messages, reply.for_template()],
-            self.tools,
-            self.tool_choice,
-            generation_prompt=False,
-        )
+        rendered = self._render([*self.messages, reply.for_template()], generation_prompt=False)
         return echoed_turn(prompt_text, rendered, output_ids, self.end_markers)
 
     def reply(self, events: list[list[Event]], usage: Usage) -> ChatCompletion:

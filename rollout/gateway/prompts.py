@@ -47,11 +47,14 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     tool_choice: Any = None,
     generation_prompt: bool = True,
+    template: str | None = None,
 ) -> str:
-    """The model's chat template applied to ``messages`` (with ``tools`` and ``tool_choice``
-    passed to the template), ending with the generation prompt unless ``generation_prompt`` is
-    False."""
-    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    """The chat template (``template``, else the model's) applied to ``messages`` (with
+    ``tools`` and ``tool_choice`` passed to the template), ending with the generation prompt
+    unless ``generation_prompt`` is False."""
+    extra: dict[str, Any] = {} if tool_choice is None else {"tool_choice": tool_choice}
+    if template is not None:
+        extra["chat_template"] = template
     try:
         return tokenizer.apply_chat_template(
             messages,
