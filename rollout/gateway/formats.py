@@ -90,9 +90,10 @@ class Format(ABC):
     def echo(
         self, prompt_text: str, content: str, tool_calls: list[ToolCall], output_ids: list[int]
     ) -> tuple[str, list[int]] | None:
-        """The text that follows ``prompt_text`` when the client echoes the output it was given
-        (``content`` and ``tool_calls``), and the ids that text stands for: the output ids
-        (plus any the echo adds). None: an echo cannot be recognised."""
+        """The text that follows ``prompt_text`` less ``call_start`` when the client echoes the
+        output it was given (``content`` and ``tool_calls``), and the ids that text stands for
+        after the prompt's: the output ids (plus any the echo adds). None: an echo cannot be
+        recognised."""
 
     # -- the response ---------------------------------------------------------------------
 
@@ -164,7 +165,8 @@ class ChatFormat(Format):
             role="assistant", content=message.content, tool_calls=message.tool_calls
         )
         rendered = self._render([*self.messages, reply.for_template()], generation_prompt=False)
-        return echoed_turn(prompt_text, rendered, output_ids, self.end_markers)
+        before_call = prompt_text[: len(prompt_text) - len(self.call_start)]
+        return echoed_turn(before_call, rendered, output_ids, self.end_markers)
 
     def reply(self, events: list[list[Event]], usage: Usage) -> ChatCompletion:
         choices = [

@@ -191,7 +191,8 @@ class OpenAIService:
         turn = format_.echo(prompt.text, content, tool_calls, output_ids)
         if turn is None:
             log.info(kv("gateway_echo_unrecognisable", session=session_id))
-        self.sessions.record(session_id, prompt, *(turn or ("", [])))
+        after = prompt.text[: len(prompt.text) - len(format_.call_start)]
+        self.sessions.record(session_id, prompt, *(turn or ("", [])), after=after)
 
     def _max_tokens(self, prompt_len: int, requested: int | None, where: str) -> int:
         """``requested``, or all the room left when not given; the context must fit."""
