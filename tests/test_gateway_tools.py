@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from common.exceptions import ModelError
 from common.models import SMOLLM2_GGUF
 from rollout.exceptions import InvalidRequestError
+from rollout.gateway import Gateway
 from rollout.gateway.formats import ChatFormat
 from rollout.gateway.openai_api import ChatCompletionRequest
 from rollout.gateway.prompts import SessionStore, render_chat
@@ -33,7 +34,7 @@ from rollout.gateway.tools import (
     renders_tools,
     tool_support,
 )
-from tests.support import MODEL
+from tests.support import MODEL, gateway_config
 
 pytestmark = pytest.mark.newest_nats
 
@@ -363,3 +364,23 @@ def test_smollm2_takes_tools_through_the_hermes_template(smollm2_tok):
     prompt2, *_ = turn([*QUESTION, reply, result], "auto", "It is 21.")
     assert prompt2.ids[: len(prompt1.ids) + len(ids1)] == prompt1.ids + ids1
     assert "<tool_response>\n21\n</tool_response>" in tok.decode(prompt2.ids)
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+def test_the_tool_settings_are_model_keys_with_generated_flags():
+    from seamlessflow.cli import _settings, build_parser
+
+    argv = ["gateway", "--nats", "nats://127.0.0.1:1", "--tool-template", "hermes"]
+    config = _settings(build_parser().parse_args([*argv, "--tool-call-parser", "none"]))
+    assert (config.model.tool_template, config.model.tool_parser) == ("hermes", "none")
+    with pytest.raises(SystemExit):  # argparse refuses a parser that does not exist
+        build_parser().parse_args([*argv, "--tool-call-parser", "mistral"])
+
+
+async def test_a_bad_tool_template_stops_the_gateway_before_it_connects(tiny_model_dir, tmp_path):
+    config = gateway_config(tiny_model_dir, "r1", tool_template=str(tmp_path / "none.jinja"))
+    with pytest.raises(ModelError, match="neither a shipped template"):
+        async with Gateway(config, "nats://127.0.0.1:1"):  # nothing listens there
+            pass

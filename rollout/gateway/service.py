@@ -58,7 +58,7 @@ from rollout.gateway.openai_api import (
 )
 from rollout.gateway.prompts import Prompt, SessionStore
 from rollout.gateway.responses import json_response, report_error, sse
-from rollout.gateway.tools import ToolCallStream, tool_support
+from rollout.gateway.tools import ToolCallStream, ToolSupport
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class OpenAIService:
         self,
         config: GatewayConfig,
         tokenizer: Any,
+        tools: ToolSupport,
         nc: NATS,
         js: JetStreamContext,
         max_model_len: int,
@@ -93,8 +94,8 @@ class OpenAIService:
         self.end_markers = {tokenizer.decode([i]): i for i in stop_token_ids}
         """How each stop token reads in rendered text (a chat turn's end)."""
         self.sessions = SessionStore(config.session_cache_sessions, config.session_cache_tokens)
-        self.tool_support = tool_support(tokenizer, config.tool_parser, config.tool_template)
-        if not (self.tool_support.template or self.tool_support.model_renders_tools):
+        self.tool_support = tools
+        if not (tools.template or tools.model_renders_tools):
             log.warning(kv("gateway_tools_not_rendered", model=config.model_path))
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="gateway-tokenizer")
         self._tasks: set[asyncio.Task] = set()
