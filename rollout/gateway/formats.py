@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from broker.messages import ToolCall
+from rollout.exceptions import InvalidRequestError
 from rollout.gateway.choices import Event
 from rollout.gateway.openai_api import (
     AssistantMessage,
@@ -144,11 +145,14 @@ class ChatFormat(Format):
     def prompt_text(self) -> str:
         text = self._render(self.messages)
         if self.plan.forced:
-            self.call_start = forced_start(
-                lambda reply: self._render([*self.messages, reply], generation_prompt=False),
-                text,
-                self.plan,
-            )
+            try:
+                self.call_start = forced_start(
+                    lambda reply: self._render([*self.messages, reply], generation_prompt=False),
+                    text,
+                    self.plan,
+                )
+            except InvalidRequestError:  # the template cannot render a call: nothing to prefill
+                self.call_start = ""
         return text + self.call_start
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool = True) -> str:

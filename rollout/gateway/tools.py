@@ -37,7 +37,6 @@ SHIPPED_TEMPLATES = {"hermes": "hermes_tools.jinja"}
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-PARSERS = ("hermes", "none")
 
 _PROBE = "sf_probe_function_4b1d"
 """A function name no real template writes on its own (``renders_tools``, ``forced_start``)."""
@@ -116,9 +115,9 @@ def plan_tools(
     """The plan of a request's ``tools`` and ``tool_choice``; ``InvalidRequestError`` (400)
     for a choice that cannot be met."""
     if not tools:
-        if choice in ("required",) or isinstance(choice, dict):
+        if choice == "required" or isinstance(choice, dict):
             raise InvalidRequestError(
-                f"tool_choice {_choice_text(choice)} needs tools: the request has none",
+                f"tool_choice {json.dumps(choice)} needs tools: the request has none",
                 param="tool_choice",
             )
         return ToolPlan(choice=choice)
@@ -143,7 +142,7 @@ def plan_tools(
     forced = choice == "required" or named is not None
     if forced and support.parser == "none":
         raise InvalidRequestError(
-            f"tool_choice {_choice_text(choice)} needs a tool-call parser; this gateway has "
+            f"tool_choice {json.dumps(choice)} needs a tool-call parser; this gateway has "
             "tool_parser 'none'",
             param="tool_choice",
         )
@@ -158,10 +157,6 @@ def plan_tools(
     )
 
 
-def _choice_text(choice: str | dict[str, Any] | None) -> str:
-    return json.dumps(choice)
-
-
 def forced_start(render_reply: Callable[[dict[str, Any]], str], prompt: str, plan: ToolPlan) -> str:
     """The text a forced call starts with, exactly as the template writes a call after
     ``prompt``: up to the arguments (a named function whose arguments the template writes as
@@ -169,25 +164,26 @@ def forced_start(render_reply: Callable[[dict[str, Any]], str], prompt: str, pla
     assistant ``message`` appended. Empty when the template's form of a call is not Hermes'
     (then nothing is prefilled: the choice is asked of the model only)."""
     name = plan.named or _PROBE
-    reply = {
-        "role": "assistant",
-        "content": None,  # as the client echoes a message with only tool calls
-        "tool_calls": [
-            {"id": "call_0", "type": "function", "function": {"name": name, "arguments": ""}}
-        ],
-    }
     if plan.named is not None:
-        reply["tool_calls"][0]["function"]["arguments"] = _PROBE_ARGUMENTS
-        turn = _after(render_reply(reply), prompt)
+        turn = _after(render_reply(_call_reply(name, _PROBE_ARGUMENTS)), prompt)
         at = turn.find(_PROBE_ARGUMENTS)
         if at > 0 and turn[at - 1] != '"':  # the arguments' text, not a JSON string of it
             return _checked(turn[:at], name)
-        reply["tool_calls"][0]["function"]["arguments"] = "{}"
-    turn = _after(render_reply(reply), prompt)
+    turn = _after(render_reply(_call_reply(name, "{}")), prompt)
     at = turn.find(name)
     if at < 0:
         return ""
     return _checked(turn[: at + len(name)] if plan.named else turn[:at], plan.named)
+
+
+def _call_reply(name: str, arguments: str) -> dict[str, Any]:
+    """An assistant message with one call, as a client echoes it (content null)."""
+    function = {"name": name, "arguments": arguments}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "call_0", "type": "function", "function": function}],
+    }
 
 
 def _after(rendered: str, prompt: str) -> str:
