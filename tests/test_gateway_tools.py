@@ -33,6 +33,7 @@ from rollout.gateway.tools import (
     plan_tools,
     renders_tools,
     tool_support,
+    wants_argument_objects,
 )
 from tests.support import MODEL, gateway_config
 
@@ -328,30 +329,45 @@ def smollm2_tok():
     return AutoTokenizer.from_pretrained(Path(spec.origin).parent, gguf_file=SMOLLM2_GGUF)
 
 
-def test_smollm2_takes_tools_through_the_hermes_template(smollm2_tok):
-    tok = smollm2_tok
-    assert tok.chat_template == SMOLLM2_TEMPLATE and not renders_tools(tok)
-    support = tool_support(tok, "hermes", "hermes")
-    end_markers = {tok.eos_token: tok.eos_token_id}
-    store, tokenize = SessionStore(), lambda text: tok.encode(text, add_special_tokens=False)
+class Session:
+    """One session's turns through the gateway's pure path (``ChatFormat``, ``SessionStore``,
+    ``ToolCallStream``), the model's output given as text written one character per token."""
 
-    def turn(messages, choice, output: str):
+    def __init__(self, tok, support: ToolSupport) -> None:
+        self.tok, self.support, self.store = tok, support, SessionStore()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def turn(self, messages: list[dict], choice, output: str):
+        tok = self.tok
         body = ChatCompletionRequest.model_validate(
             {"model": MODEL, "messages": messages, "tools": TOOLS, "tool_choice": choice}
         )
-        chat = ChatFormat(body, MODEL, tok, end_markers, support)
-        prompt = store.build("s", chat.prompt_text(), tokenize)
-        ids = [i for c in output for i in tokenize(c)] + [tok.eos_token_id]  # char by char
+        chat = ChatFormat(body, MODEL, tok, {tok.eos_token: tok.eos_token_id}, self.support)
+        prompt = self.store.build("s", chat.prompt_text(), self.tokenize)
+        ids = [i for c in output for i in self.tokenize(c)] + [tok.eos_token_id]
         stream = ToolCallStream(chat.call_start)
         content = stream.feed(output)
         rest, calls = stream.finish(chat.plan)
         echo = chat.echo(prompt.text, content + rest, calls, ids)
         assert echo is not None
         after = prompt.text[: len(prompt.text) - len(chat.call_start)]
-        store.record("s", prompt, *echo, after=after)
+        self.store.record("s", prompt, *echo, after=after)
         return prompt, ids, calls, chat.call_start
 
-    prompt1, ids1, calls, start = turn(
+
+def echo_of(calls) -> list[dict]:
+    """The assistant message of ``calls`` and their results, as an agent sends them back."""
+    reply = {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]}
+    return [reply, *({"role": "tool", "tool_call_id": c.id, "content": "21"} for c in calls)]
+
+
+def test_smollm2_takes_tools_through_the_hermes_template(smollm2_tok):
+    tok = smollm2_tok
+    assert tok.chat_template == SMOLLM2_TEMPLATE and not renders_tools(tok)
+    session = Session(tok, tool_support(tok, "hermes", "hermes"))
+    prompt1, ids1, calls, start = session.turn(
         QUESTION, named("calculator"), '{"expression": "3*7"}}\n</tool_call>'
     )
     assert start == '<tool_call>\n{"name": "calculator", "arguments": '
@@ -359,11 +375,43 @@ def test_smollm2_takes_tools_through_the_hermes_template(smollm2_tok):
     assert [(c.function.name, c.function.arguments) for c in calls] == [
         ("calculator", '{"expression": "3*7"}')
     ]
-    reply = {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]}
-    result = {"role": "tool", "tool_call_id": calls[0].id, "content": "21"}
-    prompt2, *_ = turn([*QUESTION, reply, result], "auto", "It is 21.")
+    prompt2, *_ = session.turn([*QUESTION, *echo_of(calls)], "auto", "It is 21.")
     assert prompt2.ids[: len(prompt1.ids) + len(ids1)] == prompt1.ids + ids1
     assert "<tool_response>\n21\n</tool_response>" in tok.decode(prompt2.ids)
+
+
+OBJECT_ARGUMENTS = HERMES.replace(
+    """{%- if function.arguments is string %}
+                {{- function.arguments }}
+            {%- else %}
+                {{- function.arguments | tojson }}
+            {%- endif %}""",
+    "{{- function.arguments | tojson }}",
+)
+"""Calls written as Qwen2.5's and Llama 3.1's templates write them: ``arguments | tojson``."""
+
+
+def test_a_template_that_wants_argument_objects_gets_them(tok):
+    assert OBJECT_ARGUMENTS != HERMES
+    assert wants_argument_objects(tok, OBJECT_ARGUMENTS)
+    assert not wants_argument_objects(tok) and not wants_argument_objects(tok, HERMES)
+    support = tool_support(tok, "hermes", None)
+    assert not support.argument_objects
+    support = ToolSupport("hermes", OBJECT_ARGUMENTS, True, argument_objects=True)
+    session = Session(tok, support)
+    written = '<tool_call>\n{"name": "calculator", "arguments": {"expression":"3*7"}}\n</tool_call>'
+    prompt1, ids1, calls, start = session.turn(QUESTION, "auto", written)
+    assert start == "" and calls[0].function.arguments == '{"expression":"3*7"}'
+    prompt2, *_ = session.turn([*QUESTION, *echo_of(calls)], "auto", "21")
+    assert prompt2.ids[: len(prompt1.ids) + len(ids1)] == prompt1.ids + ids1
+    # a call the store does not know (another session) renders its arguments as an object
+    rest = '", "arguments": {}}\n</tool_call>'
+    fresh, _, noop, start = Session(tok, support).turn(
+        [*QUESTION, *echo_of(calls)], named("noop"), rest
+    )
+    assert '"arguments": {"expression": "3*7"}}' in tok.decode(fresh.ids)  # not a JSON string
+    assert start == '<tool_call>\n{"name": "noop'  # it quotes strings: prefilled to the name
+    assert [(c.function.name, c.function.arguments) for c in noop] == [("noop", "{}")]
 
 
 # -- configuration --------------------------------------------------------------------------

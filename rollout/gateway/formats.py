@@ -37,7 +37,13 @@ from rollout.gateway.openai_api import (
     to_json,
 )
 from rollout.gateway.prompts import echoed_turn, render_chat
-from rollout.gateway.tools import ToolPlan, ToolSupport, forced_start, plan_tools
+from rollout.gateway.tools import (
+    ToolPlan,
+    ToolSupport,
+    forced_start,
+    plan_tools,
+    with_argument_objects,
+)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -132,11 +138,11 @@ class ChatFormat(Format):
     ) -> None:
         super().__init__(body, model, tokenizer)
         self.end_markers = end_markers
-        self.messages = [m.for_template() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         choice = body.tool_choice
         choice = choice.model_dump() if isinstance(choice, BaseModel) else choice
         self.plan = plan_tools(tools, choice, body.parallel_tool_calls, tool_support)
+        self.messages = self._for_template(body.messages)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -155,6 +161,10 @@ class ChatFormat(Format):
                 self.call_start = ""
         return text + self.call_start
 
+    def _for_template(self, messages: list[ChatMessageIn]) -> list[dict[str, Any]]:
+        out = [m.for_template() for m in messages]
+        return with_argument_objects(out) if self.plan.argument_objects else out
+
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool = True) -> str:
         plan = self.plan
         return render_chat(
@@ -168,7 +178,7 @@ class ChatFormat(Format):
         reply = ChatMessageIn(
             role="assistant", content=message.content, tool_calls=message.tool_calls
         )
-        rendered = self._render([*self.messages, reply.for_template()], generation_prompt=False)
+        rendered = self._render([*self.messages, *self._for_template([reply])], False)
         before_call = prompt_text[: len(prompt_text) - len(self.call_start)]
         return echoed_turn(before_call, rendered, output_ids, self.end_markers)
 

@@ -66,6 +66,9 @@ class ToolSupport:
     parser: str = "hermes"
     template: str | None = None
     model_renders_tools: bool = True
+    argument_objects: bool = False
+    """The template that renders tools writes a call's arguments only when given as an object
+    (not the JSON text clients send): echoed calls get their arguments parsed for it."""
 
 
 def tool_support(tokenizer: Any, parser: str, template_spec: str | None) -> ToolSupport:
@@ -77,7 +80,8 @@ def tool_support(tokenizer: Any, parser: str, template_spec: str | None) -> Tool
             f"tool_template {template_spec!r} does not render tools (or fails to render a "
             "conversation with one)"
         )
-    return ToolSupport(parser, template, renders_tools(tokenizer))
+    objects = wants_argument_objects(tokenizer, template)
+    return ToolSupport(parser, template, renders_tools(tokenizer), objects)
 
 
 def renders_tools(tokenizer: Any, template: str | None = None) -> bool:
@@ -88,6 +92,50 @@ def renders_tools(tokenizer: Any, template: str | None = None) -> bool:
         return _PROBE in render_chat(tokenizer, messages, [tool], template=template)
     except InvalidRequestError:  # a template that breaks on tools does not render them
         return False
+
+
+def wants_argument_objects(tokenizer: Any, template: str | None = None) -> bool:
+    """Whether the template writes a call's arguments as given only when they are an object
+    (it writes ``arguments | tojson``, as Qwen2.5's and Llama 3.1's do: a string would come out
+    quoted), where it writes the JSON text as given (the tiny model's, ``hermes``)."""
+    text = '{"sf_probe": 1}'
+    call = {"role": "assistant", "content": None, "tool_calls": [_call(_PROBE, text)]}
+    messages = [{"role": "user", "content": "hi"}, call]
+    try:
+        if text in render_chat(tokenizer, messages, generation_prompt=False, template=template):
+            return False
+    except InvalidRequestError:
+        pass
+    call["tool_calls"] = [_call(_PROBE, json.loads(text))]
+    try:
+        return '"sf_probe"' in render_chat(
+            tokenizer, messages, generation_prompt=False, template=template
+        )
+    except InvalidRequestError:
+        return False
+
+
+def with_argument_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each call's arguments parsed when they are the JSON text of an
+    object (for a template that wants objects); other arguments stay as they are."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [_parsed_arguments(c) for c in calls]}
+        out.append(message)
+    return out
+
+
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function") or {}
+    try:
+        arguments = json.loads(function.get("arguments"))
+    except (TypeError, ValueError):
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 @dataclass(frozen=True)
@@ -104,6 +152,8 @@ class ToolPlan:
     """``required`` or a named function: the prompt ends with the start of a call."""
     named: str | None = None
     parallel: bool = True
+    argument_objects: bool = False
+    """Give the template calls' arguments as objects (``ToolSupport.argument_objects``)."""
 
 
 def plan_tools(
@@ -120,7 +170,10 @@ def plan_tools(
                 f"tool_choice {json.dumps(choice)} needs tools: the request has none",
                 param="tool_choice",
             )
-        return ToolPlan(choice=choice)
+        # the model's template renders this request: the one probed, unless a tool template is
+        return ToolPlan(
+            choice=choice, argument_objects=support.argument_objects and not support.template
+        )
     names = [tool["function"]["name"] for tool in tools]
     if dupes := sorted({n for n in names if names.count(n) > 1}):
         raise InvalidRequestError(
@@ -154,6 +207,7 @@ def plan_tools(
         forced=forced,
         named=named,
         parallel=parallel,
+        argument_objects=support.argument_objects,
     )
 
 
@@ -178,12 +232,12 @@ def forced_start(render_reply: Callable[[dict[str, Any]], str], prompt: str, pla
 
 def _call_reply(name: str, arguments: str) -> dict[str, Any]:
     """An assistant message with one call, as a client echoes it (content null)."""
+    return {"role": "assistant", "content": None, "tool_calls": [_call(name, arguments)]}
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
     function = {"name": name, "arguments": arguments}
-    return {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [{"id": "call_0", "type": "function", "function": function}],
-    }
+    return {"id": "call_0", "type": "function", "function": function}
 
 
 def _after(rendered: str, prompt: str) -> str:
