@@ -14,6 +14,8 @@
   (named). Those ids are prompt ids (recorded as prompt, never as generated output); the model
   writes the rest. The client gets the prefilled text as part of the call (or of the content,
   when what the model wrote does not parse, or names another function than the one asked for).
+- Echoed calls: a template that writes ``arguments | tojson`` (Qwen2.5's, Llama 3.1's) gets
+  them as objects (probed once: ``wants_argument_objects``), else as the JSON text given.
 """
 
 import json
