@@ -218,9 +218,9 @@ def test_invalid_tool_schemas_are_refused(function, match):
     ("template", "choice", "start"),
     [
         (HERMES, "required", '<tool_call>\n{"name": "'),
-        (HERMES, named("calculator"), '<tool_call>\n{"name": "calculator", "arguments": '),
+        (HERMES, named("calculator"), '<tool_call>\n{"name": "calculator", "arguments": {'),
         (None, "required", '<tool_call>{"name": "'),  # the tiny model's own template
-        (None, named("noop"), '<tool_call>{"name": "noop", "arguments": '),
+        (None, named("noop"), '<tool_call>{"name": "noop", "arguments": {'),
     ],
 )
 def test_a_forced_call_starts_as_the_template_writes_calls(tok, template, choice, start):
@@ -297,7 +297,7 @@ def test_malformed_calls_are_content(text):
     assert parse_tool_calls(text)[1] == []
 
 
-def test_the_plan_keeps_the_named_function_and_one_call_unless_parallel():
+def test_the_plan_keeps_calls_to_its_functions_and_one_call_unless_parallel():
     text = hermes_call("noop", "{}", "") + hermes_call("calculator", "{}", "")
     start = '<tool_call>{"name": "'
 
@@ -313,6 +313,9 @@ def test_the_plan_keeps_the_named_function_and_one_call_unless_parallel():
     assert finish(ToolPlan(named="calculator", parallel=False))[1][0].function.name == "calculator"
     # calls to other functions than the one named are no calls: the whole text is content
     assert finish(ToolPlan(named="divide")) == (text, [])
+    # nor are calls to functions the request does not declare
+    assert [c.function.name for c in finish(ToolPlan(names=("calculator",)))[1]] == ["calculator"]
+    assert finish(ToolPlan(names=("divide",))) == (text, [])
 
 
 # -- SmolLM2-135M-Instruct's own tokenizer --------------------------------------------------
@@ -368,9 +371,9 @@ def test_smollm2_takes_tools_through_the_hermes_template(smollm2_tok):
     assert tok.chat_template == SMOLLM2_TEMPLATE and not renders_tools(tok)
     session = Session(tok, tool_support(tok, "hermes", "hermes"))
     prompt1, ids1, calls, start = session.turn(
-        QUESTION, named("calculator"), '{"expression": "3*7"}}\n</tool_call>'
+        QUESTION, named("calculator"), '"expression": "3*7"}}\n</tool_call>'
     )
-    assert start == '<tool_call>\n{"name": "calculator", "arguments": '
+    assert start == '<tool_call>\n{"name": "calculator", "arguments": {'
     assert tok.decode(prompt1.ids).endswith("<|im_start|>assistant\n" + start)
     assert [(c.function.name, c.function.arguments) for c in calls] == [
         ("calculator", '{"expression": "3*7"}')

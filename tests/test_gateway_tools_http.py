@@ -7,6 +7,7 @@ tiny model writes no tool call on demand. Pure tests of tools: ``tests/test_gate
 import asyncio
 import itertools
 import json
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.newest_nats
 
 FORCED_START = {
     "required": '<tool_call>\n{"name": "',
-    "named": '<tool_call>\n{"name": "calculator", "arguments": ',
+    "named": '<tool_call>\n{"name": "calculator", "arguments": {',
 }
 FOLLOW_UP = {"role": "user", "content": "Go on."}
 
@@ -84,7 +85,7 @@ def tool_outputs():
     """What the model writes for a tool_choice: (choice, the turn's text from its start,
     whether it is cut by length). Calls in Hermes' form, content before them under auto, and
     texts cut short, with a missing bracket, or with a call to another function than the one
-    named."""
+    named or to one not declared."""
     calls = st.lists(
         st.tuples(st.sampled_from(["calculator", "noop"]), ARGUMENTS, st.sampled_from(["\n"])),
         min_size=1,
@@ -105,6 +106,8 @@ def tool_outputs():
         elif kind == "other" and choice == "named":  # a call after the forced one, to another
             head, _, tail = written.rpartition('"calculator"')
             written = f'{head}"noop"{tail}' if head.count("<tool_call>") > 1 else written
+        elif kind == "other":  # a call to a function the request does not declare
+            written = re.sub(r'"name": "\w+"', '"name": "divide"', written, count=1)
         return choice, written, kind == "cut"
 
     damage = st.tuples(
@@ -189,8 +192,8 @@ def check_reply(choice: str, text: str, message: dict, finish: str) -> list[dict
     content, expected = parse_tool_calls(text)
     if choice == "none":  # the tools were in the prompt; the output is all content
         content, expected = text, []
-    if choice == "named":
-        expected = [c for c in expected if c.function.name == "calculator"]
+    allowed = {"calculator"} if choice == "named" else {"calculator", "noop"}
+    expected = [c for c in expected if c.function.name in allowed]
     calls = message.get("tool_calls", [])
     written = [(c.function.name, c.function.arguments) for c in expected]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == written

@@ -10,10 +10,12 @@
 - ``tool_choice``: ``auto`` parses; ``none`` keeps the tools in the prompt (a session's prompts
   keep their common prefix when the choice changes between turns) and parses nothing;
   ``required`` and a named function append the start of a call, as the template writes it, to
-  the prompt (``forced_start``): ``<tool_call>`` up to the name (required) or up to the arguments
-  (named). Those ids are prompt ids (recorded as prompt, never as generated output); the model
-  writes the rest. The client gets the prefilled text as part of the call (or of the content,
-  when what the model wrote does not parse, or names another function than the one asked for).
+  the prompt (``forced_start``): ``<tool_call>`` up to the name (required) or up to the
+  arguments' opening brace (named). Those ids are prompt ids (recorded as prompt, never as
+  generated output); the model writes the rest. The client gets the prefilled text as part of
+  the call, or of the content when what the model wrote does not parse.
+- Calls are kept only to functions the request declares (the named one, when named); when none
+  is left, the whole text is content.
 - Echoed calls: a template that writes ``arguments | tojson`` (Qwen2.5's, Llama 3.1's) gets
   them as objects (probed once: ``wants_argument_objects``), else as the JSON text given.
 """
@@ -153,6 +155,8 @@ class ToolPlan:
     forced: bool = False
     """``required`` or a named function: the prompt ends with the start of a call."""
     named: str | None = None
+    names: tuple[str, ...] = ()
+    """The functions the request declares: calls to others are not calls."""
     parallel: bool = True
     argument_objects: bool = False
     """Give the template calls' arguments as objects (``ToolSupport.argument_objects``)."""
@@ -208,6 +212,7 @@ def plan_tools(
         parse=choice != "none" and support.parser != "none",
         forced=forced,
         named=named,
+        names=tuple(names),
         parallel=parallel,
         argument_objects=support.argument_objects,
     )
@@ -215,16 +220,16 @@ def plan_tools(
 
 def forced_start(render_reply: Callable[[dict[str, Any]], str], prompt: str, plan: ToolPlan) -> str:
     """The text a forced call starts with, exactly as the template writes a call after
-    ``prompt``: up to the arguments (a named function whose arguments the template writes as
-    given) or up to the name. ``render_reply(message)`` renders the conversation with the
-    assistant ``message`` appended. Empty when the template's form of a call is not Hermes'
-    (then nothing is prefilled: the choice is asked of the model only)."""
+    ``prompt``: up to the arguments' opening brace (a named function whose arguments the
+    template writes as given) or up to the name. ``render_reply(message)`` renders the
+    conversation with the assistant ``message`` appended. Empty when the template's form of a
+    call is not Hermes' (then nothing is prefilled: the choice is asked of the model only)."""
     name = plan.named or _PROBE
     if plan.named is not None:
         turn = _after(render_reply(_call_reply(name, _PROBE_ARGUMENTS)), prompt)
         at = turn.find(_PROBE_ARGUMENTS)
         if at > 0 and turn[at - 1] != '"':  # the arguments' text, not a JSON string of it
-            return _checked(turn[:at], name)
+            return _checked(turn[:at] + "{", name)  # arguments are a JSON object
     turn = _after(render_reply(_call_reply(name, "{}")), prompt)
     at = turn.find(name)
     if at < 0:
@@ -337,14 +342,16 @@ class ToolCallStream:
         return text[:cut]
 
     def finish(self, plan: ToolPlan | None = None) -> tuple[str, list[ToolCall]]:
-        """The rest of the content, and the tool calls found in it that ``plan`` keeps (only the
-        named function's; only the first unless parallel). Counts calls and malformed text."""
+        """The rest of the content, and the tool calls found in it that ``plan`` keeps: those to
+        its functions (only the named one's, when named), only the first unless parallel; none
+        kept: the whole text is content. Counts calls and malformed text."""
         held, self._held = self._held, ""
         if not self._in_call:
             return held, []
         content, calls = parse_tool_calls(held)
-        if plan is not None and plan.named is not None:
-            calls = [call for call in calls if call.function.name == plan.named]
+        if plan is not None and (plan.named or plan.names):
+            allowed = {plan.named} if plan.named else set(plan.names)
+            calls = [call for call in calls if call.function.name in allowed]
         if not calls:
             TOOL_CALLS_MALFORMED.inc()
             return held, []
