@@ -184,6 +184,8 @@ def test_tool_choice_plans():
     assert plan_tools(TOOLS, "none", True, ToolSupport("hermes", None, False)).template is None
     required = plan_tools(TOOLS, "required", False, HERMES_SUPPORT)
     assert (required.forced, required.named, required.parallel) == (True, None, False)
+    only_one = plan_tools(TOOLS[:1], "required", True, HERMES_SUPPORT)
+    assert (only_one.choice, only_one.named) == ("required", "calculator")  # as if named
     pick = plan_tools(TOOLS, named("noop"), True, HERMES_SUPPORT)
     assert (pick.forced, pick.named, pick.template) == (True, "noop", HERMES)
     assert not plan_tools(TOOLS, "auto", True, ToolSupport("none", None, True)).parse

@@ -11,9 +11,10 @@
   keep their common prefix when the choice changes between turns) and parses nothing;
   ``required`` and a named function append the start of a call, as the template writes it, to
   the prompt (``forced_start``): ``<tool_call>`` up to the name (required) or up to the
-  arguments' opening brace (named). Those ids are prompt ids (recorded as prompt, never as
-  generated output); the model writes the rest. The client gets the prefilled text as part of
-  the call, or of the content when what the model wrote does not parse.
+  arguments' opening brace (named, or required with one tool). Those ids are prompt ids
+  (recorded as prompt, never as generated output); the model writes the rest. The client gets
+  the prefilled text as part of the call, or of the content when what the model wrote does
+  not parse.
 - Calls are kept only to functions the request declares (the named one, when named); when none
   is left, the whole text is content.
 - Echoed calls: a template that writes ``arguments | tojson`` (Qwen2.5's, Llama 3.1's) gets
@@ -205,6 +206,8 @@ def plan_tools(
             "tool_parser 'none'",
             param="tool_choice",
         )
+    if choice == "required" and len(names) == 1:
+        named = names[0]  # the one function there is: the call is that one's
     return ToolPlan(
         tools=tools,
         choice=choice,
