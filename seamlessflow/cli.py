@@ -19,6 +19,7 @@ from common.exceptions import SeamlessFlowError
 from common.log import setup_logging
 from common.models import MODELS  # cheap: torch is imported inside its functions
 from common.ready import claim_handshake
+from rollout.gateway.config import ToolSettings
 from seamlessflow.config import DEFAULT_RUN, RunConfig, load_config, override, read_table
 from seamlessflow.exceptions import ConfigError, InputError
 from seamlessflow.flags import Flag, add_flags, apply_flags, section_flags
@@ -127,7 +128,8 @@ def _services() -> list[tuple[str, str, str, list[Flag], bool]]:
             "gateway",
             "serve the OpenAI-compatible API until Ctrl-C",
             "[model] and [gateway] sections",
-            model(only=("name", "served_name", "max_model_len")) + section_flags("gateway"),
+            model(only=("name", "served_name", "max_model_len", *ToolSettings.model_fields))
+            + section_flags("gateway"),
             False,  # /metrics on its own port
         ),
         (
@@ -328,6 +330,7 @@ def _gateway(args: argparse.Namespace) -> int:
             model_path=resolve_model(config.model.name),
             run=config.run,
             max_model_len=config.model.max_model_len,
+            **config.model.model_dump(include=set(ToolSettings.model_fields)),
         )
     except ValidationError as exc:
         raise ConfigError(f"gateway settings: {exc}") from exc

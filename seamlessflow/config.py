@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig, Tags
 from broker.subjects import NAME_PATTERN
 from rollout.agents.config import AgentsConfig
-from rollout.gateway.config import GatewaySettings
+from rollout.gateway.config import GatewaySettings, ToolSettings
 from rollout.worker_config import WorkerConfig
 from seamlessflow.exceptions import ConfigError
 from seamlessflow.processes import SuperviseConfig
@@ -30,8 +30,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelConfig(_Section):
-    """The policy: a built-in model or an HF folder, optionally warm-started."""
+class ModelConfig(_Section, ToolSettings):
+    """The policy: a built-in model or an HF folder, optionally warm-started, and how the
+    gateway renders tools for it and reads its tool calls (``tool_template``, ``tool_parser``)."""
 
     name: str = Field(
         default="tiny",

@@ -28,7 +28,7 @@ from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from broker.weights import LOCAL_BLOB, announce_local, local_folder
 from rollout.gateway import Gateway, serve_gateway
-from rollout.gateway.openai_api import ToolCallStream, parse_tool_calls
+from rollout.gateway.tools import ToolCallStream, parse_tool_calls
 from seamlessflow.processes import ServiceProcess, worker_process
 from tests.support import (
     MODEL,

@@ -14,8 +14,9 @@
 - ``server``: ``Gateway`` (the process, as ``async with``) and ``serve_gateway``;
 - ``calls``: one LLM call over NATS per the generation protocol, and its metric registry.
 
-Its pure cores: ``openai_api`` (request/response models, tool calls), ``prompts`` (templates,
-per-session token reuse), ``detok`` (incremental detokenization with stop strings).
+Its pure cores: ``openai_api`` (request/response models), ``tools`` (tools in the prompt,
+``tool_choice``, tool calls out of the output; templates in ``templates/``), ``prompts``
+(templates, per-session token reuse), ``detok`` (incremental detokenization with stop strings).
 """
 
 from rollout.gateway.app import build_app

@@ -1,8 +1,9 @@
 """The gateway's settings."""
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from broker.subjects import NAME_PATTERN
 from rollout.gateway.calls import CallLimits
@@ -24,7 +25,29 @@ class GatewaySettings(CallLimits):
     )
 
 
-class GatewayConfig(GatewaySettings):
+class ToolSettings(BaseModel):
+    """How the gateway puts tools into the model's prompts and reads its tool calls: part of the
+    ``[model]`` section (they are the model's, as vLLM's ``--chat-template`` and
+    ``--tool-call-parser``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tool_template: str | None = Field(
+        default=None,
+        min_length=1,
+        description="chat template for requests that carry tools, instead of the model's: a "
+        "Jinja file, or 'hermes' (shipped: ChatML, <tool_call> calls); default: the model's "
+        "(a request with tools gets a 400 if that does not render tools, as SmolLM2's)",
+    )
+    tool_parser: Literal["hermes", "none"] = Field(
+        default="hermes",
+        description="how tool calls are read from outputs: 'hermes' (<tool_call>{json}"
+        "</tool_call>) or 'none' (never: it is all content)",
+        json_schema_extra={"flag": "tool-call-parser"},
+    )
+
+
+class GatewayConfig(GatewaySettings, ToolSettings):
     """The gateway's settings (its call limits included), the model it serves and its run."""
 
     model: str = Field(min_length=1, max_length=256, description="model name clients use")

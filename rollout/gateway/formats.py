@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from broker.messages import ToolCall
+from rollout.exceptions import InvalidRequestError
 from rollout.gateway.choices import Event
 from rollout.gateway.openai_api import (
     AssistantMessage,
@@ -36,6 +37,13 @@ from rollout.gateway.openai_api import (
     to_json,
 )
 from rollout.gateway.prompts import echoed_turn, render_chat
+from rollout.gateway.tools import (
+    ToolPlan,
+    ToolSupport,
+    forced_start,
+    plan_tools,
+    with_argument_objects,
+)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -71,8 +79,10 @@ class Format(ABC):
     @abstractmethod
     def requested_max_tokens(self) -> int | None: ...
 
-    parse_tools: bool = False
-    parallel_tool_calls: bool = True
+    plan: ToolPlan = ToolPlan()
+    """The request's tools: how the output's tool calls are read."""
+    call_start: str = ""
+    """The start of a forced tool call that ends the prompt text (set by ``prompt_text``)."""
 
     @property
     def client_ids(self) -> list[int] | None:
@@ -87,9 +97,10 @@ class Format(ABC):
     def echo(
         self, prompt_text: str, content: str, tool_calls: list[ToolCall], output_ids: list[int]
     ) -> tuple[str, list[int]] | None:
-        """The text that follows ``prompt_text`` when the client echoes the output it was given
-        (``content`` and ``tool_calls``), and the ids that text stands for: the output ids
-        (plus any the echo adds). None: an echo cannot be recognised."""
+        """The text that follows ``prompt_text`` less ``call_start`` when the client echoes the
+        output it was given (``content`` and ``tool_calls``), and the ids that text stands for
+        after the prompt's: the output ids (plus any the echo adds). None: an echo cannot be
+        recognised."""
 
     # -- the response ---------------------------------------------------------------------
 
@@ -123,22 +134,42 @@ class ChatFormat(Format):
         model: str,
         tokenizer: Any,
         end_markers: Mapping[str, int],
+        tool_support: ToolSupport,
     ) -> None:
         super().__init__(body, model, tokenizer)
         self.end_markers = end_markers
-        self.messages = [m.for_template() for m in body.messages]
-        self.tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         choice = body.tool_choice
-        self.tool_choice = choice.model_dump() if isinstance(choice, BaseModel) else choice
-        self.parse_tools = body.parses_tool_calls
-        self.parallel_tool_calls = body.parallel_tool_calls
+        choice = choice.model_dump() if isinstance(choice, BaseModel) else choice
+        self.plan = plan_tools(tools, choice, body.parallel_tool_calls, tool_support)
+        self.messages = self._for_template(body.messages)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.body.requested_max_tokens
 
     def prompt_text(self) -> str:
-        return render_chat(self.tokenizer, self.messages, self.tools, self.tool_choice)
+        text = self._render(self.messages)
+        if self.plan.forced:
+            try:
+                self.call_start = forced_start(
+                    lambda reply: self._render([*self.messages, reply], generation_prompt=False),
+                    text,
+                    self.plan,
+                )
+            except InvalidRequestError:  # the template cannot render a call: nothing to prefill
+                self.call_start = ""
+        return text + self.call_start
+
+    def _for_template(self, messages: list[ChatMessageIn]) -> list[dict[str, Any]]:
+        out = [m.for_template() for m in messages]
+        return with_argument_objects(out) if self.plan.argument_objects else out
+
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool = True) -> str:
+        plan = self.plan
+        return render_chat(
+            self.tokenizer, messages, plan.tools, plan.choice, generation_prompt, plan.template
+        )
 
     def echo(
         self, prompt_text: str, content: str, tool_calls: list[ToolCall], output_ids: list[int]
@@ -147,14 +178,9 @@ class ChatFormat(Format):
         reply = ChatMessageIn(
             role="assistant", content=message.content, tool_calls=message.tool_calls
         )
-        rendered = render_chat(
-            self.tokenizer,
-            [*self.messages, reply.for_template()],
-            self.tools,
-            self.tool_choice,
-            generation_prompt=False,
-        )
-        return echoed_turn(prompt_text, rendered, output_ids, self.end_markers)
+        rendered = self._render([*self.messages, *self._for_template([reply])], False)
+        before_call = prompt_text[: len(prompt_text) - len(self.call_start)]
+        return echoed_turn(before_call, rendered, output_ids, self.end_markers)
 
     def reply(self, events: list[list[Event]], usage: Usage) -> ChatCompletion:
         choices = [

@@ -19,3 +19,14 @@ PROMPT_TOKENS = Counter(
     ["source"],
     registry=REGISTRY,
 )
+TOOL_CALLS = Counter(
+    "sf_gateway_tool_calls",
+    "Tool calls parsed from outputs and returned as OpenAI tool_calls",
+    registry=REGISTRY,
+)
+TOOL_CALLS_MALFORMED = Counter(
+    "sf_gateway_tool_calls_malformed",
+    "Outputs with tool-call text that did not parse (or named another function than the one "
+    "tool_choice asked for): returned as content",
+    registry=REGISTRY,
+)

@@ -1,22 +1,18 @@
-"""The OpenAI-compatible HTTP API: request and response models, error bodies, tool calls.
+"""The OpenAI-compatible HTTP API: request and response models, error bodies.
 
 Requests are validated strictly (a string is never read as a number; unknown fields are refused
 with an error naming them, as OpenAI does), except chat messages, whose extra fields go to the
 chat template untouched. Responses follow OpenAI's shapes so the official SDKs parse them.
-Tool calls in generated text are Hermes-style ``<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>`` and are returned as OpenAI ``tool_calls``.
+Tools and tool calls: ``rollout.gateway.tools``.
 """
 
-import json
-import re
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from broker.messages import MAX_SAFE_INT, FunctionCall, ToolCall
-from rollout.gateway.detok import partial_suffix_len
+from broker.messages import MAX_SAFE_INT, ToolCall
 
 MAX_STOP_STRINGS = 16
 
@@ -54,12 +50,35 @@ class ChatMessageIn(BaseModel):
         return out
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+"""OpenAI's rule for function names."""
+
+
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, frozen=True)
 
-    name: str = Field(min_length=1, max_length=256)
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A JSON Schema of an object, as OpenAI takes: checked as far as the template and the
+        model read it (its type, properties and required names)."""
+        if value is None:
+            return value
+        if value.get("type", "object") != "object":
+            raise ValueError(f"a parameters schema must be of type 'object', not {value['type']!r}")
+        properties = value.get("properties", {})
+        if not isinstance(properties, dict) or not all(
+            isinstance(p, dict) for p in properties.values()
+        ):
+            raise ValueError("'properties' must map each parameter name to a JSON Schema object")
+        required = value.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError("'required' must be a list of parameter names")
+        return value
 
 
 class ToolDef(_Strict):
@@ -68,7 +87,7 @@ class ToolDef(_Strict):
 
 
 class NamedFunction(_Strict):
-    name: str = Field(min_length=1, max_length=256)
+    name: str = Field(pattern=FUNCTION_NAME)
 
 
 class NamedToolChoice(_Strict):
@@ -134,10 +153,6 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CompletionRequest(_SamplingRequest):
@@ -294,88 +309,3 @@ class ErrorBody(BaseModel):
 def to_json(model: BaseModel) -> str:
     """A response body: null fields left out, as the OpenAI SDKs read them as absent."""
     return model.model_dump_json(exclude_none=True)
-
-
-# -- tool calls -----------------------------------------------------------------------------
-
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-_TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.S)
-_ARGUMENTS_KEY = re.compile(r'"arguments"\s*:\s*')
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """Hermes-style tool calls in ``text``: (the text outside them, stripped; the calls). When
-    there is none, or one is not a JSON object with a ``name``, the text is plain content."""
-    calls = []
-    for match in _TOOL_CALL.finditer(text):
-        call = _tool_call(match.group(1).strip())
-        if call is None:
-            return text, []
-        calls.append(call)
-    if not calls:
-        return text, []
-    return _TOOL_CALL.sub("", text).strip(), calls
-
-
-def _tool_call(body: str) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", {})
-    if isinstance(args, str):
-        arguments = args
-    elif isinstance(args, dict):
-        arguments = _arguments_as_written(body, args)
-    else:
-        return None
-    return ToolCall(
-        id=f"call_{uuid.uuid4().hex[:24]}",
-        function=FunctionCall(name=obj["name"], arguments=arguments),
-    )
-
-
-def _arguments_as_written(body: str, args: dict[str, Any]) -> str:
-    """The arguments' JSON text exactly as the model wrote it, so that an agent echoing the call
-    renders the same text again (and the prompt reuses the generated ids)."""
-    key = _ARGUMENTS_KEY.search(body)
-    if key is not None:
-        try:
-            value, end = json.JSONDecoder().raw_decode(body, key.end())
-        except ValueError:
-            value = None
-        if value == args:
-            return body[key.end() : end]
-    return json.dumps(args)
-
-
-class ToolCallStream:
-    """Streamed content with tool calls: text is passed on until a ``<tool_call>`` may begin;
-    from there on it is held and parsed when the output ends."""
-
-    def __init__(self) -> None:
-        self._held = ""
-        self._in_call = False
-
-    def feed(self, text: str) -> str:
-        """Content that can be streamed now."""
-        if self._in_call:
-            self._held += text
-            return ""
-        text = self._held + text
-        start = text.find(TOOL_CALL_OPEN)
-        if start >= 0:
-            self._in_call = True
-            self._held = text[start:]
-            return text[:start]
-        cut = len(text) - partial_suffix_len(text, (TOOL_CALL_OPEN,))
-        self._held = text[cut:]
-        return text[:cut]
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The rest of the content, and the tool calls found in it."""
-        held, self._held = self._held, ""
-        return parse_tool_calls(held) if self._in_call else (held, [])

@@ -47,11 +47,14 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     tool_choice: Any = None,
     generation_prompt: bool = True,
+    template: str | None = None,
 ) -> str:
-    """The model's chat template applied to ``messages`` (with ``tools`` and ``tool_choice``
-    passed to the template), ending with the generation prompt unless ``generation_prompt`` is
-    False."""
-    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    """The chat template (``template``, else the model's) applied to ``messages`` (with
+    ``tools`` and ``tool_choice`` passed to the template), ending with the generation prompt
+    unless ``generation_prompt`` is False."""
+    extra: dict[str, Any] = {} if tool_choice is None else {"tool_choice": tool_choice}
+    if template is not None:
+        extra["chat_template"] = template
     try:
         return tokenizer.apply_chat_template(
             messages,
@@ -144,19 +147,27 @@ class SessionStore:
         return Prompt(ids=ids, text=text, reused=len(reused))
 
     def record(
-        self, session_id: str, prompt: Prompt, output_text: str, output_ids: Sequence[int]
+        self,
+        session_id: str,
+        prompt: Prompt,
+        output_text: str,
+        output_ids: Sequence[int],
+        after: str | None = None,
     ) -> None:
-        """Remember a served turn. Prompts sent as ids (no text) are not stored."""
+        """Remember a served turn: its prompt, and ``output_text`` after ``after`` (default: the
+        prompt text) standing for the prompt ids + ``output_ids``. ``after`` is shorter when the
+        prompt ends with text the echo renders its own way (a forced tool call's start: the
+        echo may put content before the call). Prompts sent as ids (no text) are not stored."""
         if prompt.text is None or not prompt.ids:
             return
         session = self._sessions.get(session_id)
         if session is None:
             session = self._sessions[session_id] = _Session()
         self._sessions.move_to_end(session_id)
-        boundaries = [(prompt.text, prompt.ids)]
+        added = _insert(session.root, [(prompt.text, prompt.ids)])
         if output_text and output_ids:  # ids with no text would match any text: not a boundary
-            boundaries.append((prompt.text + output_text, [*prompt.ids, *output_ids]))
-        added = _insert(session.root, boundaries)
+            base = prompt.text if after is None else after
+            added += _insert(session.root, [(base + output_text, [*prompt.ids, *output_ids])])
         session.tokens += added
         self._tokens += added
         self._evict()

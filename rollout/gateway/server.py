@@ -22,6 +22,7 @@ from rollout.exceptions import GenerationUnavailableError, RolloutError
 from rollout.gateway.app import build_app
 from rollout.gateway.config import GatewayConfig
 from rollout.gateway.service import OpenAIService
+from rollout.gateway.tools import tool_support
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class Gateway:
     async def __aenter__(self) -> "Gateway":
         config = self.config
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
+        tools = await asyncio.to_thread(
+            tool_support, tokenizer, config.tool_parser, config.tool_template
+        )
         max_model_len = config.max_model_len or model_info(config.model_path).get(
             "max_position_embeddings"
         )
@@ -78,7 +82,7 @@ class Gateway:
         try:
             js = nc.jetstream(timeout=config.nats_timeout_s)
             await _check_provisioned(js, RunNames(config.run))
-            self.service = OpenAIService(config, tokenizer, nc, js, max_model_len, stop_ids)
+            self.service = OpenAIService(config, tokenizer, tools, nc, js, max_model_len, stop_ids)
             self._socket = _listen(config.host, config.port)
             self._server = _Server(
                 uvicorn.Config(

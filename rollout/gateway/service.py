@@ -53,12 +53,12 @@ from rollout.gateway.openai_api import (
     CompletionRequest,
     ModelCard,
     ModelList,
-    ToolCallStream,
     now,
     to_json,
 )
 from rollout.gateway.prompts import Prompt, SessionStore
 from rollout.gateway.responses import json_response, report_error, sse
+from rollout.gateway.tools import ToolCallStream, ToolSupport
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class OpenAIService:
         self,
         config: GatewayConfig,
         tokenizer: Any,
+        tools: ToolSupport,
         nc: NATS,
         js: JetStreamContext,
         max_model_len: int,
@@ -93,6 +94,9 @@ class OpenAIService:
         self.end_markers = {tokenizer.decode([i]): i for i in stop_token_ids}
         """How each stop token reads in rendered text (a chat turn's end)."""
         self.sessions = SessionStore(config.session_cache_sessions, config.session_cache_tokens)
+        self.tool_support = tools
+        if not (tools.template or tools.model_renders_tools):
+            log.warning(kv("gateway_tools_not_rendered", model=config.model_path))
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="gateway-tokenizer")
         self._tasks: set[asyncio.Task] = set()
 
@@ -108,7 +112,9 @@ class OpenAIService:
 
     async def chat_completions(self, request: Request) -> Response:
         body = _parse(ChatCompletionRequest, await request.body())
-        format_ = ChatFormat(body, self.config.model, self.tokenizer, self.end_markers)
+        format_ = ChatFormat(
+            body, self.config.model, self.tokenizer, self.end_markers, self.tool_support
+        )
         return await self._respond(request, format_)
 
     async def completions(self, request: Request) -> Response:
@@ -186,7 +192,8 @@ class OpenAIService:
         turn = format_.echo(prompt.text, content, tool_calls, output_ids)
         if turn is None:
             log.info(kv("gateway_echo_unrecognisable", session=session_id))
-        self.sessions.record(session_id, prompt, *(turn or ("", [])))
+        after = prompt.text[: len(prompt.text) - len(format_.call_start)]
+        self.sessions.record(session_id, prompt, *(turn or ("", [])), after=after)
 
     def _max_tokens(self, prompt_len: int, requested: int | None, where: str) -> int:
         """``requested``, or all the room left when not given; the context must fit."""
@@ -323,7 +330,7 @@ class OpenAIService:
         content the client is given."""
         stop = format_.body.stop_strings
         detok = Detokenizer(self.tokenizer, stop, context=call.prompt_ids[-_CONTEXT_IDS:])
-        tools = ToolCallStream() if format_.parse_tools else None
+        tools = ToolCallStream(format_.call_start) if format_.plan.parse else None
         content = []
         async with contextlib.aclosing(call.tokens()) as stream:
             async for tokens in stream:
@@ -348,10 +355,8 @@ class OpenAIService:
         tool_calls: list[ToolCall] = []
         if tools is not None:
             streamed = tools.feed(rest)
-            held, tool_calls = tools.finish()
+            held, tool_calls = tools.finish(format_.plan)
             rest = streamed + held
-            if not format_.parallel_tool_calls:
-                tool_calls = tool_calls[:1]
         content.append(rest)
         if tool_calls:
             finish = "tool_calls"
