@@ -1,0 +1,160 @@
+"""``seamlessflow export``: the Parquet tables of hand-built messages (bad ones skipped and
+counted), read from a real broker without touching the run's durables, and the export of a real
+``seamlessflow run`` against what its trainer trained, sample for sample."""
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+import pyarrow.parquet as pq  # noqa: E402
+
+from broker import codec  # noqa: E402
+from broker.messages import CallRecorded, SampleReady, SessionEnded  # noqa: E402
+from broker.subjects import Durable, RunNames  # noqa: E402
+from seamlessflow.export import (  # noqa: E402
+    Collected,
+    ExportRequest,
+    export_run,
+    parse_since,
+    sources,
+    write_tables,
+)
+
+
+def call(session: str, n: int, version: int = 0) -> CallRecorded:
+    return CallRecorded(
+        session_id=session,
+        call_id=f"{session}-c{n}",
+        model="tiny",
+        prompt_ids=[1, 2, 3 + n],
+        output_ids=[7, 8],
+        output_logprobs=[-0.25, -1.5],
+        output_versions=[version, version + 1],
+        finish_reason="stop",
+        started_at=100.0 + n,
+        finished_at=101.0 + n,
+    )
+
+
+def end(session: str, reward: float) -> SessionEnded:
+    return SessionEnded(
+        session_id=session, reward=reward, task_id="t1", group_id="g1", metrics={"turns": 2.0}
+    )
+
+
+def sample(session: str) -> SampleReady:
+    return SampleReady(
+        sample_id=f"{session}-0",
+        session_id=session,
+        group_id="g1",
+        token_ids=[1, 2, 3, 7, 8],
+        loss_mask=[0, 0, 0, 1, 1],
+        logprobs=[0.0, 0.0, 0.0, -0.25, -1.5],
+        versions=[-1, -1, -1, 0, 1],
+        reward=1.0,
+        on_policy=False,
+        task_id="t1",
+    )
+
+
+def read(out, name: str) -> list[dict]:
+    return pq.read_table(out / f"{name}.parquet").to_pylist()
+
+
+def test_the_tables_of_hand_built_messages_skip_the_bad_ones(tmp_path):
+    calls, ends, samples = sources(RunNames("r"))
+    collected = Collected()
+    json_headers = codec.headers(codec.Encoding.JSON)
+    assert collected.add(calls, 1, "sf.r.traj.calls.s1", codec.encode(call("s1", 0)), None)
+    assert collected.add(
+        calls,
+        2,
+        "sf.r.traj.calls.s1",
+        codec.encode(call("s1", 1), codec.Encoding.JSON),
+        json_headers,
+    )
+    assert collected.add(calls, 3, "sf.r.traj.calls.s2", codec.encode(call("s2", 0)), None)
+    assert not collected.add(calls, 4, "sf.r.traj.calls.s1", b"\xc1 not msgpack", None)
+    assert not collected.add(calls, 5, "sf.r.traj.calls.s9", codec.encode(call("s1", 2)), None)
+    assert collected.add(ends, 6, "sf.r.traj.end", codec.encode(end("s1", 0.5)), None)
+    assert not collected.add(ends, 7, "sf.r.traj.end", codec.encode(sample("s1")), None)
+    assert collected.add(samples, 8, "sf.r.samples", codec.encode(sample("s1")), None)
+    paths = write_tables(collected, tmp_path / "out", decode=lambda ids: " ".join(map(str, ids)))
+    out = tmp_path / "out"
+    assert sorted(p.name for p in paths.values()) == sorted(
+        ["calls.parquet", "sessions.parquet", "samples.parquet", "export.json"]
+    )
+    rows = read(out, "calls")
+    assert [(r["stream_seq"], r["call_id"]) for r in rows] == [
+        (1, "s1-c0"),
+        (2, "s1-c1"),
+        (3, "s2-c0"),
+    ]
+    assert rows[1]["prompt_ids"] == [1, 2, 4] and rows[1]["output_versions"] == [0, 1]
+    assert rows[1]["output_logprobs"] == [-0.25, -1.5] and rows[1]["finish_reason"] == "stop"
+    assert rows[1]["prompt_text"] == "1 2 4" and rows[1]["output_text"] == "7 8"
+    s1, s2 = read(out, "sessions")
+    assert (s1["session_id"], s1["ended"], s1["reward"], s1["end_seq"]) == ("s1", True, 0.5, 6)
+    assert (s1["calls"], s1["output_tokens"], s1["metrics"]) == (2, 4, [("turns", 2.0)])
+    assert (s1["started_at"], s1["finished_at"]) == (100.0, 102.0)
+    assert (s2["session_id"], s2["ended"], s2["reward"], s2["calls"]) == ("s2", False, None, 1)
+    (row,) = read(out, "samples")
+    assert row == {"stream_seq": 8, **sample("s1").model_dump(exclude={"schema_version"})}
+    summary = json.loads((out / "export.json").read_text())
+    assert summary["rows"] == {"sessions": 2, "calls": 3, "samples": 1}
+    assert summary["skipped"] == {"calls": 2, "sessions": 1}
+    reasons = {(s["table"], s["stream_seq"]): s["reason"] for s in summary["skips"]}
+    assert "not valid msgpack" in reasons[("calls", 4)]
+    assert "is not its subject's ('s9')" in reasons[("calls", 5)]
+    assert "invalid SessionEnded" in reasons[("sessions", 7)]
+
+
+def test_an_empty_export_still_has_its_columns(tmp_path):
+    write_tables(Collected(), tmp_path)
+    table = pq.read_table(tmp_path / "samples.parquet")
+    assert table.num_rows == 0 and "loss_mask" in table.column_names
+
+
+def test_since_reads_times_and_durations():
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    assert parse_since("30m", now) == now - timedelta(minutes=30)
+    assert parse_since("2026-01-01T00:00", now) == datetime(2026, 1, 1, tzinfo=UTC)
+    with pytest.raises(Exception, match="neither an ISO 8601 time"):
+        parse_since("yesterday", now)
+
+
+async def test_export_reads_the_streams_and_takes_nothing_from_the_run(broker, js, names, tmp_path):
+    for n in range(3):
+        await js.publish(names.traj_calls("s1"), codec.encode(call("s1", n)))
+    await js.publish(names.traj_calls("s2"), b"garbage")
+    await js.publish(names.traj_end, codec.encode(end("s1", 1.0)))
+    await js.publish(names.samples, codec.encode(sample("s1")))
+    await js.publish(names.samples, b'{"sample_id": 1}', headers=codec.headers(codec.Encoding.JSON))
+    before = {
+        s: (await js.consumer_info(s, d)).num_pending
+        for s, d in (
+            (names.samples_stream, Durable.TRAINER),
+            (names.traj_stream, Durable.TRAJECTORY),
+        )
+    }
+    request = ExportRequest(url=broker.url, run=names.run, out_dir=tmp_path, progress=False)
+    collected = await export_run(request)
+    assert collected.counts() == {"calls": 3, "sessions": 1, "samples": 1}
+    assert collected.skipped == {"calls": 1, "samples": 1}
+    assert [r["call_id"] for r in read(tmp_path, "calls")] == ["s1-c0", "s1-c1", "s1-c2"]
+    assert read(tmp_path, "samples")[0]["token_ids"] == [1, 2, 3, 7, 8]
+    # The durables still hold everything for the run; the export's consumers are gone.
+    for (stream, durable), pending in zip(
+        ((names.samples_stream, Durable.TRAINER), (names.traj_stream, Durable.TRAJECTORY)),
+        before.values(),
+        strict=True,
+    ):
+        assert (await js.consumer_info(stream, durable)).num_pending == pending
+    for stream in (names.samples_stream, names.traj_stream):
+        assert (await js.stream_info(stream)).state.consumer_count == 1
+    # --since after the last message: empty tables, not an error.
+    later = datetime.now(UTC) + timedelta(hours=1)
+    late = ExportRequest(broker.url, names.run, tmp_path / "late", since=later, progress=False)
+    assert (await export_run(late)).counts() == {"calls": 0, "sessions": 0, "samples": 0}
