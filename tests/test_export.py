@@ -3,6 +3,9 @@ counted), read from a real broker without touching the run's durables, and the e
 ``seamlessflow run`` against what its trainer trained, sample for sample."""
 
 import json
+import os
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -21,6 +24,7 @@ from seamlessflow.export import (  # noqa: E402
     sources,
     write_tables,
 )
+from trainer.checkpoint import read_steps  # noqa: E402
 
 
 def call(session: str, n: int, version: int = 0) -> CallRecorded:
@@ -158,3 +162,77 @@ async def test_export_reads_the_streams_and_takes_nothing_from_the_run(broker, j
     later = datetime.now(UTC) + timedelta(hours=1)
     late = ExportRequest(broker.url, names.run, tmp_path / "late", since=later, progress=False)
     assert (await export_run(late)).counts() == {"calls": 0, "sessions": 0, "samples": 0}
+
+
+@pytest.mark.newest_nats
+@pytest.mark.timeout(300)
+async def test_the_export_of_a_real_run_is_what_its_trainer_trained(
+    broker, js, run_name, tmp_path, run_toml
+):
+    """A short ``seamlessflow run`` (2 steps, disaggregated), then ``seamlessflow export``: every
+    sample the trainer's steps log names is exported once, token-exact with the stream's
+    ``SampleReady``, and each sample is one exported call's ``prompt_ids + output_ids``."""
+    config = run_toml(
+        run_name,
+        tasks={"group_size": 2},
+        trainer={"groups_per_step": 2, "max_staleness": 2},
+        stop={"max_steps": 2, "max_seconds": 200},
+    )
+    env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}
+
+    def sf(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "seamlessflow.cli", *args, "--nats", broker.url],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=240,
+        )
+
+    done = sf("run", str(config))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    out = tmp_path / "export"
+    done = sf("export", "--run", run_name, str(out), "--tokenizer", "tiny", "--no-progress")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "0 skipped" in done.stdout and "Traceback" not in done.stderr
+
+    names = RunNames(run_name)
+    stored = {s.sample_id: s for s in await _stored(js, names.samples_stream, SampleReady)}
+    samples = {row["sample_id"]: row for row in read(out, "samples")}
+    assert len(samples) == len(read(out, "samples")) == len(stored)
+    steps = read_steps(tmp_path / "out" / "checkpoints")
+    trained = [sid for step in steps for sid in step.trained]
+    consumed = {sid for step in steps for sid in step.sample_ids}
+    assert len(trained) >= 2 * 2 * 2 and consumed <= samples.keys()
+    for sid in trained:  # what the trainer trained, token for token
+        row, message = samples[sid], stored[sid]
+        assert {k: row[k] for k in message.model_dump(exclude={"schema_version"})} == (
+            message.model_dump(exclude={"schema_version"})
+        )
+    calls = read(out, "calls")
+    by_session = {}
+    for c in calls:
+        by_session.setdefault(c["session_id"], []).append(c)
+    for row in samples.values():  # each sample is the path of one of its session's calls
+        n = len(row["token_ids"])
+        assert any(
+            c["prompt_ids"] + c["output_ids"] == row["token_ids"]
+            and row["logprobs"][n - len(c["output_ids"]) :] == c["output_logprobs"]
+            for c in by_session[row["session_id"]]
+        )
+    sessions = {s["session_id"]: s for s in read(out, "sessions")}
+    for row in samples.values():
+        session = sessions[row["session_id"]]
+        assert session["ended"] and session["reward"] == row["reward"]
+        assert session["calls"] == len(by_session[row["session_id"]])
+    assert all(c["output_text"] is not None and c["prompt_text"] for c in calls)
+    summary = json.loads((out / "export.json").read_text())
+    assert summary["rows"]["calls"] == len(calls) and summary["skipped"] == {}
+
+
+async def _stored(js, stream: str, schema) -> list:
+    state = (await js.stream_info(stream)).state
+    return [
+        codec.decode(schema, (await js.get_msg(stream, seq)).data)
+        for seq in range(state.first_seq, state.last_seq + 1)
+    ]
