@@ -2,6 +2,7 @@
 counted), read from a real broker without touching the run's durables, and the export of a real
 ``seamlessflow run`` against what its trainer trained, sample for sample."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ from seamlessflow.export import (  # noqa: E402
     sources,
     write_tables,
 )
+from tests.support import eventually  # noqa: E402
 from trainer.checkpoint import read_steps  # noqa: E402
 
 
@@ -236,3 +238,23 @@ async def _stored(js, stream: str, schema) -> list:
         codec.decode(schema, (await js.get_msg(stream, seq)).data)
         for seq in range(state.first_seq, state.last_seq + 1)
     ]
+
+
+async def test_follow_reads_new_messages_until_cancelled(broker, js, names, tmp_path):
+    await js.publish(names.samples, codec.encode(sample("s1")))
+    request = ExportRequest(broker.url, names.run, tmp_path, follow=True, progress=False)
+    task = asyncio.create_task(export_run(request))
+    await js.publish(names.samples, codec.encode(sample("s2")))
+
+    async def read_up_to_the_last_sample() -> bool:
+        readers = [
+            c for c in await js.consumers_info(names.samples_stream) if c.name != Durable.TRAINER
+        ]
+        return bool(readers) and readers[0].delivered.stream_seq == 2
+
+    await eventually(read_up_to_the_last_sample, watch=task)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [r["session_id"] for r in read(tmp_path, "samples")] == ["s1", "s2"]
+    assert (await js.stream_info(names.samples_stream)).state.consumer_count == 1
