@@ -347,8 +347,9 @@ def tokenizer_decoder(spec: str) -> Callable[[list[int]], str]:
 
 
 async def export_run(request: ExportRequest) -> Collected:
-    """Read the run's streams and write its tables (see the module docstring). With ``follow``
-    it rewrites them every ``FLUSH_S`` and once more when cancelled (Ctrl-C)."""
+    """Read the run's streams and write its tables (see the module docstring); a one-shot export
+    that fails writes nothing. With ``follow`` it rewrites them every ``FLUSH_S`` and once more
+    when it ends (cancelled: Ctrl-C)."""
     from broker.client import session
 
     _pyarrow()  # fail before reading anything
@@ -363,12 +364,13 @@ async def export_run(request: ExportRequest) -> Collected:
                 read_source(js, s, collected, since=request.since, follow=request.follow, bar=bar)
                 for s in sources(names)
             ]
+            if not request.follow:
+                await asyncio.gather(*readers)
+                write_tables(collected, request.out_dir, decode)
+                return collected
             try:
-                if request.follow:
-                    await _follow(readers, collected, request.out_dir, decode)
-                else:
-                    await asyncio.gather(*readers)
-            finally:
+                await _follow(readers, collected, request.out_dir, decode)
+            finally:  # on Ctrl-C too: what was read so far
                 write_tables(collected, request.out_dir, decode)
     return collected
 

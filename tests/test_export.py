@@ -160,6 +160,13 @@ async def test_export_reads_the_streams_and_takes_nothing_from_the_run(broker, j
         assert (await js.consumer_info(stream, durable)).num_pending == pending
     for stream in (names.samples_stream, names.traj_stream):
         assert (await js.stream_info(stream)).state.consumer_count == 1
+    # --since: only what was stored from then on.
+    since = datetime.now(UTC)
+    await asyncio.sleep(0.05)
+    await js.publish(names.samples, codec.encode(sample("s3")))
+    recent = ExportRequest(broker.url, names.run, tmp_path / "recent", since=since, progress=False)
+    assert (await export_run(recent)).counts() == {"calls": 0, "sessions": 0, "samples": 1}
+    assert read(tmp_path / "recent", "samples")[0]["session_id"] == "s3"
     # --since after the last message: empty tables, not an error.
     later = datetime.now(UTC) + timedelta(hours=1)
     late = ExportRequest(broker.url, names.run, tmp_path / "late", since=later, progress=False)
