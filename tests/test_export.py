@@ -219,6 +219,14 @@ async def test_the_export_of_a_real_run_is_what_its_trainer_trained(
             message.model_dump(exclude={"schema_version"})
         )
     calls = read(out, "calls")
+    _check_calls_and_sessions(out, calls, samples)
+    summary = json.loads((out / "export.json").read_text())
+    assert summary["rows"]["calls"] == len(calls) and summary["skipped"] == {}
+
+
+def _check_calls_and_sessions(out, calls: list[dict], samples: dict[str, dict]) -> None:
+    """Each sample is the path of one of its session's exported calls (its ``prompt_ids +
+    output_ids``, with the call's logprobs on the output), in an ended session of its reward."""
     by_session = {}
     for c in calls:
         by_session.setdefault(c["session_id"], []).append(c)
@@ -235,8 +243,6 @@ async def test_the_export_of_a_real_run_is_what_its_trainer_trained(
         assert session["ended"] and session["reward"] == row["reward"]
         assert session["calls"] == len(by_session[row["session_id"]])
     assert all(c["output_text"] is not None and c["prompt_text"] for c in calls)
-    summary = json.loads((out / "export.json").read_text())
-    assert summary["rows"]["calls"] == len(calls) and summary["skipped"] == {}
 
 
 async def _stored(js, stream: str, schema) -> list:
