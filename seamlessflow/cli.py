@@ -1,9 +1,10 @@
 """``seamlessflow``: the command line. Each subcommand is a thin wrapper over a library call.
 
 A subcommand imports what it runs only when it runs, so the base install (no torch) runs
-``broker``, ``provision``, ``status``, ``submit``, ``dead-letters`` and ``schema export``. The
-settings of the service subcommands are flags generated from the run config's sections
-(``seamlessflow.flags``): a flag overrides its key of the ``--config`` file.
+``broker``, ``provision``, ``status``, ``submit``, ``dead-letters`` and ``schema export``
+(``export`` too, with the ``export`` extra's pyarrow). The settings of the service subcommands
+are flags generated from the run config's sections (``seamlessflow.flags``): a flag overrides
+its key of the ``--config`` file.
 """
 
 import argparse
@@ -96,6 +97,14 @@ def _add_tools(sub) -> None:
     _add_run(p)
     p.add_argument("--source", help="only those of this ingress (e.g. 'tasks')")
     p.add_argument("--json", action="store_true", help="one JSON array instead of text")
+    p = sub.add_parser("export", help="write a run's sessions, calls and samples as Parquet")
+    _add_nats(p)
+    _add_run(p)
+    p.add_argument("out_dir", type=Path, help="folder for the .parquet files and export.json")
+    p.add_argument("--since", help="only messages stored since: ISO 8601 time or e.g. 30m, 2h")
+    p.add_argument("--follow", action="store_true", help="keep reading; rewrite every 30 s")
+    p.add_argument("--tokenizer", help="model name or HF folder: add the calls' text columns")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("schema", help="wire schemas")
     schema_sub = p.add_subparsers(dest="schema_command", required=True)
     e = schema_sub.add_parser("export", help="write a JSON Schema file per message")
@@ -253,6 +262,28 @@ async def _dead_letters(args: argparse.Namespace) -> int:
         print(f"  subject {letter.original_subject}, {letter.payload_size} bytes{cut}")
         print(f"  payload ({letter.payload_encoding}): {json.dumps(letter.payload)}")
     print(f"{len(letters)} dead letters on {names.dead_stream}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from seamlessflow.export import ExportRequest, export_run, parse_since
+
+    request = ExportRequest(
+        url=args.nats,
+        run=args.run or DEFAULT_RUN,
+        out_dir=args.out_dir,
+        since=parse_since(args.since) if args.since else None,
+        follow=args.follow,
+        tokenizer=args.tokenizer,
+        progress=not args.no_progress,
+    )
+    try:
+        collected = asyncio.run(export_run(request))
+    except KeyboardInterrupt:  # --follow: the tables were written on the way out
+        return 0
+    rows = ", ".join(f"{n} {name}" for name, n in collected.counts().items())
+    skipped = sum(collected.skipped.values())
+    print(f"exported {rows} of run {request.run!r} to {args.out_dir} ({skipped} skipped)")
     return 0
 
 
@@ -447,6 +478,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": lambda args: asyncio.run(_status(args)),
     "submit": _submit,
     "dead-letters": lambda args: asyncio.run(_dead_letters(args)),
+    "export": _export,
     "schema": _schema,
     "worker": _worker,
     "gateway": _gateway,
