@@ -21,7 +21,6 @@ from rollout.agents.multi_agent import (
     CHECK_PROMPT,
     CHECKER_SYSTEM,
     FEEDBACK,
-    SOLVER_SYSTEM,
     agrees,
     checker_messages,
 )
@@ -43,8 +42,6 @@ def test_the_checker_accepts_an_answer_that_ends_in_its_own_result():
     (system, user) = checker_messages("3+4=", "7")
     assert system == {"role": "system", "content": CHECKER_SYSTEM}
     assert user["content"] == CHECK_PROMPT.format(question="3+4=", answer="7")
-    # The roles' system prompts part at their first word: their branches split right away.
-    assert SOLVER_SYSTEM.split()[0] != CHECKER_SYSTEM.split()[0]
 
 
 def test_the_example_config_runs_the_multi_agent_on_arithmetic():
@@ -54,10 +51,13 @@ def test_the_example_config_runs_the_multi_agent_on_arithmetic():
 
 
 def role(tok, token_ids: list[int]) -> str:
+    """A conversation's role: the checker's opens with its system prompt; the solver's is the
+    task's (one user message, ``a+b=``)."""
     text = tok.decode(token_ids)
-    solver, checker = SOLVER_SYSTEM in text, CHECKER_SYSTEM in text
-    assert solver != checker, f"one role's system prompt per branch: {text!r}"
-    return "solver" if solver else "checker"
+    if text.startswith(f"<|im_start|>system\n{CHECKER_SYSTEM}<|im_end|>"):
+        return "checker"
+    assert text.startswith("<|im_start|>user\n") and CHECKER_SYSTEM not in text, text
+    return "solver"
 
 
 @pytest.mark.newest_nats
@@ -133,9 +133,11 @@ async def test_each_roles_branch_becomes_its_own_sample(stack, js, tok):
             assert (x.group_id, x.group_size, x.task_id) == (task.task_id, 2, task.task_id)
             assert (x.reward, x.session_samples) == (s.reward, len(mine))
             leaf = tuple(x.token_ids)
-            # The other role's prompt never leaks into a branch.
-            other = CHECKER_SYSTEM if role(tok, x.token_ids) == "solver" else SOLVER_SYSTEM
-            assert other not in tok.decode(x.token_ids)
+            # The other role's prompt never leaks into a branch: the solver's holds nothing of
+            # the checker's (``role``); the checker's prompt is its system prompt and one user
+            # message, none of the solver's turns or feedback.
+            if role(tok, x.token_ids) == "solver":
+                assert "Proposed answer:" not in tok.decode(x.token_ids)
             for j, bit in enumerate(x.loss_mask):
                 generated, logprob, version = labels[tuple(x.token_ids[: j + 1])]
                 if bit:  # a loss token: generated here, with its behaviour logprob and version
@@ -146,6 +148,7 @@ async def test_each_roles_branch_becomes_its_own_sample(stack, js, tok):
             if role(tok, x.token_ids) == "checker":
                 # Its loss tokens: its own reply, never the solver's answer shown in its prompt.
                 call = next(c for c, p in zip(recorded, paths, strict=True) if p == leaf)
+                assert tok.decode(call.prompt_ids).count("<|im_start|>") == 3
                 first = x.loss_mask.index(1)
                 assert first >= len(call.prompt_ids) and x.loss_mask[-1] == 1
         # Every generated token is a loss token of exactly one sample.

@@ -5,7 +5,8 @@ verifier and a reference; written for the ``arithmetic`` tasks). Per attempt, bo
 the gateway through ``ctx.client``, so under the attempt's one session id, each with its own
 system prompt and its own history:
 
-1. the **solver** (system ``SOLVER_SYSTEM``) gets the task's messages and answers;
+1. the **solver** is an existing single agent, unchanged: it gets the task's messages as they
+   are (for ``arithmetic``, the one user message ``a+b=`` the warm start taught) and answers;
 2. the **checker** (system ``CHECKER_SYSTEM``), in a conversation of its own, is shown the
    question and the solver's answer and works the question out again; it *accepts* the answer
    when the last number of its reply equals the last number of the solver's;
@@ -19,10 +20,11 @@ by it too: rejecting a right answer costs a turn (0.5 instead of 1.0), accepting
 ends the attempt at 0.0.
 
 The session's token tree has one branch per conversation: the solver's (extended turn by turn,
-or forked where a re-sent answer re-tokenizes differently) and one per checker call (the two
-system prompts differ at their first word, so the roles part right after the template's
-``<|im_start|>system``). Each leaf is its own sample with the session's reward; the solver's
-answer reaches the checker as prompt text, so it is never in the checker's loss mask.
+or forked where a re-sent answer re-tokenizes differently) and one per checker call (the
+checker's conversation opens with its own system prompt, the solver's with the task's
+messages, so the two part within the first tokens). Each leaf is its own sample with the
+session's reward; the solver's answer reaches the checker as prompt text, so it is never in the
+checker's loss mask.
 """
 
 import re
@@ -30,7 +32,6 @@ from typing import Any
 
 from rollout.agents.agents import AgentContext, AgentResult, openai_messages
 
-SOLVER_SYSTEM = "Solver: answer with the result only."
 CHECKER_SYSTEM = "Checker: work the question out again, then give the result."
 CHECK_PROMPT = "Question: {question}\nProposed answer: {answer}\nCheck: {question}"
 """The checker's user message; ``question`` is the task's last user message."""
@@ -77,8 +78,7 @@ async def solver_checker(ctx: AgentContext) -> AgentResult:
     question = next(
         (m.get("content") or "" for m in reversed(task_messages) if m["role"] == "user"), ""
     )
-    solver = [{"role": "system", "content": SOLVER_SYSTEM}]
-    solver += [m for m in task_messages if m["role"] != "system"]
+    solver = list(task_messages)
     turn = 0
     while True:
         turn += 1
