@@ -126,7 +126,7 @@ async def test_each_roles_branch_becomes_its_own_sample(stack, js, tok):
                 labels.setdefault(path[: j + 1], label)
         mine = [x for x in samples if x.session_id == s.session_id]
         assert len(mine) == len(leaves) and {tuple(x.token_ids) for x in mine} == leaves
-        checker_paths = {p for p, r in zip(paths, roles, strict=True) if r == "checker"}
+        checker_paths = {p for p, r in zip(paths, roles, strict=True) if r == "checker"} & leaves
         assert [role(tok, x.token_ids) for x in mine].count("checker") == len(checker_paths)
         masked: list[tuple[int, ...]] = []
         for x in mine:
