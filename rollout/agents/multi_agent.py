@@ -3,7 +3,7 @@
 Reference it as ``agents.agent = "rollout.agents.multi_agent:solver_checker"`` (any task with a
 verifier and a reference; written for the ``arithmetic`` tasks). Per attempt, both roles call
 the gateway through ``ctx.client``, so under the attempt's one session id, each with its own
-system prompt and its own history:
+prompt and its own history:
 
 1. the **solver** is an existing single agent, unchanged: it gets the task's messages as they
    are (for ``arithmetic``, the one user message ``a+b=`` the warm start taught) and answers;
