@@ -21,8 +21,9 @@ from common.log import setup_logging
 from common.models import MODELS  # cheap: torch is imported inside its functions
 from common.ready import claim_handshake
 from rollout.gateway.config import ToolSettings
-from seamlessflow.config import DEFAULT_RUN, RunConfig, load_config, override, read_table
-from seamlessflow.exceptions import ConfigError, InputError
+from seamlessflow import services
+from seamlessflow.config import DEFAULT_RUN, load_config, override, read_table
+from seamlessflow.exceptions import InputError
 from seamlessflow.flags import Flag, add_flags, apply_flags, section_flags
 
 
@@ -172,14 +173,6 @@ def _services() -> list[tuple[str, str, str, list[Flag], bool]]:
     ]
 
 
-def _settings(args: argparse.Namespace) -> RunConfig:
-    """The run config of ``--config`` (or the defaults), with the given flags and ``--run``."""
-    config = apply_flags(load_config(args.config), args, args.flags)
-    if getattr(args, "run", None):  # the broker serves every run: it has no --run
-        config = override(config, {"run": args.run})
-    return config
-
-
 async def _provision(args: argparse.Namespace) -> int:
     from broker.client import session
     from broker.provision import provision_run
@@ -287,13 +280,6 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _broker(args: argparse.Namespace) -> int:
-    from seamlessflow.launcher import serve_broker
-
-    asyncio.run(serve_broker(_settings(args).broker))
-    return 0
-
-
 def _schema(args: argparse.Namespace) -> int:
     from broker.schema import export_schemas
 
@@ -302,147 +288,9 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker(args: argparse.Namespace) -> int:
-    from common.models import resolve_model
-    from rollout.engines import EngineConfig
-    from seamlessflow.launcher import serve_until_signalled
-    from tagsched.spec import has_tags
-
-    config = _settings(args)
-    engine = EngineConfig(
-        model=resolve_model(config.model.name),
-        max_model_len=config.model.max_model_len,
-        settings=config.worker.engine,
-    )
-    worker = config.worker
-    if not has_tags(worker.tags, ["train"]):
-        from rollout.serve import serve_worker
-
-        asyncio.run(
-            serve_until_signalled(
-                serve_worker,
-                args.nats,
-                config.run,
-                config.provision,
-                engine,
-                worker,
-                args.metrics_port,
-            )
-        )
-        return 0
-    # A worker tagged train also holds a trainer ([trainer]; it registers as the worker).
-    from colocate.worker import Colocated, serve_colocated
-
-    colocated = Colocated(
-        url=args.nats,
-        run=config.run,
-        provision=config.provision,
-        engine=engine,
-        worker=worker,
-        trainer=config.trainer,
-        metrics_port=args.metrics_port,
-    )
-    asyncio.run(serve_until_signalled(serve_colocated, colocated))
-    return 0
-
-
-def _gateway(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from common.models import resolve_model
-    from rollout.gateway import GatewayConfig, serve_gateway
-    from seamlessflow.launcher import serve_until_signalled
-
-    config = _settings(args)
-    try:
-        gateway = GatewayConfig(
-            **config.gateway.model_dump(),
-            model=config.model.served_name,
-            model_path=resolve_model(config.model.name),
-            run=config.run,
-            max_model_len=config.model.max_model_len,
-            **config.model.model_dump(include=set(ToolSettings.model_fields)),
-        )
-    except ValidationError as exc:
-        raise ConfigError(f"gateway settings: {exc}") from exc
-    asyncio.run(serve_until_signalled(serve_gateway, gateway, args.nats))
-    return 0
-
-
 def _model(args: argparse.Namespace) -> int:
 
     print(MODELS[args.name]())
-    return 0
-
-
-def _trajectory(args: argparse.Namespace) -> int:
-    from seamlessflow.launcher import serve_until_signalled
-    from trajectory.manager import serve_trajectory
-
-    c = _settings(args)
-    asyncio.run(
-        serve_until_signalled(
-            serve_trajectory, args.nats, c.run, c.provision, c.trajectory, args.metrics_port
-        )
-    )
-    return 0
-
-
-def _agents(args: argparse.Namespace) -> int:
-    from rollout.agents.runner import serve_agents
-    from seamlessflow.launcher import serve_until_signalled
-
-    c = _settings(args)
-    if c.agents.gateway is None:
-        raise ConfigError("agents need the gateway's URL: --gateway or [agents] gateway")
-    asyncio.run(
-        serve_until_signalled(
-            serve_agents,
-            args.nats,
-            c.run,
-            c.provision,
-            c.agents,
-            c.agents.gateway,
-            args.metrics_port,
-        )
-    )
-    return 0
-
-
-def _trainer(args: argparse.Namespace) -> int:
-    from common.models import resolve_model
-    from seamlessflow.launcher import serve_until_signalled
-    from trainer.serve import serve_trainer
-
-    c = _settings(args)
-    model = resolve_model(c.model.name)
-    asyncio.run(
-        serve_until_signalled(
-            serve_trainer, args.nats, c.run, c.provision, c.trainer, model, args.metrics_port
-        )
-    )
-    return 0
-
-
-def _scheduler(args: argparse.Namespace) -> int:
-    from seamlessflow.launcher import serve_until_signalled
-    from tagsched.scheduler import serve_scheduler
-
-    c = _settings(args)
-    # Only a config that sets [trainer] can disagree with the registered trainer's shape.
-    configured = args.config is not None and "trainer" in read_table(args.config)
-    asyncio.run(
-        serve_until_signalled(
-            serve_scheduler,
-            args.nats,
-            c.run,
-            c.provision,
-            c.scheduler,
-            c.layout,
-            c.trainer.shape() if configured else None,
-            args.metrics_port,
-        )
-    )
     return 0
 
 
@@ -473,20 +321,20 @@ def _run(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "broker": _broker,
+    "broker": services.broker,
     "provision": lambda args: asyncio.run(_provision(args)),
     "status": lambda args: asyncio.run(_status(args)),
     "submit": _submit,
     "dead-letters": lambda args: asyncio.run(_dead_letters(args)),
     "export": _export,
     "schema": _schema,
-    "worker": _worker,
-    "gateway": _gateway,
+    "worker": services.worker,
+    "gateway": services.gateway,
     "model": _model,
-    "trajectory": _trajectory,
-    "agents": _agents,
-    "trainer": _trainer,
-    "scheduler": _scheduler,
+    "trajectory": services.trajectory,
+    "agents": services.agents,
+    "trainer": services.trainer,
+    "scheduler": services.scheduler,
     "slurm": _slurm,
     "run": _run,
 }

@@ -17,7 +17,7 @@ from broker.ingress import tasks_ingress
 from broker.messages import TaskSubmitted
 from broker.subjects import Durable, RunNames
 from rollout.engines import HFEngineConfig, VLLMEngineConfig
-from seamlessflow import cli
+from seamlessflow import services
 from seamlessflow.cli import build_parser
 from tests.support import SMALL_RUN, eventually, stream_messages
 from trainer.config import MegatronBackendConfig
@@ -246,19 +246,19 @@ def test_service_flags_override_config_keys_through_the_same_models(tmp_path):
     args = build_parser().parse_args(
         [*argv, "--tags", "rollout,gpu=h200 node=a1", "--engine-max-num-seqs", "9"]
     )
-    worker = cli._settings(args).worker
+    worker = services.settings(args).worker
     assert (worker.max_running, worker.keepalive_s, worker.tags) == (
         8,
         2.5,
         ["rollout", "gpu=h200", "node=a1"],
     )
     assert worker.engine == VLLMEngineConfig(max_num_seqs=9)
-    assert cli._settings(args).model.max_model_len == 128
+    assert services.settings(args).model.max_model_len == 128
     # Another kind drops the file's options of the old kind.
     args = build_parser().parse_args([*argv, "--engine", "hf"])
-    assert cli._settings(args).worker.engine == HFEngineConfig()
+    assert services.settings(args).worker.engine == HFEngineConfig()
     args = build_parser().parse_args(["trainer", "--nats", "x", "--backend", "megatron"])
-    assert cli._settings(args).trainer.backend == MegatronBackendConfig()
+    assert services.settings(args).trainer.backend == MegatronBackendConfig()
 
 
 def test_agent_and_command_flags_replace_each_other_from_the_config_file(tmp_path):
@@ -266,10 +266,10 @@ def test_agent_and_command_flags_replace_each_other_from_the_config_file(tmp_pat
     config.write_text('[agents]\nagent = "mod:fn"\n')
     base = ["agents", "--nats", "x", "--gateway", "http://g", "--config", str(config)]
     args = build_parser().parse_args([*base, "--command", "node agent.mjs --x a,b"])
-    agents = cli._settings(args).agents
+    agents = services.settings(args).agents
     assert (agents.agent, agents.command) == (None, ["node", "agent.mjs", "--x", "a,b"])
     config.write_text('[agents]\ncommand = ["node", "agent.mjs"]\n')
-    agents = cli._settings(build_parser().parse_args([*base, "--agent", "pkg.m:f"])).agents
+    agents = services.settings(build_parser().parse_args([*base, "--agent", "pkg.m:f"])).agents
     assert (agents.agent, agents.command) == ("pkg.m:f", None)
     # Sampling temperature is set in the file only: trainer and agents must agree on it.
     with pytest.raises(SystemExit):

@@ -423,10 +423,11 @@ def test_a_template_that_wants_argument_objects_gets_them(tok):
 
 
 def test_the_tool_settings_are_model_keys_with_generated_flags():
-    from seamlessflow.cli import _settings, build_parser
+    from seamlessflow.cli import build_parser
+    from seamlessflow.services import settings
 
     argv = ["gateway", "--nats", "nats://127.0.0.1:1", "--tool-template", "hermes"]
-    config = _settings(build_parser().parse_args([*argv, "--tool-call-parser", "none"]))
+    config = settings(build_parser().parse_args([*argv, "--tool-call-parser", "none"]))
     assert (config.model.tool_template, config.model.tool_parser) == ("hermes", "none")
     with pytest.raises(SystemExit):  # argparse refuses a parser that does not exist
         build_parser().parse_args([*argv, "--tool-call-parser", "mistral"])
