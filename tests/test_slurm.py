@@ -31,7 +31,7 @@ from seamlessflow.slurm import plan
 ROOT = Path(__file__).parents[1]
 SRUN_OPTIONS = {
     "--het-group", "--nodelist", "--nodes", "--ntasks", "--ntasks-per-node", "--overlap",
-    "--output", "--gpus-per-task", "--gres",
+    "--output", "--gpus-per-task", "--gres", "--job-name",
 }  # fmt: skip
 FAKE_SRUN = """
 import json, os, subprocess, sys
