@@ -13,8 +13,10 @@ The test process talks to the controller at the first node's address through the
 ``SlurmCluster.env`` (``SLURM_CONF``) for ``sbatch``, ``squeue``, ``scancel``, ``sinfo``.
 ``close`` cancels every job, waits for the nodes to be empty of job processes, stops the
 daemons (theirs are the cluster's processes: ``Cluster.close`` kills what is left) and removes
-the spool. Needs Debian's ``slurmctld``, ``slurmd``, ``slurm-client`` and ``munge``
-(``apt-get install slurmctld slurmd slurm-client munge``, Slurm 22.05 in bookworm).
+the spool. Should this process be killed, the daemons die with it (``die_with_parent``) and
+what the jobs left in the nodes goes with the nodes (``tests.nodes.cleanup``). Needs Debian's
+``slurmctld``, ``slurmd``, ``slurm-client`` and ``munge`` (``apt-get install slurmctld slurmd
+slurm-client munge``, Slurm 22.05 in bookworm).
 """
 
 import contextlib
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from broker.server import die_with_parent
 from tests.nodes import Cluster, Node
 from tests.nodes import available as nodes_available
 
@@ -145,6 +148,7 @@ class SlurmCluster:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=(munge / "munged.out").open("ab"),
+            preexec_fn=die_with_parent,  # gone with this process, even if it is killed
         )
         self.wait(self.socket.exists, 15, "the munge socket")
 

@@ -9,8 +9,10 @@ address, over the bridge) and watches the trainer reach ``STEPS`` steps, then ch
 rewards flowed, no task was lost (every one ended as its whole group, none dead-lettered), no
 sample was trained twice (the trainer's steps log), every worker loaded the trainer's weights
 through the object store (none is beside the trainer), and the batch log and registry say which
-node ran what. ``scancel`` then stops every part cleanly: no process is left on any node and
-each part's log ends with its stop.
+node ran what. ``scancel --batch --signal=TERM`` then stops the parts and NATS after them:
+the job completes, no process is left on any node, each part's log ends with its stop and no
+part saw NATS go. Submitted again, the run resumes from the trainer's checkpoint, and a plain
+``scancel`` (every step at once) stops it too, leaving nothing on the nodes.
 """
 
 import asyncio
@@ -111,17 +113,7 @@ async def test_a_run_submitted_with_sbatch_trains_across_nodes(tmp_path, tiny_mo
     ):
         sinfo = slurm.command("sinfo", "-h", "-N", "-o", "%N %t")
         assert sorted(sinfo.split()) == sorted([*(n.hostname for n in cluster), *["idle"] * NODES])
-        env = {k: v for k, v in slurm.env.items() if k not in ("SEAMLESSFLOW_STATE_DIR",)}
-        done = subprocess.run(
-            [sys.executable, "-m", "seamlessflow.cli", "slurm", str(config)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**env, "PYTHONPATH": str(ROOT)},
-            cwd=tmp_path,
-        )
-        assert done.returncode == 0, done.stderr
-        job = re.search(r"submitted job (\d+)", done.stdout)[1]
+        job = _submit(slurm, config, tmp_path)
         job_dir = tmp_path / "slurm-logs" / job
         try:
             await _watch(cluster, slurm, job, job_dir, checkpoints)
@@ -129,6 +121,69 @@ async def test_a_run_submitted_with_sbatch_trains_across_nodes(tmp_path, tiny_mo
         except BaseException:
             print(_logs(tmp_path / "slurm-logs", job))
             raise
+        # Submitted again, the run resumes from the trainer's checkpoint; a plain scancel (every
+        # step at once, NATS too) still stops every part and leaves nothing on the nodes.
+        job = _submit(slurm, config, tmp_path)
+        try:
+            await _resumed(cluster, slurm, job, len(read_steps(checkpoints)))
+            _plain_cancel(slurm, job, tmp_path / "slurm-logs" / job)
+        except BaseException:
+            print(_logs(tmp_path / "slurm-logs", job))
+            raise
+
+
+def _submit(slurm: SlurmCluster, config: Path, tmp_path: Path) -> str:
+    """``seamlessflow slurm CONFIG``: rendered and submitted with sbatch; the job id."""
+    hidden = ("SEAMLESSFLOW_STATE_DIR", "XDG_STATE_HOME", "SEAMLESSFLOW_NATS_URL")
+    env = {k: v for k, v in slurm.env.items() if k not in hidden}
+    done = subprocess.run(
+        [sys.executable, "-m", "seamlessflow.cli", "slurm", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    return re.search(r"submitted job (\d+)", done.stdout)[1]
+
+
+async def _resumed(cluster: Cluster, slurm: SlurmCluster, job: str, version: int) -> None:
+    slurm.wait(lambda: slurm.job_state(job) == "RUNNING", 30, f"job {job} running")
+    url = ",".join(f"nats://{node.address}:4222" for node in cluster.nodes[:3])
+    names = RunNames(RUN)
+    async with session(url, "pytest-slurm", give_up_after=120) as nc:
+        js = nc.jetstream()
+
+        async def up() -> bool:
+            try:
+                entries = [await registered(js, names, w) for w in _workers(cluster)]
+                trainer = await registered(js, names, "trainer")
+            except Exception:  # not provisioned yet
+                return False
+            return all(entries) and trainer is not None and trainer.version == version
+
+        await eventually(up, timeout=120)
+
+
+def _workers(cluster: Cluster) -> list[str]:
+    return [f"rollout-{node.hostname}-0" for node in cluster.nodes[:3]]
+
+
+def _plain_cancel(slurm: SlurmCluster, job: str, job_dir: Path) -> None:
+    """Plain ``scancel``: SIGTERM to every step at once, SIGKILL after ``KillWait``. The parts
+    stop (one still waiting on NATS, which stopped beside it, is killed); nothing is left."""
+    slurm.command("scancel", job)
+    slurm.wait(lambda: slurm.job_state(job) not in ("RUNNING", "COMPLETING"), 90, "job end")
+    assert slurm.job_state(job) == "CANCELLED"
+    slurm.wait(lambda: not slurm.job_processes(), 30, "nodes empty of the job's processes")
+    clean = {
+        log.name: bool(re.search(line, log.read_text()))
+        for part, line in STOPPED.items()
+        for log in sorted(job_dir.glob(f"{part}*.log"))
+    }
+    assert len(clean) == len(STOPPED) + 2  # every part had its log (3 workers)
+    print(f"plain scancel: stopped cleanly {clean}")
 
 
 async def _watch(cluster, slurm, job: str, job_dir: Path, checkpoints: Path) -> None:
@@ -163,7 +218,7 @@ async def _watch(cluster, slurm, job: str, job_dir: Path, checkpoints: Path) -> 
                     raise
                 await asyncio.sleep(1.0)
 
-        workers = [f"rollout-{node.hostname}-0" for node in cluster.nodes[:3]]
+        workers = _workers(cluster)
 
         async def trained() -> bool:
             entry = await registered(js, names, "trainer")
