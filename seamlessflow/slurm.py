@@ -11,10 +11,14 @@ node, the rollout workers on theirs, each worker tagged with its node's tags and
 up. The script also writes the run config it was rendered from and ``scrape_targets.json``
 (Prometheus ``file_sd``, like ``seamlessflow run``'s) beside the logs.
 
+SIGTERM to the batch script (``scancel --batch --signal=TERM``, or the time limit's
+``--signal``) stops the run in order: the parts' steps first, then NATS (``_stopper``).
+
 The script needs nothing but bash, awk, ``scontrol``, ``srun`` (``squeue`` and ``scancel`` to
-stop) and the ``seamlessflow`` and
-``nats-server`` commands on the nodes (``[slurm] setup`` lines put them on ``PATH``), so it runs
-against any Slurm, or against stand-ins of ``srun``/``scontrol`` (tests/test_slurm.py).
+stop) and the ``seamlessflow`` and ``nats-server`` commands on the nodes (``[slurm] setup``
+lines put them on ``PATH``), so it runs against any Slurm, or against stand-ins of
+``srun``/``scontrol`` (tests/test_slurm.py) and, in tests/test_slurm_cluster.py, a real Slurm
+on namespace nodes.
 """
 
 import json
@@ -125,6 +129,7 @@ def render(config: RunConfig, table: dict[str, Any], source: str) -> str:
         "set -euo pipefail\n",
         *(f"{line}\n" for line in slurm.setup),
         _nodes(p, log_dir, table),
+        _stopper(),
         _nats(p, config),
         _supervisor(config),
         _targets(p, config),
@@ -192,6 +197,37 @@ def _nodes(p: Plan, log_dir: Path, table: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _stopper() -> str:
+    """The ordered stop, set up before the first step starts."""
+    lines = [
+        "# The background steps' sruns: NATS_PIDS the NATS servers', PART_PIDS the parts'.",
+        "NATS_PIDS=() PART_PIDS=()",
+        "# SIGTERM to this script (the time limit's --signal, `scancel --batch --signal=TERM`):",
+        "# SIGTERM to the parts' steps first, to the NATS steps once they are gone, so their last",
+        "# acks and publishes reach NATS. (Not a signal to srun: srun kills its step at SIGTERM.)",
+        "signal_steps() {  # SIGTERM to this job's steps whose name starts with $1",
+        "  local ids",
+        '  ids=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" | awk -v p="$1" \'index($2, p) == 1 '
+        "{print $1}') || true",
+        '  [ -z "$ids" ] || echo "SIGTERM to steps" $ids >&2',
+        "  # (Slurm 22.05's scancel signals a step, then reports 'Invalid job id': not shown)",
+        '  [ -z "$ids" ] || scancel --signal=TERM $ids 2>/dev/null || true',
+        "}",
+        "stop() {",
+        "  trap '' TERM INT",
+        '  echo "stopping: the parts, then NATS" >&2',
+        "  signal_steps sf-",
+        '  if [ "${#PART_PIDS[@]}" -gt 0 ]; then wait "${PART_PIDS[@]}" 2>/dev/null || true; fi',
+        "  signal_steps nats-",
+        "  wait || true",
+        '  echo "stopped" >&2',
+        "  exit 0",
+        "}",
+        "trap stop TERM INT",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _nats(p: Plan, config: RunConfig) -> str:
     """The NATS servers' config (one file; each server's name and store from its environment)
     and one step each."""
@@ -220,7 +256,6 @@ def _nats(p: Plan, config: RunConfig) -> str:
         f'export SEAMLESSFLOW_NATS_URL="{urls}"',
         "export SEAMLESSFLOW_METRICS_HOST=0.0.0.0  # /metrics reachable from Prometheus",
         'echo "job $SLURM_JOB_ID: NATS at $SEAMLESSFLOW_NATS_URL (logs in $SF_JOB_DIR)"',
-        "NATS_PIDS=() PART_PIDS=()",
         *(f'echo "nats-{n} on {g.host(i)}"' for n, (g, i) in enumerate(p.nats)),
     ]
     for n, (group, index) in enumerate(p.nats):
@@ -352,28 +387,6 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
     steps.append(_step("agents", first, _supervised(agents)))
     steps += [f'echo "{part} on {first_host}"' for part in ("gateway", "agents")]
     steps += [
-        "# SIGTERM to this script (the time limit's --signal, `scancel --batch --signal=TERM`):",
-        "# SIGTERM to the parts' steps first, to the NATS steps once they are gone, so their last",
-        "# acks and publishes reach NATS. (Not a signal to srun: srun kills its step at SIGTERM.)",
-        "signal_steps() {  # SIGTERM to this job's steps whose name starts with $1",
-        "  local ids",
-        '  ids=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" | awk -v p="$1" \'index($2, p) == 1 '
-        "{print $1}') || true",
-        '  [ -z "$ids" ] || echo "SIGTERM to steps" $ids >&2',
-        "  # (Slurm 22.05's scancel signals a step, then reports 'Invalid job id': not shown)",
-        '  [ -z "$ids" ] || scancel --signal=TERM $ids 2>/dev/null || true',
-        "}",
-        "stop() {",
-        "  trap '' TERM INT",
-        '  echo "stopping: the parts, then NATS" >&2',
-        "  signal_steps sf-",
-        '  if [ "${#PART_PIDS[@]}" -gt 0 ]; then wait "${PART_PIDS[@]}" 2>/dev/null || true; fi',
-        "  signal_steps nats-",
-        "  wait || true",
-        '  echo "stopped" >&2',
-        "  exit 0",
-        "}",
-        "trap stop TERM INT",
         "# Until a step fails (a part gave up, a NATS server died), the time limit or scancel:",
         "# then the job ends and Slurm stops the other steps. A part that ends cleanly (0) does",
         "# not end the job.",
