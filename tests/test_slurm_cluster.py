@@ -28,7 +28,7 @@ import pytest
 
 from broker.client import session
 from broker.exceptions import BrokerError
-from broker.messages import SessionEnded
+from broker.messages import SampleReady, SessionEnded
 from broker.server import find_nats_server
 from broker.subjects import Durable, RunNames
 from rollout.agents.arithmetic import arithmetic_tasks
@@ -249,7 +249,10 @@ async def _watch(cluster, slurm, job: str, job_dir: Path, checkpoints: Path) -> 
         ended = await _ended(js, names)
         per_task = Counter(e.task_id for e in ended)
         assert per_task == {t.task_id: GROUP for t in tasks}, per_task
-        assert len({e.reward for e in ended}) >= 1 and all(e.reward >= 0 for e in ended)
+        rewards = {e.session_id: e.reward for e in ended}
+        samples = await stream_messages(js, names.samples_stream, SampleReady)
+        assert {s.session_id for s in samples} == set(rewards)  # every session became samples
+        assert all(s.reward == rewards[s.session_id] for s in samples)
         dead = await js.stream_info(names.dead_stream)
         assert dead.state.messages == 0
         pending = await js.consumer_info(names.tasks_stream, Durable.SCHEDULER)
