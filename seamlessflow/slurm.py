@@ -11,9 +11,14 @@ node, the rollout workers on theirs, each worker tagged with its node's tags and
 up. The script also writes the run config it was rendered from and ``scrape_targets.json``
 (Prometheus ``file_sd``, like ``seamlessflow run``'s) beside the logs.
 
-The script needs nothing but bash, ``scontrol``, ``srun`` and the ``seamlessflow`` and
-``nats-server`` commands on the nodes (``[slurm] setup`` lines put them on ``PATH``), so it runs
-against any Slurm, or against stand-ins of ``srun``/``scontrol`` (tests/test_slurm.py).
+SIGTERM to the batch script (``scancel --batch --signal=TERM``, or the time limit's
+``--signal``) stops the run in order: the parts' steps first, then NATS (``_stopper``).
+
+The script needs nothing but bash, awk, ``scontrol``, ``srun`` (``squeue`` and ``scancel`` to
+stop) and the ``seamlessflow`` and ``nats-server`` commands on the nodes (``[slurm] setup``
+lines put them on ``PATH``), so it runs against any Slurm, or against stand-ins of
+``srun``/``scontrol`` (tests/test_slurm.py) and, in tests/test_slurm_cluster.py, a real Slurm
+on namespace nodes.
 """
 
 import json
@@ -31,6 +36,9 @@ from tagsched.spec import Layout
 NATS_PORT, NATS_CLUSTER_PORT, NATS_MONITOR_PORT = 4222, 6222, 8222
 GATEWAY_PORT = 8000
 METRICS_PORTS = {"trajectory": 9401, "scheduler": 9402, "agents": 9403, "trainer": 9404}
+STOP_GRACE_S = 120
+"""The batch script is sent SIGTERM this long before the time limit (``--signal``): time for
+the parts to stop, then NATS."""
 WORKER_METRICS_PORT = 9410
 """A node's rollout workers serve /metrics on this port plus their local task id."""
 _SAFE_TAG = re.compile(r"^[\w.=:/+@-]+$")
@@ -121,6 +129,7 @@ def render(config: RunConfig, table: dict[str, Any], source: str) -> str:
         "set -euo pipefail\n",
         *(f"{line}\n" for line in slurm.setup),
         _nodes(p, log_dir, table),
+        _stopper(),
         _nats(p, config),
         _supervisor(config),
         _targets(p, config),
@@ -137,6 +146,8 @@ def _header(p: Plan, slurm: SlurmConfig, log_dir: Path, run: str, source: str) -
         f"#SBATCH --job-name={slurm.job_name}",
         f"#SBATCH --time={slurm.time}",
         f"#SBATCH --output={log_dir}/{slurm.job_name}-%j.log",
+        # Before the time limit, SIGTERM to this script: it stops the parts, then NATS.
+        f"#SBATCH --signal=B:TERM@{STOP_GRACE_S}",
     ]
     if slurm.account:
         lines.append(f"#SBATCH --account={slurm.account}")
@@ -186,6 +197,37 @@ def _nodes(p: Plan, log_dir: Path, table: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _stopper() -> str:
+    """The ordered stop, set up before the first step starts."""
+    lines = [
+        "# The background steps' sruns: NATS_PIDS the NATS servers', PART_PIDS the parts'.",
+        "NATS_PIDS=() PART_PIDS=()",
+        "# SIGTERM to this script (the time limit's --signal, `scancel --batch --signal=TERM`):",
+        "# SIGTERM to the parts' steps first, to the NATS steps once they are gone, so their last",
+        "# acks and publishes reach NATS. (Not a signal to srun: srun kills its step at SIGTERM.)",
+        "signal_steps() {  # SIGTERM to this job's steps whose name starts with $1",
+        "  local ids",
+        '  ids=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" | awk -v p="$1" \'index($2, p) == 1 '
+        "{print $1}') || true",
+        '  [ -z "$ids" ] || echo "SIGTERM to steps" $ids >&2',
+        "  # (Slurm 22.05's scancel signals a step, then reports 'Invalid job id': not shown)",
+        '  [ -z "$ids" ] || scancel --signal=TERM $ids 2>/dev/null || true',
+        "}",
+        "stop() {",
+        "  trap '' TERM INT",
+        '  echo "stopping: the parts, then NATS" >&2',
+        "  signal_steps sf-",
+        '  if [ "${#PART_PIDS[@]}" -gt 0 ]; then wait "${PART_PIDS[@]}" 2>/dev/null || true; fi',
+        "  signal_steps nats-",
+        "  wait || true",
+        '  echo "stopped" >&2',
+        "  exit 0",
+        "}",
+        "trap stop TERM INT",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _nats(p: Plan, config: RunConfig) -> str:
     """The NATS servers' config (one file; each server's name and store from its environment)
     and one step each."""
@@ -214,6 +256,7 @@ def _nats(p: Plan, config: RunConfig) -> str:
         f'export SEAMLESSFLOW_NATS_URL="{urls}"',
         "export SEAMLESSFLOW_METRICS_HOST=0.0.0.0  # /metrics reachable from Prometheus",
         'echo "job $SLURM_JOB_ID: NATS at $SEAMLESSFLOW_NATS_URL (logs in $SF_JOB_DIR)"',
+        *(f'echo "nats-{n} on {g.host(i)}"' for n, (g, i) in enumerate(p.nats)),
     ]
     for n, (group, index) in enumerate(p.nats):
         store = shlex.quote(f"{slurm.nats_store.rstrip('/')}") + f'/"$SLURM_JOB_ID"/nats-{n}'
@@ -221,7 +264,7 @@ def _nats(p: Plan, config: RunConfig) -> str:
             f"NATS_NAME=nats-{n} NATS_STORE={store} "
             f'exec {shlex.quote(slurm.nats_server)} -c "$SF_JOB_DIR/nats.conf"'
         )
-        lines.append(_step(f"nats-{n}", _on(group, index), command))
+        lines.append(_step(f"nats-{n}", _on(group, index), command, pids="NATS_PIDS"))
     return "\n".join(lines) + "\n"
 
 
@@ -239,24 +282,40 @@ def _gpus(kind: SlurmNodeKind, per_task: int) -> list[str]:
     return ["--gres=none"] if kind.gpus_per_node else []
 
 
-def _step(name: str, where: list[str], command: str, *, background: bool = True) -> str:
-    """One srun step running ``command`` (bash, expanded on the node) with its own log."""
-    options = " ".join([*where, "--overlap", f'--output="$SF_JOB_DIR/{name}.log"'])
-    return f"srun {options} \\\n  bash -c {shlex.quote(command)}" + (" &" * background)
+def _step(name: str, where: list[str], command: str, *, pids: str | None = "PART_PIDS") -> str:
+    """One srun step running ``command`` (bash, expanded on the node) with its own log; in the
+    background with its srun's pid added to the bash array ``pids`` unless that is None. The
+    step is named ``nats-<n>`` or ``sf-<part>`` (``stop`` signals the steps by name)."""
+    step_name = name.split("-%")[0] if name.startswith("nats-") else f"sf-{name.split('-%')[0]}"
+    options = [*where, "--overlap", f"--job-name={step_name}"]
+    options = " ".join([*options, f'--output="$SF_JOB_DIR/{name}.log"'])
+    step = f"srun {options} \\\n  bash -c {shlex.quote(command)}"
+    return step if pids is None else f"{step} &\n{pids}+=($!)"
 
 
 def _supervisor(config: RunConfig) -> str:
     """``$SF_JOB_DIR/supervise.sh CMD...``: CMD restarted when it fails, up to ``[supervise]
-    max_restarts`` times in a row, ``backoff_s`` apart."""
+    max_restarts`` times in a row, ``backoff_s`` apart. At SIGTERM (its step signalled) it
+    passes the signal on, waits for CMD and exits with CMD's status: a part that stops cleanly
+    ends its step cleanly, and is not restarted."""
     s = config.supervise
     body = (
+        "child= stopping=0\n"
+        'trap \'stopping=1; [ -z "$child" ] || kill -TERM "$child" 2>/dev/null\' TERM INT\n'
         "n=0\n"
-        'until "$@"; do\n'
+        "while :; do\n"
+        '  "$@" &\n'
+        "  child=$!\n"
+        '  wait "$child" || true\n'
+        '  while kill -0 "$child" 2>/dev/null; do wait "$child" || true; done\n'
+        '  status=0; wait "$child" || status=$?\n'
+        '  if [ "$status" -eq 0 ] || [ "$stopping" -eq 1 ]; then exit "$status"; fi\n'
         "  n=$((n + 1))\n"
         f'  if [ "$n" -gt {s.max_restarts} ]; then echo "$1 $2: gave up after '
         f'{s.max_restarts} restarts" >&2; exit 1; fi\n'
         f'  echo "$1 $2 exited: restart $n in {s.backoff_s} s" >&2\n'
-        f"  sleep {s.backoff_s}\n"
+        f"  sleep {s.backoff_s} & wait $! || true\n"
+        '  if [ "$stopping" -eq 1 ]; then exit "$status"; fi\n'
         "done\n"
     )
     return f"cat > \"$SF_JOB_DIR/supervise.sh\" <<'SUPERVISE_EOF'\n{body}SUPERVISE_EOF\n"
@@ -306,19 +365,27 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
     ports = METRICS_PORTS
     steps = [
         "# The run's streams, consumers and buckets, once NATS answers.",
-        _step("provision", first, provision, background=False),
+        _step("provision", first, provision, pids=None),
         f'export SF_GATEWAY="{gateway}"',
     ]
     for name in ("trajectory", "scheduler"):
         command = _sf(name, f"--metrics-port {ports[name]}")
         steps.append(_step(name, first, _supervised(command)))
+    first_host = p.first[0].host(0)
+    steps += [f'echo "{part} on {first_host}"' for part in ("trajectory", "scheduler")]
     steps.append(_trainer_step(p, config, log_dir))
+    trainer = p.group("trainer")
+    assert trainer is not None
+    steps.append(f'echo "trainer on {trainer.host(0)}"')
     if rollout := p.group("rollout"):
         steps.append(_rollout_step(rollout, config))
+        per_node = config.slurm.rollout.workers_per_node
+        steps.append(f'echo "rollout workers ({per_node} a node) on $ROLLOUT_LIST"')
     gateway_cmd = _sf("gateway", f"--host 0.0.0.0 --port {GATEWAY_PORT}")
     steps.append(_step("gateway", first, _supervised(gateway_cmd)))
     agents = _sf("agents", '--gateway "$SF_GATEWAY"', f"--metrics-port {ports['agents']}")
     steps.append(_step("agents", first, _supervised(agents)))
+    steps += [f'echo "{part} on {first_host}"' for part in ("gateway", "agents")]
     steps += [
         "# Until a step fails (a part gave up, a NATS server died), the time limit or scancel:",
         "# then the job ends and Slurm stops the other steps. A part that ends cleanly (0) does",

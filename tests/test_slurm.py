@@ -31,7 +31,7 @@ from seamlessflow.slurm import plan
 ROOT = Path(__file__).parents[1]
 SRUN_OPTIONS = {
     "--het-group", "--nodelist", "--nodes", "--ntasks", "--ntasks-per-node", "--overlap",
-    "--output", "--gpus-per-task", "--gres",
+    "--output", "--gpus-per-task", "--gres", "--job-name",
 }  # fmt: skip
 FAKE_SRUN = """
 import json, os, subprocess, sys
@@ -287,3 +287,23 @@ def test_without_dry_run_it_submits_with_sbatch(tmp_path, fakes, monkeypatch, ca
     assert "#SBATCH --job-name=mine" in submitted
     assert (tmp_path / "logs").is_dir()  # sbatch --output's folder must exist
     assert tomllib.loads(config.read_text())["run"] == "exp-42"
+
+
+def test_a_part_stopped_by_sigterm_ends_cleanly_and_is_not_restarted(tmp_path, fakes):
+    job = Job(render(tmp_path, base_table()), tmp_path, fakes, [["n1", "n2"]])
+    assert "#SBATCH --signal=B:TERM@120" in job.script
+    assert job.script.index("signal_steps sf-") < job.script.index("signal_steps nats-")
+    supervise = job.job_dir / "supervise.sh"
+    part = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (print('stopped', flush=True), sys.exit(0)))\n"
+        "print('up', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        ["bash", str(supervise), sys.executable, "-c", part], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline() == "up\n"
+    proc.terminate()  # what Slurm does to the step's processes: supervise.sh passes it on
+    assert proc.wait(10) == 0
+    assert proc.stdout.read() == "stopped\n"  # once: not started again
