@@ -64,9 +64,13 @@ class Registration:
         version: int | None = None,
         metrics_url: str | None = None,
         trainer: TrainerShape | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """``wall_clock``: what ``heartbeat_at`` and ``started_at`` are read from (a test's fault
+        injector skews it; nobody's liveness depends on it)."""
         self._bucket = bucket
-        now = time.time()
+        self._wall_clock = wall_clock
+        now = wall_clock()
         self._entry = WorkerRegistered(
             worker_id=worker_id,
             host=node_name(),
@@ -99,7 +103,7 @@ class Registration:
         """Write the entry with a fresh heartbeat and ``changes`` (``version``, ``role``,
         ``epoch``, ``busy``); a change given as ``None`` keeps the field as it is."""
         update = {k: v for k, v in changes.items() if v is not None}
-        self._entry = self._entry.model_copy(update={**update, "heartbeat_at": time.time()})
+        self._entry = self._entry.model_copy(update={**update, "heartbeat_at": self._wall_clock()})
         await self._bucket.put(self.worker_id, codec.encode(self._entry))
 
     def note(self, **changes) -> None:
@@ -108,7 +112,7 @@ class Registration:
 
     def renew(self) -> None:
         """Begin a new registration (a fenced worker is re-admitted once it shows one)."""
-        self._entry = self._entry.model_copy(update={"started_at": time.time()})
+        self._entry = self._entry.model_copy(update={"started_at": self._wall_clock()})
 
     async def keep_alive(self, period: float) -> None:
         while True:

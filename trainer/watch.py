@@ -57,9 +57,13 @@ class ServingWatch:
                 log.warning(kv("worker_watch_failed", error=exc))
             await asyncio.sleep(BACKOFF.max_s)
 
+    def live(self) -> dict[str, WorkerRegistered]:
+        """The rollout workers whose entry was written within the TTL, on this process's clock."""
+        return {wid: w for wid, w in self._workers.items() if self._heard.fresh(wid, self._ttl)}
+
     def _settle(self) -> None:
         """Observe each pending version every live rollout worker now serves."""
-        live = [w for wid, w in self._workers.items() if self._heard.fresh(wid, self._ttl)]
+        live = list(self.live().values())
         if not live:
             return
         serving = min(w.version if w.version is not None else -1 for w in live)
