@@ -10,6 +10,7 @@ faketime``)."""
 
 import asyncio
 import io
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +21,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+from nats.errors import Error as NatsError
 
+from broker.client import session
 from broker.messages import Role, WorkerRegistered
 from broker.provision import provision_run
 from broker.registry import LastSeen, Registration, Sighting, read_registry
@@ -31,6 +34,8 @@ from tagsched.admission import Admission
 from tagsched.config import SchedulerConfig
 from tagsched.scheduler import Scheduler
 from tagsched.spec import Demand, PlacementSpec
+from tests.nodes import STATE_IN_NODE, Cluster
+from tests.nodes import available as nodes_unavailable
 from tests.support import SMALL_RUN, eventually
 from trainer.watch import ServingWatch
 
@@ -50,6 +55,17 @@ FAKETIME = next(
     ),
     None,
 )
+
+
+def _faketime_env() -> dict[str, str]:
+    """A process's wall clock ``SKEW`` seconds behind, its monotonic clock and file times not."""
+    return {
+        "LD_PRELOAD": str(FAKETIME),
+        "FAKETIME": f"-{SKEW:g}",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        "DONT_FAKE_MONOTONIC": "1",
+        "NO_FAKE_STAT": "1",
+    }
 
 
 class SkewedClock:
@@ -202,13 +218,7 @@ async def test_a_real_worker_five_minutes_behind_is_live_until_frozen(
     see it live, status shows its clock 300 s behind. Frozen (SIGSTOP), it stops renewing: the
     scheduler drops it within the TTL."""
     names = short_ttl
-    skewed = {
-        "LD_PRELOAD": str(FAKETIME),
-        "FAKETIME": f"-{SKEW:g}",
-        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-        "DONT_FAKE_MONOTONIC": "1",
-        "NO_FAKE_STAT": "1",
-    }
+    skewed = _faketime_env()
     w = worker_process(
         broker.url,
         names.run,
@@ -250,3 +260,62 @@ async def test_a_real_worker_five_minutes_behind_is_live_until_frozen(
     finally:
         w.proc.send_signal(signal.SIGCONT)
         w.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.newest_nats
+@pytest.mark.skipif(FAKETIME is None, reason="no libfaketime (apt-get install faketime)")
+@pytest.mark.skipif(nodes_unavailable() is not None, reason=str(nodes_unavailable()))
+async def test_across_nodes_a_worker_five_minutes_behind_is_live_and_shows_its_node(
+    nats_binary, tiny_model_dir, tmp_path
+):
+    """Three nodes (``tests.nodes``): the broker on one, a real worker on another with its wall
+    clock five minutes behind (libfaketime), ``seamlessflow status`` on the third; the scheduler
+    runs on this machine. Status names the worker's node (its hostname) and its clock 300 s
+    behind; the scheduler sees it live until it is frozen, then dead within the TTL."""
+    with Cluster(3, tmp_path / "nodes") as cluster:
+        broker_node, worker_node, status_node = cluster
+        conf = {
+            "listen": "0.0.0.0:4222",
+            "jetstream": {"store_dir": str(STATE_IN_NODE / "nats" / "jetstream")},
+        }
+        (broker_node.state_dir / "nats.conf").write_text(json.dumps(conf))
+        broker_node.run([nats_binary, "-c", STATE_IN_NODE / "nats.conf"])
+        url = f"nats://{broker_node.address}:4222"
+        async with session(url, "pytest-liveness", give_up_after=30) as nc:
+            js = nc.jetstream()
+            await eventually(lambda: _jetstream_up(js), timeout=30)
+            names = RunNames("nodes")
+            await provision_run(js, names.run, SMALL_RUN.model_copy(update={"workers_ttl_s": TTL}))
+            argv = [sys.executable, "-m", "seamlessflow.cli", "worker", "--nats", url]
+            argv += ["--run", names.run, "--model", str(tiny_model_dir), "--worker-id", "w-far"]
+            argv += ["--tags", "rollout", "--heartbeat-s", str(HEARTBEAT)]
+            env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **_faketime_env()}
+            worker = worker_node.run(argv, env)
+            try:
+                async with leading(nc, names) as s:
+                    await eventually(lambda: "w-far" in s.live(), timeout=120)
+                    command = ["status", "--nats", url, "--run", names.run]
+                    out = await asyncio.to_thread(
+                        status_node.exec, [sys.executable, "-m", "seamlessflow.cli", *command]
+                    )
+                    row = next(x.split() for x in out.splitlines() if x.startswith("w-far "))
+                    assert row[1] == worker_node.hostname, out
+                    assert row[-1].startswith("-30") and "not" not in row, out  # -300.0s
+                    await asyncio.sleep(2 * TTL)
+                    assert "w-far" in s.live()
+                    worker.send_signal(signal.SIGSTOP)
+                    stopped = time.monotonic()
+                    await eventually(lambda: "w-far" not in s.live(), timeout=TTL + 5)
+                    assert time.monotonic() - stopped <= TTL + 1.0
+            finally:
+                worker.send_signal(signal.SIGCONT)
+                worker.terminate()
+
+
+async def _jetstream_up(js) -> bool:
+    try:
+        await js.account_info()
+    except NatsError:
+        return False
+    return True
