@@ -200,6 +200,20 @@ async def server_time(js: JetStreamContext, stream: str) -> tuple[float, float] 
     return None if server_now is None else (server_now, at)
 
 
+async def _server_clock(
+    js: JetStreamContext, names: RunNames, watcher: KeyValue.KeyWatcher, opened: float
+) -> tuple[float, float] | None:
+    """``server_time`` of the registry's stream; from a server before 2.10 (no ``ts``), the
+    creation time of ``watcher``'s consumer, which the server made when the watch was opened
+    (``opened``: this process's ``time.monotonic()`` then)."""
+    clock = await server_time(js, f"KV_{names.workers_kv}")
+    if clock is None:
+        info = await watcher._sub.consumer_info()
+        if isinstance(info.created, datetime):
+            clock = (info.created.timestamp(), opened)
+    return clock
+
+
 def parse_rfc3339(stamp: str) -> float | None:
     """Seconds since the epoch of a Go RFC 3339 timestamp (nanoseconds allowed); ``None`` for
     Go's zero time or a string that is no timestamp."""
@@ -220,31 +234,56 @@ async def watch_registry(
     """Every change of the registry as a ``Sighting``, current entries first (then
     ``on_current`` is called); its ``entry`` is ``None`` when the worker's entry was deleted.
     A change is dated by its arrival; a current entry by the server (its stored timestamp
-    against the server's time now: no other clock is compared). Against a server that does not
-    tell its time, a current entry is dated by its arrival too: at most the bucket's TTL too
-    young, since the bucket drops older ones. An entry that expires is not announced (a watch
-    is not told): ``LastSeen`` finds it stale. Bad entries are logged and skipped."""
+    against the server's time now: no other clock is compared; a server before 2.10 tells its
+    time through the watch's consumer, created when the watch opened). An entry that expires
+    is not announced (a watch is not told): ``LastSeen`` finds it stale. Bad entries are logged
+    and skipped."""
     bucket = await js.key_value(names.workers_kv)
-    stream = f"KV_{names.workers_kv}"
+    opened = time.monotonic()
     watcher = await bucket.watchall()
-    current: list[tuple[KeyValue.Entry, float]] | None = []  # until the initial values end
+    opened = (opened + time.monotonic()) / 2
     try:
-        async for entry in watcher:
-            if entry is None:  # the end of the initial values: date them by the server
-                clock = await server_time(js, stream) if current else None
-                for found, arrived in current or ():
+        async for item in _current_then_changes(watcher):
+            if isinstance(item, list):  # the current entries: date them by the server
+                clock = await _server_clock(js, names, watcher, opened) if item else None
+                for found, arrived in item:
                     if (sighting := _sighting(found, arrived, clock)) is not None:
                         yield sighting
-                current = None
                 on_current()
-                continue
-            if current is not None:
-                current.append((entry, time.monotonic()))
-                continue
-            if (sighting := _sighting(entry, time.monotonic(), None)) is not None:
+            elif (sighting := _sighting(*item, None)) is not None:
                 yield sighting
     finally:
         await watcher.stop()
+
+
+async def _current_then_changes(
+    watcher: KeyValue.KeyWatcher,
+) -> AsyncIterator[list[tuple[KeyValue.Entry, float]] | tuple[KeyValue.Entry, float]]:
+    """The entries current when ``watcher`` opened, once, as a list; then each change; each
+    with its arrival (``time.monotonic()``). nats-py's end-of-current marker (``None``) can come
+    before entries its consumer delivered already (they were on their way when it asked the
+    server how many were pending): the current entries end once as many have arrived as the
+    consumer had delivered when the marker came."""
+    current: list[tuple[KeyValue.Entry, float]] | None = []
+    received, owed = 0, None
+    async for entry in watcher:
+        if entry is not None:
+            received += 1
+            if current is None:
+                yield entry, time.monotonic()
+                continue
+            current.append((entry, time.monotonic()))
+            if owed is None or received < owed:
+                continue
+        elif current is None:
+            continue
+        else:
+            delivered = (await watcher._sub.consumer_info()).delivered
+            owed = delivered.consumer_seq if delivered is not None else 0
+            if received < owed:
+                continue
+        yield current
+        current = None
 
 
 def _sighting(
@@ -279,20 +318,22 @@ async def read_registry(js: JetStreamContext, names: RunNames) -> list[Sighting]
     ``watch_registry``'s current entries (for one-off readers: ``seamlessflow status``, a weight
     wave). One that expired may linger until the bucket drops it: its age says so."""
     bucket = await js.key_value(names.workers_kv)
+    opened = time.monotonic()
     watcher = await bucket.watchall()
-    current = []
+    opened = (opened + time.monotonic()) / 2
     try:
-        async for entry in watcher:
-            if entry is None:  # the end of the current values
-                break
-            current.append((entry, time.monotonic()))
+        first = _current_then_changes(watcher)
+        current = await anext(first)  # the current entries come first, as a list
+        await first.aclose()
+        assert isinstance(current, list)
+        clock = await _server_clock(js, names, watcher, opened) if current else None
     finally:
         await watcher.stop()
-    clock = await server_time(js, f"KV_{names.workers_kv}") if current else None
-    found = [_sighting(entry, arrived, clock) for entry, arrived in current]
-    return sorted(
-        (s for s in found if s is not None and s.entry is not None), key=lambda s: s.worker_id
-    )
+    found: dict[str, Sighting] = {}
+    for entry, arrived in current:  # in order: a key's later write (or delete) wins
+        if (sighting := _sighting(entry, arrived, clock)) is not None:
+            found[sighting.worker_id] = sighting
+    return [found[k] for k in sorted(found) if found[k].entry is not None]
 
 
 async def read_workers(js: JetStreamContext, names: RunNames) -> list[WorkerRegistered]:

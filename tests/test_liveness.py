@@ -319,3 +319,19 @@ async def _jetstream_up(js) -> bool:
     except NatsError:
         return False
     return True
+
+
+async def test_a_read_finds_the_current_entries_while_they_are_rewritten(js, short_ttl):
+    """nats-py's end-of-current marker can come before the entries its consumer delivered: a
+    read must wait for them (status once showed no workers while one renewed every 50 ms)."""
+    names = short_ttl
+    r = await Registration.open(js, names, "w-busy", tags=["rollout"], role=Role.ROLLOUT)
+    await r.put()
+    beat = asyncio.create_task(r.keep_alive(0.05))
+    try:
+        for _ in range(60):
+            found = await read_registry(js, names)
+            assert [x.worker_id for x in found] == ["w-busy"] and found[0].age() < 1.0
+    finally:
+        beat.cancel()
+        await asyncio.gather(beat, return_exceptions=True)
