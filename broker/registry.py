@@ -1,18 +1,30 @@
 """The run's worker registry (the ``sf-<run>-workers`` KV bucket): a worker's own entry, kept
 alive by heartbeats, and a watch over everyone's entries. Rollout workers and trainer ranks
-register the same way."""
+register the same way.
+
+Liveness never compares two machines' clocks. An entry's ``heartbeat_at`` is the writer's clock
+and is information only (``seamlessflow status`` shows how far it is off). An observer judges an
+entry by when it was last *written*, on the observer's own ``time.monotonic()``: an entry the
+watch delivers as it changes was written when it arrived (every heartbeat rewrites the entry, so
+every heartbeat arrives); an entry that was already there when the watch (or a one-off read)
+started is dated by the server alone, its stored timestamp against the server's own time now
+(``$JS.API.STREAM.INFO``'s ``ts``), both of one clock. ``Sighting`` carries that moment and
+``LastSeen`` keeps it per worker: a worker is live while ``LastSeen.fresh(worker, ttl)``.
+"""
 
 import asyncio
+import json
 import logging
 import os
 import re
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import datetime
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
 from broker import codec
@@ -22,6 +34,13 @@ from broker.subjects import RunNames
 from common.log import kv
 
 log = logging.getLogger(__name__)
+
+
+def node_name() -> str:
+    """The node this process runs on: ``$NODE_NAME`` where the deployment sets it (Kubernetes'
+    downward API ``spec.nodeName``, as ``deploy/k8s`` does: a pod's own host name is the pod's),
+    else the host name (a Slurm node's, a cluster node's)."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
 
 
 def default_worker_id(prefix: str = "") -> str:
@@ -45,12 +64,16 @@ class Registration:
         version: int | None = None,
         metrics_url: str | None = None,
         trainer: TrainerShape | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """``wall_clock``: what ``heartbeat_at`` and ``started_at`` are read from (a test's fault
+        injector skews it; nobody's liveness depends on it)."""
         self._bucket = bucket
-        now = time.time()
+        self._wall_clock = wall_clock
+        now = wall_clock()
         self._entry = WorkerRegistered(
             worker_id=worker_id,
-            host=socket.gethostname(),
+            host=node_name(),
             pid=os.getpid(),
             tags=tags,
             role=role,
@@ -80,7 +103,7 @@ class Registration:
         """Write the entry with a fresh heartbeat and ``changes`` (``version``, ``role``,
         ``epoch``, ``busy``); a change given as ``None`` keeps the field as it is."""
         update = {k: v for k, v in changes.items() if v is not None}
-        self._entry = self._entry.model_copy(update={**update, "heartbeat_at": time.time()})
+        self._entry = self._entry.model_copy(update={**update, "heartbeat_at": self._wall_clock()})
         await self._bucket.put(self.worker_id, codec.encode(self._entry))
 
     def note(self, **changes) -> None:
@@ -89,7 +112,7 @@ class Registration:
 
     def renew(self) -> None:
         """Begin a new registration (a fenced worker is re-admitted once it shows one)."""
-        self._entry = self._entry.model_copy(update={"started_at": time.time()})
+        self._entry = self._entry.model_copy(update={"started_at": self._wall_clock()})
 
     async def keep_alive(self, period: float) -> None:
         while True:
@@ -108,47 +131,211 @@ class Registration:
             log.warning(kv("registration_delete_failed", worker=self.worker_id, error=exc))
 
 
-async def watch_workers(
-    js: JetStreamContext, names: RunNames, on_current: Callable[[], None] = lambda: None
-) -> AsyncIterator[tuple[str, WorkerRegistered | None]]:
-    """Every change of the registry as ``(worker_id, entry)``, current entries first (then
-    ``on_current`` is called); ``None`` when a worker's entry was deleted. An entry that expires
-    is not announced: its ``heartbeat_at`` says how fresh it is. Bad entries are logged and
-    skipped."""
-    bucket = await js.key_value(names.workers_kv)
-    watcher = await bucket.watchall()
+@dataclass(frozen=True)
+class Sighting:
+    """A worker's entry as an observer saw it: ``entry`` (``None``: deleted), ``written_at`` (the
+    observer's ``time.monotonic()`` at which the entry was written, as near as it can tell) and
+    ``stored_at`` (the server's timestamp of the write, seconds since the epoch on the server's
+    clock; ``None`` when unknown). ``dated``: ``written_at`` was worked out from the server's
+    clock (an entry that was there already); otherwise it is the arrival (a change as it
+    happens, or any entry from a server that does not tell its time)."""
+
+    worker_id: str
+    entry: WorkerRegistered | None
+    written_at: float
+    stored_at: float | None = None
+    dated: bool = False
+
+    def age(self, now: float | None = None) -> float:
+        """Seconds since the write, on the observer's clock (``now``: its ``time.monotonic()``)."""
+        return max(0.0, (time.monotonic() if now is None else now) - self.written_at)
+
+    def clock_offset(self) -> float | None:
+        """How far the writer's clock is ahead of the server's (``heartbeat_at`` against the
+        stored timestamp, the delivery time included): information, never liveness."""
+        if self.entry is None or self.stored_at is None:
+            return None
+        return self.entry.heartbeat_at - self.stored_at
+
+
+class LastSeen:
+    """When each worker's entry was last written, on this process's clock only (``clock``,
+    ``time.monotonic`` unless a test gives another): a worker is ``fresh`` while that is no older
+    than the TTL. Fed with every ``Sighting`` of a watch; pure, no I/O."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._written: dict[str, float] = {}
+
+    def saw(self, sighting: Sighting) -> None:
+        if sighting.entry is None:
+            self._written.pop(sighting.worker_id, None)
+        else:
+            self._written[sighting.worker_id] = sighting.written_at
+
+    def age(self, worker_id: str) -> float | None:
+        """Seconds since ``worker_id``'s entry was last written; ``None`` if never seen."""
+        written = self._written.get(worker_id)
+        return None if written is None else max(0.0, self._clock() - written)
+
+    def fresh(self, worker_id: str, within: float) -> bool:
+        age = self.age(worker_id)
+        return age is not None and age <= within
+
+
+async def server_time(js: JetStreamContext, stream: str) -> tuple[float, float] | None:
+    """``(server_now, at)``: the server's own time (seconds since the epoch, its clock) as it
+    answered ``$JS.API.STREAM.INFO`` for ``stream``, and this process's ``time.monotonic()`` at
+    that moment (the middle of the round trip). ``None`` from a server that does not say (its
+    info has no ``ts``: before nats-server 2.10)."""
+    prefix = getattr(js, "_prefix", "$JS.API")
+    sent = time.monotonic()
+    reply = await js._nc.request(f"{prefix}.STREAM.INFO.{stream}", b"", timeout=5)
+    at = (sent + time.monotonic()) / 2
     try:
-        async for entry in watcher:
-            if entry is None:  # the end of the initial values
+        stamp = json.loads(reply.data).get("ts")
+    except ValueError:
+        return None
+    server_now = parse_rfc3339(stamp) if isinstance(stamp, str) else None
+    return None if server_now is None else (server_now, at)
+
+
+async def _server_clock(
+    js: JetStreamContext, names: RunNames, watcher: KeyValue.KeyWatcher, opened: float
+) -> tuple[float, float] | None:
+    """``server_time`` of the registry's stream; from a server before 2.10 (no ``ts``), the
+    creation time of ``watcher``'s consumer, which the server made when the watch was opened
+    (``opened``: this process's ``time.monotonic()`` then)."""
+    clock = await server_time(js, f"KV_{names.workers_kv}")
+    if clock is None:
+        info = await watcher._sub.consumer_info()
+        if isinstance(info.created, datetime):
+            clock = (info.created.timestamp(), opened)
+    return clock
+
+
+def parse_rfc3339(stamp: str) -> float | None:
+    """Seconds since the epoch of a Go RFC 3339 timestamp (nanoseconds allowed); ``None`` for
+    Go's zero time or a string that is no timestamp."""
+    head, _, frac = stamp.rstrip("Z").partition(".")
+    try:
+        seconds = datetime.fromisoformat(head + "+00:00").timestamp()
+    except ValueError:
+        return None
+    digits = "".join(c for c in frac if c.isdigit())
+    if seconds <= 0:
+        return None
+    return seconds + (int(digits) / 10 ** len(digits) if digits else 0.0)
+
+
+async def watch_registry(
+    js: JetStreamContext, names: RunNames, on_current: Callable[[], None] = lambda: None
+) -> AsyncIterator[Sighting]:
+    """Every change of the registry as a ``Sighting``, current entries first (then
+    ``on_current`` is called); its ``entry`` is ``None`` when the worker's entry was deleted.
+    A change is dated by its arrival; a current entry by the server (its stored timestamp
+    against the server's time now: no other clock is compared; a server before 2.10 tells its
+    time through the watch's consumer, created when the watch opened). An entry that expires
+    is not announced (a watch is not told): ``LastSeen`` finds it stale. Bad entries are logged
+    and skipped."""
+    bucket = await js.key_value(names.workers_kv)
+    opened = time.monotonic()
+    watcher = await bucket.watchall()
+    opened = (opened + time.monotonic()) / 2
+    try:
+        async for item in _current_then_changes(watcher):
+            if isinstance(item, list):  # the current entries: date them by the server
+                clock = await _server_clock(js, names, watcher, opened) if item else None
+                for found, arrived in item:
+                    if (sighting := _sighting(found, arrived, clock)) is not None:
+                        yield sighting
                 on_current()
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                yield entry.key, None
-                continue
-            try:
-                yield entry.key, codec.decode(WorkerRegistered, entry.value)
-            except InvalidMessageError as exc:
-                log.warning(kv("bad_worker_entry", key=entry.key, error=exc.reason))
+            elif (sighting := _sighting(*item, None)) is not None:
+                yield sighting
     finally:
         await watcher.stop()
 
 
-async def read_workers(js: JetStreamContext, names: RunNames) -> list[WorkerRegistered]:
-    """The registry's entries now, by worker id (an expired one may linger until the bucket
-    drops it: its ``heartbeat_at`` says how fresh it is). Bad entries are logged and skipped."""
-    bucket = await js.key_value(names.workers_kv)
-    try:
-        keys = await bucket.keys()
-    except NoKeysError:
-        return []
-    found = []
-    for key in sorted(keys):
-        try:
-            entry = await bucket.get(key)
-        except KeyNotFoundError:  # deleted since it was listed
+async def _current_then_changes(
+    watcher: KeyValue.KeyWatcher,
+) -> AsyncIterator[list[tuple[KeyValue.Entry, float]] | tuple[KeyValue.Entry, float]]:
+    """The entries current when ``watcher`` opened, once, as a list; then each change; each
+    with its arrival (``time.monotonic()``). nats-py's end-of-current marker (``None``) can come
+    before entries its consumer delivered already (they were on their way when it asked the
+    server how many were pending): the current entries end once as many have arrived as the
+    consumer had delivered when the marker came."""
+    current: list[tuple[KeyValue.Entry, float]] | None = []
+    received, owed = 0, None
+    async for entry in watcher:
+        if entry is not None:
+            received += 1
+            if current is None:
+                yield entry, time.monotonic()
+                continue
+            current.append((entry, time.monotonic()))
+            if owed is None or received < owed:
+                continue
+        elif current is None:
             continue
-        try:
-            found.append(codec.decode(WorkerRegistered, entry.value))
-        except InvalidMessageError as exc:
-            log.warning(kv("bad_worker_entry", key=key, error=exc.reason))
-    return found
+        else:
+            delivered = (await watcher._sub.consumer_info()).delivered
+            owed = delivered.consumer_seq if delivered is not None else 0
+            if received < owed:
+                continue
+        yield current
+        current = None
+
+
+def _sighting(
+    found: KeyValue.Entry, arrived: float, clock: tuple[float, float] | None
+) -> Sighting | None:
+    stored = found.created.timestamp() if isinstance(found.created, datetime) else None
+    written, dated = arrived, False
+    if clock is not None and stored is not None:
+        server_now, at = clock
+        written, dated = min(arrived, at - max(0.0, server_now - stored)), True
+    if found.operation in ("DEL", "PURGE") or not found.value:
+        return Sighting(found.key, None, written, stored, dated)
+    try:
+        entry = codec.decode(WorkerRegistered, found.value)
+    except InvalidMessageError as exc:
+        log.warning(kv("bad_worker_entry", key=found.key, error=exc.reason))
+        return None
+    return Sighting(found.key, entry, written, stored, dated)
+
+
+async def watch_workers(
+    js: JetStreamContext, names: RunNames, on_current: Callable[[], None] = lambda: None
+) -> AsyncIterator[tuple[str, WorkerRegistered | None]]:
+    """``watch_registry`` as ``(worker_id, entry)``, for who needs no liveness (scrape
+    targets)."""
+    async for sighting in watch_registry(js, names, on_current):
+        yield sighting.worker_id, sighting.entry
+
+
+async def read_registry(js: JetStreamContext, names: RunNames) -> list[Sighting]:
+    """The registry's entries now, by worker id, each dated by the server like
+    ``watch_registry``'s current entries (for one-off readers: ``seamlessflow status``, a weight
+    wave). One that expired may linger until the bucket drops it: its age says so."""
+    bucket = await js.key_value(names.workers_kv)
+    opened = time.monotonic()
+    watcher = await bucket.watchall()
+    opened = (opened + time.monotonic()) / 2
+    try:
+        first = _current_then_changes(watcher)
+        current = await anext(first)  # the current entries come first, as a list
+        await first.aclose()
+        assert isinstance(current, list)
+        clock = await _server_clock(js, names, watcher, opened) if current else None
+    finally:
+        await watcher.stop()
+    found: dict[str, Sighting] = {}
+    for entry, arrived in current:  # in order: a key's later write (or delete) wins
+        if (sighting := _sighting(entry, arrived, clock)) is not None:
+            found[sighting.worker_id] = sighting
+    return [found[k] for k in sorted(found) if found[k].entry is not None]
+
+
+async def read_workers(js: JetStreamContext, names: RunNames) -> list[WorkerRegistered]:
+    """The registry's entries now, by worker id (``read_registry`` without the dates)."""
+    return [s.entry for s in await read_registry(js, names) if s.entry is not None]

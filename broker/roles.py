@@ -66,6 +66,13 @@ TAGS = Gauge(
     ["tags"],
     registry=REGISTRY,
 )
+INFO = Gauge(
+    "sf_worker_info",
+    "1, labelled with this worker's node (its registry entry's host), id and capability tags: "
+    "join on instance to show or group any sf_worker_ series by node",
+    ["node", "worker_id", "tags"],
+    registry=REGISTRY,
+)
 BAD_REQUESTS = Counter(
     "sf_worker_bad_role_requests", "Role change requests that could not be read", registry=REGISTRY
 )
@@ -98,7 +105,9 @@ class RoleHolder:
         self._busy = False
         self._since = time.monotonic()
         self._show(registration.entry.role)
-        TAGS.labels(",".join(registration.entry.tags)).set(1)
+        entry = registration.entry
+        TAGS.labels(",".join(entry.tags)).set(1)
+        INFO.labels(entry.host, entry.worker_id, ",".join(entry.tags)).set(1)
 
     @property
     def registration(self) -> Registration:

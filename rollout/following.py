@@ -27,7 +27,7 @@ from nats.js.api import DeliverPolicy
 from broker import codec
 from broker.exceptions import BrokerError, InvalidMessageError
 from broker.messages import Role, WeightsPublished
-from broker.registry import Registration, read_workers
+from broker.registry import Registration, read_registry
 from broker.subjects import RunNames
 from broker.weights import fetch_weights_apart, latest_weights, local_copy
 from common.log import kv
@@ -196,7 +196,8 @@ class WeightFollower:
     async def _wait_for_wave(self, version: int) -> None:
         """With ``weight_waves`` > 1, wait (serving the old version) until every live rollout
         worker of an earlier wave serves ``version``, or ``wave_timeout_s``. Waves are the live
-        rollout workers sorted by id, dealt round-robin."""
+        rollout workers sorted by id, dealt round-robin; live: its entry written within three
+        heartbeats, dated by the server (``read_registry``), never by the writer's clock."""
         waves = self._config.weight_waves
         if waves <= 1 or not self._worker.serving():  # an idle worker pauses nobody's capacity
             return
@@ -204,11 +205,13 @@ class WeightFollower:
         started = time.monotonic()
         fresh_s = 3 * self._config.heartbeat_s
         while time.monotonic() - started < self._config.wave_timeout_s:
-            now = time.time()
             live = {
-                w.worker_id: w
-                for w in await read_workers(self._js, self._names)
-                if w.role is Role.ROLLOUT and not w.quarantined and now - w.heartbeat_at < fresh_s
+                s.entry.worker_id: s.entry
+                for s in await read_registry(self._js, self._names)
+                if s.entry is not None
+                and s.entry.role is Role.ROLLOUT
+                and not s.entry.quarantined
+                and s.age() < fresh_s
             }
             ids = sorted(live)
             if me not in ids:

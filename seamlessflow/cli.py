@@ -190,7 +190,7 @@ async def _provision(args: argparse.Namespace) -> int:
 async def _status(args: argparse.Namespace) -> int:
     from broker.client import session
     from broker.provision import run_status
-    from broker.registry import read_workers
+    from broker.registry import read_registry
     from broker.subjects import RunNames
     from seamlessflow.launcher import print_status, print_workers
     from tagsched.lease import lease_holder
@@ -201,11 +201,12 @@ async def _status(args: argparse.Namespace) -> int:
         status = await run_status(js, run)
         if not status.missing:
             names = RunNames(run)
-            workers = await read_workers(js, names)
+            workers = await read_registry(js, names)  # dated by the server's clock alone
+            ttl = (await (await js.key_value(names.workers_kv)).status()).ttl
             leader = await lease_holder(js, names)
     print_status(status)
     if not status.missing:
-        print_workers(workers, leader)
+        print_workers(workers, leader, ttl=ttl)
     return 1 if status.missing else 0
 
 

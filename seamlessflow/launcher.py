@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig
-from broker.messages import WorkerRegistered
 from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus
+from broker.registry import Sighting
 from broker.server import EmbeddedBroker
 from common.metrics import MetricsEndpoint, serve_metrics
 from common.ready import announce_ready
@@ -106,23 +106,45 @@ def print_status(status: RunStatus, out=sys.stdout) -> None:
 
 
 def print_workers(
-    workers: list[WorkerRegistered], leader: str | None, out=sys.stdout, now: float | None = None
+    workers: list[Sighting],
+    leader: str | None,
+    out=sys.stdout,
+    *,
+    ttl: float | None = None,
+    now: float | None = None,
 ) -> None:
-    """The registry as a table (tags, role, epoch, version, heartbeat age), and the scheduler
-    holding the run's lease."""
-    now = time.time() if now is None else now
-    rows = [("worker", "tags", "role", "epoch", "version", "busy", "heartbeat")]
-    for w in workers:
+    """The registry as a table (node, tags, role, epoch, version, when the entry was last
+    written and how far the worker's clock is off), and the scheduler holding the run's lease.
+    "written" is dated by the server's clock alone (the write's stored timestamp against the
+    server's time now), so a worker whose clock is off shows its true age; past ``ttl`` it is
+    marked "not renewed", as every observer judges it dead. "clock" is the worker's
+    ``heartbeat_at`` against the server's timestamp of the write: information only."""
+    now = time.monotonic() if now is None else now
+    rows = [("worker", "node", "tags", "role", "epoch", "version", "busy", "written", "clock")]
+    for s in workers:
+        w = s.entry
+        if w is None:
+            continue
         version = "-" if w.version is None else str(w.version)
-        age = f"{max(0.0, now - w.heartbeat_at):.1f}s ago"
+        if not s.dated:  # a server that does not tell its time
+            written = "?"
+        else:
+            age = s.age(now)
+            written = f"{age:.1f}s ago"
+            if ttl is not None and age > ttl:
+                written += f" (not renewed within {ttl:g}s)"
+        offset = s.clock_offset()
+        clock = "-" if offset is None else "ok" if abs(offset) < 1.0 else f"{offset:+.1f}s"
         row = (
             w.worker_id,
+            w.host,
             ",".join(w.tags),
             w.role.value,
             str(w.epoch),
             version,
             "yes" if w.busy else "no",
-            age,
+            written,
+            clock,
         )
         rows.append(row)
     print(file=out)

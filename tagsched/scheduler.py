@@ -12,8 +12,10 @@
 3. lends the trainer's workers to rollout while the trainer waits for a batch, and reclaims
    them before the batch is ready (``tagsched.lending``).
 
-A worker is live while its registry entry's heartbeat is younger than ``workers_ttl_s`` (the
-bucket drops the entry soon after, but a watch is not told of expiry).
+A worker is live while its registry entry was last written no longer than ``workers_ttl_s`` ago
+on this scheduler's own clock (``broker.registry.LastSeen``: a heartbeat's arrival, never the
+worker's ``heartbeat_at``, so a worker whose clock is off is judged like any other). The bucket
+drops the entry soon after, but a watch is not told of expiry.
 """
 
 import asyncio
@@ -40,7 +42,7 @@ from broker.messages import (
 )
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
-from broker.registry import watch_workers
+from broker.registry import LastSeen, watch_registry
 from broker.retry import BACKOFF, TRANSIENT
 from broker.subjects import Durable, RunNames
 from common.log import kv
@@ -100,6 +102,7 @@ class Scheduler:
         self._ttl = workers_ttl_s
         self._lease_s = lease_s
         self._workers: dict[str, WorkerRegistered] = {}
+        self._heard = LastSeen()  # when each worker's entry was last written, on our clock
         # fenced worker -> the registration (started_at) fenced; another one re-admits it
         self._fenced: dict[str, float | None] = {}
         self._pending: dict[str, asyncio.Task] = {}  # role changes in flight, by worker
@@ -164,10 +167,9 @@ class Scheduler:
         """Follow the registry; a watch the broker dropped (a restart) is started again."""
         while True:
             try:
-                async for worker_id, entry in watch_workers(
-                    self._js, self._names, on_current=initial.set
-                ):
-                    self._seen(worker_id, entry)
+                async for sighting in watch_registry(self._js, self._names, on_current=initial.set):
+                    self._heard.saw(sighting)
+                    self._seen(sighting.worker_id, sighting.entry)
             except NatsError as exc:
                 log.warning(kv("worker_watch_failed", error=exc))
             await asyncio.sleep(BACKOFF.max_s)
@@ -219,11 +221,12 @@ class Scheduler:
 
     # -- one tick -----------------------------------------------------------------------------
     def live(self) -> dict[str, WorkerRegistered]:
-        now = time.time()
+        """The workers whose entry was written within the TTL (on this scheduler's clock) and
+        that are not fenced."""
         return {
             wid: w
             for wid, w in self._workers.items()
-            if now - w.heartbeat_at <= self._ttl and wid not in self._fenced
+            if self._heard.fresh(wid, self._ttl) and wid not in self._fenced
         }
 
     async def _tick(self) -> None:

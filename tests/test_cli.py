@@ -14,7 +14,8 @@ import msgpack
 import pytest
 
 from broker.ingress import tasks_ingress
-from broker.messages import TaskSubmitted
+from broker.messages import Role, TaskSubmitted
+from broker.registry import Registration, node_name
 from broker.subjects import Durable, RunNames
 from rollout.engines import HFEngineConfig, VLLMEngineConfig
 from seamlessflow import services
@@ -75,10 +76,21 @@ async def test_provision_then_submit_then_status(broker, js, run_name, tmp_path)
     stored = await stream_messages(js, names.tasks_stream, TaskSubmitted)
     assert [t.task_id for t in stored] == ["a", "b"]
 
+    # a registered worker is listed with its node, the age of its entry and its clock
+    registration = await Registration.open(js, names, "w-1", tags=["rollout"], role=Role.IDLE)
+    await registration.put()
     done = sf("status", "--nats", broker.url, "--run", run_name)
     assert done.returncode == 0, done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith(names.tasks_stream))
     assert row.split()[1] == "2"
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("worker "))
+    assert header.split() == [
+        "worker", "node", "tags", "role", "epoch", "version", "busy", "written", "clock"
+    ]  # fmt: skip
+    row = next(line for line in lines if line.startswith("w-1 ")).split()
+    assert row[1] == node_name() and row[2:4] == ["rollout", "idle"]
+    assert row[-2] == "ago" and float(row[-3].rstrip("s")) < 30 and row[-1] == "ok"
 
     # The same file's config again is a no-op; a different one is refused, with exit code 2.
     assert (

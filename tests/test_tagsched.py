@@ -275,7 +275,10 @@ async def test_a_worker_changes_role_by_epoch_and_refuses_stale_ones(
             timeout=60,
         )
         row = next(line.split() for line in status.stdout.splitlines() if line.startswith("w1 "))
-        assert row[:6] == ["w1", "rollout", "idle", "5", "0", "no"], status.stdout
+        assert row[:7] == ["w1", e.host, "rollout", "idle", "5", "0", "no"], status.stdout
+        assert row[-1] == "ok"  # its clock agrees with the server's
+        info = {"node": e.host, "worker_id": "w1", "tags": "rollout"}
+        assert await metric(w.metrics_url, "sf_worker_info", **info) == 1
         assert "scheduler: none holds the lease" in status.stdout
         stale = await ask(nc, names, "w1", Role.ROLLOUT, 5)
         assert (stale.ok, stale.role, stale.epoch) == (False, Role.IDLE, 5)

@@ -8,7 +8,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from broker.messages import Role, WorkerRegistered
-from broker.registry import watch_workers
+from broker.registry import LastSeen, Sighting, watch_registry
 from broker.retry import BACKOFF
 from broker.subjects import RunNames
 from common.log import kv
@@ -19,13 +19,15 @@ log = logging.getLogger(__name__)
 
 class ServingWatch:
     """Times each version from its optimizer step until every live rollout worker in the
-    registry reports it (a worker counts as live until ``ttl`` after its last heartbeat), into
+    registry reports it (a worker counts as live until ``ttl`` after its entry was last
+    written, on this process's clock: ``broker.registry.LastSeen``), into
     ``sf_trainer_weights_serving_seconds``."""
 
     def __init__(self, ttl: float, keep: int = 16) -> None:
         self._ttl = ttl
         self._keep = keep
         self._workers: dict[str, WorkerRegistered] = {}
+        self._heard = LastSeen()
         self._pending: dict[int, float] = {}  # version -> time.monotonic() of its step
 
     def stepped(self, version: int, at: float) -> None:
@@ -35,7 +37,9 @@ class ServingWatch:
             del self._pending[min(self._pending)]
         self._settle()
 
-    def seen(self, worker_id: str, entry: WorkerRegistered | None) -> None:
+    def seen(self, sighting: Sighting) -> None:
+        self._heard.saw(sighting)
+        worker_id, entry = sighting.worker_id, sighting.entry
         if entry is None or entry.role is not Role.ROLLOUT:
             self._workers.pop(worker_id, None)
         else:
@@ -47,16 +51,19 @@ class ServingWatch:
         this only ends when cancelled."""
         while True:
             try:
-                async for worker_id, entry in watch_workers(js, names):
-                    self.seen(worker_id, entry)
+                async for sighting in watch_registry(js, names):
+                    self.seen(sighting)
             except NatsError as exc:
                 log.warning(kv("worker_watch_failed", error=exc))
             await asyncio.sleep(BACKOFF.max_s)
 
+    def live(self) -> dict[str, WorkerRegistered]:
+        """The rollout workers whose entry was written within the TTL, on this process's clock."""
+        return {wid: w for wid, w in self._workers.items() if self._heard.fresh(wid, self._ttl)}
+
     def _settle(self) -> None:
         """Observe each pending version every live rollout worker now serves."""
-        now = time.time()
-        live = [w for w in self._workers.values() if now - w.heartbeat_at <= self._ttl]
+        live = list(self.live().values())
         if not live:
             return
         serving = min(w.version if w.version is not None else -1 for w in live)
