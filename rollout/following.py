@@ -28,6 +28,7 @@ from broker import codec
 from broker.exceptions import BrokerError, InvalidMessageError
 from broker.messages import Role, WeightsPublished
 from broker.registry import Registration, read_registry
+from broker.retry import retry
 from broker.subjects import RunNames
 from broker.weights import fetch_weights_apart, latest_weights, local_copy
 from common.log import kv
@@ -187,7 +188,9 @@ class WeightFollower:
         if local is not None:
             yield local
             return
-        blob = await fetch_weights_apart(self._nats_url, event)
+        # A broker that does not answer now (a 503 while an R3 stream elects, an outage) is
+        # waited for: the version is not given up for it.
+        blob = await retry(lambda: fetch_weights_apart(self._nats_url, event), what="weights_fetch")
         with tempfile.TemporaryDirectory(prefix="sf-weights-") as folder:
             await asyncio.to_thread((Path(folder) / "model.safetensors").write_bytes, blob)
             del blob
