@@ -9,8 +9,10 @@ its key of the ``--config`` file.
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -343,6 +345,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def main(argv: list[str] | None = None) -> int:
     claim_handshake()
+    # SIGUSR1 prints every thread's stack: a launcher asks for it before killing a stuck child.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:

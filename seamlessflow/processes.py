@@ -155,12 +155,15 @@ class ServiceProcess:
         raise ServiceProcessError(f"{self.name} {problem}:\n{''.join(self.output)}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        """Send ``sig`` (SIGTERM: a clean stop) and wait; SIGKILL and raise past ``timeout``."""
+        """Send ``sig`` (SIGTERM: a clean stop) and wait; past ``timeout``, ask for its threads'
+        stacks (SIGUSR1: they go to its output, for the error), then SIGKILL and raise."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)  # the reader thread takes the dump in
             self.proc.kill()
             self.proc.wait()
             raise ServiceProcessError(
