@@ -107,6 +107,7 @@ def tool_stack(broker, tool_model_dir: Path):
 
 
 @pytest.mark.newest_nats
+@pytest.mark.timeout(600)  # the first one builds the warm-started model (about 1-4 min of CPU)
 @pytest.mark.parametrize("framework", sorted(AGENTS))
 async def test_a_framework_agent_is_recorded_token_exact(framework, tool_stack, js, tool_model_dir):
     from common.models import load_tokenizer
