@@ -215,8 +215,9 @@ class Stack:
 
 
 @contextmanager
-def gateway_stack(nats_url: str, model_dir: Path) -> Iterator[Stack]:
-    """A fresh run, one ``seamlessflow worker`` on ``model_dir`` and a ``GatewayThread``."""
+def gateway_stack(nats_url: str, model_dir: Path, *worker_args: str) -> Iterator[Stack]:
+    """A fresh run, one ``seamlessflow worker`` on ``model_dir`` (extra command-line
+    ``worker_args``: ``--max-model-len 1024``) and a ``GatewayThread``."""
     names = RunNames("st" + uuid.uuid4().hex[:12])
 
     async def provision() -> None:
@@ -224,7 +225,9 @@ def gateway_stack(nats_url: str, model_dir: Path) -> Iterator[Stack]:
             await provision_run(nc.jetstream(), names.run, SMALL_RUN)
 
     asyncio.run(provision())
-    worker = worker_process(nats_url, names.run, model_dir, f"{names.run}-w1").wait_ready()
+    worker = worker_process(
+        nats_url, names.run, model_dir, f"{names.run}-w1", *worker_args
+    ).wait_ready()
     try:
         with GatewayThread(gateway_config(model_dir, names.run), nats_url) as gateway:
             yield Stack(names, gateway.url)
