@@ -26,7 +26,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from types import TracebackType
 
 from broker.server import die_with_parent
 from tests.nodes import Cluster, Node
@@ -80,12 +79,7 @@ class SlurmCluster:
             raise
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _start(self) -> None:
