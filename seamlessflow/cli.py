@@ -346,7 +346,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 def main(argv: list[str] | None = None) -> int:
     claim_handshake()
     # SIGUSR1 prints every thread's stack: a launcher asks for it before killing a stuck child.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # The process's own stderr (not a replacement of sys.stderr, as when called in-process).
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:

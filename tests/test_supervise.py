@@ -9,6 +9,7 @@ import time
 import pytest
 
 from common.ready import READY_FD, announce_ready, claim_handshake
+from seamlessflow.exceptions import ServiceProcessError
 from seamlessflow.processes import ServiceProcess, SuperviseConfig
 from seamlessflow.run import _Supervised
 
@@ -80,3 +81,14 @@ def test_the_ready_handshake_is_one_json_object_on_a_pipe_of_its_own(monkeypatch
     assert sent == [{"process": "trainer", "metrics_url": url, "run": "r", "version": 3}]
     printed = capsys.readouterr().out.splitlines()
     assert printed == [f"trainer ready: run=r version={v} metrics={url}" for v in (3, 4)]
+
+
+def test_a_child_that_does_not_stop_in_time_shows_where_it_was(tmp_path):
+    """Past the stop timeout the child is asked for its threads' stacks (SIGUSR1), then killed:
+    the error carries them. SIGCONT stands in for a stop signal the child does not act on."""
+    proc = ServiceProcess("broker", "broker", "--state-dir", str(tmp_path / "broker"))
+    proc.wait_ready(60)
+    with pytest.raises(ServiceProcessError, match="did not stop") as stuck:
+        proc.stop(signal.SIGCONT, timeout=0.5)
+    assert "Thread 0x" in str(stuck.value) and 'File "' in str(stuck.value)
+    assert proc.proc.returncode == -signal.SIGKILL
