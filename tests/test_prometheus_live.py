@@ -271,10 +271,10 @@ def query(prometheus: str, expr: str) -> list[dict]:
 
 def substitute(expr: str, run: str, jobs: set[str]) -> str:
     """The query Grafana sends with these variables chosen (several jobs: a regex of them;
-    every instance)."""
+    every instance and every node)."""
     job = "seamlessflow-(" + "|".join(sorted(jobs)) + ")"
     expr = expr.replace("${run}", run).replace("$run", run)
-    return expr.replace("$job", job).replace("$instance", ".*")
+    return expr.replace("$job", job).replace("$instance", ".*").replace("$node", ".*")
 
 
 @pytest.mark.newest_nats
