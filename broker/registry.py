@@ -334,8 +334,3 @@ async def read_registry(js: JetStreamContext, names: RunNames) -> list[Sighting]
         if (sighting := _sighting(entry, arrived, clock)) is not None:
             found[sighting.worker_id] = sighting
     return [found[k] for k in sorted(found) if found[k].entry is not None]
-
-
-async def read_workers(js: JetStreamContext, names: RunNames) -> list[WorkerRegistered]:
-    """The registry's entries now, by worker id (``read_registry`` without the dates)."""
-    return [s.entry for s in await read_registry(js, names) if s.entry is not None]
