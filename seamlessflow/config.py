@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig, Tags
 from broker.subjects import NAME_PATTERN
+from common.rewards import RewardsConfig
 from rollout.agents.config import AgentsConfig
 from rollout.gateway.config import GatewaySettings, ToolSettings
 from rollout.worker_config import WorkerConfig
@@ -211,6 +212,10 @@ class RunConfig(BaseModel):
     provision: ProvisionConfig = Field(default_factory=ProvisionConfig)
     agents: AgentsConfig = Field(default_factory=AgentsConfig)
     trajectory: TrajectoryConfig = Field(default_factory=TrajectoryConfig)
+    rewards: RewardsConfig = Field(
+        default_factory=RewardsConfig,
+        description="usable rewards: one range for the agent runner and the trajectory manager",
+    )
     trainer: TrainerConfig = Field(
         # The quickstart's tiny model learns at a higher rate than the library default.
         default_factory=lambda: TrainerConfig(lr=1e-4, groups_per_step=8, threads=1),
