@@ -113,10 +113,18 @@ class CpusConfig(_Section):
 class TasksConfig(_Section):
     """The built-in task feed of ``seamlessflow run`` (tasks may also come from any client)."""
 
-    env: Literal["arithmetic", "none"] = Field(
-        default="arithmetic", description="'none': submit no tasks (publish your own)"
+    env: Literal["arithmetic", "guess", "none"] = Field(
+        default="arithmetic",
+        description="'arithmetic' (a+b=), 'guess' (find a number, higher/lower: "
+        "rollout.agents.guess), or 'none': submit no tasks (publish your own)",
     )
     max_operand: int = Field(default=4, ge=0, le=10**6, description="a, b in [0, max_operand]")
+    max_number: int = Field(
+        default=16, ge=1, le=10**6, description="guess: the secret is in [1, max_number]"
+    )
+    turn_delay_s: float = Field(
+        default=0.0, ge=0, le=60, description="guess: the environment's latency per turn"
+    )
     group_size: int = Field(default=8, ge=1, le=1024, description="attempts per task")
     max_turns: int = Field(default=2, ge=1, le=64)
     max_tokens: int = Field(

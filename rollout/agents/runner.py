@@ -51,6 +51,7 @@ from common.log import kv
 from common.metrics import serve_metrics
 from common.ready import announce_ready
 from common.rewards import RewardsConfig
+from rollout.agents import guess
 from rollout.agents.agents import (
     Agent,
     AgentContext,
@@ -139,6 +140,7 @@ class Environment:
 ENVIRONMENTS: dict[str, Environment] = {
     "chat": Environment(chat_agent, binary_reward),
     ARITHMETIC: Environment(arithmetic_agent, arithmetic_reward),
+    guess.ENV: Environment(guess.guess_agent, guess.guess_reward),
 }
 """Built-in envs. A configured agent (``agent`` or ``command``) runs any env; an env not listed
 here is then scored with ``binary_reward``."""
