@@ -98,7 +98,10 @@ def prepare_model(config: RunConfig) -> Path:
     if config.tasks.env == "guess":
         high = config.tasks.max_number
         return warm_start(
-            base, config.model.warm_start, partial(guess.demonstration, high=high), f"guess-{high}"
+            base,
+            config.model.warm_start,
+            partial(guess.demonstration, high=high),
+            f"guess-range-{high}",
         )
     if config.tasks.env != "arithmetic":
         return base

@@ -17,8 +17,8 @@ from rollout.agents.guess import (
     LOWER,
     MIN_FOUND,
     NO_GUESS,
+    Game,
     demonstration,
-    feedback,
     guess_agent,
     guess_reward,
     guess_task,
@@ -30,9 +30,16 @@ from tests.support import MODEL, stream_messages
 from trajectory.tree import build_session
 
 
-def test_feedback_points_at_the_secret():
-    assert feedback(5, 9) == HIGHER and feedback(12, 9) == LOWER
-    assert feedback(None, 9) == NO_GUESS
+def test_feedback_points_at_the_secret_and_restates_the_open_range():
+    game = Game(9, 1, 16)
+    game, said = game.answer(5)
+    assert said == f"{HIGHER}: 6-16" and game == Game(9, 6, 16)
+    game, said = game.answer(12)
+    assert said == f"{LOWER}: 6-11"
+    game, said = game.answer(None)
+    assert said == f"{NO_GUESS}: 6-11" and game == Game(9, 6, 11)
+    game, said = game.answer(3)  # outside the open range: it stays as it was
+    assert said == f"{HIGHER}: 6-11"
 
 
 def test_the_reward_falls_with_the_turns_used_and_is_zero_when_not_found():
@@ -68,8 +75,10 @@ def test_demonstrations_guess_within_the_range_the_feedback_leaves_open():
         for said, heard in zip(messages[1::2], messages[2::2], strict=True):
             assert said["role"] == "assistant" and heard["role"] == "user"
             guess = int(said["content"])
-            assert low <= guess <= high and heard["content"] in (HIGHER, LOWER)
-            low, high = (guess + 1, high) if heard["content"] == HIGHER else (low, guess - 1)
+            assert low <= guess <= high
+            higher = heard["content"].startswith(HIGHER)
+            low, high = (guess + 1, high) if higher else (low, guess - 1)
+            assert heard["content"] in (f"{HIGHER}: {low}-{high}", f"{LOWER}: {low}-{high}")
         assert low <= int(reply) <= high
         turns.add(len(messages) // 2)
     assert turns == set(range(8))  # histories of 0 to 7 earlier guesses
@@ -104,12 +113,13 @@ async def test_a_game_through_the_gateway_is_recorded_token_exact_across_its_tur
         js, stack.names.traj_stream, CallRecorded, subject=stack.names.traj_calls(sid)
     )
     assert len(calls) == 8
+    game = Game(secret, 1, 1_000_000)
     for before, after in itertools.pairwise(calls):
         context = before.prompt_ids + before.output_ids
         assert after.prompt_ids[: len(context)] == context  # token-exact: nothing re-tokenized
         reply = tok.decode(before.output_ids, skip_special_tokens=True)
         guess = first_number(reply)
-        said = feedback(None if guess is None else int(guess), secret)
+        game, said = game.answer(None if guess is None else int(guess))
         added = tok.decode(after.prompt_ids[len(context) :])
         assert re.search(rf"<\|im_start\|>user\n{said}<\|im_end\|>", added), (reply, added)
     (sample,) = build_session(calls, SessionEnded(session_id=sid, reward=0.0)).samples

@@ -3,22 +3,25 @@
 A task asks ``f"Guess my number, from 1 to {high}."`` in one user message; the secret is drawn
 in ``[1, high]`` and is the task's reference (verifier ``number``: the first number of a
 reply is the guess). The built-in agent asks the model for a guess each turn; the environment
-answers ``"higher"`` or ``"lower"`` (or ``"a number"`` to a reply without one), after its own
-latency (``metadata["turn_delay_s"]``, slept every turn, like a real environment's step), until
-the guess is right or ``max_turns`` turns are spent. Every turn appends to one conversation, so
+answers ``"higher"`` or ``"lower"`` (``"a number"`` to a reply without one) with the range the
+answers so far leave open (``"higher: 9-16"``), after its own latency
+(``metadata["turn_delay_s"]``, slept every turn, like a real environment's step), until the
+guess is right or ``max_turns`` turns are spent. (The range is restated because the tiny model
+did not learn, in minutes of RL, to work it out from bare "higher"/"lower" over the history:
+its reward stayed flat or fell over 16-32 steps.) Every turn appends to one conversation, so
 the session is one growing prompt: one sample, every guess in its loss mask.
 
 Reward (``guess_reward``): 1.0 for the secret on the first turn, 0.1 less per further turn (at
 least ``MIN_FOUND``), 0.0 when not found within the turn cap; so a policy that uses the feedback
 (halving the range) earns more than one that finds the number late or not at all.
 
-Demonstrations for the warm start (``demonstration``) guess uniformly within the range the
-feedback so far leaves open: they teach the format and the use of the feedback, not the
-halving, so RL has turns to save.
+Demonstrations for the warm start (``demonstration``) guess uniformly within the open range:
+they teach the format and the use of the feedback, not the halving, so RL has turns to save.
 """
 
 import asyncio
 import random
+from dataclasses import dataclass, replace
 
 from broker.messages import ChatMessage, RewardSpec, TaskSubmitted
 from rollout.agents.agents import AgentContext, AgentResult, openai_messages
@@ -33,6 +36,8 @@ LOWER = "lower"
 """The secret is below the guess."""
 NO_GUESS = "a number"
 """The reply held no number."""
+FEEDBACK = "{verdict}: {low}-{high}"
+"""The user message after a wrong guess: the verdict and the range still open."""
 VERIFIER = "number"
 MAX_TOKENS = 4
 """Tokens per guess (a number), unless ``metadata["max_tokens"]`` says otherwise."""
@@ -46,11 +51,24 @@ def question(high: int) -> str:
     return PROMPT.format(high=high)
 
 
-def feedback(guess: int | None, secret: int) -> str:
-    """What the environment says to a wrong guess (``None``: the reply held no number)."""
-    if guess is None:
-        return NO_GUESS
-    return HIGHER if secret > guess else LOWER
+@dataclass(frozen=True)
+class Game:
+    """What the environment knows: the secret and the range its answers have left open."""
+
+    secret: int
+    low: int
+    high: int
+
+    def answer(self, guess: int | None) -> tuple["Game", str]:
+        """The game after a wrong ``guess`` (``None``: the reply held no number), and what the
+        environment says to it."""
+        if guess is None:
+            verdict, game = NO_GUESS, self
+        elif self.secret > guess:
+            verdict, game = HIGHER, replace(self, low=max(self.low, guess + 1))
+        else:
+            verdict, game = LOWER, replace(self, high=min(self.high, guess - 1))
+        return game, FEEDBACK.format(verdict=verdict, low=game.low, high=game.high)
 
 
 def guess_reward(correct: bool, turns: int) -> float:
@@ -118,29 +136,25 @@ def guess_tasks(
 def demonstration(rng: random.Random, high: int) -> tuple[list[dict[str, str]], str]:
     """A game in progress and its next guess, drawn uniformly from the range still open: the
     messages so far (a random number of wrong guesses, each with its feedback) and the reply."""
-    secret = rng.randint(1, high)
+    game = Game(rng.randint(1, high), 1, high)
     messages = [{"role": "user", "content": question(high)}]
-    low, top = 1, high
     for _ in range(rng.randint(0, 7)):
-        guess = rng.randint(low, top)
-        if guess == secret:
+        guess = rng.randint(game.low, game.high)
+        if guess == game.secret:
             break
-        if secret > guess:
-            low = guess + 1
-        else:
-            top = guess - 1
+        game, said = game.answer(guess)
         messages += [
             {"role": "assistant", "content": str(guess)},
-            {"role": "user", "content": feedback(guess, secret)},
+            {"role": "user", "content": said},
         ]
-    return messages, str(rng.randint(low, top))
+    return messages, str(rng.randint(game.low, game.high))
 
 
 async def guess_agent(ctx: AgentContext) -> AgentResult:
     """Ask for a guess; while wrong and turns remain, the environment (after its latency) says
     higher or lower and the model guesses again."""
     messages = openai_messages(ctx.task.messages)
-    secret = int(ctx.task.reward.reference or "0")
+    game = Game(int(ctx.task.reward.reference or "0"), 1, int(ctx.task.metadata.get("high", "0")))
     delay = float(ctx.task.metadata.get("turn_delay_s", "0"))
     max_tokens = int(ctx.task.metadata.get("max_tokens", MAX_TOKENS))
     turn = 0
@@ -157,7 +171,5 @@ async def guess_agent(ctx: AgentContext) -> AgentResult:
             return AgentResult(answer=text, turns=turn)
         guess = first_number(text)
         await asyncio.sleep(delay)  # the environment's step
-        messages += [
-            {"role": "assistant", "content": text},
-            {"role": "user", "content": feedback(None if guess is None else int(guess), secret)},
-        ]
+        game, said = game.answer(None if guess is None else int(guess))
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": said}]
