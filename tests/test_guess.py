@@ -6,6 +6,7 @@ import itertools
 import random
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from broker.messages import CallRecorded, SessionEnded
 from broker.subjects import SESSION_HEADER
 from rollout.agents.agents import AgentContext
 from rollout.agents.guess import (
+    ENV,
     HIGHER,
     LOWER,
     MIN_FOUND,
@@ -26,7 +28,9 @@ from rollout.agents.guess import (
     question,
 )
 from rollout.agents.verifiers import bind, first_number
+from seamlessflow.config import load_config
 from tests.support import MODEL, stream_messages
+from trainer.config import LossAggregation
 from trajectory.tree import build_session
 
 
@@ -125,3 +129,10 @@ async def test_a_game_through_the_gateway_is_recorded_token_exact_across_its_tur
     (sample,) = build_session(calls, SessionEnded(session_id=sid, reward=0.0)).samples
     assert sample.token_ids == calls[-1].prompt_ids + calls[-1].output_ids
     assert sum(sample.loss_mask) == sum(len(c.output_ids) for c in calls)
+
+
+def test_the_example_config_plays_8_turn_games_with_latency():
+    config = load_config(Path(__file__).parents[1] / "examples" / "long_horizon.toml")
+    assert config.tasks.env == ENV and config.tasks.max_turns >= 8
+    assert config.tasks.turn_delay_s > 0
+    assert config.trainer.loss_aggregation is LossAggregation.SAMPLE
