@@ -3,7 +3,8 @@ reward curves.
 
 Each run is ``seamlessflow run <config>`` on its own embedded broker with its own run name and
 output folder (the config's other settings as they are). Per run: steps, seconds, the mean
-reward of the first and last 10 policy versions (``summary.json``) and the whole curve; a run
+reward of the first and last 10 policy versions (``summary.json``), the sessions scored and
+how many spanned several policy versions (partial rollout), and the whole curve; a run
 "rises" when its last mean exceeds its first by at least ``--rise``. The curves are drawn into
 one PNG next to the JSON.
 
@@ -43,6 +44,8 @@ def run_once(config: Path, name: str, out: Path) -> dict:
         "run": name,
         "wall_s": time.perf_counter() - started,
         "steps": summary["steps"],
+        "sessions": summary["sessions"],
+        "sessions_multi_version": summary["sessions_multi_version"],
         "reward_first": summary["reward_first"],
         "reward_last": summary["reward_last"],
         "curve": summary["curve"],
@@ -79,12 +82,16 @@ def main() -> None:
             name = f"{stem}-{i}-{int(time.time())}"
             print(f"run {i + 1}/{args.runs}: {name} ...", flush=True)
             rows.append(run_once(args.config, name, Path(tmp) / name))
-    print(f"\n{'run':>28}{'steps':>7}{'wall s':>8}{'first':>8}{'last':>8}{'rises':>7}")
+    print(
+        f"\n{'run':>28}{'steps':>7}{'wall s':>8}{'first':>8}{'last':>8}{'rises':>7}"
+        f"{'sessions':>10}{'multi-version':>15}"
+    )
     for r in rows:
         r["rises"] = r["reward_last"] - r["reward_first"] >= args.rise
         print(
             f"{r['run']:>28}{r['steps']:>7}{r['wall_s']:>8.0f}{r['reward_first']:>8.3f}"
-            f"{r['reward_last']:>8.3f}{r['rises']!s:>7}"
+            f"{r['reward_last']:>8.3f}{r['rises']!s:>7}{r['sessions']:>10}"
+            f"{r['sessions_multi_version'] / max(r['sessions'], 1):>15.0%}"
         )
     print(f"{sum(r['rises'] for r in rows)} of {len(rows)} runs rise by >= {args.rise}")
     RESULTS.mkdir(exist_ok=True)

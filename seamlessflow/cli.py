@@ -147,15 +147,15 @@ def _services() -> list[tuple[str, str, str, list[Flag], bool]]:
         (
             "trajectory",
             "run the trajectory manager until Ctrl-C",
-            "[trajectory] and [provision] sections",
-            section_flags("trajectory"),
+            "[trajectory], [rewards] and [provision] sections",
+            section_flags("trajectory") + section_flags("rewards"),
             True,
         ),
         (
             "agents",
             "run agents on a run's tasks against a gateway until Ctrl-C",
-            "[agents] and [provision] sections",
-            section_flags("agents", skip=("temperature",)),
+            "[agents], [rewards] and [provision] sections",
+            section_flags("agents", skip=("temperature",)) + section_flags("rewards"),
             True,
         ),
         (

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig, Tags
 from broker.subjects import NAME_PATTERN
+from common.rewards import RewardsConfig
 from rollout.agents.config import AgentsConfig
 from rollout.gateway.config import GatewaySettings, ToolSettings
 from rollout.worker_config import WorkerConfig
@@ -112,10 +113,18 @@ class CpusConfig(_Section):
 class TasksConfig(_Section):
     """The built-in task feed of ``seamlessflow run`` (tasks may also come from any client)."""
 
-    env: Literal["arithmetic", "none"] = Field(
-        default="arithmetic", description="'none': submit no tasks (publish your own)"
+    env: Literal["arithmetic", "guess", "none"] = Field(
+        default="arithmetic",
+        description="'arithmetic' (a+b=), 'guess' (find a number, higher/lower: "
+        "rollout.agents.guess), or 'none': submit no tasks (publish your own)",
     )
     max_operand: int = Field(default=4, ge=0, le=10**6, description="a, b in [0, max_operand]")
+    max_number: int = Field(
+        default=16, ge=1, le=10**6, description="guess: the secret is in [1, max_number]"
+    )
+    turn_delay_s: float = Field(
+        default=0.0, ge=0, le=60, description="guess: the environment's latency per turn"
+    )
     group_size: int = Field(default=8, ge=1, le=1024, description="attempts per task")
     max_turns: int = Field(default=2, ge=1, le=64)
     max_tokens: int = Field(
@@ -211,6 +220,10 @@ class RunConfig(BaseModel):
     provision: ProvisionConfig = Field(default_factory=ProvisionConfig)
     agents: AgentsConfig = Field(default_factory=AgentsConfig)
     trajectory: TrajectoryConfig = Field(default_factory=TrajectoryConfig)
+    rewards: RewardsConfig = Field(
+        default_factory=RewardsConfig,
+        description="usable rewards: one range for the agent runner and the trajectory manager",
+    )
     trainer: TrainerConfig = Field(
         # The quickstart's tiny model learns at a higher rate than the library default.
         default_factory=lambda: TrainerConfig(lr=1e-4, groups_per_step=8, threads=1),

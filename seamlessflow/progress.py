@@ -23,12 +23,14 @@ class SessionPoint:
     """One scored session: when its sample arrived, the policy version that produced it (the
     newest version among its generated tokens: the reward curve's), its lag behind the trainer's
     version then (``common.staleness.lag``: its oldest generated token's, as the trainer
-    counts it), and its reward."""
+    counts it), its reward, and how many versions produced its generated tokens (more than one:
+    weight updates landed while the session ran)."""
 
     at: float
     policy_version: int
     lag: int
     reward: float
+    versions: int = 1
 
 
 @dataclass
@@ -58,7 +60,13 @@ class RunStats:
         versions = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
         behind = lag(self.version, versions)
         self.sessions.append(
-            SessionPoint(now, max(versions, default=self.version), behind, sample.reward)
+            SessionPoint(
+                now,
+                max(versions, default=self.version),
+                behind,
+                sample.reward,
+                len(set(versions)),
+            )
         )
 
     def tokens_per_second(self, now: float) -> float:

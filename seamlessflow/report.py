@@ -20,6 +20,9 @@ class RunSummary:
     steps: int
     seconds: float
     sessions: int
+    sessions_multi_version: int
+    """Sessions whose generated tokens came from more than one policy version (a weight update
+    landed mid-session: partial rollout)."""
     samples: int
     calls: int
     generated_tokens: int
@@ -104,6 +107,7 @@ def summarize(
         steps=stats.version,
         seconds=round(seconds, 1),
         sessions=len(stats.sessions),
+        sessions_multi_version=sum(p.versions > 1 for p in stats.sessions),
         samples=stats.samples,
         calls=stats.calls,
         generated_tokens=stats.generated_tokens,
@@ -172,6 +176,7 @@ def print_summary(summary: RunSummary) -> None:
         ("trainer steps", str(summary.steps)),
         ("seconds", f"{summary.seconds:.0f}"),
         ("sessions scored", str(summary.sessions)),
+        ("sessions spanning several versions", str(summary.sessions_multi_version)),
         ("samples", str(summary.samples)),
         ("LLM calls", str(summary.calls)),
         ("generated tokens", str(summary.generated_tokens)),

@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -38,7 +39,14 @@ from nats.aio.msg import Msg
 from broker import codec
 from broker.client import session
 from broker.exceptions import BrokerError, InvalidMessageError
-from broker.messages import CallRecorded, Message, Role, SampleReady, WeightsPublished
+from broker.messages import (
+    CallRecorded,
+    Message,
+    Role,
+    SampleReady,
+    TaskSubmitted,
+    WeightsPublished,
+)
 from broker.provision import provision_run
 from broker.retry import TRANSIENT, Backoff
 from broker.subjects import Durable, RunNames
@@ -48,7 +56,7 @@ from common.log import kv
 from common.metrics import scrape
 from common.models import resolve_model
 from common.paths import default_state_dir
-from rollout.agents import arithmetic
+from rollout.agents import arithmetic, guess
 from seamlessflow.config import RunConfig, override
 from seamlessflow.exceptions import RunFailedError
 from seamlessflow.launcher import local_broker, stop_on_signals
@@ -87,6 +95,14 @@ set: a restarted trainer resumes from them."""
 def prepare_model(config: RunConfig) -> Path:
     """The policy's starting folder: the base model, warm-started on the task when configured."""
     base = resolve_model(config.model.name)
+    if config.tasks.env == "guess":
+        high = config.tasks.max_number
+        return warm_start(
+            base,
+            config.model.warm_start,
+            partial(guess.demonstration, high=high),
+            f"guess-range-{high}",
+        )
     if config.tasks.env != "arithmetic":
         return base
     max_operand = config.tasks.max_operand
@@ -239,15 +255,7 @@ class TaskFeed:
         missing = self._config.backlog - waiting.num_pending
         if missing <= 0:
             return
-        tasks = arithmetic.arithmetic_tasks(
-            self._rng,
-            missing,
-            max_operand=self._config.max_operand,
-            group_size=self._config.group_size,
-            max_turns=self._config.max_turns,
-            max_tokens=self._config.max_tokens,
-            prefix=f"t{self._next}",
-        )
+        tasks = self._tasks(missing, prefix=f"t{self._next}")
         self._next += 1
         try:
             await submit_tasks(self._js, self._names, tasks, progress=False)
@@ -255,6 +263,22 @@ class TaskFeed:
             if isinstance(exc.__cause__, TRANSIENT):  # e.g. a cluster electing a new leader
                 raise exc.__cause__ from exc
             raise
+
+    def _tasks(self, n: int, prefix: str) -> list[TaskSubmitted]:
+        c = self._config
+        shared = dict(group_size=c.group_size, max_turns=c.max_turns, max_tokens=c.max_tokens)
+        if c.env == "guess":
+            return guess.guess_tasks(
+                self._rng,
+                n,
+                high=c.max_number,
+                turn_delay_s=c.turn_delay_s,
+                prefix=prefix,
+                **shared,
+            )
+        return arithmetic.arithmetic_tasks(
+            self._rng, n, max_operand=c.max_operand, prefix=prefix, **shared
+        )
 
 
 @dataclass

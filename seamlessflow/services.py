@@ -101,7 +101,13 @@ def trajectory(args: argparse.Namespace) -> int:
     c = settings(args)
     asyncio.run(
         serve_until_signalled(
-            serve_trajectory, args.nats, c.run, c.provision, c.trajectory, args.metrics_port
+            serve_trajectory,
+            args.nats,
+            c.run,
+            c.provision,
+            c.trajectory,
+            c.rewards,
+            args.metrics_port,
         )
     )
     return 0
@@ -121,6 +127,7 @@ def agents(args: argparse.Namespace) -> int:
             c.run,
             c.provision,
             c.agents,
+            c.rewards,
             c.agents.gateway,
             args.metrics_port,
         )

@@ -78,11 +78,17 @@ def _count(name: str, outcome: str) -> float:
     return REGISTRY.get_sample_value(f"{name}_total", labels) or 0.0
 
 
+def _prompt_tokens(source: str) -> float:
+    labels = {"engine": "hf", "source": source}
+    return REGISTRY.get_sample_value("sf_engine_prompt_tokens_total", labels) or 0.0
+
+
 async def test_hf_counts_requests_and_weight_loads_by_outcome(tiny_model_dir: Path, tmp_path: Path):
     """Refused prompts and weight folders are counted (the hf engine is safe in-process)."""
     engine = await start_engine(EngineConfig(model=tiny_model_dir, max_model_len=64))
     try:
         before = {o: _count("sf_engine_requests", o) for o in ("rejected", "length")}
+        prefilled = _prompt_tokens("prefilled")
         with pytest.raises(EngineError, match=r"token ids \[9999\] are outside the vocabulary"):
             async for _ in engine.generate("bad", [5, 9999], SamplingParams()):
                 pass
@@ -90,6 +96,9 @@ async def test_hf_counts_requests_and_weight_loads_by_outcome(tiny_model_dir: Pa
         assert chunks[-1].finish_reason == FinishReason.LENGTH
         assert _count("sf_engine_requests", "rejected") == before["rejected"] + 1
         assert _count("sf_engine_requests", "length") == before["length"] + 1
+        # No prefix cache: the whole prompt of the request that ran was prefilled, once.
+        assert _prompt_tokens("prefilled") == prefilled + 2
+        assert _prompt_tokens("cached") == 0
 
         rejected, loaded = (
             _count("sf_engine_weight_loads", "rejected"),

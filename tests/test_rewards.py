@@ -19,11 +19,12 @@ from pydantic import ValidationError
 
 from broker import codec
 from broker.messages import ChatMessage, MessageRejected, RewardSpec, SessionEnded, TaskSubmitted
+from common.exceptions import UnusableRewardError
+from common.rewards import RewardsConfig, checked
 from rollout.agents.agents import AgentContext, AgentResult, command_result, openai_messages
-from rollout.agents.config import AgentsConfig
 from rollout.agents.exceptions import InvalidTaskError, UnscoredError
 from rollout.agents.reasoninggym import SCORE, reasoning_gym_tasks, score
-from rollout.agents.rewards import CallLog, Transcript, checked, scoring_for
+from rollout.agents.rewards import CallLog, Transcript, scoring_for
 from rollout.agents.verifiers import binary_reward
 from seamlessflow.config import load_config
 from seamlessflow.submit import parse_tasks, submit_tasks
@@ -132,14 +133,14 @@ def scoring(spec: RewardSpec, *, agent_may_reward: bool = True):
     ],
 )
 def test_unusable_rewards_are_refused_with_the_reason(value, kind):
-    with pytest.raises(UnscoredError) as refused:
-        checked(value, -1.0, 1.0)
+    with pytest.raises(UnusableRewardError) as refused:
+        checked(value, (-1.0, 1.0))
     assert refused.value.kind == kind
 
 
 def test_usable_rewards_pass_as_floats():
-    assert [checked(v, -1.0, 1.0) for v in (-1.0, 0, 1, 0.25)] == [-1.0, 0.0, 1.0, 0.25]
-    assert type(checked(1, -1.0, 1.0)) is float
+    assert [checked(v, (-1.0, 1.0)) for v in (-1.0, 0, 1, 0.25)] == [-1.0, 0.0, 1.0, 0.25]
+    assert type(checked(1, (-1.0, 1.0))) is float
 
 
 def test_a_command_gives_its_reward_on_an_sf_reward_line():
@@ -200,11 +201,11 @@ def test_a_built_in_agent_gives_no_reward_so_a_task_needs_a_reference_or_a_funct
 
 
 def test_the_reward_range_is_one_typed_field():
-    assert AgentsConfig().reward_range == (-1.0, 1.0)
-    assert AgentsConfig(reward_range=[0, 10]).reward_range == (0.0, 10.0)
+    assert RewardsConfig().range == (-1.0, 1.0)
+    assert RewardsConfig(range=[0, 10]).range == (0.0, 10.0)
     for bad in ([1.0, -1.0], [0.5, 1.0], [-math.inf, 1.0]):
-        with pytest.raises(ValidationError, match="reward_range"):
-            AgentsConfig(reward_range=bad)
+        with pytest.raises(ValidationError, match=r"rewards\.range"):
+            RewardsConfig(range=bad)
 
 
 def test_the_wire_refuses_reward_functions_that_are_not_module_function():
@@ -287,7 +288,7 @@ def test_the_example_writes_tasks_that_submit_parses_and_its_config_loads():
     assert errors == [] and [t.task_id for t in tasks] == ["rg-0-0", "rg-0-1", "rg-0-2"]
     assert tasks == reasoning_gym_tasks("chain_sum", size=3, seed=0, group_size=4, max_terms=2)
     config = load_config(example / "run.toml")
-    assert config.agents.reward_range == (0.0, 1.0) and config.tasks.env == "none"
+    assert config.rewards.range == (0.0, 1.0) and config.tasks.env == "none"
 
 
 # -- on a real broker, gateway and worker ----------------------------------------------------

@@ -18,7 +18,13 @@ from trainer.backends.torch import TorchBackend
 from trainer.batcher import TrainItem, collate, pack, plan_step
 from trainer.config import TorchBackendConfig, TrainerConfig
 from trainer.exceptions import BackendError
-from trainer.step import PHASES, minibatch_loss, proximal_logprobs, train_step
+from trainer.step import (
+    PHASES,
+    equal_sample_weights,
+    minibatch_loss,
+    proximal_logprobs,
+    train_step,
+)
 
 BF16 = unsupported(Precision.BFLOAT16, "cpu")
 
@@ -342,3 +348,18 @@ def test_bfloat16_where_unsupported_is_a_clear_error(tiny_model_dir):
     if BF16 is not None:
         with pytest.raises(BackendError, match=r"trainer\.backend\.dtype = 'bfloat16'"):
             build_backend(tiny_model_dir, config(dtype=Precision.BFLOAT16))
+
+
+def test_sample_aggregation_weighs_every_sample_the_same():
+    """``loss_aggregation = "sample"``: in the token-normalised loss each sample's tokens share
+    one equal part, whatever its length; staleness weights stay relative."""
+    planned = items(9)
+    planned[0] = replace(planned[0], weight=0.5)
+    tokens = [sum(i.sample.loss_mask[1:]) for i in planned]
+    assert len(set(tokens)) > 2  # samples of several lengths
+    weighted = equal_sample_weights(planned)
+    mean = sum(tokens) / len(tokens)
+    shares = [w.weight * t for w, t in zip(weighted, tokens, strict=True)]
+    assert shares[0] == pytest.approx(0.5 * mean)
+    assert shares[1:] == pytest.approx([mean] * (len(shares) - 1))
+    assert [w.sample for w in weighted] == [i.sample for i in planned]

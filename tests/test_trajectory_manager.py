@@ -1,6 +1,7 @@
 """The trajectory manager on a real nats-server: call records and session ends in, samples out."""
 
 import asyncio
+import json
 import signal
 
 import pytest
@@ -17,6 +18,7 @@ from broker.messages import (
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.subjects import Durable, RunNames
 from common.metrics import serve_metrics
+from common.rewards import RewardsConfig
 from seamlessflow.config import load_config
 from seamlessflow.exceptions import ConfigError
 from seamlessflow.processes import ServiceProcess
@@ -171,6 +173,42 @@ async def test_session_without_calls_is_counted_and_yields_nothing(manager, js, 
     assert await samples(js, names) == []
     after = await metric(metrics_url, "sf_trajectory_sessions_total", outcome="no_calls")
     assert after == before + 1
+
+
+async def test_outside_clients_unusable_rewards_are_dead_lettered_never_trained_on(
+    js, names, metrics_url
+):
+    """A client that drives the gateway itself publishes its SessionEnded as JSON: a reward
+    outside the run's rewards.range (here [0, 1]), NaN or an infinity is dead-lettered with the
+    reason and counted; the session gives no sample, and the manager goes on."""
+    stop = asyncio.Event()
+    manager = TrajectoryManager(
+        js, names, SMALL_RUN.traj, TrajectoryConfig(), RewardsConfig(range=(0.0, 1.0))
+    )
+    running = asyncio.create_task(manager.run(stop))
+    refused = await metric(metrics_url, "sf_trajectory_sessions_total", outcome="reward_refused")
+    rewards = {"high": "2.5", "low": "-0.5", "nan": "NaN", "inf": "Infinity", "ok": "1.0"}
+    for sid, reward in rewards.items():
+        await publish_call(js, names, record(sid, f"{sid}-1", [1, 2], [3, 4]))
+        body = f'{{"session_id": "{sid}", "reward": {reward}, "group_id": "g", "group_size": 5}}'
+        await js.publish(names.traj_end, body.encode(), headers=codec.headers(codec.Encoding.JSON))
+    try:
+        await eventually(lambda: settled(js, names), watch=running)
+        assert [s.session_id for s in await samples(js, names)] == ["ok"]
+        dead = await stream_messages(js, names.dead_stream, MessageRejected)
+        reasons = {json.loads(d.payload)["session_id"]: d.reason for d in dead}
+        assert "reward 2.5, outside [0, 1] (rewards.range)" in reasons.pop("high")
+        assert "reward -0.5, outside [0, 1] (rewards.range)" in reasons.pop("low")
+        assert reasons == {  # refused by the schema, before the handler
+            "nan": "invalid SessionEnded: reward: Input should be a finite number (got NaN)",
+            "inf": "invalid SessionEnded: reward: Input should be a finite number (got Infinity)",
+        }
+        assert await metric(
+            metrics_url, "sf_trajectory_sessions_total", outcome="reward_refused"
+        ) == (refused + 2)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 10)
 
 
 async def test_cli_serves_until_sigterm(broker, js, names):

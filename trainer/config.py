@@ -30,6 +30,13 @@ class Advantage(StrEnum):
     BASELINE = "baseline"  # reward - group mean
 
 
+class LossAggregation(StrEnum):
+    """How a minibatch's per-token losses are averaged."""
+
+    TOKEN = "token"  # every loss token weighs the same: a longer sample weighs more
+    SAMPLE = "sample"  # every sample weighs the same, shared out over its loss tokens
+
+
 class TorchBackendConfig(PartConfig):
     """An HF causal LM trained with torch, data-parallel over torch.distributed."""
 
@@ -104,6 +111,13 @@ class TrainerConfig(BaseModel):
     )
     advantage: Advantage = Field(default=Advantage.GRPO, description="grpo or baseline")
     std_eps: float = Field(default=1e-6, gt=0, description="added to the group std (grpo)")
+    loss_aggregation: LossAggregation = Field(
+        default=LossAggregation.TOKEN,
+        description="'token': the loss is the mean over a minibatch's loss tokens; 'sample': the "
+        "mean over its samples of each one's token mean (multi-turn tasks whose failures run "
+        "more turns: under a token mean their many tokens outweigh the successes' and push down "
+        "what every turn emits)",
+    )
     clip_eps_low: float = Field(default=0.2, ge=0, lt=1, description="ratio floor is 1 - this")
     clip_eps_high: float = Field(default=0.28, ge=0, description="ratio ceiling is 1 + this")
     importance_cap: float = Field(

@@ -12,13 +12,13 @@ gradients, so N ranks compute the same update as one rank on the whole batch.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from trainer.backends.base import TrainerBackend
 from trainer.batcher import BatchTensors, TrainItem, collate, split
-from trainer.config import TrainerConfig
+from trainer.config import LossAggregation, TrainerConfig
 from trainer.losses import LossTerms, Mismatch, mismatch, policy_loss
 
 
@@ -47,10 +47,22 @@ def _loss_tokens(item: TrainItem) -> int:
     return sum(item.sample.loss_mask[1:])  # collate never trains on a sample's first token
 
 
+def equal_sample_weights(items: list[TrainItem]) -> list[TrainItem]:
+    """``items`` reweighted so that, in a loss summed over tokens and divided by the total, each
+    sample weighs the same: its weight times the mean loss tokens per sample over its own."""
+    mean = sum(_loss_tokens(i) for i in items) / max(len(items), 1)
+    return [
+        replace(i, weight=i.weight * mean / tokens) if (tokens := _loss_tokens(i)) else i
+        for i in items
+    ]
+
+
 def train_step(
     backend: TrainerBackend, items: list[TrainItem], version: int, config: TrainerConfig
 ) -> StepStats:
     minibatches = split(items, config.minibatches)
+    if config.loss_aggregation is LossAggregation.SAMPLE:
+        minibatches = [equal_sample_weights(mb) for mb in minibatches]
     totals = [sum(_loss_tokens(i) for i in mb) for mb in minibatches]
     shards = [mb[backend.dp_rank :: backend.dp_size] for mb in minibatches]
     batches = [

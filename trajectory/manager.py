@@ -11,6 +11,13 @@ before it answers the agent, so every call of a session is on the stream when th
 A call record that cannot be decoded (or names another session) is dead-lettered as a
 ``MessageRejected`` on ``sf.<run>.dead.trajectory``, counted, and left out; the rest of the
 session is still built.
+
+Every reward is checked before anything is built: a ``SessionEnded`` whose reward is NaN or
+infinite is refused by the ingress's schema, one outside the run's ``rewards.range`` (the range
+the agent runner scores within, ``common.rewards``) is dead-lettered with the reason, counted
+(``sf_trajectory_sessions_total{outcome="reward_refused"}``) and logged; its session gives no
+sample, and its group is trained without it once the trainer's ``group_timeout_s`` passes. So
+a client that drives the gateway itself and publishes a bad reward is never trained on.
 """
 
 import asyncio
@@ -33,9 +40,11 @@ from broker.messages import CallRecorded, SessionEnded
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.subjects import Durable, RunNames
+from common.exceptions import UnusableRewardError
 from common.log import kv
 from common.metrics import serve_metrics
 from common.ready import announce_ready
+from common.rewards import RewardsConfig, checked
 from trajectory.config import TrajectoryConfig
 from trajectory.tree import SessionBuild, build_session
 
@@ -50,11 +59,12 @@ REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 SESSIONS = Counter(
     "sf_trajectory_sessions",
     "Sessions ended, by outcome: sampled (samples published), no_calls (no call record on the "
-    "stream), no_samples (calls, but no generated token to train on)",
+    "stream), no_samples (calls, but no generated token to train on), reward_refused (a reward "
+    "outside rewards.range: dead-lettered)",
     ["outcome"],
     registry=REGISTRY,
 )
-for _outcome in ("sampled", "no_calls", "no_samples"):  # exported from the start, at 0
+for _outcome in ("sampled", "no_calls", "no_samples", "reward_refused"):  # exported at 0
     SESSIONS.labels(_outcome)
 SAMPLES = Counter(
     "sf_trajectory_samples",
@@ -114,8 +124,10 @@ class TrajectoryManager:
         names: RunNames,
         limits: StreamLimits,
         config: TrajectoryConfig,
+        rewards: RewardsConfig | None = None,
     ) -> None:
         self._js = js
+        self._reward_range = (rewards or RewardsConfig()).range
         self._names = names
         self._limits = limits
         self._ingress = Ingress(
@@ -138,11 +150,13 @@ class TrajectoryManager:
 
     async def _on_session_ended(self, end: SessionEnded, delivery: Delivery) -> None:
         started = time.perf_counter()
-        # 1. Read the session's call records back, in stream order.
+        # 1. Refuse a reward outside the run's range: the ingress dead-letters the end.
+        self._check_reward(end)
+        # 2. Read the session's call records back, in stream order.
         calls = await self._read_calls(end.session_id)
-        # 2. Build its tree and samples (pure CPU work: off the event loop).
+        # 3. Build its tree and samples (pure CPU work: off the event loop).
         built = await asyncio.to_thread(build_session, calls, end)
-        # 3. Publish the samples; the ingress acks the SessionEnded after this returns.
+        # 4. Publish the samples; the ingress acks the SessionEnded after this returns.
         await self._publish(built)
         seconds = time.perf_counter() - started
         outcome = self._count(built, seconds)
@@ -161,6 +175,17 @@ class TrajectoryManager:
                 seconds=f"{seconds:.3f}",
             ),
         )
+
+    def _check_reward(self, end: SessionEnded) -> None:
+        try:
+            checked(end.reward, self._reward_range)
+        except UnusableRewardError as exc:
+            SESSIONS.labels("reward_refused").inc()
+            reason = f"SessionEnded {end.session_id}: reward {exc.reason} (rewards.range)"
+            log.warning(
+                kv("session_refused", session=end.session_id, reason=exc.kind, error=exc.reason)
+            )
+            raise InvalidMessageError(reason) from exc
 
     async def _read_calls(self, session_id: str) -> list[CallRecorded]:
         subject = self._names.traj_calls(session_id)
@@ -252,6 +277,7 @@ async def serve_trajectory(
     run: str,
     provision: ProvisionConfig,
     config: TrajectoryConfig,
+    rewards: RewardsConfig,
     metrics_port: int,
     stop: asyncio.Event,
 ) -> None:
@@ -259,7 +285,9 @@ async def serve_trajectory(
     metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
     try:
         async with session(url, f"seamlessflow-trajectory-{run}") as nc:
-            manager = TrajectoryManager(nc.jetstream(), RunNames(run), provision.traj, config)
+            manager = TrajectoryManager(
+                nc.jetstream(), RunNames(run), provision.traj, config, rewards
+            )
             ready = partial(announce_ready, "trajectory", metrics.url, run=run)
             await manager.run(stop, on_ready=ready)
     finally:

@@ -1,6 +1,5 @@
 """The agent runner's settings: the ``[agents]`` section of the run TOML."""
 
-import math
 from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -64,12 +63,6 @@ class AgentsConfig(BaseModel):
         "and handed back to the stream",
     )
 
-    reward_range: tuple[float, float] = Field(
-        default=(-1.0, 1.0),
-        description="[low, high]: a reward outside it (or NaN/inf, or a reward function that "
-        "raised) leaves the attempt unscored, with reward 0.0 and the "
-        "reason counted in sf_agents_unscored_total",
-    )
     reward_modules: tuple[str, ...] = Field(
         default=("rollout.agents",),
         max_length=64,
@@ -81,15 +74,4 @@ class AgentsConfig(BaseModel):
     def _one_agent_kind(self) -> Self:
         if self.agent is not None and self.command is not None:
             raise ValueError("set at most one of agent ('module:function') and command")
-        return self
-
-    @model_validator(mode="after")
-    def _a_range(self) -> Self:
-        low, high = self.reward_range
-        if not (math.isfinite(low) and math.isfinite(high) and low < high):
-            raise ValueError(f"reward_range: need finite low < high, got [{low}, {high}]")
-        if not low <= 0.0 <= high:
-            raise ValueError(
-                f"reward_range [{low}, {high}] must hold 0.0, the reward of a failed attempt"
-            )
         return self

@@ -12,18 +12,18 @@ Three scorers, the first that applies wins:
 3. the task's verifier on the answer (``reward.verifier`` with ``reward.reference``), turned
    into a reward by the env (``binary_reward``, ``arithmetic_reward``).
 
-A reward that is not a finite number within ``agents.reward_range``, or a reward function that
-raises, leaves the attempt **unscored**: it ends like a failed attempt (reward 0.0, which the range
-always holds, and metrics ``unscored: 1``), so its group still completes and the task is acked;
-the runner counts it in ``sf_agents_unscored_total{scorer, reason}`` and logs
-``attempt_unscored`` naming the task, the session, the scorer and the reason.
+A reward that is not a finite number within the run's ``rewards.range`` (``common.rewards``:
+the trajectory manager checks the same range), or a reward function that raises, leaves the
+attempt **unscored**: it ends like a failed attempt (reward 0.0, which the range always holds,
+and metrics ``unscored: 1``), so its group still completes and the task is acked; the runner
+counts it in ``sf_agents_unscored_total{scorer, reason}`` and logs ``attempt_unscored`` naming
+the task, the session, the scorer and the reason.
 """
 
 import asyncio
 import importlib
 import inspect
 import json
-import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +32,8 @@ import httpx
 
 from broker.messages import RewardSpec, SessionEnded, TaskSubmitted
 from broker.subjects import SESSION_HEADER
+from common.exceptions import UnusableRewardError
+from common.rewards import checked
 from rollout.agents.agents import AgentResult, openai_messages
 from rollout.agents.exceptions import InvalidTaskError, UnscoredError
 from rollout.agents.verifiers import bind
@@ -105,18 +107,6 @@ def load_reward_function(ref: str, allowed: tuple[str, ...]) -> RewardFunction:
     return function
 
 
-def checked(value: object, low: float, high: float) -> float:
-    """``value`` as a reward; ``UnscoredError`` when it is not a finite number in range."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise UnscoredError("not_a_number", f"returned {type(value).__name__} {value!r:.60}")
-    reward = float(value)
-    if not math.isfinite(reward):
-        raise UnscoredError("not_finite", f"returned {reward}")
-    if not low <= reward <= high:
-        raise UnscoredError("out_of_range", f"returned {reward:g}, outside [{low:g}, {high:g}]")
-    return reward
-
-
 @dataclass(frozen=True)
 class Scoring:
     """How one task's attempts are scored (built once per task, see ``scoring_for``)."""
@@ -126,8 +116,7 @@ class Scoring:
     env_reward: Reward
     function: RewardFunction | None
     function_ref: str | None
-    low: float
-    high: float
+    reward_range: tuple[float, float]
 
     @property
     def records(self) -> bool:
@@ -155,14 +144,21 @@ class Scoring:
                     value = await value
             except Exception as exc:
                 raise UnscoredError("raised", f"raised {type(exc).__name__}: {exc}") from exc
-            return checked(value, self.low, self.high), {}
+            return self._checked(value, "returned"), {}
         if transcript.agent_reward is not None:
-            return checked(transcript.agent_reward, self.low, self.high), {}
+            return self._checked(transcript.agent_reward, "gave"), {}
         if self.verify is None:
             raise UnscoredError("no_reward", "gave no reward and the task has no reference")
         correct = self.verify(transcript.answer)
-        reward = checked(self.env_reward(correct, transcript.turns), self.low, self.high)
+        reward = self._checked(self.env_reward(correct, transcript.turns), "env reward")
         return reward, {"correct": 1.0 if correct else 0.0}
+
+    def _checked(self, value: object, what: str) -> float:
+        """``value`` if usable (``common.rewards.checked``), else ``UnscoredError``."""
+        try:
+            return checked(value, self.reward_range)
+        except UnusableRewardError as exc:
+            raise UnscoredError(exc.kind, f"{what} {exc.reason}") from exc
 
     def scorer(self, transcript: Transcript) -> str:
         """Who scored (or failed to score) an attempt, in logs and metrics:
@@ -188,8 +184,7 @@ def scoring_for(
     verify = None
     if spec.reference is not None or (function is None and not agent_may_reward):
         verify = bind(spec)  # says why the reference is missing or unusable
-    low, high = reward_range
-    return Scoring(verify, env_reward, function, spec.function, low, high)
+    return Scoring(verify, env_reward, function, spec.function, reward_range)
 
 
 def ended(task: TaskSubmitted, sid: str, reward: float, metrics: dict[str, float]) -> SessionEnded:

@@ -14,7 +14,7 @@ once:
    each (``rewards``: the task's reward function, else the agent's own reward, else the
    verifier on the final answer). An agent that raises, exits non-zero or times out ends its
    attempt with reward 0.0 and ``{"failed": 1}``; an unusable reward (not finite, outside
-   ``reward_range``, a reward function that raised) ends it with reward 0.0 and
+   ``rewards.range``, a reward function that raised) ends it with reward 0.0 and
    ``{"unscored": 1}``; a gateway failure in any attempt cancels the others and the whole
    task is run again as in 2, in new sessions (nothing is published for it);
 4. publish one ``SessionEnded`` per attempt (``Nats-Msg-Id`` = session id); the ingress acks the
@@ -50,6 +50,8 @@ from broker.subjects import SESSION_HEADER, Durable, RunNames
 from common.log import kv
 from common.metrics import serve_metrics
 from common.ready import announce_ready
+from common.rewards import RewardsConfig
+from rollout.agents import guess
 from rollout.agents.agents import (
     Agent,
     AgentContext,
@@ -138,6 +140,7 @@ class Environment:
 ENVIRONMENTS: dict[str, Environment] = {
     "chat": Environment(chat_agent, binary_reward),
     ARITHMETIC: Environment(arithmetic_agent, arithmetic_reward),
+    guess.ENV: Environment(guess.guess_agent, guess.guess_reward),
 }
 """Built-in envs. A configured agent (``agent`` or ``command``) runs any env; an env not listed
 here is then scored with ``binary_reward``."""
@@ -153,8 +156,10 @@ class AgentRunner:
         tasks_limits: StreamLimits,
         config: AgentsConfig,
         gateway_url: str,
+        rewards: RewardsConfig | None = None,
     ) -> None:
         self._js = js
+        self._reward_range = (rewards or RewardsConfig()).range
         self._names = names
         self._limits = tasks_limits
         self._config = config
@@ -225,7 +230,7 @@ class AgentRunner:
                 task.reward,
                 reward,
                 agent_may_reward=self._agent is not None,
-                reward_range=self._config.reward_range,
+                reward_range=self._reward_range,
                 reward_modules=self._config.reward_modules,
             )
         except InvalidTaskError as exc:
@@ -473,6 +478,7 @@ async def serve_agents(
     run: str,
     provision: ProvisionConfig,
     config: AgentsConfig,
+    rewards: RewardsConfig,
     gateway_url: str,
     metrics_port: int,
     stop: asyncio.Event,
@@ -482,7 +488,7 @@ async def serve_agents(
     try:
         async with session(url, "seamlessflow-agents") as nc:
             runner = AgentRunner(
-                nc.jetstream(), RunNames(run), provision.tasks, config, gateway_url
+                nc.jetstream(), RunNames(run), provision.tasks, config, gateway_url, rewards
             )
             await runner.run(stop, on_ready=partial(announce_ready, "agents", metrics.url, run=run))
     finally:

@@ -21,10 +21,16 @@ def exact_match(answer: str, reference: str) -> bool:
     return answer.strip() == reference.strip()
 
 
+def first_number(text: str) -> Decimal | None:
+    """The first number in ``text``, if any."""
+    found = _NUMBER.search(text)
+    return None if found is None else Decimal(found.group())
+
+
 def number(answer: str, reference: str) -> bool:
     """The first number in the answer equals the reference number (``5.0`` equals ``5``)."""
-    found = _NUMBER.search(answer)
-    return found is not None and Decimal(found.group()) == Decimal(reference.strip())
+    found = first_number(answer)
+    return found is not None and found == Decimal(reference.strip())
 
 
 def last_number(answer: str, reference: str) -> bool:

@@ -44,6 +44,14 @@ ENGINE_REQUESTS = Counter(
     ["engine", "outcome"],
     registry=REGISTRY,
 )
+ENGINE_PROMPT_TOKENS = Counter(
+    "sf_engine_prompt_tokens",
+    "Prompt tokens by engine and source: prefilled (KV computed; hf: a request's whole prompt, "
+    "and prompt + output again after a weight load) or cached (KV reused from the engine's "
+    "prefix cache: vLLM; hf keeps none, so each turn of a conversation prefills it all)",
+    ["engine", "source"],
+    registry=REGISTRY,
+)
 ENGINE_WEIGHT_LOADS = Counter(
     "sf_engine_weight_loads",
     "Weight loads by engine and outcome: loaded, rejected (bad files, refused before touching "

@@ -28,6 +28,7 @@ from common.log import kv
 from common.models import eos_token_ids
 from common.precision import unsupported
 from rollout.engines.base import (
+    ENGINE_PROMPT_TOKENS,
     ENGINE_REQUESTS,
     ENGINE_WEIGHT_LOADS,
     EngineConfig,
@@ -244,6 +245,8 @@ class HFEngine(InProcessEngine):
 
     def _next_token(self, request: _Request) -> tuple[int, float]:
         ids = request.prompt_ids + request.output_ids
+        if request.cache is None:  # a new request, or one whose KV a weight load dropped
+            ENGINE_PROMPT_TOKENS.labels(ENGINE, "prefilled").inc(len(ids))
         out = self._model(
             input_ids=torch.tensor([ids[request.cached :]]),
             past_key_values=request.cache,

@@ -50,6 +50,7 @@ from broker.messages import FinishReason, SamplingParams
 from common.log import kv
 from common.precision import unsupported
 from rollout.engines.base import (
+    ENGINE_PROMPT_TOKENS,
     ENGINE_REQUESTS,
     ENGINE_WEIGHT_LOADS,
     EngineConfig,
@@ -306,6 +307,9 @@ class VLLMEngine:
                     finished = True
                     self._forget(request_id, stream)
                     ENGINE_REQUESTS.labels(ENGINE, chunks[-1].finish_reason.value).inc()
+                    cached = min(out.num_cached_tokens or 0, len(prompt_ids))
+                    ENGINE_PROMPT_TOKENS.labels(ENGINE, "cached").inc(cached)
+                    ENGINE_PROMPT_TOKENS.labels(ENGINE, "prefilled").inc(len(prompt_ids) - cached)
                 for chunk in chunks:
                     yield chunk
         except (asyncio.CancelledError, GeneratorExit, EngineError):

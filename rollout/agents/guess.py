@@ -1,0 +1,175 @@
+"""The long-horizon environment ``guess``: find a secret number with "higher"/"lower" feedback.
+
+A task asks ``f"Guess my number, from 1 to {high}."`` in one user message; the secret is drawn
+in ``[1, high]`` and is the task's reference (verifier ``number``: the first number of a
+reply is the guess). The built-in agent asks the model for a guess each turn; the environment
+answers ``"higher"`` or ``"lower"`` (``"a number"`` to a reply without one) with the range the
+answers so far leave open (``"higher: 9-16"``), after its own latency
+(``metadata["turn_delay_s"]``, slept every turn, like a real environment's step), until the
+guess is right or ``max_turns`` turns are spent. (The range is restated because the tiny model
+did not learn, in minutes of RL, to work it out from bare "higher"/"lower" over the history:
+its reward stayed flat or fell over 16-32 steps.) Every turn appends to one conversation, so
+the session is one growing prompt: one sample, every guess in its loss mask.
+
+Reward (``guess_reward``): 1.0 for the secret on the first turn, 0.1 less per further turn (at
+least ``MIN_FOUND``), 0.0 when not found within the turn cap; so a policy that uses the feedback
+(halving the range) earns more than one that finds the number late or not at all.
+
+Demonstrations for the warm start (``demonstration``) guess uniformly within the open range:
+they teach the format and the use of the feedback, not the halving, so RL has turns to save.
+"""
+
+import asyncio
+import random
+from dataclasses import dataclass, replace
+
+from broker.messages import ChatMessage, RewardSpec, TaskSubmitted
+from rollout.agents.agents import AgentContext, AgentResult, openai_messages
+from rollout.agents.verifiers import first_number
+
+ENV = "guess"
+PROMPT = "Guess my number, from 1 to {high}."
+"""The first (user) message, formatted with ``high``."""
+HIGHER = "higher"
+"""The secret is above the guess."""
+LOWER = "lower"
+"""The secret is below the guess."""
+NO_GUESS = "a number"
+"""The reply held no number."""
+FEEDBACK = "{verdict}: {low}-{high}"
+"""The user message after a wrong guess: the verdict and the range still open."""
+VERIFIER = "number"
+MAX_TOKENS = 4
+"""Tokens per guess (a number), unless ``metadata["max_tokens"]`` says otherwise."""
+STEP = 0.1
+"""Reward lost per turn after the first."""
+MIN_FOUND = 0.1
+"""The least reward for finding the secret, however late."""
+
+
+def question(high: int) -> str:
+    return PROMPT.format(high=high)
+
+
+@dataclass(frozen=True)
+class Game:
+    """What the environment knows: the secret and the range its answers have left open."""
+
+    secret: int
+    low: int
+    high: int
+
+    def answer(self, guess: int | None) -> tuple["Game", str]:
+        """The game after a wrong ``guess`` (``None``: the reply held no number), and what the
+        environment says to it."""
+        if guess is None:
+            verdict, game = NO_GUESS, self
+        elif self.secret > guess:
+            verdict, game = HIGHER, replace(self, low=max(self.low, guess + 1))
+        else:
+            verdict, game = LOWER, replace(self, high=min(self.high, guess - 1))
+        return game, FEEDBACK.format(verdict=verdict, low=game.low, high=game.high)
+
+
+def guess_reward(correct: bool, turns: int) -> float:
+    """1.0 found on the first turn, ``STEP`` less per later turn (at least ``MIN_FOUND``); 0.0
+    not found."""
+    if not correct:
+        return 0.0
+    return max(MIN_FOUND, round(1.0 - STEP * (turns - 1), 6))
+
+
+def guess_task(
+    task_id: str,
+    secret: int,
+    *,
+    high: int,
+    group_size: int,
+    max_turns: int,
+    turn_delay_s: float = 0.0,
+    max_tokens: int = MAX_TOKENS,
+) -> TaskSubmitted:
+    """Find ``secret`` in ``[1, high]`` within ``max_turns`` guesses."""
+    if not 1 <= secret <= high:
+        raise ValueError(f"secret {secret} is not in [1, {high}]")
+    return TaskSubmitted(
+        task_id=task_id,
+        messages=[ChatMessage(role="user", content=question(high))],
+        env=ENV,
+        reward=RewardSpec(verifier=VERIFIER, reference=str(secret)),
+        group_size=group_size,
+        max_turns=max_turns,
+        metadata={
+            "high": str(high),
+            "turn_delay_s": f"{turn_delay_s:g}",
+            "max_tokens": str(max_tokens),
+        },
+    )
+
+
+def guess_tasks(
+    rng: random.Random,
+    n: int,
+    *,
+    high: int,
+    group_size: int,
+    max_turns: int,
+    prefix: str,
+    turn_delay_s: float = 0.0,
+    max_tokens: int = MAX_TOKENS,
+) -> list[TaskSubmitted]:
+    """``n`` tasks ``<prefix>-<i>``, secrets drawn from ``[1, high]``."""
+    return [
+        guess_task(
+            f"{prefix}-{i}",
+            rng.randint(1, high),
+            high=high,
+            group_size=group_size,
+            max_turns=max_turns,
+            turn_delay_s=turn_delay_s,
+            max_tokens=max_tokens,
+        )
+        for i in range(n)
+    ]
+
+
+def demonstration(rng: random.Random, high: int) -> tuple[list[dict[str, str]], str]:
+    """A game in progress and its next guess, drawn uniformly from the range still open: the
+    messages so far (a random number of wrong guesses, each with its feedback) and the reply."""
+    game = Game(rng.randint(1, high), 1, high)
+    messages = [{"role": "user", "content": question(high)}]
+    for _ in range(rng.randint(0, 7)):
+        guess = rng.randint(game.low, game.high)
+        if guess == game.secret:
+            break
+        game, said = game.answer(guess)
+        messages += [
+            {"role": "assistant", "content": str(guess)},
+            {"role": "user", "content": said},
+        ]
+    return messages, str(rng.randint(game.low, game.high))
+
+
+async def guess_agent(ctx: AgentContext) -> AgentResult:
+    """Ask for a guess; while wrong and turns remain, the environment (after its latency) says
+    higher or lower and the model guesses again."""
+    messages = openai_messages(ctx.task.messages)
+    game = Game(int(ctx.task.reward.reference or "0"), 1, int(ctx.task.metadata.get("high", "0")))
+    delay = float(ctx.task.metadata.get("turn_delay_s", "0"))
+    max_tokens = int(ctx.task.metadata.get("max_tokens", MAX_TOKENS))
+    turn = 0
+    while True:
+        turn += 1
+        reply = await ctx.client.chat.completions.create(
+            model=ctx.model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=ctx.temperature,
+        )
+        text = reply.choices[0].message.content or ""
+        if ctx.verify(text) or turn >= ctx.task.max_turns:
+            return AgentResult(answer=text, turns=turn)
+        guess = first_number(text)
+        await asyncio.sleep(delay)  # the environment's step
+        game, said = game.answer(None if guess is None else int(guess))
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": said}]
