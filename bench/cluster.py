@@ -34,9 +34,9 @@ cluster / one host. ``--rate`` caps every node's link (both directions, ``tc`` `
 slower network than the bridge's. (``netem`` delays would show a real network's latency, but
 this machine's kernel has no ``sch_netem``.)
 
-Usage (root): python -m bench.cluster [--steps 20] [--rounds 1] [--calls 100] [--rate 1gbit]
-(about 4 min per round on 2 cores). Prints a table and writes bench/results/cluster.json
-(with --rate: cluster-<rate>.json).
+Usage (root): python -m bench.cluster [--steps 20] [--rounds 1] [--calls 100] [--rate 100mbit]
+(about 5-7 min a round with --steps 30 on 2 shared cores). Prints a table and writes
+bench/results/cluster.json (with --rate: cluster-<rate>.json).
 """
 
 import argparse
