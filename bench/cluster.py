@@ -109,20 +109,16 @@ ARMS = {
 
 @dataclass
 class VersionWatch:
-    """When each version was announced (first, and through the store) and when each worker's
-    registry entry first said it serves it, on this process's ``time.monotonic()``."""
+    """When each version was first announced and when each worker's registry entry first said
+    it serves it, on this process's ``time.monotonic()``."""
 
     announced: dict[int, float] = field(default_factory=dict)
-    in_store: dict[int, float] = field(default_factory=dict)
     serving: dict[str, dict[int, float]] = field(default_factory=dict)
     registered: set[str] = field(default_factory=set)
 
     async def on_weights(self, msg: Msg) -> None:
         event = codec.decode(WeightsPublished, msg.data)
-        now = time.monotonic()
-        self.announced.setdefault(event.version, now)
-        if event.host is None:
-            self.in_store.setdefault(event.version, now)
+        self.announced.setdefault(event.version, time.monotonic())
 
     async def follow(self, js, names: RunNames) -> None:
         while True:
@@ -306,7 +302,6 @@ def summarize_arm(
             else:
                 skipped += 1
     loads = [load for w in workers for load in parts[w].weight_loads()]
-    upload = [watch.in_store[v] - announced[v] for v in range(1, steps + 1) if v in watch.in_store]
     trainer = trainer_report(trainer_samples)
     store_count = metric_sum(
         trainer_samples, "sf_trainer_weight_publish_seconds_count", path="store"
@@ -321,7 +316,6 @@ def summarize_arm(
         "loads": len(loads),
         "load_s_mean": statistics.mean(load.seconds for load in loads),
         "fetch_s_mean": statistics.mean(load.fetch_seconds for load in loads),
-        "store_announced_after_s_mean": statistics.mean(upload) if upload else None,
         "trainer_upload_s_mean": store_sum / store_count if store_count else None,
         "trainer_step_s_mean": trainer.get("step seconds (mean)"),
         "trainer_serving_s_mean": trainer.get(
