@@ -13,23 +13,19 @@ nodes on this machine (``tests.nodes``: network, UTS and mount namespaces joined
 """
 
 import asyncio
-import json
-import re
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import tomli_w
-from nats.errors import Error as NatsError
 
 from broker import codec
 from broker.client import session
 from broker.messages import WeightsPublished
 from broker.subjects import RunNames
-from tests.nodes import STATE_IN_NODE, Cluster, Node, available
+from tests.node_services import PY, Service, jetstream_ready, start_nats
+from tests.nodes import STATE_IN_NODE, Cluster, available
 from tests.support import eventually, registered
 from tests.test_trainer import group, publish
 
@@ -39,42 +35,10 @@ pytestmark = [
 ]
 
 RUN = "nodes"
-NATS_PORT, ROUTE_PORT = 4222, 6222
-PING_S = 2
 CUT_S = 12.0
-"""Long enough for the servers to drop the cut-off worker's connection (stale: PING_S * 3)."""
+"""Long enough for the servers to drop the cut-off worker's connection (stale: PING_S * 3,
+``tests.node_services``)."""
 SMALL_STREAM = {"max_bytes": 4 << 20, "max_age_s": 3600.0}
-LOADED = re.compile(r"weights_loaded version=(\d+) .*path=(\w+)")
-PY = sys.executable
-
-
-class Service:
-    """``seamlessflow <args>`` in a node, its output kept (one torch thread, offline)."""
-
-    def __init__(self, node: Node, name: str, *args: str) -> None:
-        self.name = name
-        env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        self.proc = node.run(
-            [PY, "-m", "seamlessflow.cli", *args],
-            env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def loads(self) -> list[tuple[int, str]]:
-        """(version, path) of each weight load so far."""
-        found = (LOADED.search(line) for line in list(self.lines))
-        return [(int(m[1]), m[2]) for m in found if m]
-
-    def tail(self, n: int = 40) -> str:
-        return f"--- {self.name} ---\n" + "".join(self.lines[-n:])
 
 
 def test_nodes_are_apart(tmp_path):
@@ -116,42 +80,6 @@ _ECHO = (
 )
 
 
-def _start_nats(nodes: list[Node], binary: Path) -> str:
-    """One nats-server with JetStream per node, routed to the others; returns the client URL."""
-    routes = [f"nats-route://{node.address}:{ROUTE_PORT}" for node in nodes]
-    for node in nodes:
-        conf = {
-            "server_name": node.hostname,
-            "listen": f"0.0.0.0:{NATS_PORT}",
-            "max_payload": 2 << 20,
-            # a client cut off is dropped after about PING_S * 3 (nats-server's default: 4 min)
-            "ping_interval": f"{PING_S}s",
-            "ping_max": 2,
-            "jetstream": {"store_dir": str(STATE_IN_NODE / "nats" / "jetstream")},
-            "cluster": {"name": "sf-nodes", "listen": f"0.0.0.0:{ROUTE_PORT}", "routes": routes},
-        }
-        (node.state_dir / "nats.conf").write_text(json.dumps(conf))
-        log = (node.state_dir / "nats.log").open("ab")
-        node.run([binary, "-c", STATE_IN_NODE / "nats.conf"], stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-    return ",".join(f"nats://{node.address}:{NATS_PORT}" for node in nodes)
-
-
-async def _jetstream_ready(url: str, nodes: list[Node], timeout: float = 60.0) -> None:
-    """Until the cluster has a JetStream meta leader (account info answers)."""
-    deadline = time.monotonic() + timeout
-    async with session(url, "pytest-nodes", give_up_after=timeout) as nc:
-        while True:
-            try:
-                await nc.jetstream().account_info()
-                return
-            except NatsError:
-                if time.monotonic() > deadline:
-                    logs = [(n.state_dir / "nats.log").read_text()[-2000:] for n in nodes]
-                    raise AssertionError("no JetStream meta leader:\n" + "\n".join(logs)) from None
-                await asyncio.sleep(0.2)
-
-
 def _run_config(path: Path) -> Path:
     config = {
         "model": {"max_model_len": 256},
@@ -173,8 +101,8 @@ async def test_weights_go_local_beside_the_trainer_and_through_the_store_elsewhe
 ):
     with Cluster(5, tmp_path / "nodes") as cluster:
         servers, remote, home = cluster.nodes[:3], cluster[3], cluster[4]
-        url = _start_nats(servers, nats_binary)
-        await _jetstream_ready(url, servers)
+        url = start_nats(servers, nats_binary)
+        await jetstream_ready(url, servers)
         config = _run_config(tmp_path / "run.toml")
         remote.exec([PY, "-m", "seamlessflow.cli", "provision", "--nats", url, "--run", RUN,
                      "--config", str(config)])  # fmt: skip
