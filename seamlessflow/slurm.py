@@ -6,7 +6,8 @@ GPUs, memory) the job is heterogeneous, a het-group each. NATS servers with JetS
 first nodes (a route cluster of 3 when the job has 3 nodes or more), then the run is
 provisioned, then every part is one ``srun`` step with its log in ``<log_dir>/<job id>/``: the
 trajectory manager, scheduler, gateway and agent runner on the first node, the trainer on its
-node, the rollout workers on theirs, each worker tagged with its node's tags and
+node with a standby scheduler beside it (``tagsched.lease``: it leads once the first node's is
+gone), the rollout workers on theirs, each worker tagged with its node's tags and
 ``node=<host>``. A part that exits is restarted (``[supervise]``); the job ends when one gives
 up. The script also writes the run config it was rendered from and ``scrape_targets.json``
 (Prometheus ``file_sd``, like ``seamlessflow run``'s) beside the logs.
@@ -78,6 +79,13 @@ class Plan:
 
     def group(self, role: str) -> Group | None:
         return next((g for g in self.groups if g.role == role), None)
+
+    @property
+    def standby(self) -> Group | None:
+        """Where the standby scheduler runs: the trainer's node, when it is not the first node
+        (where the active one starts), so losing one node leaves a scheduler; else none."""
+        trainer = self.group("trainer")
+        return trainer if trainer is not self.groups[0] else None
 
 
 def plan(config: RunConfig) -> Plan:
@@ -336,6 +344,8 @@ def _targets(p: Plan, config: RunConfig) -> str:
     trainer = p.group("trainer")
     assert trainer is not None
     hosts = [(f"{first}:{METRICS_PORTS[kind]}", kind) for kind in ("trajectory", "scheduler")]
+    if p.standby:
+        hosts.append((f"{p.standby.host(0)}:{METRICS_PORTS['scheduler']}", "scheduler"))
     hosts += [
         (f"{first}:{GATEWAY_PORT}", "gateway"),
         (f"{first}:{METRICS_PORTS['agents']}", "agents"),
@@ -373,6 +383,10 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
         steps.append(_step(name, first, _supervised(command)))
     first_host = p.first[0].host(0)
     steps += [f'echo "{part} on {first_host}"' for part in ("trajectory", "scheduler")]
+    if standby := p.standby:
+        command = _sf("scheduler", f"--metrics-port {ports['scheduler']}")
+        steps.append(_step("scheduler-standby", _on(standby, 0), _supervised(command)))
+        steps.append(f'echo "scheduler (standby) on {standby.host(0)}"')
     steps.append(_trainer_step(p, config, log_dir))
     trainer = p.group("trainer")
     assert trainer is not None
