@@ -13,7 +13,9 @@ up. The script also writes the run config it was rendered from and ``scrape_targ
 (Prometheus ``file_sd``, like ``seamlessflow run``'s) beside the logs.
 
 SIGTERM to the batch script (``scancel --batch --signal=TERM``, or the time limit's
-``--signal``) stops the run in order: the parts' steps first, then NATS (``_stopper``).
+``--signal``) stops the run in order: ``seamlessflow report`` writes the run report
+(``summary.json``, ``reward_curve.png``: ``seamlessflow.report``) beside the logs while every
+part is up, then the parts' steps stop, then NATS (``_stopper``).
 
 The script needs nothing but bash, awk, ``scontrol``, ``srun`` (``squeue`` and ``scancel`` to
 stop) and the ``seamlessflow`` and ``nats-server`` commands on the nodes (``[slurm] setup``
@@ -40,6 +42,8 @@ METRICS_PORTS = {"trajectory": 9401, "scheduler": 9402, "agents": 9403, "trainer
 STOP_GRACE_S = 120
 """The batch script is sent SIGTERM this long before the time limit (``--signal``): time for
 the parts to stop, then NATS."""
+REPORT_S = 60
+"""At SIGTERM the script gives ``seamlessflow report`` this long, then stops the parts."""
 WORKER_METRICS_PORT = 9410
 """A node's rollout workers serve /metrics on this port plus their local task id."""
 _SAFE_TAG = re.compile(r"^[\w.=:/+@-]+$")
@@ -196,6 +200,7 @@ def _nodes(p: Plan, log_dir: Path, table: dict[str, Any]) -> str:
         lines.append('ROLLOUT_LIST=$(IFS=,; echo "${ROLLOUT_NODES[*]}")')
     config = json.dumps(table, indent=2, default=str)
     lines += [
+        "SF_STARTED=$(date +%s)",
         f'export SF_JOB_DIR="{log_dir}/$SLURM_JOB_ID"',
         'mkdir -p "$SF_JOB_DIR"',
         "# The run config as given: every part reads its section.",
@@ -223,6 +228,11 @@ def _stopper() -> str:
         "}",
         "stop() {",
         "  trap '' TERM INT",
+        "  # The run report (summary.json: reward curve, which node ran what) while all is up.",
+        f'  timeout {REPORT_S} seamlessflow report --config "$SF_CONFIG" --targets '
+        '"$SF_JOB_DIR/scrape_targets.json" \\',
+        '    --started "$SF_STARTED" --stopped-by "SIGTERM to the job" "$SF_JOB_DIR" \\',
+        '    > "$SF_JOB_DIR/report.log" 2>&1 || echo "no run report: see report.log" >&2',
         '  echo "stopping: the parts, then NATS" >&2',
         "  signal_steps sf-",
         '  if [ "${#PART_PIDS[@]}" -gt 0 ]; then wait "${PART_PIDS[@]}" 2>/dev/null || true; fi',
