@@ -4,6 +4,7 @@ the data it left on the broker is checked for consistent versions and labels."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections import defaultdict
@@ -73,6 +74,13 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
     assert [step.version for step in steps] == list(range(1, len(steps) + 1))
     assert scheduler["workers fenced"] == 0
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Which node ran what: all on this one, the workers by id and role at the end.
+    (parts,) = summary["nodes"].values()
+    assert list(summary["nodes"]) == [socket.gethostname()]
+    assert {"agents", "gateway", "scheduler", "trajectory"} <= set(parts)
+    ran = {part.split()[1] for part in parts if part.startswith("worker ")}
+    assert ran == ({"trainer"} if layout == "colocated" else {"trainer", "rollout-0"})
+    assert summary["scheduler_lease"].startswith("scheduler-")
     # Each child ran on its resolved config: the run's, with what is the child's own filled in.
     workers = ["trainer"] if layout == "colocated" else ["trainer", "rollout-0"]
     children = {p.stem: load_config(p) for p in (out / "configs").glob("*.json")}
