@@ -297,6 +297,8 @@ def test_a_part_stopped_by_sigterm_ends_cleanly_and_is_not_restarted(tmp_path, f
     job = Job(render(tmp_path, base_table()), tmp_path, fakes, [["n1", "n2"]])
     assert "#SBATCH --signal=B:TERM@120" in job.script
     assert job.script.index("signal_steps sf-") < job.script.index("signal_steps nats-")
+    # the run report is written while every part is up
+    assert job.script.index("seamlessflow report") < job.script.index("signal_steps sf-")
     supervise = job.job_dir / "supervise.sh"
     part = (
         "import signal, sys, time\n"
