@@ -407,7 +407,12 @@ async def _join(cluster: Cluster, js, names: RunNames, config: Path, feeding):
     args += ["--worker-id", JOINED, "--tags", f"rollout,node={node.hostname}"]
     proc = node.run(
         [sys.executable, "-m", "seamlessflow.cli", *args, "--metrics-port", "9410"],
-        {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
+        {
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": str(ROOT),
+            "SEAMLESSFLOW_METRICS_HOST": "0.0.0.0",  # /metrics reachable over the bridge
+        },
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -428,7 +433,11 @@ async def _join(cluster: Cluster, js, names: RunNames, config: Path, feeding):
             return metric_sum(await scrape(metrics), "sf_rollout_requests_total") > 0
         return False
 
-    await eventually(working, timeout=JOIN_S, watch=feeding)
+    try:
+        await eventually(working, timeout=JOIN_S, watch=feeding)
+    except TimeoutError:
+        log_text = (node.folder / "worker.log").read_text()[-3000:]
+        raise AssertionError(f"{JOINED} took no work in {JOIN_S:g} s:\n{log_text}") from None
     print(f"joined: {JOINED} on {node.hostname} took work {time.monotonic() - registered_at:.1f} s")
     return proc
 
