@@ -299,7 +299,7 @@ def _take_lock(timeout: float = 300.0) -> IO:
             if time.monotonic() > deadline:
                 handle.close()
                 raise NodesUnavailable(f"another cluster held {LOCK} for {timeout:g}s") from None
-            time.sleep(0.5)
+            time.sleep(0.05)  # often: another cluster may take it again soon after freeing it
 
 
 def _private_run_dir() -> None:
