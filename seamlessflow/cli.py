@@ -113,7 +113,7 @@ def _add_tools(sub) -> None:
     )
     _add_nats(p)
     _add_run(p)
-    _add_config(p, "[run] name and engine/backend kinds")
+    _add_config(p, "run name and engine and trainer backend kinds")
     p.add_argument("out_dir", type=Path, help="folder for summary.json and reward_curve.png")
     p.add_argument("--targets", type=Path, required=True, help="the run's scrape_targets.json")
     p.add_argument("--started", type=float, required=True, help="when the run started (Unix time)")
