@@ -369,6 +369,14 @@ async def _faults(cluster: Cluster, js, names: RunNames, version, config: Path, 
     gateway = f"http://{cluster[0].address}:8000/metrics"
     stalls = metric_sum(await scrape(gateway), "sf_gateway_continuations_total", reason="stall")
     lone, server = cluster[3], cluster[1]
+
+    async def busy() -> bool:  # the lone worker has attempts in flight: they will stall
+        with contextlib.suppress(Exception):
+            found = await scrape(f"http://{lone.address}:9410/metrics")
+            return metric_sum(found, "sf_rollout_requests_running") >= 2
+        return False
+
+    await eventually(busy, timeout=60)
     before = await version()
     lone.link_down()
     server.link_down()
