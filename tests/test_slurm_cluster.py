@@ -360,7 +360,7 @@ async def _at_least(version, n: int) -> bool:
 async def _following(version, workers: list[str]) -> bool:
     """Every worker serves a version at most one behind the trainer's (it may be loading)."""
     trainer = await version()
-    return all(await version(w) >= trainer - 1 for w in workers)
+    return all([await version(w) >= trainer - 1 for w in workers])
 
 
 async def _faults(cluster: Cluster, js, names: RunNames, version, config: Path, feeding):
