@@ -312,7 +312,12 @@ async def _watch(cluster, slurm, job: str, job_dir: Path, checkpoints: Path, con
         async def all_ended() -> bool:
             return len(await _ended(js, names)) >= len(feed.tasks) * GROUP
 
-        await eventually(all_ended, timeout=120)
+        try:
+            await eventually(all_ended, timeout=120)
+        except TimeoutError:
+            seen = Counter(e.task_id for e in await _ended(js, names))
+            short = {t.task_id: seen[t.task_id] for t in feed.tasks if seen[t.task_id] < GROUP}
+            raise AssertionError(f"tasks not ended in 120 s (sessions ended): {short}") from None
         # every worker (the cut ones back) follows the trainer
         await eventually(lambda: _following(version, [*workers, JOINED]), timeout=60, watch=feeding)
         hosts = {w: (await registered(js, names, w)).host for w in ["trainer", *workers]}
