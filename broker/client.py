@@ -15,6 +15,13 @@ from common.log import kv
 log = logging.getLogger(__name__)
 
 
+PING_INTERVAL_S = 5
+MAX_OUTSTANDING_PINGS = 2
+"""A server that stops answering (its node cut off: no FIN, no RST) is left for another of the
+cluster after about (``MAX_OUTSTANDING_PINGS`` + 1) * ``PING_INTERVAL_S``; nats.py's defaults
+(120 s, 2) kept a client on a cut-off server for up to 6 minutes."""
+
+
 async def connect(url: str, name: str, *, give_up_after: float = 5.0) -> NATS:
     """Connect to ``url`` as client ``name`` within ``give_up_after`` seconds; once connected, the
     client reconnects forever. ``url`` may list several servers of a cluster, comma-separated
@@ -43,6 +50,8 @@ async def connect(url: str, name: str, *, give_up_after: float = 5.0) -> NATS:
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
+                ping_interval=PING_INTERVAL_S,
+                max_outstanding_pings=MAX_OUTSTANDING_PINGS,
                 error_cb=error_cb,
                 disconnected_cb=disconnected_cb,
                 reconnected_cb=reconnected_cb,

@@ -108,6 +108,16 @@ def _add_tools(sub) -> None:
     p.add_argument("--follow", action="store_true", help="keep reading; rewrite every 30 s")
     p.add_argument("--tokenizer", help="model name or HF folder: add the calls' text columns")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser(
+        "report", help="write a live run's summary.json and reward curve (as `run` does at its end)"
+    )
+    _add_nats(p)
+    _add_run(p)
+    _add_config(p, "run name and engine and trainer backend kinds")
+    p.add_argument("out_dir", type=Path, help="folder for summary.json and reward_curve.png")
+    p.add_argument("--targets", type=Path, required=True, help="the run's scrape_targets.json")
+    p.add_argument("--started", type=float, required=True, help="when the run started (Unix time)")
+    p.add_argument("--stopped-by", default="a report of the live run", help="why it ends now")
     p = sub.add_parser("schema", help="wire schemas")
     schema_sub = p.add_subparsers(dest="schema_command", required=True)
     e = schema_sub.add_parser("export", help="write a JSON Schema file per message")
@@ -283,6 +293,29 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from seamlessflow.report import print_summary, report_run
+
+    config = load_config(args.config)
+    config = override(config, {"run": args.run}) if args.run else config
+    try:
+        targets = json.loads(args.targets.read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read the scrape targets {args.targets}: {exc}") from exc
+    summary = asyncio.run(
+        report_run(
+            args.nats,
+            config,
+            targets,
+            args.out_dir,
+            started=args.started,
+            stopped_by=args.stopped_by,
+        )
+    )
+    print_summary(summary)
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
     from broker.schema import export_schemas
 
@@ -330,6 +363,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "submit": _submit,
     "dead-letters": lambda args: asyncio.run(_dead_letters(args)),
     "export": _export,
+    "report": _report,
     "schema": _schema,
     "worker": services.worker,
     "gateway": services.gateway,

@@ -1,14 +1,31 @@
-"""The end of a run: a summary (printed and saved as JSON) and the reward curve as a PNG."""
+"""The end of a run: a summary (printed and saved as JSON) and the reward curve as a PNG.
+
+``seamlessflow run`` writes it when its run ends. For a run whose parts it did not start (the
+Slurm job's, which runs ``seamlessflow report`` before it stops them), ``report_run`` builds the
+same summary from the run itself while its parts are still up: rewards, calls and samples from
+the run's streams (read by ephemeral consumers, like ``seamlessflow export``), the version from
+the weights stream, each part's node from the scrape targets and the worker registry, and the
+trainer's and schedulers' numbers from their /metrics.
+"""
 
 import json
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+import httpx
 from prometheus_client.samples import Sample
 
-from common.metrics import metric_sum
+from broker.client import session
+from broker.registry import Sighting, node_name, read_registry
+from broker.subjects import RunNames
+from broker.weights import latest_weights
+from common.metrics import metric_sum, scrape
 from seamlessflow.config import RunConfig
+from seamlessflow.export import Collected, read_source, sources
 from seamlessflow.progress import RunStats
+from tagsched.lease import lease_holder
 
 EDGE = 10
 """The summary compares the mean reward of the first and the last this-many policy versions."""
@@ -41,6 +58,10 @@ class RunSummary:
     benchmark_only: dict[str, str]
     """The parts the run used that are for benchmarks only (``common.plugins``), each with why:
     with any, its rewards and tokens are not a model's."""
+    nodes: dict[str, list[str]] = field(default_factory=dict)
+    """Which node ran what, at the end: node -> its parts (``node_parts``)."""
+    scheduler_lease: str | None = None
+    """The scheduler holding the run's lease at the end (the others stood by)."""
 
 
 def benchmark_only(config: RunConfig) -> dict[str, str]:
@@ -92,6 +113,89 @@ def scheduler_report(samples: list[Sample]) -> dict[str, float]:
     return report
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
+
+
+def node_parts(
+    targets: list[dict[str, Any]], workers: list[Sighting], here: str
+) -> dict[str, list[str]]:
+    """Which node ran what: ``{node: [part, ...]}``. The parts that are no workers come from
+    the run's scrape targets (``seamlessflow.targets``: each process's ``host:port`` and kind; a
+    loopback host is ``here``), the workers and trainers from the registry, by id, node and
+    role (they register their node: ``broker.registry.node_name``)."""
+    nodes: dict[str, list[str]] = {}
+    for group in targets:
+        kind = group["labels"]["job"].removeprefix("seamlessflow-")
+        if kind in ("worker", "trainer"):  # by id, from the registry
+            continue
+        for target in group["targets"]:
+            host = target.rsplit(":", 1)[0]
+            nodes.setdefault(here if host in LOOPBACK else host, []).append(kind)
+    for s in workers:
+        if s.entry is not None:
+            part = f"worker {s.worker_id} ({s.entry.role.value})"
+            nodes.setdefault(s.entry.host, []).append(part)
+    return {node: sorted(parts) for node, parts in sorted(nodes.items())}
+
+
+async def report_run(
+    url: str,
+    config: RunConfig,
+    groups: list[dict[str, Any]],
+    out: Path,
+    *,
+    started: float,
+    stopped_by: str,
+) -> RunSummary:
+    """The summary of the live run ``config.run`` at ``url`` (see the module docstring), written
+    to ``out``; ``groups``: its scrape targets (``seamlessflow.targets``' file, read),
+    ``started``: when it started (Unix time)."""
+    names = RunNames(config.run)
+    collected = Collected()
+    async with session(url, "seamlessflow-report") as nc:
+        js = nc.jetstream()
+        for source in sources(names):
+            if source.table != "sessions":
+                await read_source(js, source, collected)
+        latest = await latest_weights(js, names)
+        workers = await read_registry(js, names)
+        leader = await lease_holder(js, names)
+    now = time.time()
+    stats = RunStats(started_at=started)
+    if latest is not None:
+        stats.on_weights(latest, now)
+    for _, call in collected.calls:
+        stats.on_call(call, now)
+    for _, sample in collected.samples:
+        stats.on_sample(sample, now)
+    metrics = {kind: await _scrape_kind(groups, kind) for kind in ("trainer", "scheduler")}
+    return summarize(
+        config,
+        stats,
+        now - started,
+        out,
+        stopped_by,
+        trainer_report(metrics["trainer"]),
+        scheduler_report(metrics["scheduler"]),
+        nodes=node_parts(groups, workers, node_name()),
+        scheduler_lease=leader,
+    )
+
+
+async def _scrape_kind(groups: list[dict[str, Any]], kind: str) -> list[Sample]:
+    """The /metrics samples of every target of ``kind``; one that does not answer is left out."""
+    found: list[Sample] = []
+    for group in groups:
+        if group["labels"]["job"] == f"seamlessflow-{kind}":
+            path = group["labels"].get("__metrics_path__", "/metrics")
+            for target in group["targets"]:
+                try:
+                    found += await scrape(f"http://{target}{path}")
+                except httpx.HTTPError:
+                    continue
+    return found
+
+
 def summarize(
     config: RunConfig,
     stats: RunStats,
@@ -100,6 +204,9 @@ def summarize(
     stopped_by: str,
     trainer: dict[str, float],
     scheduler: dict[str, float],
+    *,
+    nodes: dict[str, list[str]],
+    scheduler_lease: str | None,
 ) -> RunSummary:
     curve = stats.curve()
     summary = RunSummary(
@@ -120,6 +227,8 @@ def summarize(
         curve_path=str(out / "reward_curve.png"),
         stopped_by=stopped_by,
         benchmark_only=benchmark_only(config),
+        nodes=nodes,
+        scheduler_lease=scheduler_lease,
     )
     out.mkdir(parents=True, exist_ok=True)
     Path(summary.summary_path).write_text(json.dumps(asdict(summary), indent=2) + "\n")
@@ -184,6 +293,8 @@ def print_summary(summary: RunSummary) -> None:
         (f"reward, last {EDGE} versions", fmt(summary.reward_last)),
         *((f"trainer: {k}", fmt_stat(v)) for k, v in summary.trainer.items()),
         *((f"scheduler: {k}", fmt_stat(v)) for k, v in summary.scheduler.items()),
+        ("scheduler lease", summary.scheduler_lease or "-"),
+        *((f"node {node}", ", ".join(parts)) for node, parts in summary.nodes.items()),
         ("summary", summary.summary_path),
         ("reward curve", summary.curve_path),
     ]

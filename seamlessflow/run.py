@@ -48,6 +48,7 @@ from broker.messages import (
     WeightsPublished,
 )
 from broker.provision import provision_run
+from broker.registry import node_name, read_registry
 from broker.retry import TRANSIENT, Backoff
 from broker.subjects import Durable, RunNames
 from broker.weights import latest_weights
@@ -65,6 +66,7 @@ from seamlessflow.processes import ServiceProcess, SuperviseConfig
 from seamlessflow.progress import RunStats
 from seamlessflow.report import (
     RunSummary,
+    node_parts,
     print_summary,
     scheduler_report,
     summarize,
@@ -72,6 +74,7 @@ from seamlessflow.report import (
 )
 from seamlessflow.submit import submit_tasks
 from seamlessflow.targets import ScrapeTargets
+from tagsched.lease import lease_holder
 from tagsched.spec import Layout
 from trainer.warmstart import warm_start
 
@@ -157,13 +160,27 @@ async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
             stopped_by = await _watch(nc, names, config, services, stats, stop)
             trainer = await _report(services, "trainer", trainer_report)
             scheduler = await _report(services, "scheduler", scheduler_report)
+            workers = await read_registry(js, names)
+            nodes = node_parts(targets.groups(), workers, node_name())
+            leader = await lease_holder(js, names)
         finally:
             await asyncio.to_thread(services.stop)
             follow.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await follow
             targets.clear()
-    summary = summarize(config, stats, time.time() - started, out, stopped_by, trainer, scheduler)
+    seconds = time.time() - started
+    summary = summarize(
+        config,
+        stats,
+        seconds,
+        out,
+        stopped_by,
+        trainer,
+        scheduler,
+        nodes=nodes,
+        scheduler_lease=leader,
+    )
     print_summary(summary)
     return summary
 

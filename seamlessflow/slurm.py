@@ -6,13 +6,16 @@ GPUs, memory) the job is heterogeneous, a het-group each. NATS servers with JetS
 first nodes (a route cluster of 3 when the job has 3 nodes or more), then the run is
 provisioned, then every part is one ``srun`` step with its log in ``<log_dir>/<job id>/``: the
 trajectory manager, scheduler, gateway and agent runner on the first node, the trainer on its
-node, the rollout workers on theirs, each worker tagged with its node's tags and
+node with a standby scheduler beside it (``tagsched.lease``: it leads once the first node's is
+gone), the rollout workers on theirs, each worker tagged with its node's tags and
 ``node=<host>``. A part that exits is restarted (``[supervise]``); the job ends when one gives
 up. The script also writes the run config it was rendered from and ``scrape_targets.json``
 (Prometheus ``file_sd``, like ``seamlessflow run``'s) beside the logs.
 
 SIGTERM to the batch script (``scancel --batch --signal=TERM``, or the time limit's
-``--signal``) stops the run in order: the parts' steps first, then NATS (``_stopper``).
+``--signal``) stops the run in order: ``seamlessflow report`` writes the run report
+(``summary.json``, ``reward_curve.png``: ``seamlessflow.report``) beside the logs while every
+part is up, then the parts' steps stop, then NATS (``_stopper``).
 
 The script needs nothing but bash, awk, ``scontrol``, ``srun`` (``squeue`` and ``scancel`` to
 stop) and the ``seamlessflow`` and ``nats-server`` commands on the nodes (``[slurm] setup``
@@ -39,6 +42,8 @@ METRICS_PORTS = {"trajectory": 9401, "scheduler": 9402, "agents": 9403, "trainer
 STOP_GRACE_S = 120
 """The batch script is sent SIGTERM this long before the time limit (``--signal``): time for
 the parts to stop, then NATS."""
+REPORT_S = 60
+"""At SIGTERM the script gives ``seamlessflow report`` this long, then stops the parts."""
 WORKER_METRICS_PORT = 9410
 """A node's rollout workers serve /metrics on this port plus their local task id."""
 _SAFE_TAG = re.compile(r"^[\w.=:/+@-]+$")
@@ -78,6 +83,13 @@ class Plan:
 
     def group(self, role: str) -> Group | None:
         return next((g for g in self.groups if g.role == role), None)
+
+    @property
+    def standby(self) -> Group | None:
+        """Where the standby scheduler runs: the trainer's node, when it is not the first node
+        (where the active one starts), so losing one node leaves a scheduler; else none."""
+        trainer = self.group("trainer")
+        return trainer if trainer is not self.groups[0] else None
 
 
 def plan(config: RunConfig) -> Plan:
@@ -188,6 +200,7 @@ def _nodes(p: Plan, log_dir: Path, table: dict[str, Any]) -> str:
         lines.append('ROLLOUT_LIST=$(IFS=,; echo "${ROLLOUT_NODES[*]}")')
     config = json.dumps(table, indent=2, default=str)
     lines += [
+        "SF_STARTED=$(date +%s)",
         f'export SF_JOB_DIR="{log_dir}/$SLURM_JOB_ID"',
         'mkdir -p "$SF_JOB_DIR"',
         "# The run config as given: every part reads its section.",
@@ -215,6 +228,11 @@ def _stopper() -> str:
         "}",
         "stop() {",
         "  trap '' TERM INT",
+        "  # The run report (summary.json: reward curve, which node ran what) while all is up.",
+        f'  timeout {REPORT_S} seamlessflow report --config "$SF_CONFIG" --targets '
+        '"$SF_JOB_DIR/scrape_targets.json" \\',
+        '    --started "$SF_STARTED" --stopped-by "SIGTERM to the job" "$SF_JOB_DIR" \\',
+        '    > "$SF_JOB_DIR/report.log" 2>&1 || echo "no run report: see report.log" >&2',
         '  echo "stopping: the parts, then NATS" >&2',
         "  signal_steps sf-",
         '  if [ "${#PART_PIDS[@]}" -gt 0 ]; then wait "${PART_PIDS[@]}" 2>/dev/null || true; fi',
@@ -336,6 +354,8 @@ def _targets(p: Plan, config: RunConfig) -> str:
     trainer = p.group("trainer")
     assert trainer is not None
     hosts = [(f"{first}:{METRICS_PORTS[kind]}", kind) for kind in ("trajectory", "scheduler")]
+    if p.standby:
+        hosts.append((f"{p.standby.host(0)}:{METRICS_PORTS['scheduler']}", "scheduler"))
     hosts += [
         (f"{first}:{GATEWAY_PORT}", "gateway"),
         (f"{first}:{METRICS_PORTS['agents']}", "agents"),
@@ -373,6 +393,10 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
         steps.append(_step(name, first, _supervised(command)))
     first_host = p.first[0].host(0)
     steps += [f'echo "{part} on {first_host}"' for part in ("trajectory", "scheduler")]
+    if standby := p.standby:
+        command = _sf("scheduler", f"--metrics-port {ports['scheduler']}")
+        steps.append(_step("scheduler-standby", _on(standby, 0), _supervised(command)))
+        steps.append(f'echo "scheduler (standby) on {standby.host(0)}"')
     steps.append(_trainer_step(p, config, log_dir))
     trainer = p.group("trainer")
     assert trainer is not None

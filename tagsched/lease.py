@@ -4,7 +4,9 @@
 The holder renews with a compare-and-set on the revision it wrote; a standby tries to create the
 key every ``ttl / 3`` seconds, which succeeds only once the holder's entry has expired or been
 deleted. So a standby takes over within ``ttl + ttl / 3`` of the holder's death, and two holders
-never renew the same lease: a renewal that finds another revision has lost it.
+never renew the same lease: a renewal that finds another revision has lost it. A try that
+JetStream cannot answer now (leaders being elected, this client's server cut off) is logged,
+counted in ``sf_nats_retries_total{what="lease_acquire"}`` and made again a period later.
 """
 
 import asyncio
@@ -15,6 +17,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from broker.metrics import NATS_RETRIES
+from broker.retry import TRANSIENT
 from broker.subjects import RunNames
 from common.log import kv
 from tagsched.exceptions import LeaseLostError
@@ -46,16 +50,27 @@ class Lease:
         while not stop.is_set():
             try:
                 self._revision = await self._bucket.create(KEY, self.holder.encode())
+            except KeyWrongLastSequenceError:
+                announced = announced or await self._announce_waiting()
+            except TRANSIENT as exc:  # JetStream electing leaders, this client's server cut off
+                NATS_RETRIES.labels("lease_acquire").inc()
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning(kv("lease_unreachable", holder=self.holder, error=error))
+            else:
                 log.info(kv("lease_acquired", holder=self.holder))
                 return True
-            except KeyWrongLastSequenceError:
-                if not announced:
-                    current = await self.current()
-                    log.info(kv("lease_waiting", holder=self.holder, held_by=current))
-                    announced = True
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.period)
         return False
+
+    async def _announce_waiting(self) -> bool:
+        """Log who holds the lease (once, when it can be read)."""
+        try:
+            current = await self.current()
+        except TRANSIENT:
+            return False
+        log.info(kv("lease_waiting", holder=self.holder, held_by=current))
+        return True
 
     async def renew(self) -> None:
         try:

@@ -18,7 +18,8 @@ Node ``i`` (``sfn<i>``, hostname ``sfn-node<i>``, address ``<subnet>.<11+i>``) h
 
 The UTS and mount namespaces are persistent (bind-mounted under ``/run/seamlessflow-nodes``, a
 private mount), so every process ``Node.run`` starts (``nsenter``) joins the same node.
-``Node.link_down``/``link_up`` cut and restore its cable (the bridge side of its veth).
+``Node.link_down``/``link_up`` cut and restore its cable (the bridge side of its veth);
+``Cluster.add`` makes one more node while the cluster runs (a node joining mid-run).
 
 Needs root, iproute2 and util-linux (``unshare``, ``nsenter``); ``NodesUnavailable`` otherwise.
 Clusters on one machine take turns (a lock). Leftovers of a killed run (the namespaces, the
@@ -266,6 +267,16 @@ class Cluster:
                 self._lock.close()  # releases the flock
                 self._lock = None
 
+    def add(self) -> Node:
+        """A new node on the running cluster (one that joins mid-run): the next index, made
+        like the first ones; removed with them."""
+        if len(self.nodes) >= MAX_NODES:
+            raise ValueError(f"{MAX_NODES} nodes at most")
+        node = Node(len(self.nodes), self.base, self.subnet)
+        self.nodes.append(node)  # (closed with the others, also if making it fails)
+        node._create(BRIDGE, self.subnet)
+        return node
+
     def __getitem__(self, index: int) -> Node:
         return self.nodes[index]
 
@@ -288,7 +299,7 @@ def _take_lock(timeout: float = 300.0) -> IO:
             if time.monotonic() > deadline:
                 handle.close()
                 raise NodesUnavailable(f"another cluster held {LOCK} for {timeout:g}s") from None
-            time.sleep(0.5)
+            time.sleep(0.05)  # often: another cluster may take it again soon after freeing it
 
 
 def _private_run_dir() -> None:

@@ -53,12 +53,23 @@ class SlurmError(RuntimeError):
 
 
 class SlurmCluster:
-    """Slurm on ``cluster``'s nodes (a context manager); its files under ``folder``."""
+    """Slurm on ``cluster``'s nodes (a context manager); its files under ``folder``.
+    ``partitions``: node kinds, ``{name: [node index, ...]}``, each a partition whose nodes
+    carry its name as a feature (``--constraint``); default one partition ``PARTITION`` of
+    every node, the default partition is always the first."""
 
-    def __init__(self, cluster: Cluster, folder: Path, *, kill_wait_s: int = 20) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        folder: Path,
+        *,
+        kill_wait_s: int = 20,
+        partitions: dict[str, list[int]] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.folder = folder
         self.kill_wait_s = kill_wait_s
+        self.partitions = partitions or {PARTITION: list(range(len(cluster)))}
         self.conf = folder / "slurm.conf"
         self.controller = cluster[0]
         self._munged: subprocess.Popen | None = None
@@ -191,12 +202,19 @@ class SlurmCluster:
             f"KillWait={self.kill_wait_s}",
             "UnkillableStepTimeout=120",
         ]
+        features = {i: name for name, nodes in self.partitions.items() for i in nodes}
         for node in self.cluster:
             lines.append(
                 f"NodeName={node.hostname} NodeAddr={node.address} NodeHostname={node.hostname} "
-                f"CPUs={CPUS_PER_NODE} RealMemory=4000 State=UNKNOWN"
+                f"CPUs={CPUS_PER_NODE} RealMemory=4000 Features={features[node.index]} "
+                "State=UNKNOWN"
             )
-        lines.append(f"PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
+        for n, (name, nodes) in enumerate(self.partitions.items()):
+            hosts = ",".join(self.cluster[i].hostname for i in nodes)
+            default = "YES" if n == 0 else "NO"
+            lines.append(
+                f"PartitionName={name} Nodes={hosts} Default={default} MaxTime=INFINITE State=UP"
+            )
         return "\n".join(lines) + "\n"
 
     # -- use ------------------------------------------------------------------------------
@@ -314,7 +332,8 @@ class SlurmCluster:
         """Cancel every job, stop the daemons and munged, remove the spool; idempotent."""
         if any(proc.poll() is None for _, proc in self._daemons):
             with contextlib.suppress(Exception):
-                self.command("scancel", "--full", f"--partition={PARTITION}", check=False)
+                for partition in self.partitions:
+                    self.command("scancel", "--full", f"--partition={partition}", check=False)
                 deadline = time.monotonic() + self.kill_wait_s + 15
                 while time.monotonic() < deadline and any(self.node_pids(n) for n in self.cluster):
                     time.sleep(0.5)

@@ -4,6 +4,7 @@ the data it left on the broker is checked for consistent versions and labels."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections import defaultdict
@@ -13,13 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from broker.messages import SampleReady, SessionEnded, WeightsPublished
+from broker.messages import Role, SampleReady, SessionEnded, WeightsPublished, WorkerRegistered
+from broker.registry import Sighting
 from broker.subjects import RunNames
 from broker.weights import fetch_weights
 from rollout.engines import VLLMEngineConfig
 from seamlessflow.config import RunConfig, load_config
 from seamlessflow.exceptions import ConfigError
 from seamlessflow.progress import RunStats
+from seamlessflow.report import node_parts
+from seamlessflow.targets import target_group
 from tests.support import stream_messages
 from trainer.checkpoint import read_steps
 from trainer.config import MegatronBackendConfig, TorchBackendConfig
@@ -73,6 +77,13 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
     assert [step.version for step in steps] == list(range(1, len(steps) + 1))
     assert scheduler["workers fenced"] == 0
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Which node ran what: all on this one, the workers by id and role at the end.
+    (parts,) = summary["nodes"].values()
+    assert list(summary["nodes"]) == [socket.gethostname()]
+    assert {"agents", "gateway", "scheduler", "trajectory"} <= set(parts)
+    ran = {part.split()[1] for part in parts if part.startswith("worker ")}
+    assert ran == ({"trainer"} if layout == "colocated" else {"trainer", "rollout-0"})
+    assert summary["scheduler_lease"].startswith("scheduler-")
     # Each child ran on its resolved config: the run's, with what is the child's own filled in.
     workers = ["trainer"] if layout == "colocated" else ["trainer", "rollout-0"]
     children = {p.stem: load_config(p) for p in (out / "configs").glob("*.json")}
@@ -123,6 +134,31 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
     final = load(await fetch_weights(js, weights[-1]))
     assert final.keys() <= first.keys()
     assert any(not torch.equal(first[k], final[k]) for k in final)
+
+
+def test_the_report_says_which_node_ran_what():
+    targets = [
+        target_group("http://127.0.0.1:9401/metrics", "trajectory", "r"),  # this node's
+        target_group("http://node0:9402/metrics", "scheduler", "r"),
+        target_group("http://node4:9402/metrics", "scheduler", "r"),  # a standby
+        target_group("http://node4:9404/metrics", "trainer", "r"),  # by id, from the registry
+        target_group("http://node1:9410/metrics", "worker", "r"),
+    ]
+
+    def seen(worker_id: str, host: str, role: Role) -> Sighting:
+        entry = WorkerRegistered(worker_id=worker_id, host=host, pid=1, role=role, heartbeat_at=0.0)
+        return Sighting(worker_id, entry, written_at=0.0)
+
+    workers = [
+        seen("trainer", "node4", Role.TRAIN),
+        seen("w1", "node1", Role.ROLLOUT),
+        Sighting("gone", None, written_at=0.0),  # deleted: ran nowhere now
+    ]
+    assert node_parts(targets, workers, here="node0") == {
+        "node0": ["scheduler", "trajectory"],
+        "node1": ["worker w1 (rollout)"],
+        "node4": ["scheduler", "worker trainer (train)"],
+    }
 
 
 def test_progress_core_scores_a_session_once_and_tracks_staleness():

@@ -193,13 +193,15 @@ def test_defaults_one_node_kind_one_nats_server(tmp_path, fakes, monkeypatch):
     job = Job(script, tmp_path, fakes, [["n1", "n2"]])
     parsed = check_common(job, monkeypatch, nats=1)
     commands = sorted(args.command for args, _, _ in parsed)
-    assert commands == sorted(
-        ["provision", "trajectory", "scheduler", "trainer", "worker", "gateway", "agents"]
-    )
+    parts = ["provision", "trajectory", "scheduler", "scheduler", "trainer", "worker"]
+    assert commands == sorted([*parts, "gateway", "agents"])
     (worker,) = [(a, c, e) for a, c, e in parsed if a.command == "worker"]
     assert worker[1].worker.tags == ["rollout", "node=n1"]
     (trainer,) = [env for args, _, env in parsed if args.command == "trainer"]
     assert trainer["SLURMD_NODENAME"] == "n2"  # the trainer on its own node
+    # one scheduler on the first node, a standby beside the trainer
+    schedulers = [env["SLURMD_NODENAME"] for a, _, env in parsed if a.command == "scheduler"]
+    assert sorted(schedulers) == ["n1", "n2"]
     assert all("--het-group" not in step["srun"] for step in job.calls("srun"))  # a homogeneous job
     check_nats_conf(job, tmp_path, routes=0)
 
@@ -223,6 +225,8 @@ def test_mixed_nodes_make_a_heterogeneous_job_with_a_nats_cluster(tmp_path, fake
     assert len({w.worker_id for w, _ in workers}) == 6
     groups = {step["srun"]["--output"].split("/")[-1]: step["srun"] for step in job.calls("srun")}
     assert groups["trainer.log"]["--het-group"] == "1"
+    assert groups["scheduler-standby.log"]["--het-group"] == "1"  # beside the trainer
+    assert groups["scheduler-standby.log"]["--gres"] == "none"
     assert groups["trainer.log"]["--gpus-per-task"] == "8"
     assert groups["rollout-%N-%t.log"]["--gpus-per-task"] == "1"
     assert groups["nats-0.log"]["--gres"] == "none"  # GPUs are the workers'
@@ -293,6 +297,8 @@ def test_a_part_stopped_by_sigterm_ends_cleanly_and_is_not_restarted(tmp_path, f
     job = Job(render(tmp_path, base_table()), tmp_path, fakes, [["n1", "n2"]])
     assert "#SBATCH --signal=B:TERM@120" in job.script
     assert job.script.index("signal_steps sf-") < job.script.index("signal_steps nats-")
+    # the run report is written while every part is up
+    assert job.script.index("seamlessflow report") < job.script.index("signal_steps sf-")
     supervise = job.job_dir / "supervise.sh"
     part = (
         "import signal, sys, time\n"
