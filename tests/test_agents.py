@@ -480,6 +480,35 @@ async def test_stop_lets_attempts_finish_within_the_grace_then_hands_tasks_back(
     assert re.fullmatch(rf"{slow.task_id}-0-d[2-9]", s.session_id) and s.reward == 1.0
 
 
+async def test_a_task_delivered_again_runs_one_group(stack, js):
+    """A task admitted again (as an outage can make happen: its in-progress signals or its ack
+    lost) while it runs, and once more after it is done: one group runs, each copy is acked."""
+    names = stack.names
+    task = chat_task(unique("dup"), group_size=2, sleep="1.0")
+    before = sample("sf_agents_tasks_total", outcome="duplicate")
+
+    async def admit(copy: int) -> None:  # another admitted copy: a message of its own
+        headers = codec.headers(msg_id=f"copy{copy}-{task.task_id}")
+        await js.publish(names.tasks_admitted, codec.encode(task), headers=headers)
+
+    async with runner(js, names, stack.url, agent="tests.test_agents:sleepy_agent", max_tasks=4):
+        await admit(0)
+        await eventually(lambda: f"{task.task_id}-0" in STARTED)
+        await admit(1)  # while it runs
+        await eventually(lambda: sample("sf_agents_tasks_total", outcome="duplicate") == before + 1)
+        await ended(js, names, {task.task_id}, 2)
+        await admit(2)  # after it is done
+        await eventually(lambda: sample("sf_agents_tasks_total", outcome="duplicate") == before + 2)
+        await eventually(lambda: _stored(js, names.tasks_stream, 0), timeout=10)
+    stored = await stream_messages(js, names.traj_stream, SessionEnded, names.traj_end)
+    sessions = sorted(m.session_id for m in stored if m.task_id == task.task_id)
+    assert sessions == [f"{task.task_id}-0", f"{task.task_id}-1"]  # one group, not three
+
+
+async def _stored(js, stream: str, count: int) -> bool:
+    return (await js.stream_info(stream)).state.messages == count
+
+
 AGENT_SCRIPT = """
 import json, os, sys, urllib.request
 

@@ -18,7 +18,9 @@ once:
    ``{"unscored": 1}``; a gateway failure in any attempt cancels the others and the whole
    task is run again as in 2, in new sessions (nothing is published for it);
 4. publish one ``SessionEnded`` per attempt (``Nats-Msg-Id`` = session id); the ingress acks the
-   task once all are stored.
+   task once all are stored. A task delivered again to the same runner (an outage lost its
+   in-progress signals or its ack, or it was admitted again) runs one group: the copy waits for
+   the running one, or is acked at once when it is done (``_handle_once``).
 
 On stop, no new task is taken; running ones get ``shutdown_grace_s`` to finish, then their
 attempts are cancelled (commands killed) and the tasks handed back (nak) unpublished.
@@ -28,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -81,15 +84,19 @@ for it. Any other error status fails the attempt (a 500 is a worker's error on t
 
 REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
+DONE_KEPT = 65536
+"""Task ids a runner remembers as done, to ack a late redelivery without running it again."""
+
 TASKS = Counter(
     "sf_agents_tasks",
     "Tasks by outcome: done (every attempt's SessionEnded stored), retried (gateway unavailable: "
     "held and run again; or runner stopping: handed back), rejected (cannot be run: "
-    "dead-lettered)",
+    "dead-lettered), duplicate (delivered again while or after this runner ran it: acked once "
+    "the first delivery's attempts were stored, not run again)",
     ["outcome"],
     registry=REGISTRY,
 )
-for _outcome in ("done", "retried", "rejected"):  # exported from the start, at 0
+for _outcome in ("done", "retried", "rejected", "duplicate"):  # exported from the start, at 0
     TASKS.labels(_outcome)
 ATTEMPTS = Counter(
     "sf_agents_attempts",
@@ -180,6 +187,8 @@ class AgentRunner:
         self._model = config.model
         self._stop = asyncio.Event()
         self._abort = asyncio.Event()
+        self._running: dict[str, asyncio.Event] = {}  # task id -> set when that call ends
+        self._done: OrderedDict[str, None] = OrderedDict()  # the last DONE_KEPT tasks done
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
         """Take tasks until ``stop`` is set; then let running tasks finish within
@@ -197,7 +206,7 @@ class AgentRunner:
         ingress = tasks_ingress(
             self._js,
             self._names,
-            self._handle,
+            self._handle_once,
             self._limits,
             durable=Durable.AGENTS,
             batch=self._config.max_tasks,
@@ -222,6 +231,38 @@ class AgentRunner:
             await consuming
 
     # -- one task ---------------------------------------------------------------------------
+    async def _handle_once(self, task: TaskSubmitted, delivery: Delivery) -> None:
+        """``_handle``, once per task id in this runner: a task delivered again while it runs
+        here (its in-progress signals lost in an outage, or admitted again after one) waits for
+        that run and is acked with it; one delivered again after it was done here is acked at
+        once. Neither runs a second group."""
+        while (running := self._running.get(task.task_id)) is not None:
+            self._duplicate(task, delivery, "running")
+            await running.wait()
+        if task.task_id in self._done:
+            self._duplicate(task, delivery, "done")
+            return
+        ended = self._running[task.task_id] = asyncio.Event()
+        try:
+            await self._handle(task, delivery)
+        finally:
+            del self._running[task.task_id]
+            ended.set()
+        self._done[task.task_id] = None
+        if len(self._done) > DONE_KEPT:
+            self._done.popitem(last=False)
+
+    def _duplicate(self, task: TaskSubmitted, delivery: Delivery, state: str) -> None:
+        TASKS.labels("duplicate").inc()
+        log.warning(
+            kv(
+                "task_delivered_again",
+                task=task.task_id,
+                state=state,
+                delivered=delivery.num_delivered,
+            )
+        )
+
     async def _handle(self, task: TaskSubmitted, delivery: Delivery) -> None:
         # 1. Refuse what cannot be run: the ingress dead-letters it.
         try:
