@@ -146,7 +146,11 @@ class Ingress(Generic[M]):
         """Consume until ``stop`` is set; returns after the current batch is settled."""
         self._stop = stop
         sub = await self._js.pull_subscribe_bind(self._durable, self._stream)
-        consumer = (await sub.consumer_info()).config
+        try:  # JetStream may be electing leaders (a server's node cut off): wait for it
+            info = await retry(sub.consumer_info, what=f"{self.source}_consumer_info", stop=stop)
+        except RetryStoppedError:
+            return
+        consumer = info.config
         self._max_deliver = consumer.max_deliver or 0
         self._ack_wait = consumer.ack_wait or self._ack_wait
         INGRESS_PAUSED.labels(self.source).set(0)

@@ -218,9 +218,17 @@ def _stopper() -> str:
         "# SIGTERM to this script (the time limit's --signal, `scancel --batch --signal=TERM`):",
         "# SIGTERM to the parts' steps first, to the NATS steps once they are gone, so their last",
         "# acks and publishes reach NATS. (Not a signal to srun: srun kills its step at SIGTERM.)",
+        "job_ids() {  # this job's ids: a heterogeneous job's steps are under each component's",
+        '  if [ -z "${SLURM_HET_SIZE:-}" ]; then echo "$SLURM_JOB_ID"; return; fi',
+        "  local n var ids=()",
+        "  for ((n = 0; n < SLURM_HET_SIZE; n++)); do",
+        '    var="SLURM_JOB_ID_HET_GROUP_$n"; ids+=("${!var}")',
+        "  done",
+        '  (IFS=,; echo "${ids[*]}")',
+        "}",
         "signal_steps() {  # SIGTERM to this job's steps whose name starts with $1",
         "  local ids",
-        '  ids=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" | awk -v p="$1" \'index($2, p) == 1 '
+        '  ids=$(squeue -h -s -j "$(job_ids)" -o "%i %j" | awk -v p="$1" \'index($2, p) == 1 '
         "{print $1}') || true",
         '  [ -z "$ids" ] || echo "SIGTERM to steps" $ids >&2',
         "  # (Slurm 22.05's scancel signals a step, then reports 'Invalid job id': not shown)",
