@@ -112,10 +112,17 @@ class CpusConfig(_Section):
 class TasksConfig(_Section):
     """The built-in task feed of ``seamlessflow run`` (tasks may also come from any client)."""
 
-    env: Literal["arithmetic", "none"] = Field(
-        default="arithmetic", description="'none': submit no tasks (publish your own)"
+    env: Literal["arithmetic", "calculator", "none"] = Field(
+        default="arithmetic",
+        description="'arithmetic': a+b=; 'calculator': a 3-digit times a 2-digit number, with a "
+        "calculator tool (rollout.agents.calculator); 'none': submit no tasks (publish your own)",
     )
-    max_operand: int = Field(default=4, ge=0, le=10**6, description="a, b in [0, max_operand]")
+    max_operand: int = Field(
+        default=4, ge=0, le=10**6, description="arithmetic: a, b in [0, max_operand]"
+    )
+    tools: bool = Field(
+        default=True, description="calculator: offer the tool (false: the no-tool baseline)"
+    )
     group_size: int = Field(default=8, ge=1, le=1024, description="attempts per task")
     max_turns: int = Field(default=2, ge=1, le=64)
     max_tokens: int = Field(

@@ -1,7 +1,9 @@
-"""What a run is doing, read from the data plane alone: rewards, tokens, versions, staleness.
+"""What a run is doing, read from the data plane alone: rewards, tokens, versions, staleness,
+tool use.
 
-``RunStats`` is the pure core: fed the run's own messages (samples, call records, weight events)
-it keeps the reward per policy version and gives the live progress line and the summary. The
+``RunStats`` is the pure core: fed the run's own messages (samples, call records, weight events,
+session ends) it keeps the reward (and, for agents that count them in their ``SessionEnded``
+metrics, the tool calls) per policy version and gives the live progress line and the summary. The
 launcher feeds it from core NATS subscriptions; nothing here reads another process's internals.
 """
 
@@ -9,13 +11,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from broker.messages import CallRecorded, SampleReady, WeightsPublished
+from broker.messages import CallRecorded, SampleReady, SessionEnded, WeightsPublished
 from common.staleness import lag
 
 TOKENS_WINDOW_S = 10.0
 """Tokens per second are averaged over this window."""
 REWARD_WINDOW = 64
 """The progress line's reward mean is over this many latest sessions."""
+TOOL_CALLS = "tool_calls"
+"""The ``SessionEnded`` metric that counts a session's tool calls (``rollout.agents.calculator``,
+the framework examples)."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,8 @@ class SessionPoint:
     policy_version: int
     lag: int
     reward: float
+    tool_calls: float | None = None
+    """The session's tool calls, when its agent counted them."""
 
 
 @dataclass
@@ -40,6 +47,8 @@ class RunStats:
     generated_tokens: int = 0
     calls: int = 0
     _seen_sessions: set[str] = field(default_factory=set)
+    _tool_calls: dict[str, float] = field(default_factory=dict)
+    """Tool calls of ended sessions whose sample has not arrived yet."""
     _tokens: deque[tuple[float, int]] = field(default_factory=deque)
 
     def on_weights(self, event: WeightsPublished, now: float) -> None:
@@ -50,6 +59,10 @@ class RunStats:
         self.generated_tokens += len(call.output_ids)
         self._tokens.append((now, len(call.output_ids)))
 
+    def on_end(self, ended: SessionEnded, now: float) -> None:
+        if TOOL_CALLS in ended.metrics:  # its sample comes after (the trajectory manager's)
+            self._tool_calls[ended.session_id] = ended.metrics[TOOL_CALLS]
+
     def on_sample(self, sample: SampleReady, now: float) -> None:
         self.samples += 1
         if sample.session_id in self._seen_sessions:
@@ -57,8 +70,9 @@ class RunStats:
         self._seen_sessions.add(sample.session_id)
         versions = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
         behind = lag(self.version, versions)
+        tools = self._tool_calls.pop(sample.session_id, None)
         self.sessions.append(
-            SessionPoint(now, max(versions, default=self.version), behind, sample.reward)
+            SessionPoint(now, max(versions, default=self.version), behind, sample.reward, tools)
         )
 
     def tokens_per_second(self, now: float) -> float:
@@ -93,6 +107,15 @@ class RunStats:
         for p in self.sessions:
             by_version.setdefault(p.policy_version, []).append(p.reward)
         return [(v, sum(r) / len(r), len(r)) for v, r in sorted(by_version.items())]
+
+    def tool_curve(self) -> list[tuple[int, float, int]]:
+        """``(policy version, mean tool calls per session, sessions)`` per version whose
+        sessions counted their tool calls."""
+        by_version: dict[int, list[float]] = {}
+        for p in self.sessions:
+            if p.tool_calls is not None:
+                by_version.setdefault(p.policy_version, []).append(p.tool_calls)
+        return [(v, sum(c) / len(c), len(c)) for v, c in sorted(by_version.items())]
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:

@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -38,7 +39,15 @@ from nats.aio.msg import Msg
 from broker import codec
 from broker.client import session
 from broker.exceptions import BrokerError, InvalidMessageError
-from broker.messages import CallRecorded, Message, Role, SampleReady, WeightsPublished
+from broker.messages import (
+    CallRecorded,
+    Message,
+    Role,
+    SampleReady,
+    SessionEnded,
+    TaskSubmitted,
+    WeightsPublished,
+)
 from broker.provision import provision_run
 from broker.retry import TRANSIENT, Backoff
 from broker.subjects import Durable, RunNames
@@ -46,9 +55,10 @@ from broker.weights import latest_weights
 from common.exceptions import SeamlessFlowError
 from common.log import kv
 from common.metrics import scrape
-from common.models import resolve_model
+from common.models import load_tokenizer, resolve_model
 from common.paths import default_state_dir
-from rollout.agents import arithmetic
+from rollout.agents import arithmetic, calculator
+from rollout.gateway.tools import chatml_tools_system, load_tool_template
 from seamlessflow.config import RunConfig, override
 from seamlessflow.exceptions import RunFailedError
 from seamlessflow.launcher import local_broker, stop_on_signals
@@ -87,6 +97,8 @@ set: a restarted trainer resumes from them."""
 def prepare_model(config: RunConfig) -> Path:
     """The policy's starting folder: the base model, warm-started on the task when configured."""
     base = resolve_model(config.model.name)
+    if config.tasks.env == "calculator":
+        return _calculator_warm_start(base, config)
     if config.tasks.env != "arithmetic":
         return base
     max_operand = config.tasks.max_operand
@@ -96,6 +108,19 @@ def prepare_model(config: RunConfig) -> Path:
         return [{"role": "user", "content": arithmetic.question(a, b)}], arithmetic.answer(a, b)
 
     return warm_start(base, config.model.warm_start, demonstration, f"arithmetic-{max_operand}")
+
+
+def _calculator_warm_start(base: Path, config: RunConfig) -> Path:
+    """``base`` warm-started on calls of the calculator and answers from its results, in the
+    prompts the gateway renders with the model's tool template (or its own template)."""
+    template = load_tool_template(config.model.tool_template)
+    system = chatml_tools_system(load_tokenizer(base), [calculator.TOOL], template)
+    return warm_start(
+        base,
+        config.model.warm_start,
+        partial(calculator.demonstration, system=system),
+        f"calculator-{config.model.tool_template}",
+    )
 
 
 def output_dir(config: RunConfig) -> Path:
@@ -165,6 +190,7 @@ async def _watch(
         await nc.subscribe(names.samples, cb=_feed(SampleReady, stats.on_sample)),
         await nc.subscribe(names.traj_calls_all, cb=_feed(CallRecorded, stats.on_call)),
         await nc.subscribe(names.weights, cb=_feed(WeightsPublished, stats.on_weights)),
+        await nc.subscribe(names.traj_end, cb=_feed(SessionEnded, stats.on_end)),
     ]
     tasks = TaskFeed(nc, names, config)
     tty = sys.stdout.isatty()
@@ -239,15 +265,7 @@ class TaskFeed:
         missing = self._config.backlog - waiting.num_pending
         if missing <= 0:
             return
-        tasks = arithmetic.arithmetic_tasks(
-            self._rng,
-            missing,
-            max_operand=self._config.max_operand,
-            group_size=self._config.group_size,
-            max_turns=self._config.max_turns,
-            max_tokens=self._config.max_tokens,
-            prefix=f"t{self._next}",
-        )
+        tasks = self._tasks(missing, prefix=f"t{self._next}")
         self._next += 1
         try:
             await submit_tasks(self._js, self._names, tasks, progress=False)
@@ -255,6 +273,17 @@ class TaskFeed:
             if isinstance(exc.__cause__, TRANSIENT):  # e.g. a cluster electing a new leader
                 raise exc.__cause__ from exc
             raise
+
+    def _tasks(self, n: int, prefix: str) -> list[TaskSubmitted]:
+        cfg = self._config
+        shape = {"group_size": cfg.group_size, "max_turns": cfg.max_turns, "prefix": prefix}
+        if cfg.env == "calculator":
+            return calculator.calculator_tasks(
+                self._rng, n, tools=cfg.tools, max_tokens=cfg.max_tokens, **shape
+            )
+        return arithmetic.arithmetic_tasks(
+            self._rng, n, max_operand=cfg.max_operand, max_tokens=cfg.max_tokens, **shape
+        )
 
 
 @dataclass
