@@ -92,11 +92,17 @@ class RunStats:
             return None
         return sum(p.lag for p in recent) / len(recent)
 
+    def tool_calls_mean(self, last: int = REWARD_WINDOW) -> float | None:
+        """Mean tool calls of recent sessions that counted them."""
+        counted = [p.tool_calls for p in self.sessions[-last:] if p.tool_calls is not None]
+        return sum(counted) / len(counted) if counted else None
+
     def line(self, now: float) -> str:
-        reward, stale = self.reward_mean(), self.staleness()
+        reward, stale, tools = self.reward_mean(), self.staleness(), self.tool_calls_mean()
         return (
             f"step {self.version:4d} | reward {_fmt(reward)} (last {REWARD_WINDOW}) | "
-            f"{self.tokens_per_second(now):6.1f} tok/s | version {self.version} | "
+            + ("" if tools is None else f"tool calls {tools:.2f} | ")
+            + f"{self.tokens_per_second(now):6.1f} tok/s | version {self.version} | "
             f"staleness {_fmt(stale, 1)} | sessions {len(self.sessions)} | "
             f"{now - self.started_at:5.0f}s"
         )
