@@ -21,6 +21,7 @@ from rollout.agents.calculator import calculate
 from tests.conftest import TOOL_EXPRESSION as EXPRESSION
 from tests.conftest import TOOL_QUESTION as QUESTION
 from tests.conftest import tool_schemas
+from tests.support import MODEL
 from tests.test_agents import unique
 from tests.tool_sessions import check_tool_session, run_session
 
@@ -71,7 +72,7 @@ async def test_a_forced_call_is_a_valid_call(choice, tool_stack):
     )
     for schema in tool_schemas():
         reply = await client.chat.completions.create(
-            model="policy",
+            model=MODEL,
             messages=[{"role": "user", "content": QUESTION}],
             tools=[schema],
             tool_choice=forced,
