@@ -3,9 +3,9 @@ reward curves.
 
 Each run is ``seamlessflow run <config>`` on its own embedded broker with its own run name and
 output folder (the config's other settings as they are). Per run: steps, seconds, the mean
-reward of the first and last 10 policy versions (``summary.json``) and the whole curve, and the
-same for tool calls per session when the run's agents count them (a tool task); a run "rises"
-when its last mean reward exceeds its first by at least ``--rise``. The curves (reward; tool
+reward of the first and last ``--edge`` policy versions (10, as ``summary.json``) and the whole
+curve, and the same for tool calls per session when the run's agents count them (a tool task);
+a run "rises" when its last mean reward exceeds its first by at least ``--rise``. The curves (reward; tool
 calls in a second panel) are drawn into one PNG next to the JSON. ``uptime``'s load average is
 recorded at the start and end of each run (the machine may be shared).
 
@@ -27,12 +27,14 @@ import tomllib
 from pathlib import Path
 
 from bench.machine import machine
+from seamlessflow.report import EDGE, mean_over
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def run_once(config: Path, name: str, out: Path) -> dict:
-    """One run of ``config`` named ``name`` writing to ``out``; its summary."""
+def run_once(config: Path, name: str, out: Path, edge: int = EDGE) -> dict:
+    """One run of ``config`` named ``name`` writing to ``out``; its summary, with the first and
+    last means over ``edge`` policy versions."""
     text = config.read_text()
     if "output_dir" in tomllib.loads(text):
         raise SystemExit(f"{config} sets output_dir: this bench gives each run its own")
@@ -51,12 +53,13 @@ def run_once(config: Path, name: str, out: Path) -> dict:
         "run": name,
         "wall_s": time.perf_counter() - started,
         "steps": summary["steps"],
-        "reward_first": summary["reward_first"],
-        "reward_last": summary["reward_last"],
+        "edge": edge,
+        "reward_first": mean_over(summary["curve"][:edge]),
+        "reward_last": mean_over(summary["curve"][-edge:]),
         "curve": summary["curve"],
-        "tool_calls_first": summary.get("tool_calls_first"),
-        "tool_calls_last": summary.get("tool_calls_last"),
-        "tool_curve": summary.get("tool_curve", []),
+        "tool_calls_first": mean_over(summary["tool_curve"][:edge]),
+        "tool_calls_last": mean_over(summary["tool_curve"][-edge:]),
+        "tool_curve": summary["tool_curve"],
         "load_before": [round(x, 2) for x in load_before],
         "load_after": [round(x, 2) for x in load_after],
     }
@@ -94,6 +97,13 @@ def main() -> None:
     parser.add_argument("--config", type=Path, action="append", help="repeatable")
     parser.add_argument("--runs", type=int, action="append", help="per --config (default 3)")
     parser.add_argument("--rise", type=float, default=0.1, help="last - first that counts")
+    parser.add_argument(
+        "--edge",
+        type=int,
+        default=EDGE,
+        help="first and last means over this many policy versions (the summary's: 10; fewer "
+        "for runs of few steps, where 10 and 10 overlap)",
+    )
     args = parser.parse_args()
     configs = args.config or [Path("examples/smollm2.toml")]
     runs = args.runs or [3]
@@ -107,7 +117,7 @@ def main() -> None:
             for i in range(n):
                 name = f"{config.stem}-{i}-{int(time.time())}"
                 print(f"{config} run {i + 1}/{n}: {name} ...", flush=True)
-                rows.append(run_once(config, name, Path(tmp) / name))
+                rows.append(run_once(config, name, Path(tmp) / name, args.edge))
     print(
         f"\n{'run':>34}{'steps':>7}{'wall s':>8}{'first':>8}{'last':>8}{'rises':>7}"
         f"{'tools first':>13}{'tools last':>12}{'load':>16}"
@@ -119,7 +129,10 @@ def main() -> None:
             f"{r['reward_last']:>8.3f}{r['rises']!s:>7}{_fmt(r['tool_calls_first']):>13}"
             f"{_fmt(r['tool_calls_last']):>12}{r['load_before'][0]:>8.1f}{r['load_after'][0]:>8.1f}"
         )
-    print(f"{sum(r['rises'] for r in rows)} of {len(rows)} runs rise by >= {args.rise}")
+    print(
+        f"{sum(r['rises'] for r in rows)} of {len(rows)} runs rise by >= {args.rise} "
+        f"(first and last {args.edge} versions)"
+    )
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"recipe-{configs[0].stem}.json"
     result = {

@@ -113,11 +113,11 @@ def summarize(
         samples=stats.samples,
         calls=stats.calls,
         generated_tokens=stats.generated_tokens,
-        reward_first=_mean_over(curve[:EDGE]),
-        reward_last=_mean_over(curve[-EDGE:]),
+        reward_first=mean_over(curve[:EDGE]),
+        reward_last=mean_over(curve[-EDGE:]),
         curve=curve,
-        tool_calls_first=_mean_over(tools[:EDGE]),
-        tool_calls_last=_mean_over(tools[-EDGE:]),
+        tool_calls_first=mean_over(tools[:EDGE]),
+        tool_calls_last=mean_over(tools[-EDGE:]),
         tool_curve=tools,
         trainer=trainer,
         scheduler=scheduler,
@@ -134,7 +134,8 @@ def summarize(
     return summary
 
 
-def _mean_over(points: list[tuple[int, float, int]]) -> float | None:
+def mean_over(points: list[tuple[int, float, int]]) -> float | None:
+    """The mean per session over ``(version, mean, sessions)`` points."""
     sessions = sum(n for _, _, n in points)
     return sum(r * n for _, r, n in points) / sessions if sessions else None
 
