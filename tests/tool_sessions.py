@@ -1,6 +1,7 @@
-"""A tool session on the tool stack (``tool_stack``, ``tool_model_dir`` in ``tests/conftest.py``),
-run by a real agent runner with a real trajectory manager, and the checks that it was recorded
-token-exact: shared by the framework, built-in and TypeScript tool agents' tests."""
+"""Sessions run by a real agent runner with a real trajectory manager on a stack (``run_sessions``),
+and the checks that a tool session on the tool stack (``tool_stack``, ``tool_model_dir`` in
+``tests/conftest.py``) was recorded token-exact: shared by the framework, built-in and TypeScript
+tool agents' tests (and the multi-agent one's runs)."""
 
 import asyncio
 import json
@@ -17,19 +18,20 @@ from trajectory.config import TrajectoryConfig
 from trajectory.manager import TrajectoryManager
 
 
-async def run_session(
-    js, stack, task: TaskSubmitted, **runner_fields
-) -> tuple[SessionEnded, list[CallRecorded], list[SampleReady]]:
-    """Run ``task`` (one attempt) with an agent runner configured by ``runner_fields`` and a
-    trajectory manager until its samples are out: its ``SessionEnded``, calls and samples."""
+async def run_sessions(
+    js, stack, tasks: list[TaskSubmitted], count: int, **runner_fields
+) -> tuple[list[SessionEnded], list[SampleReady]]:
+    """Run ``tasks`` with an agent runner configured by ``runner_fields`` and a trajectory
+    manager until their ``count`` sessions have ended and the samples are out: the sessions'
+    ``SessionEnded`` and every sample of the run."""
     names = stack.names
     stop = asyncio.Event()
-    manager = TrajectoryManager(js, names, SMALL_RUN.traj, TrajectoryConfig(concurrency=1))
+    manager = TrajectoryManager(js, names, SMALL_RUN.traj, TrajectoryConfig(concurrency=2))
     managing = asyncio.create_task(manager.run(stop))
     try:
         async with runner(js, names, stack.url, **runner_fields):
-            await submit_tasks(js, names, [task], progress=False)
-            (session,) = await ended(js, names, {task.task_id}, 1)
+            await submit_tasks(js, names, tasks, progress=False)
+            sessions = await ended(js, names, {t.task_id for t in tasks}, count)
 
         async def settled() -> bool:
             info = await js.consumer_info(names.traj_stream, Durable.TRAJECTORY)
@@ -39,13 +41,16 @@ async def run_session(
     finally:
         stop.set()
         await asyncio.wait_for(managing, 30)
-    recorded = await calls(js, names, session.session_id)
-    samples = [
-        s
-        for s in await stream_messages(js, names.samples_stream, SampleReady)
-        if s.session_id == session.session_id
-    ]
-    return session, recorded, samples
+    return sessions, await stream_messages(js, names.samples_stream, SampleReady)
+
+
+async def run_session(
+    js, stack, task: TaskSubmitted, **runner_fields
+) -> tuple[SessionEnded, list[CallRecorded], list[SampleReady]]:
+    """``run_sessions`` of one task of one attempt: its ``SessionEnded``, calls and samples."""
+    (session,), samples = await run_sessions(js, stack, [task], 1, **runner_fields)
+    recorded = await calls(js, stack.names, session.session_id)
+    return session, recorded, [s for s in samples if s.session_id == session.session_id]
 
 
 def check_tool_session(
