@@ -19,6 +19,7 @@
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import random
@@ -119,7 +120,7 @@ def _calculator_warm_start(base: Path, config: RunConfig) -> Path:
         base,
         config.model.warm_start,
         partial(calculator.demonstration, system=system),
-        f"calculator-{config.model.tool_template}",
+        f"calculator-{hashlib.sha256(system.encode()).hexdigest()[:12]}",  # the tools block's
     )
 
 
