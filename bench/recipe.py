@@ -5,9 +5,9 @@ Each run is ``seamlessflow run <config>`` on its own embedded broker with its ow
 output folder (the config's other settings as they are). Per run: steps, seconds, the mean
 reward of the first and last ``--edge`` policy versions (10, as ``summary.json``) and the whole
 curve, and the same for tool calls per session when the run's agents count them (a tool task);
-a run "rises" when its last mean reward exceeds its first by at least ``--rise``. The curves (reward; tool
-calls in a second panel) are drawn into one PNG next to the JSON. ``uptime``'s load average is
-recorded at the start and end of each run (the machine may be shared).
+a run "rises" when its last mean reward exceeds its first by at least ``--rise``. The curves
+(reward; tool calls in a second panel) are drawn into one PNG next to the JSON. ``uptime``'s
+load average is recorded at the start and end of each run (the machine may be shared).
 
 Usage: python -m bench.recipe [--config examples/smollm2.toml] [--runs 3] [--rise 0.1]
        python -m bench.recipe --config examples/tools.toml --config examples/tools_baseline.toml
