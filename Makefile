@@ -5,7 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-NODE_CLIENT := tests/clients/node
+NODE_DIRS := tests/clients/node examples/typescript
+# the Node.js client test's and the TypeScript agent's npm dependencies, from their lock files
+NODE_MODULES := $(NODE_DIRS:%=%/node_modules/.package-lock.json)
 comma := ,
 
 .PHONY: setup run test test-faults test-cluster lint format clean
@@ -27,10 +29,10 @@ $(STAMP): pyproject.toml
 	$(if $(VLLM_EXTRA),$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton)
 	touch $@
 
-$(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package-lock.json
+%/node_modules/.package-lock.json: %/package-lock.json
 	@if command -v npm >/dev/null; then \
-		npm ci --prefix $(NODE_CLIENT) --no-audit --no-fund --loglevel=error; \
-	else echo "npm not found: the Node.js client test will be skipped"; fi
+		npm ci --prefix $* --no-audit --no-fund --loglevel=error; \
+	else echo "npm not found: the tests that need $* will be skipped"; fi
 
 run: setup
 	$(BIN)/seamlessflow run $(CONFIG)
@@ -43,7 +45,7 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint $(NODE_CLIENT)/node_modules/.package-lock.json
+test: lint $(NODE_MODULES)
 	$(BIN)/pytest
 
 # The fault suite: kills, broker restarts, outages (tests/test_faults.py and tests marked faults).
@@ -56,4 +58,4 @@ test-cluster: setup
 	$(BIN)/pytest -m cluster
 
 clean:
-	rm -rf $(VENV) $(NODE_CLIENT)/node_modules .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(NODE_DIRS:%=%/node_modules) .pytest_cache .ruff_cache .hypothesis

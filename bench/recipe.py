@@ -3,17 +3,23 @@ reward curves.
 
 Each run is ``seamlessflow run <config>`` on its own embedded broker with its own run name and
 output folder (the config's other settings as they are). Per run: steps, seconds, the mean
-reward of the first and last 10 policy versions (``summary.json``), the sessions scored and
-how many spanned several policy versions (partial rollout), and the whole curve; a run
-"rises" when its last mean exceeds its first by at least ``--rise``. The curves are drawn into
-one PNG next to the JSON.
+reward of the first and last ``--edge`` policy versions (10, as ``summary.json``) and the whole
+curve, the sessions scored and how many spanned several policy versions (partial rollout),
+and the same for tool calls per session when the run's agents count them (a tool task);
+a run "rises" when its last mean reward exceeds its first by at least ``--rise``. The curves
+(reward; tool calls in a second panel) are drawn into one PNG next to the JSON. ``uptime``'s
+load average is recorded at the start and end of each run (the machine may be shared).
 
 Usage: python -m bench.recipe [--config examples/smollm2.toml] [--runs 3] [--rise 0.1]
+       python -m bench.recipe --config examples/tools.toml --config examples/tools_baseline.toml
+       --runs 3 --runs 1   (several configs: one after the other, all in one table and PNG,
+       written as recipe-<first config stem>.json)
 Prints a table and writes bench/results/recipe-<config stem>.json and .png.
 """
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -22,12 +28,14 @@ import tomllib
 from pathlib import Path
 
 from bench.machine import machine
+from seamlessflow.report import EDGE, mean_over
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def run_once(config: Path, name: str, out: Path) -> dict:
-    """One run of ``config`` named ``name`` writing to ``out``; its summary."""
+def run_once(config: Path, name: str, out: Path, edge: int = EDGE) -> dict:
+    """One run of ``config`` named ``name`` writing to ``out``; its summary, with the first and
+    last means over ``edge`` policy versions."""
     text = config.read_text()
     if "output_dir" in tomllib.loads(text):
         raise SystemExit(f"{config} sets output_dir: this bench gives each run its own")
@@ -36,7 +44,9 @@ def run_once(config: Path, name: str, out: Path) -> dict:
         copy.write_text(f'output_dir = "{out}"\n' + text)
         command = [sys.executable, "-m", "seamlessflow.cli", "run", str(copy), "--run", name]
         started = time.perf_counter()
+        load_before = os.getloadavg()
         done = subprocess.run(command, capture_output=True, text=True)
+        load_after = os.getloadavg()
     if done.returncode != 0:
         raise RuntimeError(f"run {name} exited with {done.returncode}:\n{done.stdout[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
@@ -44,11 +54,17 @@ def run_once(config: Path, name: str, out: Path) -> dict:
         "run": name,
         "wall_s": time.perf_counter() - started,
         "steps": summary["steps"],
+        "edge": edge,
         "sessions": summary["sessions"],
         "sessions_multi_version": summary["sessions_multi_version"],
-        "reward_first": summary["reward_first"],
-        "reward_last": summary["reward_last"],
+        "reward_first": mean_over(summary["curve"][:edge]),
+        "reward_last": mean_over(summary["curve"][-edge:]),
         "curve": summary["curve"],
+        "tool_calls_first": mean_over(summary["tool_curve"][:edge]),
+        "tool_calls_last": mean_over(summary["tool_curve"][-edge:]),
+        "tool_curve": summary["tool_curve"],
+        "load_before": [round(x, 2) for x in load_before],
+        "load_after": [round(x, 2) for x in load_after],
     }
 
 
@@ -58,12 +74,22 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    tools = any(r["tool_curve"] for r in rows)
+    fig, axes = plt.subplots(1, 2 if tools else 1, figsize=(12 if tools else 7, 4), squeeze=False)
     for r in rows:
         versions = [version for version, _, _ in r["curve"]]
-        ax.plot(versions, [reward for _, reward, _ in r["curve"]], marker=".", label=r["run"])
-    ax.set(xlabel="policy version", ylabel="mean reward", title=title)
-    ax.legend()
+        axes[0][0].plot(
+            versions, [reward for _, reward, _ in r["curve"]], marker=".", label=r["run"]
+        )
+        if tools:
+            versions = [version for version, _, _ in r["tool_curve"]]
+            calls = [c for _, c, _ in r["tool_curve"]]
+            axes[0][1].plot(versions, calls, marker=".", label=r["run"])
+    axes[0][0].set(xlabel="policy version", ylabel="mean reward", title=title)
+    axes[0][0].legend()
+    if tools:
+        axes[0][1].set(xlabel="policy version", ylabel="tool calls per session (mean)")
+        axes[0][1].legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -71,35 +97,67 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", type=Path, default=Path("examples/smollm2.toml"))
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--config", type=Path, action="append", help="repeatable")
+    parser.add_argument("--runs", type=int, action="append", help="per --config (default 3)")
     parser.add_argument("--rise", type=float, default=0.1, help="last - first that counts")
+    parser.add_argument(
+        "--edge",
+        type=int,
+        default=EDGE,
+        help="first and last means over this many policy versions (the summary's: 10; fewer "
+        "for runs of few steps, where 10 and 10 overlap)",
+    )
     args = parser.parse_args()
-    stem = args.config.stem
+    configs = args.config or [Path("examples/smollm2.toml")]
+    runs = args.runs or [3]
+    if len(runs) == 1:
+        runs = runs * len(configs)
+    if len(runs) != len(configs):
+        raise SystemExit("give --runs once, or once per --config")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.runs):
-            name = f"{stem}-{i}-{int(time.time())}"
-            print(f"run {i + 1}/{args.runs}: {name} ...", flush=True)
-            rows.append(run_once(args.config, name, Path(tmp) / name))
+        for config, n in zip(configs, runs, strict=True):
+            for i in range(n):
+                name = f"{config.stem}-{i}-{int(time.time())}"
+                print(f"{config} run {i + 1}/{n}: {name} ...", flush=True)
+                rows.append(run_once(config, name, Path(tmp) / name, args.edge))
     print(
-        f"\n{'run':>28}{'steps':>7}{'wall s':>8}{'first':>8}{'last':>8}{'rises':>7}"
-        f"{'sessions':>10}{'multi-version':>15}"
+        f"\n{'run':>34}{'steps':>7}{'wall s':>8}{'first':>8}{'last':>8}{'rises':>7}"
+        f"{'tools first':>13}{'tools last':>12}{'multi-version':>15}{'load':>16}"
     )
     for r in rows:
         r["rises"] = r["reward_last"] - r["reward_first"] >= args.rise
         print(
-            f"{r['run']:>28}{r['steps']:>7}{r['wall_s']:>8.0f}{r['reward_first']:>8.3f}"
-            f"{r['reward_last']:>8.3f}{r['rises']!s:>7}{r['sessions']:>10}"
+            f"{r['run']:>34}{r['steps']:>7}{r['wall_s']:>8.0f}{r['reward_first']:>8.3f}"
+            f"{r['reward_last']:>8.3f}{r['rises']!s:>7}{_fmt(r['tool_calls_first']):>13}"
+            f"{_fmt(r['tool_calls_last']):>12}"
             f"{r['sessions_multi_version'] / max(r['sessions'], 1):>15.0%}"
+            f"{r['load_before'][0]:>8.1f}{r['load_after'][0]:>8.1f}"
         )
-    print(f"{sum(r['rises'] for r in rows)} of {len(rows)} runs rise by >= {args.rise}")
+    print(
+        f"{sum(r['rises'] for r in rows)} of {len(rows)} runs rise by >= {args.rise} "
+        f"(first and last {args.edge} versions)"
+    )
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"recipe-{stem}.json"
-    result = {"machine": machine(), "config": str(args.config), "rise": args.rise, "rows": rows}
+    path = RESULTS / f"recipe-{configs[0].stem}.json"
+    result = {
+        "machine": machine(),
+        "config": [str(c) for c in configs],
+        "runs": runs,
+        "rise": args.rise,
+        "rows": rows,
+    }
     path.write_text(json.dumps(result, indent=2) + "\n")
-    plot(rows, path.with_suffix(".png"), f"{args.config} x {len(rows)}")
+    plot(
+        rows,
+        path.with_suffix(".png"),
+        " + ".join(f"{c} x {n}" for c, n in zip(configs, runs, strict=True)),
+    )
     print(f"\nwrote {path} and {path.with_suffix('.png')}")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

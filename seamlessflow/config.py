@@ -113,12 +113,18 @@ class CpusConfig(_Section):
 class TasksConfig(_Section):
     """The built-in task feed of ``seamlessflow run`` (tasks may also come from any client)."""
 
-    env: Literal["arithmetic", "guess", "none"] = Field(
+    env: Literal["arithmetic", "calculator", "guess", "none"] = Field(
         default="arithmetic",
-        description="'arithmetic' (a+b=), 'guess' (find a number, higher/lower: "
-        "rollout.agents.guess), or 'none': submit no tasks (publish your own)",
+        description="'arithmetic': a+b=; 'calculator': a 3-digit times a 2-digit number, with a "
+        "calculator tool (rollout.agents.calculator); 'guess': find a number, higher/lower "
+        "(rollout.agents.guess); 'none': submit no tasks (publish your own)",
     )
-    max_operand: int = Field(default=4, ge=0, le=10**6, description="a, b in [0, max_operand]")
+    max_operand: int = Field(
+        default=4, ge=0, le=10**6, description="arithmetic: a, b in [0, max_operand]"
+    )
+    tools: bool = Field(
+        default=True, description="calculator: offer the tool (false: the no-tool baseline)"
+    )
     max_number: int = Field(
         default=16, ge=1, le=10**6, description="guess: the secret is in [1, max_number]"
     )

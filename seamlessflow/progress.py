@@ -1,7 +1,9 @@
-"""What a run is doing, read from the data plane alone: rewards, tokens, versions, staleness.
+"""What a run is doing, read from the data plane alone: rewards, tokens, versions, staleness,
+tool use.
 
-``RunStats`` is the pure core: fed the run's own messages (samples, call records, weight events)
-it keeps the reward per policy version and gives the live progress line and the summary. The
+``RunStats`` is the pure core: fed the run's own messages (samples, call records, weight events,
+session ends) it keeps the reward (and, for agents that count them in their ``SessionEnded``
+metrics, the tool calls) per policy version and gives the live progress line and the summary. The
 launcher feeds it from core NATS subscriptions; nothing here reads another process's internals.
 """
 
@@ -9,13 +11,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from broker.messages import CallRecorded, SampleReady, WeightsPublished
+from broker.messages import CallRecorded, SampleReady, SessionEnded, WeightsPublished
 from common.staleness import lag
 
 TOKENS_WINDOW_S = 10.0
 """Tokens per second are averaged over this window."""
 REWARD_WINDOW = 64
 """The progress line's reward mean is over this many latest sessions."""
+TOOL_CALLS = "tool_calls"
+"""The ``SessionEnded`` metric that counts a session's tool calls (``rollout.agents.calculator``,
+the framework examples)."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,8 @@ class SessionPoint:
     lag: int
     reward: float
     versions: int = 1
+    tool_calls: float | None = None
+    """The session's tool calls, when its agent counted them."""
 
 
 @dataclass
@@ -42,6 +49,8 @@ class RunStats:
     generated_tokens: int = 0
     calls: int = 0
     _seen_sessions: set[str] = field(default_factory=set)
+    _tool_calls: dict[str, float] = field(default_factory=dict)
+    """Tool calls of ended sessions whose sample has not arrived yet."""
     _tokens: deque[tuple[float, int]] = field(default_factory=deque)
 
     def on_weights(self, event: WeightsPublished, now: float) -> None:
@@ -52,6 +61,10 @@ class RunStats:
         self.generated_tokens += len(call.output_ids)
         self._tokens.append((now, len(call.output_ids)))
 
+    def on_end(self, ended: SessionEnded, now: float) -> None:
+        if TOOL_CALLS in ended.metrics:  # its sample comes after (the trajectory manager's)
+            self._tool_calls[ended.session_id] = ended.metrics[TOOL_CALLS]
+
     def on_sample(self, sample: SampleReady, now: float) -> None:
         self.samples += 1
         if sample.session_id in self._seen_sessions:
@@ -59,6 +72,7 @@ class RunStats:
         self._seen_sessions.add(sample.session_id)
         versions = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
         behind = lag(self.version, versions)
+        tools = self._tool_calls.pop(sample.session_id, None)
         self.sessions.append(
             SessionPoint(
                 now,
@@ -66,6 +80,7 @@ class RunStats:
                 behind,
                 sample.reward,
                 len(set(versions)),
+                tools,
             )
         )
 
@@ -86,11 +101,17 @@ class RunStats:
             return None
         return sum(p.lag for p in recent) / len(recent)
 
+    def tool_calls_mean(self, last: int = REWARD_WINDOW) -> float | None:
+        """Mean tool calls of recent sessions that counted them."""
+        counted = [p.tool_calls for p in self.sessions[-last:] if p.tool_calls is not None]
+        return sum(counted) / len(counted) if counted else None
+
     def line(self, now: float) -> str:
-        reward, stale = self.reward_mean(), self.staleness()
+        reward, stale, tools = self.reward_mean(), self.staleness(), self.tool_calls_mean()
         return (
             f"step {self.version:4d} | reward {_fmt(reward)} (last {REWARD_WINDOW}) | "
-            f"{self.tokens_per_second(now):6.1f} tok/s | version {self.version} | "
+            + ("" if tools is None else f"tool calls {tools:.2f} | ")
+            + f"{self.tokens_per_second(now):6.1f} tok/s | version {self.version} | "
             f"staleness {_fmt(stale, 1)} | sessions {len(self.sessions)} | "
             f"{now - self.started_at:5.0f}s"
         )
@@ -101,6 +122,15 @@ class RunStats:
         for p in self.sessions:
             by_version.setdefault(p.policy_version, []).append(p.reward)
         return [(v, sum(r) / len(r), len(r)) for v, r in sorted(by_version.items())]
+
+    def tool_curve(self) -> list[tuple[int, float, int]]:
+        """``(policy version, mean tool calls per session, sessions)`` per version whose
+        sessions counted their tool calls."""
+        by_version: dict[int, list[float]] = {}
+        for p in self.sessions:
+            if p.tool_calls is not None:
+                by_version.setdefault(p.policy_version, []).append(p.tool_calls)
+        return [(v, sum(c) / len(c), len(c)) for v, c in sorted(by_version.items())]
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:

@@ -19,6 +19,7 @@
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import random
@@ -44,6 +45,7 @@ from broker.messages import (
     Message,
     Role,
     SampleReady,
+    SessionEnded,
     TaskSubmitted,
     WeightsPublished,
 )
@@ -55,9 +57,10 @@ from broker.weights import latest_weights
 from common.exceptions import SeamlessFlowError
 from common.log import kv
 from common.metrics import scrape
-from common.models import resolve_model
+from common.models import load_tokenizer, resolve_model
 from common.paths import default_state_dir
-from rollout.agents import arithmetic, guess
+from rollout.agents import arithmetic, calculator, guess
+from rollout.gateway.tools import chatml_tools_system, load_tool_template
 from seamlessflow.config import RunConfig, override
 from seamlessflow.exceptions import RunFailedError
 from seamlessflow.launcher import local_broker, stop_on_signals
@@ -98,6 +101,8 @@ set: a restarted trainer resumes from them."""
 def prepare_model(config: RunConfig) -> Path:
     """The policy's starting folder: the base model, warm-started on the task when configured."""
     base = resolve_model(config.model.name)
+    if config.tasks.env == "calculator":
+        return _calculator_warm_start(base, config)
     if config.tasks.env == "guess":
         high = config.tasks.max_number
         return warm_start(
@@ -115,6 +120,19 @@ def prepare_model(config: RunConfig) -> Path:
         return [{"role": "user", "content": arithmetic.question(a, b)}], arithmetic.answer(a, b)
 
     return warm_start(base, config.model.warm_start, demonstration, f"arithmetic-{max_operand}")
+
+
+def _calculator_warm_start(base: Path, config: RunConfig) -> Path:
+    """``base`` warm-started on calls of the calculator and answers from its results, in the
+    prompts the gateway renders with the model's tool template (or its own template)."""
+    template = load_tool_template(config.model.tool_template)
+    system = chatml_tools_system(load_tokenizer(base), [calculator.TOOL], template)
+    return warm_start(
+        base,
+        config.model.warm_start,
+        partial(calculator.demonstration, system=system),
+        f"calculator-{hashlib.sha256(system.encode()).hexdigest()[:12]}",  # the tools block's
+    )
 
 
 def output_dir(config: RunConfig) -> Path:
@@ -198,6 +216,7 @@ async def _watch(
         await nc.subscribe(names.samples, cb=_feed(SampleReady, stats.on_sample)),
         await nc.subscribe(names.traj_calls_all, cb=_feed(CallRecorded, stats.on_call)),
         await nc.subscribe(names.weights, cb=_feed(WeightsPublished, stats.on_weights)),
+        await nc.subscribe(names.traj_end, cb=_feed(SessionEnded, stats.on_end)),
     ]
     tasks = TaskFeed(nc, names, config)
     tty = sys.stdout.isatty()
@@ -284,6 +303,8 @@ class TaskFeed:
     def _tasks(self, n: int, prefix: str) -> list[TaskSubmitted]:
         c = self._config
         shared = dict(group_size=c.group_size, max_turns=c.max_turns, max_tokens=c.max_tokens)
+        if c.env == "calculator":
+            return calculator.calculator_tasks(self._rng, n, tools=c.tools, prefix=prefix, **shared)
         if c.env == "guess":
             return guess.guess_tasks(
                 self._rng,

@@ -6,6 +6,9 @@ marked ``newest_nats`` (rollout tests that start engines: slow, and not about th
 the newest one only.
 """
 
+import json
+import random
+import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -18,6 +21,7 @@ from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from tests.support import NATS_BINARIES, SMALL_RUN, Stack, broker_config, gateway_stack
+from trainer.warmstart import WarmStartConfig, warm_start
 
 NEWEST_NATS = max(NATS_BINARIES, key=lambda name: tuple(map(int, name[5:].split("."))))
 
@@ -93,6 +97,81 @@ async def names(js, run_name: str) -> RunNames:
 def stack(broker: EmbeddedBroker, tiny_model_dir: Path) -> Iterator[Stack]:
     """A provisioned run with one rollout worker (hf, tiny model) and a gateway, per module."""
     with gateway_stack(broker.url, tiny_model_dir) as stack:
+        yield stack
+
+
+TOOL_EXPRESSION = "2+3"
+TOOL_QUESTION = f"What is {TOOL_EXPRESSION}?"
+"""The one task the tool model (``tool_model_dir``) is warm-started on."""
+TOOL_WARM = WarmStartConfig(steps=80, batch_size=8, lr=2e-3)
+
+
+def tool_schemas() -> list[dict]:
+    """The calculator as the agents of the tool tests send it in ``tools``: the built-in env's
+    (``rollout.agents.calculator.TOOL``, which the TypeScript agent sends too) and, when their
+    packages are installed, the OpenAI Agents SDK's and LangGraph's."""
+    from rollout.agents.calculator import TOOL
+
+    schemas = [TOOL]
+    try:
+        from agents.models.chatcmpl_converter import Converter
+        from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        from examples.frameworks import agents_sdk_calculator, langgraph_calculator
+    except ImportError:
+        return schemas
+    return [
+        *schemas,
+        Converter.tool_to_openai(agents_sdk_calculator.calculator),
+        convert_to_openai_tool(langgraph_calculator.calculator),
+    ]
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model, its chat template the gateway's Hermes tool template, warm-started
+    (``trainer.warmstart``, in the exact form the gateway renders, with each of
+    ``tool_schemas``) to answer ``TOOL_QUESTION`` with a ``calculator`` call and the tool's
+    result with the number. Greedy, it calls the tool on its own (``tool_choice`` auto) and
+    completes a forced call's prefill (``tool_choice`` required or named)."""
+    from common.models import load_tokenizer
+    from rollout.agents.calculator import calculate, call_text
+    from rollout.gateway.tools import TEMPLATES, chatml_tools_system
+
+    base = tmp_path_factory.mktemp("models") / "tiny-hermes"
+    shutil.copytree(tiny_model_dir, base)
+    tok = load_tokenizer(tiny_model_dir)
+    tok.chat_template = (TEMPLATES / "hermes_tools.jinja").read_text()
+    tok.save_pretrained(base)
+    systems = [chatml_tools_system(tok, [schema], None) for schema in tool_schemas()]
+    result = calculate(TOOL_EXPRESSION)
+
+    def demonstration(rng: random.Random):
+        messages = [
+            {"role": "system", "content": rng.choice(systems)},
+            {"role": "user", "content": TOOL_QUESTION},
+        ]
+        if rng.random() < 0.5:
+            return messages, call_text(TOOL_EXPRESSION)
+        arguments = json.dumps({"expression": TOOL_EXPRESSION})
+        call = {
+            "id": "c",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": arguments},
+        }
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": result},
+        ]
+        return messages, result
+
+    return warm_start(base, TOOL_WARM, demonstration, "tool-calculator", cache=base.parent)
+
+
+@pytest.fixture(scope="module")
+def tool_stack(broker: EmbeddedBroker, tool_model_dir: Path) -> Iterator[Stack]:
+    """A provisioned run with a gateway and an hf worker serving the tool model, per module."""
+    with gateway_stack(broker.url, tool_model_dir, "--max-model-len", "1024") as stack:
         yield stack
 
 

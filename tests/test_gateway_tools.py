@@ -32,6 +32,7 @@ from rollout.gateway.tools import (
     parse_tool_calls,
     plan_tools,
     renders_tools,
+    token_aligned,
     tool_support,
     wants_argument_objects,
 )
@@ -67,6 +68,11 @@ PROPERTY = settings(
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+
+
+def encoder(tok):
+    """The gateway's tokenize: no special tokens added."""
+    return lambda text: tok.encode(text, add_special_tokens=False)
 
 
 def named(name: str) -> dict:
@@ -220,9 +226,9 @@ def test_invalid_tool_schemas_are_refused(function, match):
     ("template", "choice", "start"),
     [
         (HERMES, "required", '<tool_call>\n{"name": "'),
-        (HERMES, named("calculator"), '<tool_call>\n{"name": "calculator", "arguments": {'),
+        (HERMES, named("calculator"), '<tool_call>\n{"name": "calculator", "arguments":'),
         (None, "required", '<tool_call>{"name": "'),  # the tiny model's own template
-        (None, named("noop"), '<tool_call>{"name": "noop", "arguments": {'),
+        (None, named("noop"), '<tool_call>{"name": "noop", "arguments":'),
     ],
 )
 def test_a_forced_call_starts_as_the_template_writes_calls(tok, template, choice, start):
@@ -231,7 +237,7 @@ def test_a_forced_call_starts_as_the_template_writes_calls(tok, template, choice
     render = lambda reply: render_chat(  # noqa: E731
         tok, [*QUESTION, reply], TOOLS, choice, generation_prompt=False, template=template
     )
-    assert forced_start(render, prompt, plan) == start
+    assert forced_start(render, prompt, plan, encoder(tok)) == start
 
 
 def test_a_template_that_quotes_arguments_is_prefilled_up_to_the_name(tok):
@@ -241,14 +247,47 @@ def test_a_template_that_quotes_arguments_is_prefilled_up_to_the_name(tok):
     render = lambda reply: render_chat(  # noqa: E731
         tok, [*QUESTION, reply], TOOLS, generation_prompt=False, template=quoting
     )
-    assert forced_start(render, prompt, plan) == '<tool_call>\n{"name": "noop'
+    assert forced_start(render, prompt, plan, encoder(tok)) == '<tool_call>\n{"name": "noop'
 
 
 def test_a_template_without_hermes_calls_gets_no_prefill(tok):
     plan = ToolPlan(tools=TOOLS, forced=True, parse=True)
     prompt = render_chat(tok, QUESTION, TOOLS, template=SMOLLM2_TEMPLATE)
-    assert forced_start(lambda reply: prompt + "calls: ...", prompt, plan) == ""
-    assert forced_start(lambda reply: "another conversation", prompt, plan) == ""
+    assert forced_start(lambda reply: prompt + "calls: ...", prompt, plan, encoder(tok)) == ""
+    assert forced_start(lambda reply: "another conversation", prompt, plan, encoder(tok)) == ""
+
+
+@pytest.mark.parametrize("choice", ["required", named("calculator")])
+def test_a_forced_start_is_tokenized_as_the_whole_call_begins(smollm2_tok, choice):
+    # The prefill is prompt ids: they must be the first ids of the call the model would write,
+    # or the model continues from a token boundary it never saw in a call (SmolLM2 writes
+    # ' {"' as one token: a prefill ending in ' {' broke the warm-started model's calls).
+    tok = smollm2_tok
+    plan = plan_tools(TOOLS, choice, True, HERMES_SUPPORT)
+    prompt = render_chat(tok, QUESTION, TOOLS, choice, template=HERMES)
+    render = lambda reply: render_chat(  # noqa: E731
+        tok, [*QUESTION, reply], TOOLS, choice, generation_prompt=False, template=HERMES
+    )
+    start = forced_start(render, prompt, plan, encoder(tok))
+    reply = {"role": "assistant", "content": None, "tool_calls": [call("calculator", '{"x": 1}')]}
+    whole = render(reply)[len(prompt) :]
+    assert start and whole.startswith(start)
+    start_ids, whole_ids = encoder(tok)(prompt + start), encoder(tok)(prompt + whole)
+    assert whole_ids[: len(start_ids)] == start_ids
+    # Without the alignment it would not be so: the text up to the arguments' brace.
+    if plan.named:
+        brace = encoder(tok)(prompt + whole[: whole.index("{", len(start)) + 1])
+        assert whole_ids[: len(brace)] != brace
+
+
+def test_token_aligned_cuts_back_to_a_token_end(tok):
+    tokenize = encoder(tok)
+    turn = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    for end in range(1, len(turn)):
+        aligned = token_aligned(turn[:end], turn, tokenize)
+        assert turn[:end].startswith(aligned)
+        assert tokenize(turn)[: len(tokenize(aligned))] == tokenize(aligned)
+    assert token_aligned(turn, turn, tokenize) == turn
 
 
 # -- reading calls --------------------------------------------------------------------------
@@ -373,9 +412,9 @@ def test_smollm2_takes_tools_through_the_hermes_template(smollm2_tok):
     assert tok.chat_template == SMOLLM2_TEMPLATE and not renders_tools(tok)
     session = Session(tok, tool_support(tok, "hermes", "hermes"))
     prompt1, ids1, calls, start = session.turn(
-        QUESTION, named("calculator"), '"expression": "3*7"}}\n</tool_call>'
+        QUESTION, named("calculator"), ' {"expression": "3*7"}}\n</tool_call>'
     )
-    assert start == '<tool_call>\n{"name": "calculator", "arguments": {'
+    assert start == '<tool_call>\n{"name": "calculator", "arguments":'
     assert tok.decode(prompt1.ids).endswith("<|im_start|>assistant\n" + start)
     assert [(c.function.name, c.function.arguments) for c in calls] == [
         ("calculator", '{"expression": "3*7"}')

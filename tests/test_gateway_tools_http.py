@@ -40,7 +40,7 @@ pytestmark = pytest.mark.newest_nats
 
 FORCED_START = {
     "required": '<tool_call>\n{"name": "',
-    "named": '<tool_call>\n{"name": "calculator", "arguments": {',
+    "named": '<tool_call>\n{"name": "calculator", "arguments":',
 }
 FOLLOW_UP = {"role": "user", "content": "Go on."}
 

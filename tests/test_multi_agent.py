@@ -8,14 +8,11 @@ a leaf is a call's path (prompt + output) that is no prefix of another call's pa
 prefix had it among its output tokens.
 """
 
-import asyncio
 import random
 from pathlib import Path
 
 import pytest
 
-from broker.messages import SampleReady
-from broker.subjects import Durable
 from rollout.agents.arithmetic import arithmetic_reward, arithmetic_tasks
 from rollout.agents.multi_agent import (
     CHECK_PROMPT,
@@ -26,11 +23,8 @@ from rollout.agents.multi_agent import (
 )
 from rollout.agents.verifiers import last_number
 from seamlessflow.config import load_config
-from seamlessflow.submit import submit_tasks
-from tests.support import SMALL_RUN, eventually, stream_messages
-from tests.test_agents import calls, ended, runner, unique
-from trajectory.config import TrajectoryConfig
-from trajectory.manager import TrajectoryManager
+from tests.test_agents import calls, unique
+from tests.tool_sessions import run_sessions
 
 AGENT = "rollout.agents.multi_agent:solver_checker"
 EXAMPLE = Path(__file__).parents[1] / "examples" / "multi_agent.toml"
@@ -67,23 +61,7 @@ async def test_each_roles_branch_becomes_its_own_sample(stack, js, tok):
         random.Random(5), 2, max_operand=9, group_size=2, max_turns=2, prefix=unique("ma")
     )
     by_task = {t.task_id: t for t in tasks}
-    stop = asyncio.Event()
-    manager = TrajectoryManager(js, names, SMALL_RUN.traj, TrajectoryConfig(concurrency=2))
-    managing = asyncio.create_task(manager.run(stop))
-    try:
-        async with runner(js, names, stack.url, agent=AGENT):
-            await submit_tasks(js, names, tasks, progress=False)
-            sessions = await ended(js, names, set(by_task), 4)
-
-        async def settled() -> bool:
-            info = await js.consumer_info(names.traj_stream, Durable.TRAJECTORY)
-            return info.num_pending == 0 and info.num_ack_pending == 0
-
-        await eventually(settled, timeout=60, watch=managing)
-    finally:
-        stop.set()
-        await asyncio.wait_for(managing, 30)
-    samples = await stream_messages(js, names.samples_stream, SampleReady)
+    sessions, samples = await run_sessions(js, stack, tasks, 4, agent=AGENT)
     two_turns = 0
     for s in sessions:
         task = by_task[s.task_id]

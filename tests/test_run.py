@@ -19,7 +19,7 @@ from broker.registry import Sighting
 from broker.subjects import RunNames
 from broker.weights import fetch_weights
 from rollout.engines import VLLMEngineConfig
-from seamlessflow.config import RunConfig, load_config
+from seamlessflow.config import RunConfig, load_config, override
 from seamlessflow.exceptions import ConfigError
 from seamlessflow.progress import RunStats
 from seamlessflow.report import node_parts
@@ -191,6 +191,17 @@ def test_progress_core_scores_a_session_once_and_tracks_staleness():
     assert stats.staleness() == 1.0  # (3 - 1) and (3 - 3): the oldest loss token counts
     assert stats.curve() == [(2, 1.0, 1), (3, 0.0, 1)]
     assert "version 3" in stats.line(4.0)
+    assert stats.tool_curve() == [] and "tool calls" not in stats.line(4.0)
+    # Sessions whose agent counted its tool calls (SessionEnded metrics, before the sample).
+    for session, calls in (("c", 1.0), ("d", 0.0), ("e", 2.0)):
+        stats.on_end(
+            SessionEnded(session_id=session, reward=1.0, metrics={"tool_calls": calls}), 4.0
+        )
+    stats.on_sample(sample("c", [3], 1.0), 5.0)
+    stats.on_sample(sample("d", [3], 0.0), 5.0)
+    stats.on_sample(sample("e", [4], 1.0), 5.0)
+    assert stats.tool_curve() == [(3, 0.5, 2), (4, 2.0, 1)]  # b (version 3) counted none
+    assert stats.tool_calls_mean() == 1.0 and "tool calls 1.00" in stats.line(6.0)
 
 
 def test_run_refuses_a_bad_config(tmp_path: Path):
@@ -221,6 +232,13 @@ def test_example_configs_load_and_the_quickstart_one_is_the_defaults():
     smollm2 = load_config(examples / "smollm2.toml")
     assert smollm2.model.name == "smollm2" and smollm2.worker.engine == VLLMEngineConfig()
     assert smollm2.worker.max_running == 64 and smollm2.trainer.backend == TorchBackendConfig()
+    tools, baseline = (
+        load_config(examples / "tools.toml"),
+        load_config(examples / "tools_baseline.toml"),
+    )
+    assert (tools.tasks.env, tools.tasks.tools, baseline.tasks.tools) == ("calculator", True, False)
+    # the baseline differs in the tool only (and its run name)
+    assert baseline == override(tools, {"run": baseline.run, "tasks": {"tools": False}})
 
 
 def test_a_kind_chosen_section_takes_only_its_own_options(tmp_path: Path):

@@ -27,8 +27,8 @@ from agents.items import ToolCallOutputItem
 from openai import AsyncOpenAI
 
 from broker.subjects import SESSION_HEADER
-from examples.frameworks.calculator import DESCRIPTION, calculate
 from rollout.agents.agents import AgentContext, AgentResult
+from rollout.agents.calculator import DESCRIPTION, calculate
 
 set_tracing_disabled(True)
 MAX_TURNS = 4

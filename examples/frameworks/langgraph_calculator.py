@@ -18,8 +18,8 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
 from broker.subjects import SESSION_HEADER
-from examples.frameworks.calculator import DESCRIPTION, calculate
 from rollout.agents.agents import AgentContext, AgentResult
+from rollout.agents.calculator import DESCRIPTION, calculate
 
 with warnings.catch_warnings():  # moved to langchain.agents.create_agent in LangGraph 1.0
     warnings.simplefilter("ignore")

@@ -4,6 +4,7 @@
 Python coroutine functions and external commands), ``rewards`` (how an attempt is scored: a
 task's reward function, the agent's own reward, the verifier; unusable rewards), ``verifiers``
 (answer checks by name), ``sessions`` (session and group ids), ``arithmetic`` (the quickstart
-environment and its tasks), ``reasoninggym`` (reasoning-gym generators as tasks), ``config``
+environment and its tasks), ``calculator`` (a tool environment: products with a calculator
+function), ``reasoninggym`` (reasoning-gym generators as tasks), ``config``
 (``AgentsConfig``).
 """

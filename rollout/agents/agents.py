@@ -7,7 +7,8 @@ returns its final answer, which the runner then verifies. Two kinds:
 - a Python coroutine function, named in config as ``module:function`` (``load_agent``), or one
   of the built-in agents of an env (``chat_agent`` here, ``rollout.agents.arithmetic``);
 - an external command in any language (``CommandAgent``), run once per attempt: env
-  ``SF_GATEWAY_URL`` (base URL with ``/v1``), ``SF_SESSION_ID``, ``SF_MODEL``; the task as JSON
+  ``SF_GATEWAY_URL`` (base URL with ``/v1``), ``SF_SESSION_ID``, ``SF_MODEL``, and the runner's
+  sampling settings ``SF_TEMPERATURE`` and ``SF_MAX_TOKENS``; the task as JSON
   on stdin; the last line of stdout is the answer, except lines ``SF_REWARD=<number>``: the last
   of those is the attempt's own reward (``AgentResult.reward``). Exit 0: done; exit 75
   (``EX_TEMPFAIL``): the gateway failed, retry the task later; any other code: the attempt
@@ -126,6 +127,8 @@ class CommandAgent:
             "SF_GATEWAY_URL": ctx.gateway_url,
             "SF_SESSION_ID": ctx.session_id,
             "SF_MODEL": ctx.model,
+            "SF_TEMPERATURE": repr(ctx.temperature),
+            "SF_MAX_TOKENS": str(ctx.max_tokens),
         }
         try:
             proc = await asyncio.create_subprocess_exec(

@@ -65,6 +65,8 @@ from rollout.agents.agents import (
 )
 from rollout.agents.arithmetic import ENV as ARITHMETIC
 from rollout.agents.arithmetic import arithmetic_agent, arithmetic_reward
+from rollout.agents.calculator import ENV as CALCULATOR
+from rollout.agents.calculator import calculator_agent
 from rollout.agents.config import AgentsConfig
 from rollout.agents.exceptions import (
     GatewayUnavailableError,
@@ -148,6 +150,7 @@ ENVIRONMENTS: dict[str, Environment] = {
     "chat": Environment(chat_agent, binary_reward),
     ARITHMETIC: Environment(arithmetic_agent, arithmetic_reward),
     guess.ENV: Environment(guess.guess_agent, guess.guess_reward),
+    CALCULATOR: Environment(calculator_agent, binary_reward),
 }
 """Built-in envs. A configured agent (``agent`` or ``command``) runs any env; an env not listed
 here is then scored with ``binary_reward``."""

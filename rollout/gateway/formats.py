@@ -156,6 +156,7 @@ class ChatFormat(Format):
                     lambda reply: self._render([*self.messages, reply], generation_prompt=False),
                     text,
                     self.plan,
+                    lambda piece: self.tokenizer.encode(piece, add_special_tokens=False),
                 )
             except InvalidRequestError:  # the template cannot render a call: nothing to prefill
                 self.call_start = ""

@@ -11,8 +11,10 @@
   keep their common prefix when the choice changes between turns) and parses nothing;
   ``required`` and a named function append the start of a call, as the template writes it, to
   the prompt (``forced_start``): ``<tool_call>`` up to the name (required) or up to the
-  arguments' opening brace (named, or required with one tool). Those ids are prompt ids
-  (recorded as prompt, never as generated output); the model writes the rest. The client gets
+  arguments (named, or required with one tool), cut back to where a token of the whole call
+  ends (a prefill ending in ``{`` where the call's own tokens have ``{"`` would leave the model
+  at a token boundary it never wrote a call from, and it breaks the call). Those ids are prompt
+  ids (recorded as prompt, never as generated output); the model writes the rest. The client gets
   the prefilled text as part of the call, or of the content when what the model wrote does
   not parse.
 - Calls are kept only to functions the request declares (the named one, when named); when none
@@ -221,12 +223,31 @@ def plan_tools(
     )
 
 
-def forced_start(render_reply: Callable[[dict[str, Any]], str], prompt: str, plan: ToolPlan) -> str:
+def forced_start(
+    render_reply: Callable[[dict[str, Any]], str],
+    prompt: str,
+    plan: ToolPlan,
+    tokenize: Callable[[str], list[int]],
+) -> str:
     """The text a forced call starts with, exactly as the template writes a call after
-    ``prompt``: up to the arguments' opening brace (a named function whose arguments the
-    template writes as given) or up to the name. ``render_reply(message)`` renders the
-    conversation with the assistant ``message`` appended. Empty when the template's form of a
-    call is not Hermes' (then nothing is prefilled: the choice is asked of the model only)."""
+    ``prompt``: up to the arguments (a named function whose arguments the template writes as
+    given) or up to the name, ending where a token of the whole call ends (``token_aligned``).
+    ``render_reply(message)`` renders the conversation with the assistant ``message`` appended;
+    ``tokenize`` is the gateway's (no special tokens added). Empty when the template's form of
+    a call is not Hermes' (then nothing is prefilled: the choice is asked of the model only)."""
+    start = _forced_text(render_reply, prompt, plan)
+    if not start:
+        return ""
+    # The whole call as the model would write it (a declared name; arguments with a key).
+    turn = _after(render_reply(_call_reply(plan.named or plan.names[0], '{"x": 1}')), prompt)
+    aligned = token_aligned(start, turn, tokenize)
+    if plan.named is not None and plan.named not in aligned:
+        aligned = ""  # the name itself would be cut: prefill nothing rather than half of it
+    return _checked(aligned, plan.named)
+
+
+def _forced_text(render_reply: Callable[[dict[str, Any]], str], prompt: str, plan: ToolPlan) -> str:
+    """``forced_start``'s text before token alignment."""
     name = plan.named or _PROBE
     if plan.named is not None:
         turn = _after(render_reply(_call_reply(name, _PROBE_ARGUMENTS)), prompt)
@@ -238,6 +259,18 @@ def forced_start(render_reply: Callable[[dict[str, Any]], str], prompt: str, pla
     if at < 0:
         return ""
     return _checked(turn[: at + len(name)] if plan.named else turn[:at], plan.named)
+
+
+def token_aligned(start: str, turn: str, tokenize: Callable[[str], list[int]]) -> str:
+    """The longest prefix of ``start`` (which ``turn`` starts with) whose tokens are the first
+    tokens of ``turn``'s: the model continues such a prefill as it would have written the
+    turn itself. Empty when no prefix is."""
+    ids = tokenize(turn)
+    for end in range(len(start), 0, -1):
+        head = tokenize(start[:end])
+        if ids[: len(head)] == head:
+            return start[:end]
+    return ""
 
 
 def _call_reply(name: str, arguments: str) -> dict[str, Any]:
@@ -362,3 +395,15 @@ class ToolCallStream:
             calls = calls[:1]
         TOOL_CALLS.inc(len(calls))
         return content, calls
+
+
+def chatml_tools_system(tokenizer: Any, tools: list[dict[str, Any]], template: str | None) -> str:
+    """The system message text a ChatML template (``template``, else the model's) renders for
+    ``tools`` when the conversation has no system message of its own: what a warm start writes as
+    a plain system message so that its prompts are the gateway's. ``ModelError`` for a template
+    that is not ChatML."""
+    head = "<|im_start|>system\n"
+    text = render_chat(tokenizer, [{"role": "user", "content": "-"}], tools, template=template)
+    if not text.startswith(head) or "<|im_end|>" not in text:
+        raise ModelError("the chat template is not ChatML: no tools system message to write")
+    return text[len(head) : text.index("<|im_end|>")]
