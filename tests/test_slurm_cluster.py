@@ -25,9 +25,9 @@ trainer's weights through the object store (none is beside the trainer), and tha
 ``scancel --batch --signal=TERM`` has the job write its run report (``summary.json``: the
 reward rose from the first 10 policy versions to the last 10 by ``RISE``; which node ran what;
 which scheduler held the lease) and stop the parts, then NATS: the job completes, no process is
-left on any node, each part's log ends with its stop and no part saw NATS go. Submitted again,
-the run resumes from the trainer's checkpoint, and a plain ``scancel`` (every step at once)
-stops it too, leaving nothing on the nodes.
+left on any node, each part's log ends with its stop and no part saw NATS go. (Resuming from
+the trainer's checkpoint and a plain ``scancel`` on the real Slurm were tested here before the
+heterogeneous job with its faults replaced that run; they are not repeated, to keep CI's time.)
 """
 
 import asyncio
@@ -171,15 +171,6 @@ async def test_a_heterogeneous_job_learns_across_nodes_and_rides_out_their_fault
         except BaseException:
             print(_logs(tmp_path / "slurm-logs", job))
             raise
-        # Submitted again, the run resumes from the trainer's checkpoint; a plain scancel (every
-        # step at once, NATS too) still stops every part and leaves nothing on the nodes.
-        job = _submit(slurm, config, tmp_path)
-        try:
-            await _resumed(cluster, slurm, job, len(read_steps(checkpoints)))
-            _plain_cancel(slurm, job, tmp_path / "slurm-logs" / job)
-        except BaseException:
-            print(_logs(tmp_path / "slurm-logs", job))
-            raise
 
 
 def _submit(slurm: SlurmCluster, config: Path, tmp_path: Path) -> str:
@@ -198,23 +189,6 @@ def _submit(slurm: SlurmCluster, config: Path, tmp_path: Path) -> str:
     return re.search(r"submitted job (\d+)", done.stdout)[1]
 
 
-async def _resumed(cluster: Cluster, slurm: SlurmCluster, job: str, version: int) -> None:
-    slurm.wait(lambda: slurm.job_state(job) == "RUNNING", 30, f"job {job} running")
-    names = RunNames(RUN)
-    async with session(_url(cluster), "pytest-slurm", give_up_after=120) as nc:
-        js = nc.jetstream()
-
-        async def up() -> bool:
-            try:
-                entries = [await registered(js, names, w) for w in _workers(cluster)]
-                trainer = await registered(js, names, "trainer")
-            except Exception:  # not provisioned yet
-                return False
-            return all(entries) and trainer is not None and trainer.version == version
-
-        await eventually(up, timeout=120)
-
-
 def _url(cluster: Cluster) -> str:
     """NATS through node 0's server (the one node never cut off)."""
     return f"nats://{cluster[0].address}:4222"
@@ -222,23 +196,6 @@ def _url(cluster: Cluster) -> str:
 
 def _workers(cluster: Cluster) -> list[str]:
     return [f"rollout-{cluster[i].hostname}-0" for i in ROLLOUT]
-
-
-def _plain_cancel(slurm: SlurmCluster, job: str, job_dir: Path) -> None:
-    """Plain ``scancel``: SIGTERM to every step at once, SIGKILL after ``KillWait``. The parts
-    stop (one still waiting on NATS, which stopped beside it, is killed); nothing is left."""
-    slurm.command("scancel", job)
-    slurm.wait(lambda: slurm.job_state(job) not in ("RUNNING", "COMPLETING"), 90, "job end")
-    assert slurm.job_state(job) == "CANCELLED"
-    slurm.wait(lambda: not slurm.job_processes(), 30, "nodes empty of the job's processes")
-    clean = {
-        log.name: bool(re.search(line, log.read_text()))
-        for part, line in STOPPED.items()
-        for log in sorted(job_dir.glob(f"{part}*.log"))
-    }
-    # every part had its log: a worker on each rollout node, a standby scheduler
-    assert len(clean) == len(STOPPED) + len(ROLLOUT) - 1 + 1, clean
-    print(f"plain scancel: stopped cleanly {clean}")
 
 
 class Feed:

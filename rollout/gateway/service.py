@@ -291,7 +291,10 @@ class OpenAIService:
                 started.cancel()
                 raise
             except Exception as exc:
-                started.set_exception(exc)
+                if not started.done():  # (cancelled when the client left: nobody waits)
+                    started.set_exception(exc)
+                return
+            if started.done():  # the client left while the call was being taken: end it
                 return
             started.set_result(None)
             try:
@@ -437,6 +440,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
+            # (a cancelled gather ends later, with CancelledError as its exception: taken here,
+            # not logged as "never retrieved")
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
     if not task.done() or task.cancelled():
         raise ClientDisconnectedError("the client disconnected before the response was ready")
     return task.result()
