@@ -480,6 +480,7 @@ async def test_stop_lets_attempts_finish_within_the_grace_then_hands_tasks_back(
     assert re.fullmatch(rf"{slow.task_id}-0-d[2-9]", s.session_id) and s.reward == 1.0
 
 
+@pytest.mark.newest_nats
 async def test_a_task_delivered_again_runs_one_group(stack, js):
     """A task admitted again (as an outage can make happen: its in-progress signals or its ack
     lost) while it runs, and once more after it is done: one group runs, each copy is acked."""
