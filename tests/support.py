@@ -18,7 +18,7 @@ from typing import TypeVar
 import openai
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 
 from broker import codec
 from broker.client import session
@@ -108,6 +108,20 @@ async def eventually(
                 return
             assert watch is None or not watch.done(), watch.exception()
             await asyncio.sleep(0.05)
+
+
+async def consumer_settled(js: JetStreamContext, stream: str, durable: str) -> bool:
+    """``durable`` has acked every message stored on its subject so far. Not ``num_pending ==
+    0`` alone: a consumer learns of a new message asynchronously, so just after a publish its
+    ``num_pending`` can still read 0; the stream's last message on the subject is the truth."""
+    info = await js.consumer_info(stream, durable)
+    if info.num_ack_pending:
+        return False
+    try:
+        last = await js.get_msg(stream, subject=info.config.filter_subject)
+    except NotFoundError:  # none stored, or a work queue that removed every acked one
+        return True
+    return info.ack_floor.stream_seq >= last.seq
 
 
 async def registered(js, names: RunNames, worker_id: str) -> WorkerRegistered | None:

@@ -19,7 +19,14 @@ from broker.provision import provision_run
 from broker.retry import Backoff
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
-from tests.support import SMALL_RUN, broker_config, eventually, free_port, stream_messages
+from tests.support import (
+    SMALL_RUN,
+    broker_config,
+    consumer_settled,
+    eventually,
+    free_port,
+    stream_messages,
+)
 
 
 def _count(source: str, outcome: str) -> float:
@@ -194,8 +201,7 @@ async def test_a_long_handler_keeps_its_message_in_progress_past_ack_wait(js, ru
 
 
 async def _settled(js, names: RunNames) -> bool:
-    info = await js.consumer_info(names.tasks_stream, Durable.SCHEDULER)
-    return info.num_ack_pending == 0 and info.num_pending == 0 and info.delivered.stream_seq > 0
+    return await consumer_settled(js, names.tasks_stream, Durable.SCHEDULER)
 
 
 async def test_a_handed_back_message_is_redelivered_at_once_and_not_a_failure(js, names):

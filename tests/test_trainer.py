@@ -21,7 +21,14 @@ from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights, host_id, latest_weights
 from common.staleness import StalenessMode
 from seamlessflow.processes import ServiceProcess, worker_process
-from tests.support import SMALL_RUN, eventually, metric, registered, stream_messages
+from tests.support import (
+    SMALL_RUN,
+    consumer_settled,
+    eventually,
+    metric,
+    registered,
+    stream_messages,
+)
 from tests.test_losses import sample
 from trainer import checkpoint
 from trainer.batcher import plan_step
@@ -103,8 +110,7 @@ async def _stored(js, names: RunNames) -> bool:
 
 
 async def _consumer_settled(js, names: RunNames) -> bool:
-    info = await js.consumer_info(names.samples_stream, Durable.TRAINER)
-    return info.num_pending == 0 and info.num_ack_pending == 0
+    return await consumer_settled(js, names.samples_stream, Durable.TRAINER)
 
 
 @pytest.mark.newest_nats

@@ -22,7 +22,7 @@ from common.rewards import RewardsConfig
 from seamlessflow.config import load_config
 from seamlessflow.exceptions import ConfigError
 from seamlessflow.processes import ServiceProcess
-from tests.support import SMALL_RUN, eventually, metric, stream_messages
+from tests.support import SMALL_RUN, consumer_settled, eventually, metric, stream_messages
 from trajectory.config import TrajectoryConfig
 from trajectory.manager import REGISTRY, TrajectoryManager
 
@@ -81,8 +81,7 @@ async def manager(js, names: RunNames):
 
 async def settled(js, names: RunNames) -> bool:
     """Every SessionEnded has been acked by the trajectory durable."""
-    info = await js.consumer_info(names.traj_stream, Durable.TRAJECTORY)
-    return info.num_pending == 0 and info.num_ack_pending == 0
+    return await consumer_settled(js, names.traj_stream, Durable.TRAJECTORY)
 
 
 async def test_sessions_become_samples_and_a_redelivered_end_adds_none(

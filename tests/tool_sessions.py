@@ -12,7 +12,7 @@ from rollout.agents.calculator import calculate
 from rollout.gateway.tools import parse_tool_calls
 from seamlessflow.submit import submit_tasks
 from tests.conftest import TOOL_EXPRESSION, TOOL_QUESTION
-from tests.support import SMALL_RUN, eventually, stream_messages
+from tests.support import SMALL_RUN, consumer_settled, eventually, stream_messages
 from tests.test_agents import calls, ended, runner
 from trajectory.config import TrajectoryConfig
 from trajectory.manager import TrajectoryManager
@@ -33,11 +33,11 @@ async def run_sessions(
             await submit_tasks(js, names, tasks, progress=False)
             sessions = await ended(js, names, {t.task_id for t in tasks}, count)
 
-        async def settled() -> bool:
-            info = await js.consumer_info(names.traj_stream, Durable.TRAJECTORY)
-            return info.num_pending == 0 and info.num_ack_pending == 0
-
-        await eventually(settled, timeout=60, watch=managing)
+        await eventually(
+            lambda: consumer_settled(js, names.traj_stream, Durable.TRAJECTORY),
+            timeout=60,
+            watch=managing,
+        )
     finally:
         stop.set()
         await asyncio.wait_for(managing, 30)
