@@ -33,6 +33,7 @@ from broker import codec
 from broker.client import session
 from broker.exceptions import WeightsIntegrityError
 from broker.messages import WeightsPublished
+from broker.retry import TRANSIENT
 from broker.subjects import RunNames
 
 OBJSTORE = "objstore"
@@ -211,6 +212,8 @@ async def fetch_weights(js: JetStreamContext, event: WeightsPublished) -> bytes:
                 f"weights v{event.version}: unsupported location {event.location!r} "
                 f"(use {OBJSTORE}:// or file://)"
             )
+    except TRANSIENT:
+        raise  # the broker cannot serve now (an outage, an R3 stream electing): retry it
     except (NatsError, NotFoundError, OSError) as exc:
         raise WeightsIntegrityError(
             f"weights v{event.version}: cannot read {event.location}: {exc!r}"

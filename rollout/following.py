@@ -2,11 +2,12 @@
 
 Each ``WeightsPublished`` event pauses the engine at a token boundary, loads the new version and
 resumes: in-flight requests continue on the new weights, and their chunks say so. A version is
-tried once (one that fails is counted and the engine keeps the version it has); one superseded
-while queued is skipped; another host's in-memory copy waits for the object store's
-announcement. With ``weight_waves`` > 1 the rollout workers load in waves, so not all capacity
-pauses at once. A load past ``weight_load_timeout_s`` quarantines the worker (routing stops, its
-generations continue elsewhere) until it holds the newest version.
+loaded once (one whose blob or load fails is counted and the engine keeps the version it has;
+a broker that cannot answer is waited for); one superseded while queued is skipped; another
+host's in-memory copy waits for the object store's announcement. With ``weight_waves`` > 1 the
+rollout workers load in waves, so not all capacity pauses at once. A load past
+``weight_load_timeout_s`` quarantines the worker (routing stops, its generations continue
+elsewhere) until it holds the newest version.
 """
 
 import asyncio
@@ -116,11 +117,14 @@ class WeightFollower:
         await self._load_or_count(event)
 
     async def _load_or_count(self, event: WeightsPublished) -> None:
-        """Load ``event``'s version; a version that cannot be fetched or loaded is logged and
-        counted, and the engine keeps serving the version it has."""
+        """Load ``event``'s version. While the broker cannot answer (a cut link, an R3 stream
+        electing) the load waits for it, until it loads or a newer version supersedes it; a
+        version that cannot be fetched or loaded for any other reason is logged and counted,
+        and the engine keeps serving the version it has."""
         try:
-            await self._load(event)
+            await retry(lambda: self._load(event), what="weights_load")
         except (BrokerError, EngineError, NatsError) as exc:
+            self._tried_version = max(self._tried_version, event.version)  # not tried again
             WEIGHT_ERRORS.inc()
             log.error(kv("weights_load_failed", version=event.version, error=exc))
 
@@ -147,11 +151,11 @@ class WeightFollower:
             # another host's in-memory copy: this version's object-store announcement follows
             log.debug(kv("weights_not_local", version=event.version, host=event.host))
             return
-        self._tried_version = event.version
         started = time.monotonic()
         await self._wait_for_wave(event.version)
         async with self._weights_folder(event, local) as folder:
             fetched = time.monotonic()
+            self._tried_version = event.version
             try:
                 async with self._lock:
                     INTERRUPTIONS.labels("weight_update").inc(self._worker.in_flight())

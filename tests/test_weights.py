@@ -1,8 +1,12 @@
 """Weight versions on a real broker: blobs in the object store or a shared folder, checked."""
 
+import os
+import signal
+
 import pytest
 
 from broker.exceptions import WeightsIntegrityError
+from broker.retry import TRANSIENT, retry
 from broker.weights import (
     fetch_weights,
     fetch_weights_apart,
@@ -72,6 +76,20 @@ async def test_fetch_apart_uses_its_own_connection_and_loop(broker, js, names):
     missing = event.model_copy(update={"location": f"objstore://{names.weights_store}/v7.x"})
     with pytest.raises(WeightsIntegrityError, match=r"weights v1: cannot read objstore://"):
         await fetch_weights_apart(broker.url, missing)
+
+
+async def test_a_broker_that_cannot_answer_is_waited_for_not_blamed_on_the_blob(broker, nc, names):
+    """A frozen broker (SIGSTOP) times the read out: a transient error that the worker's retry
+    waits out, not a ``WeightsIntegrityError`` that gives the version up."""
+    js = nc.jetstream(timeout=0.5)
+    event = await publish_weights(js, names, 1, b"frozen" * 1000)
+    os.kill(broker.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TRANSIENT):
+            await fetch_weights(js, event)
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+    assert await retry(lambda: fetch_weights(js, event), what="test") == b"frozen" * 1000
 
 
 def test_the_newest_local_copy_is_read_off_the_version_folders(names, tmp_path):
