@@ -10,7 +10,7 @@ NODE_DIRS := tests/clients/node examples/typescript
 NODE_MODULES := $(NODE_DIRS:%=%/node_modules/.package-lock.json)
 comma := ,
 
-.PHONY: setup run test test-faults test-cluster test-cluster-long lint format clean
+.PHONY: setup run test test-faults test-cluster lint format clean
 
 setup: $(STAMP)
 
@@ -55,13 +55,7 @@ test-faults: setup
 # Several hosts as network namespaces on this machine (tests/nodes.py; root, iproute2, util-linux).
 test-cluster: setup
 	$(BIN)/python -m tests.nodes --cleanup
-	$(BIN)/pytest -m 'cluster and not cluster_long'
-
-# The heterogeneous Slurm run with 30 s link cuts and a joining node (tests/test_slurm_cluster.py):
-# not yet reliable (issue 19: a version repeated, a stalled call), so CI does not run it.
-test-cluster-long: setup
-	$(BIN)/python -m tests.nodes --cleanup
-	$(BIN)/pytest -m cluster_long
+	$(BIN)/pytest -m cluster
 
 clean:
 	rm -rf $(VENV) $(NODE_DIRS:%=%/node_modules) .pytest_cache .ruff_cache .hypothesis

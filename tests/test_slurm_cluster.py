@@ -65,7 +65,6 @@ from trainer.checkpoint import read_steps
 
 pytestmark = [
     pytest.mark.cluster,
-    pytest.mark.cluster_long,  # not in CI yet: see the Makefile's test-cluster-long
     pytest.mark.skipif(available() is not None, reason=str(available())),
 ]
 
