@@ -35,7 +35,7 @@ from broker.server import find_nats_server, server_version
 from broker.subjects import Durable, RunNames
 from common.metrics import metric_sum, scrape
 from rollout.gateway import Gateway, GatewayConfig
-from seamlessflow.processes import worker_process
+from seamlessflow.processes import ServiceProcess, worker_process
 from tagsched.admission import Admission
 
 
@@ -220,6 +220,7 @@ class Stack:
 
     names: RunNames
     url: str
+    worker: ServiceProcess
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0)
@@ -244,7 +245,7 @@ def gateway_stack(nats_url: str, model_dir: Path, *worker_args: str) -> Iterator
     ).wait_ready()
     try:
         with GatewayThread(gateway_config(model_dir, names.run), nats_url) as gateway:
-            yield Stack(names, gateway.url)
+            yield Stack(names, gateway.url, worker)
     finally:
         worker.stop()
 

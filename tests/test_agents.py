@@ -10,6 +10,7 @@ import logging
 import random
 import re
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -438,6 +439,31 @@ async def test_a_gateway_outage_holds_the_tasks_and_runs_every_one_when_it_retur
     assert float(re.search(r"after_s=([\d.]+)", resumed).group(1)) >= 55
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert not [r for r in caplog.records if r.getMessage().startswith("task_retried")]
+
+
+@pytest.mark.newest_nats
+async def test_a_call_unanswered_within_its_timeout_holds_the_task_never_scores_it(stack, js):
+    """The rollout worker freezes (SIGSTOP): the calls wait in the gen queue and the agent's
+    call gets no answer within ``request_timeout_s``. That is the rollout not serving now, not
+    the agent failing: the task is held (nothing scored 0.0), and runs once the worker thaws."""
+    names = stack.names
+    task = chat_task(unique("frozen"), group_size=2)
+    failed0 = sample("sf_agents_attempts_total", outcome="failed")
+    stack.worker.proc.send_signal(signal.SIGSTOP)
+    try:
+        async with runner(js, names, stack.url, request_timeout_s=3, max_tokens=4) as (_, running):
+            await submit_tasks(js, names, [task], progress=False)
+            paused = lambda: sample("sf_ingress_paused", source="tasks") == 1  # noqa: E731
+            await eventually(paused, watch=running, timeout=30)
+            stored = await stream_messages(js, names.traj_stream, SessionEnded, names.traj_end)
+            assert not [m for m in stored if m.task_id == task.task_id]
+            stack.worker.proc.send_signal(signal.SIGCONT)
+            sessions = await ended(js, names, {task.task_id}, 2)
+    finally:
+        stack.worker.proc.send_signal(signal.SIGCONT)
+    assert all("failed" not in s.metrics for s in sessions)
+    assert all(re.search(r"-r\d+$", s.session_id) for s in sessions)  # run again, new sessions
+    assert sample("sf_agents_attempts_total", outcome="failed") == failed0
 
 
 @pytest.mark.newest_nats

@@ -44,7 +44,10 @@ class AgentsConfig(BaseModel):
         default=300.0, gt=0, description="an attempt still running then fails (command killed)"
     )
     request_timeout_s: float = Field(
-        default=120.0, gt=0, description="HTTP timeout of one gateway call"
+        default=120.0,
+        gt=0,
+        description="HTTP timeout of one gateway call; a call unanswered by then is the gateway "
+        "not serving (as a 503): the task is held and run again, not scored",
     )
     temperature: float = Field(default=1.0, ge=0, le=2, description="sampling temperature")
     max_tokens: int = Field(

@@ -15,8 +15,9 @@ once:
    verifier on the final answer). An agent that raises, exits non-zero or times out ends its
    attempt with reward 0.0 and ``{"failed": 1}``; an unusable reward (not finite, outside
    ``rewards.range``, a reward function that raised) ends it with reward 0.0 and
-   ``{"unscored": 1}``; a gateway failure in any attempt cancels the others and the whole
-   task is run again as in 2, in new sessions (nothing is published for it);
+   ``{"unscored": 1}``; a gateway failure in any attempt (502-504, or no answer to a call
+   within ``request_timeout_s``: the rollout behind it cannot serve now) cancels the others
+   and the whole task is run again as in 2, in new sessions (nothing is published for it);
 4. publish one ``SessionEnded`` per attempt (``Nats-Msg-Id`` = session id); the ingress acks the
    task once all are stored. A task delivered again to the same runner (an outage lost its
    in-progress signals or its ack, or it was admitted again) runs one group: the copy waits for
@@ -422,14 +423,12 @@ class AgentRunner:
         except GatewayUnavailableError:
             ATTEMPTS.labels("unavailable").inc()
             raise
-        except openai.APITimeoutError as exc:
-            reason = f"a gateway call timed out: {exc}"
         except (openai.APIConnectionError, openai.APIStatusError) as exc:
             status = getattr(exc, "status_code", None)
             if status is not None and status not in GATEWAY_DOWN_STATUS:
                 # e.g. 500, a worker failed generating: this attempt failed, the gateway serves
                 reason = f"the gateway answered {status}: {exc}"
-            else:
+            else:  # 502-504, or no answer (refused, cut off, none within request_timeout_s)
                 ATTEMPTS.labels("unavailable").inc()
                 raise GatewayUnavailableError(
                     f"session {sid}: gateway failed: {type(exc).__name__}: {exc}"
