@@ -626,6 +626,35 @@ async def test_injected_faults_are_continued_token_exact(
     assert (await js.stream_info(names.gen_stream)).state.messages == 0
 
 
+async def test_a_request_taken_whose_chunks_never_arrive_is_continued(
+    broker, nc, js, names, tiny_model_dir, tok
+):
+    """A worker cut off from the gateway runs an attempt to its end and acks it, and its chunks
+    (core NATS) are lost on the cut link: nothing would redeliver it. Injected by the wire (a
+    real one needs a cut network: tests/test_slurm_cluster.py): it takes and acks the request
+    and sends nothing. The gateway finds the request gone from the queue and continues."""
+    cfg = config(tiny_model_dir, names.run, stall_timeout_s=0.5)
+    (a,) = encode(tok, "a")
+    async with (
+        Gateway(cfg, broker.url) as gw,
+        InjectedWorkerWire(nc, js, names) as wire,
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
+    ):
+        lost = await metric(metrics_url(gw.url), "sf_gateway_continuations_total", reason="lost")
+        reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
+        first = await wire.take()  # acked; no chunk ever sent
+        second = await wire.take()
+        assert (second.attempt, second.prompt_ids) == (1, first.prompt_ids)
+        await wire.send(second, 0, [a, tok.eos_token_id], finish_reason="stop")
+        response = await reply
+        assert await metric(
+            metrics_url(gw.url), "sf_gateway_continuations_total", reason="lost"
+        ) == (lost + 1)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "a"
+    assert (0, "continued: lost") in {(x.attempt, x.reason) for x in wire.cancels}
+
+
 async def test_too_many_interruptions_is_503(broker, nc, js, names, tiny_model_dir):
     cfg = config(tiny_model_dir, names.run, max_attempts=1)
     async with (

@@ -3,7 +3,8 @@
 A ``Call`` is one OpenAI choice. It subscribes to its ``gen.out`` subject, publishes
 ``GenerationRequested`` to the gen work queue, and yields the tokens that rollout workers stream
 back. When an attempt is interrupted (the worker aborted it, went silent for
-``stall_timeout_s`` after starting, or a chunk went missing) the call cancels that attempt,
+``stall_timeout_s`` after starting, a chunk went missing, or its request left the queue with no
+chunk ever arriving) the call cancels that attempt,
 deletes its request from the queue and publishes the next attempt with the tokens so far
 appended to the prompt, so the caller sees one unbroken stream. When the call ends it publishes
 a token-exact ``CallRecorded`` to the trajectory stream.
@@ -73,11 +74,12 @@ for _type in (  # the documented types, exported from the start at 0
     ERRORS.labels(_type)
 CONTINUATIONS = Counter(
     "sf_gateway_continuations",
-    "Attempts continued on another worker, by reason: abort, stall, gap",
+    "Attempts continued on another worker, by reason: abort, stall, gap, lost (the request was "
+    "taken and acked but no chunk of it arrived: a worker cut off from this gateway)",
     ["reason"],
     registry=REGISTRY,
 )
-for _reason in ("abort", "stall", "gap"):  # exported from the start, at 0
+for _reason in ("abort", "stall", "gap", "lost"):  # exported from the start, at 0
     CONTINUATIONS.labels(_reason)
 CALL_SECONDS = Histogram(
     "sf_gateway_call_seconds",
@@ -91,6 +93,8 @@ RECORD_ATTEMPTS = 3
 """Publishes of a CallRecorded (0.5 s, then 1 s apart) before the call fails."""
 
 _POLL_S = 0.25
+_GONE_LOOKS = 2
+"""Looks ``stall_timeout_s`` apart that must find a request gone before its attempt is lost."""
 """How often a waiting call looks at the connection."""
 
 
@@ -130,6 +134,10 @@ class _Attempt:
     next_seq: int = 0
     last_chunk_at: float | None = None
     """None until the attempt's first chunk arrived."""
+    checked_at: float = 0.0
+    """When the request was last looked for on the gen queue (until the first chunk)."""
+    gone: int = 0
+    """Looks in a row that found the request gone from the queue with no chunk received."""
 
 
 class Call:
@@ -226,7 +234,7 @@ class Call:
         assert attempt is not None
         msg = await self._next_message(attempt)
         if msg is None:
-            await self._continue("stall")
+            await self._continue("lost" if attempt.gone >= _GONE_LOOKS else "stall")
             return None
         try:
             content_type = codec.content_type_of(msg.headers)
@@ -265,12 +273,14 @@ class Call:
         return Tokens(list(chunk.token_ids), list(chunk.logprobs))
 
     async def _next_message(self, attempt: _Attempt) -> Msg | None:
-        """The next message on ``gen.out``; None when the attempt stalled. Raises when no
-        worker started the attempt in time or the connection stays down."""
+        """The next message on ``gen.out``; None when the attempt stalled or was lost. Raises
+        when no worker started the attempt in time or the connection stays down."""
         down_since: float | None = None
         while True:
             now = time.monotonic()
             if attempt.last_chunk_at is None:
+                if await self._lost(attempt, now):
+                    return None
                 deadline = attempt.started_at + self.limits.queue_timeout_s
             else:
                 deadline = attempt.last_chunk_at + self.limits.stall_timeout_s
@@ -294,6 +304,26 @@ class Call:
                 raise GenerationUnavailableError(
                     f"lost the connection to NATS for over {self.limits.nats_timeout_s:g}s"
                 )
+
+    async def _lost(self, attempt: _Attempt, now: float) -> bool:
+        """Whether the attempt's request left the gen queue with no chunk of it arriving: a
+        worker took it, finished and acked it while cut off from this gateway, and its chunks
+        (core NATS) were lost; nothing would redeliver it. Looked for every ``stall_timeout_s``
+        until the first chunk, and lost only when found gone ``_GONE_LOOKS`` times in a row, so
+        that the chunks of a request acked just now have time to arrive."""
+        since = now - max(attempt.started_at, attempt.checked_at)
+        if since < self.limits.stall_timeout_s or not self.nc.is_connected:
+            return False
+        attempt.checked_at = now
+        try:
+            await self.js.get_msg(self.names.gen_stream, attempt.stream_seq)
+        except NotFoundError:
+            attempt.gone += 1
+        except (NatsError, OSError):
+            pass  # cannot tell now: the connection's own checks handle an outage
+        else:
+            attempt.gone = 0
+        return attempt.gone >= _GONE_LOOKS
 
     # -- attempts -------------------------------------------------------------------------
 
