@@ -72,8 +72,8 @@ from emulation.sim.measure import quantile
 from rollout.agents.arithmetic import arithmetic_tasks, question
 from seamlessflow.config import RunConfig, load_config
 from seamlessflow.report import trainer_report
-from seamlessflow.run import prepare_model
 from seamlessflow.submit import submit_tasks
+from seamlessflow.warm_start import prepare_model
 from tests.node_services import PY, Service, jetstream_ready, start_nats
 from tests.nodes import Cluster, Node, available
 from tests.support import eventually
