@@ -115,13 +115,13 @@ async def emulated_agent(ctx):
     verifier accepts a reply (the tiny model's arithmetic). Each call's seed is ``group *
     group_size + member`` with the group a hash of (task, turn): the emulated engine draws the
     group's lengths from it, and the hf engine samples each member differently."""
-    from rollout.agents.agents import AgentResult, openai_messages
+    from rollout.agents.agents import AgentResult, complete, max_tokens_of, openai_messages
 
     workload = Workload.from_dict(json.loads(os.environ[WORKLOAD_ENV]))
     n = ctx.task.group_size
     member = int(ctx.session_id[len(ctx.task.task_id) + 1 :].split("-")[0]) % n
     rng = random.Random(ctx.session_id)
-    max_tokens = int(ctx.task.metadata.get("max_tokens", ctx.max_tokens))
+    max_tokens = max_tokens_of(ctx.task, ctx.max_tokens)
     messages = openai_messages(ctx.task.messages)
     answer = ""
     for turn in range(workload.agent.turns):
@@ -132,14 +132,8 @@ async def emulated_agent(ctx):
                 {"role": "user", "content": "wrong"},
             ]
         group = zlib.crc32(f"{ctx.task.task_id}/{turn}".encode())
-        reply = await ctx.client.chat.completions.create(
-            model=ctx.model,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=ctx.temperature,
-            seed=group * n + member,
-        )
-        answer = reply.choices[0].message.content or ""
+        message = await complete(ctx, messages, max_tokens, seed=group * n + member)
+        answer = message.content or ""
         if ctx.verify(answer):
             break
     return AgentResult(answer=answer, turns=turn + 1)
