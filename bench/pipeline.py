@@ -59,9 +59,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import machine
+from bench.output import RESULTS, write_results
 from emulation.workload import Workload
 
-RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD_ENV = "SF_BENCH_WORKLOAD"
 """The agent's workload (JSON), passed to the agent runner through its environment."""
@@ -467,7 +467,6 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
             f"{_fmt(row['idle_mean'])} {_fmt(row['idle_max'], 8)} {row['lends']:5.0f} "
             f"{_fmt(p50, 11)} {_fmt(p99, 6)} {_fmt(row.get('ratio_to_sim'), 6)}"
         )
-    RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "pipeline.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
     arms = results.get(cluster, {}).get("arms", {})  # arms run by other invocations stay
@@ -480,7 +479,7 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
         "machine": machine(),
         "arms": {**arms, **{row["arm"]: row for row in rows}},
     }
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(path.name, results)
     print(f"wrote {path}")
 
 
