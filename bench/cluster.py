@@ -41,7 +41,6 @@ bench/results/cluster.json (with --rate: cluster-<rate>.json).
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -61,6 +60,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from bench.machine import machine
+from bench.output import write_results
 from broker import codec
 from broker.client import session
 from broker.messages import WeightsPublished
@@ -72,13 +72,12 @@ from emulation.sim.measure import quantile
 from rollout.agents.arithmetic import arithmetic_tasks, question
 from seamlessflow.config import RunConfig, load_config
 from seamlessflow.report import trainer_report
-from seamlessflow.run import prepare_model
 from seamlessflow.submit import submit_tasks
+from seamlessflow.warm_start import prepare_model
 from tests.node_services import PY, Service, jetstream_ready, start_nats
 from tests.nodes import Cluster, Node, available
 from tests.support import eventually
 
-RESULTS = Path(__file__).parent / "results"
 RUN = "costs"
 GATEWAY_PORT = 8000
 TRAINER_METRICS_PORT = 9404
@@ -448,8 +447,6 @@ def main() -> None:
                 for i, (c, w) in enumerate(zip(r, widths, strict=True))
             )
         )
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / (f"cluster-{args.rate}.json" if args.rate else "cluster.json")
     result = {
         "steps": args.steps,
         "rounds": args.rounds,
@@ -460,7 +457,7 @@ def main() -> None:
         "summary": summary,
         "runs": results,
     }
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_results(f"cluster-{args.rate}.json" if args.rate else "cluster.json", result)
     print(f"wrote {path}")
 
 

@@ -11,12 +11,12 @@ Prints a table and writes bench/results/dataplane.json.
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
 
 from bench.machine import machine
+from bench.output import write_results
 from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
@@ -26,8 +26,6 @@ from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
 from seamlessflow.submit import submit_tasks
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def _samples() -> dict[str, object]:
@@ -156,15 +154,13 @@ def main() -> None:
     print()
     for key, value in plane.items():
         print(f"{key:<32}{value:>12.1f}")
-    RESULTS.mkdir(exist_ok=True)
     result = {
         "machine": machine(nats_server=server),
         "tasks": args.tasks,
         "codec": codec_rows,
         "dataplane": plane,
     }
-    path = RESULTS / "dataplane.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_results("dataplane.json", result)
     print(f"\nwrote {path}")
 
 

@@ -53,6 +53,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from bench.machine import machine
+from bench.output import RESULTS, write_results
 from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
@@ -72,7 +73,6 @@ from rollout.gateway import Gateway, GatewayConfig, default_stop_token_ids
 from rollout.gateway.calls import Call, CallLimits
 from seamlessflow.processes import worker_process
 
-RESULTS = Path(__file__).parent / "results"
 RUN = "bench-gateway"
 SERVED = "bench"
 PROMPTS = [
@@ -546,7 +546,6 @@ def print_report(result: dict) -> None:
 def write_result(result: dict) -> Path:
     """Replace this engine's entry in gateway.json (gateway-stream<interval>.json with
     ``--stream-interval``), keeping the other engines' entries."""
-    RESULTS.mkdir(exist_ok=True)
     interval = result["settings"]["stream_interval_s"]
     path = RESULTS / ("gateway.json" if interval is None else f"gateway-stream{interval:g}.json")
     try:
@@ -556,8 +555,7 @@ def write_result(result: dict) -> Path:
     if not isinstance(entries, dict) or not set(entries) <= set(ENGINES):
         entries = {}
     entries[result["settings"]["engine"]] = result
-    path.write_text(json.dumps(dict(sorted(entries.items())), indent=2) + "\n")
-    return path
+    return write_results(path.name, dict(sorted(entries.items())))
 
 
 def parse_args() -> Settings:

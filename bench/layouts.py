@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from bench.machine import machine
+from bench.output import write_results
 
-RESULTS = Path(__file__).parent / "results"
 LAYOUTS = ("disaggregated", "multiplexed", "colocated")
 
 
@@ -101,9 +101,7 @@ def main() -> None:
         )
     fastest = min(rows, key=lambda layout: rows[layout]["s_per_step"])
     print(f"fastest here: {fastest}")
-    RESULTS.mkdir(exist_ok=True)
     some = "" if len(args.layouts) == len(LAYOUTS) else "-" + "-".join(args.layouts)
-    path = RESULTS / f"layouts{some}.json"
     result = {
         "steps": args.steps,
         "rounds": args.rounds,
@@ -111,7 +109,7 @@ def main() -> None:
         "fastest": fastest,
         "layouts": rows,
     }
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_results(f"layouts{some}.json", result)
     print(f"wrote {path}")
 
 

@@ -21,7 +21,6 @@ Prints a table and writes bench/results/long_horizon-<engine>.json.
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import tempfile
@@ -33,6 +32,7 @@ import openai
 from nats.js.errors import NotFoundError
 
 from bench.machine import machine
+from bench.output import write_results
 from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
@@ -51,7 +51,6 @@ from seamlessflow.processes import worker_process
 
 RUN = "bench-long-horizon"
 SERVED = "bench"
-RESULTS = Path(__file__).parent / "results"
 SECRET, HIGH = 999_983, 1_000_000
 """A secret an untrained model does not guess: every game runs all its turns."""
 
@@ -222,9 +221,7 @@ def main() -> None:
         "settings": {**vars(args), "model_path": str(model)},
         **measured,
     }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"long_horizon-{args.engine}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_results(f"long_horizon-{args.engine}.json", result)
     print(f"\nwrote {path}")
 
 

@@ -59,9 +59,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import machine
+from bench.output import RESULTS, write_results
 from emulation.workload import Workload
 
-RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD_ENV = "SF_BENCH_WORKLOAD"
 """The agent's workload (JSON), passed to the agent runner through its environment."""
@@ -115,13 +115,13 @@ async def emulated_agent(ctx):
     verifier accepts a reply (the tiny model's arithmetic). Each call's seed is ``group *
     group_size + member`` with the group a hash of (task, turn): the emulated engine draws the
     group's lengths from it, and the hf engine samples each member differently."""
-    from rollout.agents.agents import AgentResult, openai_messages
+    from rollout.agents.agents import AgentResult, complete, max_tokens_of, openai_messages
 
     workload = Workload.from_dict(json.loads(os.environ[WORKLOAD_ENV]))
     n = ctx.task.group_size
     member = int(ctx.session_id[len(ctx.task.task_id) + 1 :].split("-")[0]) % n
     rng = random.Random(ctx.session_id)
-    max_tokens = int(ctx.task.metadata.get("max_tokens", ctx.max_tokens))
+    max_tokens = max_tokens_of(ctx.task, ctx.max_tokens)
     messages = openai_messages(ctx.task.messages)
     answer = ""
     for turn in range(workload.agent.turns):
@@ -132,14 +132,8 @@ async def emulated_agent(ctx):
                 {"role": "user", "content": "wrong"},
             ]
         group = zlib.crc32(f"{ctx.task.task_id}/{turn}".encode())
-        reply = await ctx.client.chat.completions.create(
-            model=ctx.model,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=ctx.temperature,
-            seed=group * n + member,
-        )
-        answer = reply.choices[0].message.content or ""
+        message = await complete(ctx, messages, max_tokens, seed=group * n + member)
+        answer = message.content or ""
         if ctx.verify(answer):
             break
     return AgentResult(answer=answer, turns=turn + 1)
@@ -473,7 +467,6 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
             f"{_fmt(row['idle_mean'])} {_fmt(row['idle_max'], 8)} {row['lends']:5.0f} "
             f"{_fmt(p50, 11)} {_fmt(p99, 6)} {_fmt(row.get('ratio_to_sim'), 6)}"
         )
-    RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "pipeline.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
     arms = results.get(cluster, {}).get("arms", {})  # arms run by other invocations stay
@@ -486,7 +479,7 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
         "machine": machine(),
         "arms": {**arms, **{row["arm"]: row for row in rows}},
     }
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(path.name, results)
     print(f"wrote {path}")
 
 

@@ -28,9 +28,8 @@ import tomllib
 from pathlib import Path
 
 from bench.machine import machine
+from bench.output import write_results
 from seamlessflow.report import EDGE, mean_over
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def run_once(config: Path, name: str, out: Path, edge: int = EDGE) -> dict:
@@ -138,8 +137,6 @@ def main() -> None:
         f"{sum(r['rises'] for r in rows)} of {len(rows)} runs rise by >= {args.rise} "
         f"(first and last {args.edge} versions)"
     )
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"recipe-{configs[0].stem}.json"
     result = {
         "machine": machine(),
         "config": [str(c) for c in configs],
@@ -147,7 +144,7 @@ def main() -> None:
         "rise": args.rise,
         "rows": rows,
     }
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_results(f"recipe-{configs[0].stem}.json", result)
     plot(
         rows,
         path.with_suffix(".png"),

@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.machine import machine
+from bench.output import RESULTS
 from common.staleness import StalenessMode
 from emulation.sim import Arm, best_split, simulate
 from emulation.workload import (
@@ -37,7 +38,6 @@ from emulation.workload import (
 )
 from tagsched.config import SchedulerConfig
 
-RESULTS = Path(__file__).parent / "results"
 CROSSOVER_S = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
 """Switch costs (lend or reclaim, seconds) of the crossover at a fixed split."""
 IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"

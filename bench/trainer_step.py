@@ -30,7 +30,6 @@ Prints tables and writes bench/results/trainer_step-<model>[-mixed].json.
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine
+from bench.output import write_results
 from broker.messages import SampleReady, SamplingParams
 from common.models import load_tokenizer, resolve_model
 from common.precision import Precision, unsupported
@@ -52,7 +52,6 @@ from trainer.config import TorchBackendConfig, TrainerConfig
 from trainer.losses import mismatch
 from trainer.step import minibatch_loss, proximal_logprobs
 
-RESULTS = Path(__file__).parent / "results"
 PROMPTS, GROUP = 4, 8
 PHASES = ("collate", "proximal", "forward", "backward", "optimizer")
 
@@ -251,7 +250,6 @@ def main() -> None:
                 f"{e['kl']:>10.2e}"
             )
 
-    RESULTS.mkdir(exist_ok=True)
     result = {
         "machine": machine(
             torch=torch.__version__,
@@ -272,8 +270,7 @@ def main() -> None:
         "engine_mismatch": engines,
     }
     mixed = "-mixed" if len(set(args.max_new)) > 1 else ""
-    path = RESULTS / f"trainer_step-{Path(args.model).name}{mixed}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_results(f"trainer_step-{Path(args.model).name}{mixed}.json", result)
     print(f"\nwrote {path}")
 
 

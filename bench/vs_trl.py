@@ -55,6 +55,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.machine import machine
+from bench.output import write_results
 from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig
@@ -69,7 +70,6 @@ from rollout.agents import arithmetic
 from rollout.agents.verifiers import last_number
 from trainer.step import PHASES
 
-RESULTS = Path(__file__).parent / "results"
 TRL = "trl==1.16.0"
 TORCH = "torch==2.13.0"
 PROMPTS, GROUP, NEW_TOKENS, LR, MAX_OPERAND = 4, 8, 16, 1e-5, 9
@@ -479,7 +479,6 @@ def main() -> None:
                 row |= r["resources"] | {"accuracy": accuracies[name]}
                 rows.append(row)
     _show(rows, phases, accuracies, budget)
-    RESULTS.mkdir(exist_ok=True)
     result = {
         "machine": machine(),
         "trl": TRL,
@@ -491,8 +490,7 @@ def main() -> None:
         "phases_s_per_step": phases,
         "accuracy": accuracies,
     }
-    path = RESULTS / "vs_trl.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_results("vs_trl.json", result)
     print(f"\nwrote {path}")
 
 

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import hashlib
 import io
-import json
 import os
 import shutil
 import statistics
@@ -40,6 +39,7 @@ import torch
 from safetensors.torch import load_file
 
 from bench.machine import machine
+from bench.output import write_results
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig
 from broker.messages import WeightsPublished
@@ -58,7 +58,6 @@ from broker.weights import (
 from trainer.config import TrainerConfig
 from trainer.publisher import write_folder
 
-RESULTS = Path(__file__).parent / "results"
 KiB, MiB = 1024, 1024 * 1024
 NATS_PY_DEFAULT = 128 * KiB
 CHUNKS = sorted({NATS_PY_DEFAULT, DEFAULT_CHUNK_BYTES, 1 * MiB, 4 * MiB})
@@ -270,14 +269,12 @@ def main() -> None:
         rows = asyncio.run(run(broker.url, args.sizes_mb, args.rounds))
         server = ".".join(map(str, broker.version))
     show(rows)
-    RESULTS.mkdir(exist_ok=True)
     result = {
         "machine": machine(nats_server=server),
         "rounds": args.rounds,
         "rows": rows,
     }
-    path = RESULTS / name
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_results(name, result)
     print(f"\nwrote {path}")
 
 

@@ -1,6 +1,6 @@
 """``seamlessflow run``: the whole RL loop on one machine.
 
-1. Prepare the policy (build or unpack it, then the cached warm start).
+1. Prepare the policy (build or unpack it, then the cached warm start: ``warm_start``).
 2. Start the embedded broker (a fresh store under the run's output folder) or use ``--nats``,
    and provision the run.
 3. Start the processes with fixed roles: trajectory manager, trainer, rollout workers, gateway,
@@ -9,26 +9,24 @@
    output folder under ``configs/``; the broker's URL is in its environment), and list every
    ``/metrics`` (the embedded broker's too, and workers that join through the registry) in
    ``scrape_targets.json`` for Prometheus (``seamlessflow.targets``).
-4. Keep a small backlog of tasks queued, and show a live progress line built from the data plane
-   (samples, call records, weight events) until the trainer reaches ``stop.max_steps``, time is
-   up, a process keeps failing, or Ctrl-C. A process that exits is restarted after a backoff
-   (``[supervise]``); the progress line names what was restarted and what is down.
+4. Keep a small backlog of tasks queued (``feed``), and show a live progress line built from the
+   data plane (samples, call records, weight events) until the trainer reaches
+   ``stop.max_steps``, time is up, a process keeps failing, or Ctrl-C. A process that exits is
+   restarted after a backoff (``[supervise]``); the progress line names what was restarted and
+   what is down.
 5. Stop the processes (agents first, so no new work starts), then print the summary and write it
    with the reward curve.
 """
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
-import random
 import shutil
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -39,30 +37,27 @@ from nats.aio.msg import Msg
 
 from broker import codec
 from broker.client import session
-from broker.exceptions import BrokerError, InvalidMessageError
+from broker.exceptions import InvalidMessageError
 from broker.messages import (
     CallRecorded,
     Message,
     Role,
     SampleReady,
     SessionEnded,
-    TaskSubmitted,
     WeightsPublished,
 )
 from broker.provision import provision_run
 from broker.registry import node_name, read_registry
 from broker.retry import TRANSIENT, Backoff
-from broker.subjects import Durable, RunNames
+from broker.subjects import RunNames
 from broker.weights import latest_weights
 from common.exceptions import SeamlessFlowError
 from common.log import kv
 from common.metrics import scrape
-from common.models import load_tokenizer, resolve_model
 from common.paths import default_state_dir
-from rollout.agents import arithmetic, calculator, guess
-from rollout.gateway.tools import chatml_tools_system, load_tool_template
 from seamlessflow.config import RunConfig, override
 from seamlessflow.exceptions import RunFailedError
+from seamlessflow.feed import TaskFeed
 from seamlessflow.launcher import local_broker, stop_on_signals
 from seamlessflow.placement import CpuPlan, CpuSet, place
 from seamlessflow.processes import ServiceProcess, SuperviseConfig
@@ -75,11 +70,10 @@ from seamlessflow.report import (
     summarize,
     trainer_report,
 )
-from seamlessflow.submit import submit_tasks
 from seamlessflow.targets import ScrapeTargets
+from seamlessflow.warm_start import prepare_model
 from tagsched.lease import lease_holder
 from tagsched.spec import Layout
-from trainer.warmstart import warm_start
 
 log = logging.getLogger(__name__)
 
@@ -96,43 +90,6 @@ CONFIGS = "configs"
 CHECKPOINTS = "checkpoints"
 """The trainer's checkpoints, in the run's output folder, unless ``trainer.checkpoint_dir`` is
 set: a restarted trainer resumes from them."""
-
-
-def prepare_model(config: RunConfig) -> Path:
-    """The policy's starting folder: the base model, warm-started on the task when configured."""
-    base = resolve_model(config.model.name)
-    if config.tasks.env == "calculator":
-        return _calculator_warm_start(base, config)
-    if config.tasks.env == "guess":
-        high = config.tasks.max_number
-        return warm_start(
-            base,
-            config.model.warm_start,
-            partial(guess.demonstration, high=high),
-            f"guess-range-{high}",
-        )
-    if config.tasks.env != "arithmetic":
-        return base
-    max_operand = config.tasks.max_operand
-
-    def demonstration(rng: random.Random) -> tuple[list[dict[str, str]], str]:
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        return [{"role": "user", "content": arithmetic.question(a, b)}], arithmetic.answer(a, b)
-
-    return warm_start(base, config.model.warm_start, demonstration, f"arithmetic-{max_operand}")
-
-
-def _calculator_warm_start(base: Path, config: RunConfig) -> Path:
-    """``base`` warm-started on calls of the calculator and answers from its results, in the
-    prompts the gateway renders with the model's tool template (or its own template)."""
-    template = load_tool_template(config.model.tool_template)
-    system = chatml_tools_system(load_tokenizer(base), [calculator.TOOL], template)
-    return warm_start(
-        base,
-        config.model.warm_start,
-        partial(calculator.demonstration, system=system),
-        f"calculator-{hashlib.sha256(system.encode()).hexdigest()[:12]}",  # the tools block's
-    )
 
 
 def output_dir(config: RunConfig) -> Path:
@@ -270,53 +227,6 @@ def _feed(schema: type[Message], handle: Callable) -> Callable:
         handle(message, time.time())
 
     return callback
-
-
-class TaskFeed:
-    """Feeds the built-in tasks (none for env 'none'), one group per task, as any client would:
-    it keeps ``tasks.backlog`` tasks waiting for the scheduler, whose admission control paces
-    them (``tagsched.admission``)."""
-
-    def __init__(self, nc: Client, names: RunNames, config: RunConfig) -> None:
-        self._js = nc.jetstream()
-        self._names = names
-        self._config = config.tasks
-        self._rng = random.Random(config.tasks.seed)
-        self._next = 0
-
-    async def top_up(self) -> None:
-        if self._config.env == "none":
-            return
-        waiting = await self._js.consumer_info(self._names.tasks_stream, Durable.SCHEDULER)
-        missing = self._config.backlog - waiting.num_pending
-        if missing <= 0:
-            return
-        tasks = self._tasks(missing, prefix=f"t{self._next}")
-        self._next += 1
-        try:
-            await submit_tasks(self._js, self._names, tasks, progress=False)
-        except BrokerError as exc:
-            if isinstance(exc.__cause__, TRANSIENT):  # e.g. a cluster electing a new leader
-                raise exc.__cause__ from exc
-            raise
-
-    def _tasks(self, n: int, prefix: str) -> list[TaskSubmitted]:
-        c = self._config
-        shared = dict(group_size=c.group_size, max_turns=c.max_turns, max_tokens=c.max_tokens)
-        if c.env == "calculator":
-            return calculator.calculator_tasks(self._rng, n, tools=c.tools, prefix=prefix, **shared)
-        if c.env == "guess":
-            return guess.guess_tasks(
-                self._rng,
-                n,
-                high=c.max_number,
-                turn_delay_s=c.turn_delay_s,
-                prefix=prefix,
-                **shared,
-            )
-        return arithmetic.arithmetic_tasks(
-            self._rng, n, max_operand=c.max_operand, prefix=prefix, **shared
-        )
 
 
 @dataclass

@@ -56,8 +56,8 @@ from broker.subjects import Durable, RunNames
 from common.metrics import metric_sum, scrape
 from rollout.agents.arithmetic import arithmetic_tasks
 from seamlessflow.config import load_config
-from seamlessflow.run import prepare_model
 from seamlessflow.submit import submit_tasks
+from seamlessflow.warm_start import prepare_model
 from tests.nodes import Cluster, Node
 from tests.slurm_cluster import SlurmCluster, available
 from tests.support import eventually, registered, stream_messages

@@ -16,6 +16,9 @@ returns its final answer, which the runner then verifies. Two kinds:
 
 How the reward is then chosen (the task's reward function, the agent's reward, the verifier)
 and checked: ``rollout.agents.rewards``.
+
+What the built-in envs share is here too: ``complete`` (one model call) and ``converse`` (the
+turn loop) for their agents, ``env_task`` and ``env_tasks`` for their tasks.
 """
 
 import asyncio
@@ -29,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionMessage
 
 from broker import codec
-from broker.messages import ChatMessage, TaskSubmitted
+from broker.messages import ChatMessage, RewardSpec, TaskSubmitted
 from rollout.agents.exceptions import (
     AgentFailedError,
     AgentLoadError,
@@ -75,6 +79,8 @@ class AgentResult:
 
 
 Agent = Callable[[AgentContext], Awaitable[AgentResult]]
+Answer = Callable[[ChatCompletionMessage], Awaitable[list[dict[str, Any]]]]
+"""An env's answer to a reply that does not end the attempt (``converse``): the messages to add."""
 
 
 def load_agent(ref: str) -> Agent:
@@ -102,16 +108,84 @@ def openai_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def max_tokens_of(task: TaskSubmitted, default: int) -> int:
+    """Tokens per model call: the task's ``metadata["max_tokens"]``, else ``default``."""
+    return int(task.metadata.get("max_tokens", default))
+
+
+async def complete(
+    ctx: AgentContext, messages: list[dict[str, Any]], max_tokens: int, **options: Any
+) -> ChatCompletionMessage:
+    """One model call of the attempt, at its model and temperature (``options``: more request
+    fields, e.g. ``tools``); the reply's message."""
+    reply = await ctx.client.chat.completions.create(
+        model=ctx.model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=ctx.temperature,
+        **options,
+    )
+    return reply.choices[0].message
+
+
+async def converse(
+    ctx: AgentContext,
+    answer: Answer,
+    max_tokens: int,
+    *,
+    done: Callable[[ChatCompletionMessage], bool] | None = None,
+    **options: Any,
+) -> tuple[ChatCompletionMessage, int]:
+    """The model's last reply and the turns taken: ask with the task's messages; until a reply
+    is ``done`` (default: ``ctx.verify`` accepts its text) or no turns remain, add the env's
+    ``answer`` to it and ask again. Each call asks for ``max_tokens_of(task, max_tokens)``
+    tokens."""
+    done = done or (lambda message: ctx.verify(message.content or ""))
+    messages = openai_messages(ctx.task.messages)
+    tokens = max_tokens_of(ctx.task, max_tokens)
+    turn = 0
+    while True:
+        turn += 1
+        message = await complete(ctx, messages, tokens, **options)
+        if done(message) or turn >= ctx.task.max_turns:
+            return message, turn
+        messages += await answer(message)
+
+
+def env_task(
+    task_id: str,
+    env: str,
+    question: str,
+    reward: RewardSpec,
+    *,
+    group_size: int,
+    max_turns: int,
+    max_tokens: int,
+    metadata: dict[str, str],
+) -> TaskSubmitted:
+    """A task of a built-in env: ``question`` as the one user message, ``max_tokens`` per turn
+    (``metadata["max_tokens"]``) after the env's own ``metadata``."""
+    return TaskSubmitted(
+        task_id=task_id,
+        messages=[ChatMessage(role="user", content=question)],
+        env=env,
+        reward=reward,
+        group_size=group_size,
+        max_turns=max_turns,
+        metadata={**metadata, "max_tokens": str(max_tokens)},
+    )
+
+
+def env_tasks(n: int, prefix: str, task: Callable[[str], TaskSubmitted]) -> list[TaskSubmitted]:
+    """``n`` tasks ``task("<prefix>-<i>")``, in order."""
+    return [task(f"{prefix}-{i}") for i in range(n)]
+
+
 async def chat_agent(ctx: AgentContext) -> AgentResult:
     """The built-in agent of env ``chat``: one call with the task's messages; the reply is the
     answer."""
-    reply = await ctx.client.chat.completions.create(
-        model=ctx.model,
-        messages=openai_messages(ctx.task.messages),
-        max_tokens=ctx.max_tokens,
-        temperature=ctx.temperature,
-    )
-    return AgentResult(answer=reply.choices[0].message.content or "")
+    message = await complete(ctx, openai_messages(ctx.task.messages), ctx.max_tokens)
+    return AgentResult(answer=message.content or "")
 
 
 class CommandAgent:

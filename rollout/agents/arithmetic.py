@@ -10,9 +10,12 @@ data) writes exactly what the environment asks.
 """
 
 import random
+from typing import Any
 
-from broker.messages import ChatMessage, RewardSpec, TaskSubmitted
-from rollout.agents.agents import AgentContext, AgentResult, openai_messages
+from openai.types.chat import ChatCompletionMessage
+
+from broker.messages import RewardSpec, TaskSubmitted
+from rollout.agents.agents import AgentContext, AgentResult, converse, env_task, env_tasks
 
 ENV = "arithmetic"
 PROMPT = "{a}+{b}="
@@ -46,14 +49,15 @@ def arithmetic_task(
     max_tokens: int = MAX_TOKENS,
 ) -> TaskSubmitted:
     """The task ``a + b``; answers of up to ``max_tokens`` tokens per turn."""
-    return TaskSubmitted(
-        task_id=task_id,
-        messages=[ChatMessage(role="user", content=question(a, b))],
-        env=ENV,
-        reward=RewardSpec(verifier=VERIFIER, reference=answer(a, b)),
+    return env_task(
+        task_id,
+        ENV,
+        question(a, b),
+        RewardSpec(verifier=VERIFIER, reference=answer(a, b)),
         group_size=group_size,
         max_turns=max_turns,
-        metadata={"a": str(a), "b": str(b), "max_tokens": str(max_tokens)},
+        max_tokens=max_tokens,
+        metadata={"a": str(a), "b": str(b)},
     )
 
 
@@ -68,17 +72,18 @@ def arithmetic_tasks(
     max_tokens: int = MAX_TOKENS,
 ) -> list[TaskSubmitted]:
     """``n`` tasks ``<prefix>-<i>`` with operands drawn from ``[0, max_operand]``."""
-    return [
-        arithmetic_task(
-            f"{prefix}-{i}",
+    return env_tasks(
+        n,
+        prefix,
+        lambda task_id: arithmetic_task(
+            task_id,
             rng.randint(0, max_operand),
             rng.randint(0, max_operand),
             group_size=group_size,
             max_turns=max_turns,
             max_tokens=max_tokens,
-        )
-        for i in range(n)
-    ]
+        ),
+    )
 
 
 def arithmetic_reward(correct: bool, turns: int) -> float:
@@ -90,20 +95,12 @@ def arithmetic_reward(correct: bool, turns: int) -> float:
 
 async def arithmetic_agent(ctx: AgentContext) -> AgentResult:
     """Ask; while wrong and turns remain, echo the reply, say ``FEEDBACK`` and ask again."""
-    messages = openai_messages(ctx.task.messages)
-    turn = 0
-    while True:
-        turn += 1
-        reply = await ctx.client.chat.completions.create(
-            model=ctx.model,
-            messages=messages,
-            max_tokens=int(ctx.task.metadata.get("max_tokens", MAX_TOKENS)),
-            temperature=ctx.temperature,
-        )
-        text = reply.choices[0].message.content or ""
-        if ctx.verify(text) or turn >= ctx.task.max_turns:
-            return AgentResult(answer=text, turns=turn)
-        messages += [
-            {"role": "assistant", "content": text},
+
+    async def feedback(message: ChatCompletionMessage) -> list[dict[str, Any]]:
+        return [
+            {"role": "assistant", "content": message.content or ""},
             {"role": "user", "content": FEEDBACK},
         ]
+
+    message, turns = await converse(ctx, feedback, MAX_TOKENS)
+    return AgentResult(answer=message.content or "", turns=turns)

@@ -20,8 +20,10 @@ import operator
 import random
 from typing import Any
 
-from broker.messages import ChatMessage, RewardSpec, TaskSubmitted
-from rollout.agents.agents import AgentContext, AgentResult, openai_messages
+from openai.types.chat import ChatCompletionMessage
+
+from broker.messages import RewardSpec, TaskSubmitted
+from rollout.agents.agents import AgentContext, AgentResult, converse, env_task, env_tasks
 
 ENV = "calculator"
 PROMPT = "What is {a}*{b}?"
@@ -103,19 +105,15 @@ def calculator_task(
     max_tokens: int = MAX_TOKENS,
 ) -> TaskSubmitted:
     """The task ``a * b``; the calculator offered unless ``tools`` is False."""
-    return TaskSubmitted(
-        task_id=task_id,
-        messages=[ChatMessage(role="user", content=question(a, b))],
-        env=ENV,
-        reward=RewardSpec(verifier=VERIFIER, reference=str(a * b)),
+    return env_task(
+        task_id,
+        ENV,
+        question(a, b),
+        RewardSpec(verifier=VERIFIER, reference=str(a * b)),
         group_size=group_size,
         max_turns=max_turns,
-        metadata={
-            "a": str(a),
-            "b": str(b),
-            "tools": NAME if tools else NO_TOOLS,
-            "max_tokens": str(max_tokens),
-        },
+        max_tokens=max_tokens,
+        metadata={"a": str(a), "b": str(b), "tools": NAME if tools else NO_TOOLS},
     )
 
 
@@ -130,18 +128,19 @@ def calculator_tasks(
     max_tokens: int = MAX_TOKENS,
 ) -> list[TaskSubmitted]:
     """``n`` tasks ``<prefix>-<i>``, a 3-digit times a 2-digit number each."""
-    return [
-        calculator_task(
-            f"{prefix}-{i}",
+    return env_tasks(
+        n,
+        prefix,
+        lambda task_id: calculator_task(
+            task_id,
             rng.randint(*FIRST),
             rng.randint(*SECOND),
             group_size=group_size,
             max_turns=max_turns,
             tools=tools,
             max_tokens=max_tokens,
-        )
-        for i in range(n)
-    ]
+        ),
+    )
 
 
 def call_text(expression_text: str) -> str:
@@ -186,29 +185,20 @@ def run_tool(arguments: str) -> str:
 async def calculator_agent(ctx: AgentContext) -> AgentResult:
     """Ask with the calculator offered; run each call, send its result, let the model go on;
     the answer is the first reply without a call (or the last reply at ``max_turns``)."""
-    task = ctx.task
-    messages = openai_messages(task.messages)
-    offered = task.metadata.get("tools", NAME) != NO_TOOLS
+    offered = ctx.task.metadata.get("tools", NAME) != NO_TOOLS
     tools = {"tools": [TOOL]} if offered else {}
-    max_tokens = int(task.metadata.get("max_tokens", MAX_TOKENS))
-    calls = errors = 0
-    turn = 0
-    while True:
-        turn += 1
-        reply = await ctx.client.chat.completions.create(
-            model=ctx.model,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=ctx.temperature,
-            **tools,
-        )
-        message = reply.choices[0].message
-        if not message.tool_calls or turn >= task.max_turns:
-            metrics = {"tool_calls": float(calls), "tool_errors": float(errors)}
-            return AgentResult(answer=message.content or "", turns=turn, metrics=metrics)
-        messages.append(message.model_dump(include={"role", "content", "tool_calls"}))
+    metrics = {"tool_calls": 0.0, "tool_errors": 0.0}
+
+    async def results(message: ChatCompletionMessage) -> list[dict[str, Any]]:
+        answer = [message.model_dump(include={"role", "content", "tool_calls"})]
         for call in message.tool_calls:
             result = run_tool(call.function.arguments)
-            calls += 1
-            errors += result.startswith("error:")
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            metrics["tool_calls"] += 1
+            metrics["tool_errors"] += result.startswith("error:")
+            answer.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        return answer
+
+    message, turns = await converse(
+        ctx, results, MAX_TOKENS, done=lambda message: not message.tool_calls, **tools
+    )
+    return AgentResult(answer=message.content or "", turns=turns, metrics=metrics)

@@ -22,9 +22,12 @@ they teach the format and the use of the feedback, not the halving, so RL has tu
 import asyncio
 import random
 from dataclasses import dataclass, replace
+from typing import Any
 
-from broker.messages import ChatMessage, RewardSpec, TaskSubmitted
-from rollout.agents.agents import AgentContext, AgentResult, openai_messages
+from openai.types.chat import ChatCompletionMessage
+
+from broker.messages import RewardSpec, TaskSubmitted
+from rollout.agents.agents import AgentContext, AgentResult, converse, env_task, env_tasks
 from rollout.agents.verifiers import first_number
 
 ENV = "guess"
@@ -92,18 +95,15 @@ def guess_task(
     """Find ``secret`` in ``[1, high]`` within ``max_turns`` guesses."""
     if not 1 <= secret <= high:
         raise ValueError(f"secret {secret} is not in [1, {high}]")
-    return TaskSubmitted(
-        task_id=task_id,
-        messages=[ChatMessage(role="user", content=question(high))],
-        env=ENV,
-        reward=RewardSpec(verifier=VERIFIER, reference=str(secret)),
+    return env_task(
+        task_id,
+        ENV,
+        question(high),
+        RewardSpec(verifier=VERIFIER, reference=str(secret)),
         group_size=group_size,
         max_turns=max_turns,
-        metadata={
-            "high": str(high),
-            "turn_delay_s": f"{turn_delay_s:g}",
-            "max_tokens": str(max_tokens),
-        },
+        max_tokens=max_tokens,
+        metadata={"high": str(high), "turn_delay_s": f"{turn_delay_s:g}"},
     )
 
 
@@ -119,18 +119,19 @@ def guess_tasks(
     max_tokens: int = MAX_TOKENS,
 ) -> list[TaskSubmitted]:
     """``n`` tasks ``<prefix>-<i>``, secrets drawn from ``[1, high]``."""
-    return [
-        guess_task(
-            f"{prefix}-{i}",
+    return env_tasks(
+        n,
+        prefix,
+        lambda task_id: guess_task(
+            task_id,
             rng.randint(1, high),
             high=high,
             group_size=group_size,
             max_turns=max_turns,
             turn_delay_s=turn_delay_s,
             max_tokens=max_tokens,
-        )
-        for i in range(n)
-    ]
+        ),
+    )
 
 
 def demonstration(rng: random.Random, high: int) -> tuple[list[dict[str, str]], str]:
@@ -153,23 +154,16 @@ def demonstration(rng: random.Random, high: int) -> tuple[list[dict[str, str]], 
 async def guess_agent(ctx: AgentContext) -> AgentResult:
     """Ask for a guess; while wrong and turns remain, the environment (after its latency) says
     higher or lower and the model guesses again."""
-    messages = openai_messages(ctx.task.messages)
     game = Game(int(ctx.task.reward.reference or "0"), 1, int(ctx.task.metadata.get("high", "0")))
     delay = float(ctx.task.metadata.get("turn_delay_s", "0"))
-    max_tokens = int(ctx.task.metadata.get("max_tokens", MAX_TOKENS))
-    turn = 0
-    while True:
-        turn += 1
-        reply = await ctx.client.chat.completions.create(
-            model=ctx.model,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=ctx.temperature,
-        )
-        text = reply.choices[0].message.content or ""
-        if ctx.verify(text) or turn >= ctx.task.max_turns:
-            return AgentResult(answer=text, turns=turn)
+
+    async def feedback(message: ChatCompletionMessage) -> list[dict[str, Any]]:
+        nonlocal game
+        text = message.content or ""
         guess = first_number(text)
         await asyncio.sleep(delay)  # the environment's step
         game, said = game.answer(None if guess is None else int(guess))
-        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": said}]
+        return [{"role": "assistant", "content": text}, {"role": "user", "content": said}]
+
+    message, turns = await converse(ctx, feedback, MAX_TOKENS)
+    return AgentResult(answer=message.content or "", turns=turns)

@@ -30,7 +30,13 @@ checker's loss mask.
 import re
 from typing import Any
 
-from rollout.agents.agents import AgentContext, AgentResult, openai_messages
+from rollout.agents.agents import (
+    AgentContext,
+    AgentResult,
+    complete,
+    max_tokens_of,
+    openai_messages,
+)
 
 CHECKER_SYSTEM = "Checker: work the question out again, then give the result."
 CHECK_PROMPT = "Question: {question}\nProposed answer: {answer}\nCheck: {question}"
@@ -63,13 +69,8 @@ def checker_messages(question: str, answer: str) -> list[dict[str, Any]]:
 
 
 async def _reply(ctx: AgentContext, messages: list[dict[str, Any]]) -> str:
-    reply = await ctx.client.chat.completions.create(
-        model=ctx.model,
-        messages=messages,
-        max_tokens=int(ctx.task.metadata.get("max_tokens", MAX_TOKENS)),
-        temperature=ctx.temperature,
-    )
-    return reply.choices[0].message.content or ""
+    message = await complete(ctx, messages, max_tokens_of(ctx.task, MAX_TOKENS))
+    return message.content or ""
 
 
 async def solver_checker(ctx: AgentContext) -> AgentResult:

@@ -21,7 +21,7 @@ once:
 4. publish one ``SessionEnded`` per attempt (``Nats-Msg-Id`` = session id); the ingress acks the
    task once all are stored. A task delivered again to the same runner (an outage lost its
    in-progress signals or its ack, or it was admitted again) runs one group: the copy waits for
-   the running one, or is acked at once when it is done (``_handle_once``).
+   the running one, or is acked at once when it is done (``rollout.agents.once``).
 
 On stop, no new task is taken; running ones get ``shutdown_grace_s`` to finish, then their
 attempts are cancelled (commands killed) and the tasks handed back (nak) unpublished.
@@ -31,9 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import httpx
@@ -55,29 +53,18 @@ from common.log import kv
 from common.metrics import serve_metrics
 from common.ready import announce_ready
 from common.rewards import RewardsConfig
-from rollout.agents import guess
-from rollout.agents.agents import (
-    Agent,
-    AgentContext,
-    AgentResult,
-    CommandAgent,
-    chat_agent,
-    load_agent,
-)
-from rollout.agents.arithmetic import ENV as ARITHMETIC
-from rollout.agents.arithmetic import arithmetic_agent, arithmetic_reward
-from rollout.agents.calculator import ENV as CALCULATOR
-from rollout.agents.calculator import calculator_agent
+from rollout.agents.agents import Agent, AgentContext, AgentResult, CommandAgent, load_agent
 from rollout.agents.config import AgentsConfig
+from rollout.agents.environments import agent_for
 from rollout.agents.exceptions import (
     GatewayUnavailableError,
     InvalidTaskError,
     RunnerStoppingError,
     UnscoredError,
 )
-from rollout.agents.rewards import CallLog, Reward, Scoring, Transcript, ended, scoring_for
+from rollout.agents.once import OncePerTask
+from rollout.agents.rewards import CallLog, Scoring, Transcript, ended, scoring_for
 from rollout.agents.sessions import gateway_base, group_id, session_id
-from rollout.agents.verifiers import binary_reward
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +73,6 @@ GATEWAY_DOWN_STATUS = frozenset({502, 503, 504})
 for it. Any other error status fails the attempt (a 500 is a worker's error on this prompt)."""
 
 REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
-
-DONE_KEPT = 65536
-"""Task ids a runner remembers as done, to ack a late redelivery without running it again."""
 
 TASKS = Counter(
     "sf_agents_tasks",
@@ -139,24 +123,6 @@ ATTEMPT_SECONDS = Histogram(
 RUNNING = Gauge("sf_agents_tasks_running", "Tasks whose attempts are running", registry=REGISTRY)
 
 
-@dataclass(frozen=True)
-class Environment:
-    """An env's built-in agent and how it turns a verdict into a reward."""
-
-    agent: Agent
-    reward: Reward
-
-
-ENVIRONMENTS: dict[str, Environment] = {
-    "chat": Environment(chat_agent, binary_reward),
-    ARITHMETIC: Environment(arithmetic_agent, arithmetic_reward),
-    guess.ENV: Environment(guess.guess_agent, guess.guess_reward),
-    CALCULATOR: Environment(calculator_agent, binary_reward),
-}
-"""Built-in envs. A configured agent (``agent`` or ``command``) runs any env; an env not listed
-here is then scored with ``binary_reward``."""
-
-
 class AgentRunner:
     """Runs agents on a run's tasks until stopped (see the module docstring)."""
 
@@ -191,8 +157,7 @@ class AgentRunner:
         self._model = config.model
         self._stop = asyncio.Event()
         self._abort = asyncio.Event()
-        self._running: dict[str, asyncio.Event] = {}  # task id -> set when that call ends
-        self._done: OrderedDict[str, None] = OrderedDict()  # the last DONE_KEPT tasks done
+        self._once = OncePerTask()
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
         """Take tasks until ``stop`` is set; then let running tasks finish within
@@ -236,25 +201,12 @@ class AgentRunner:
 
     # -- one task ---------------------------------------------------------------------------
     async def _handle_once(self, task: TaskSubmitted, delivery: Delivery) -> None:
-        """``_handle``, once per task id in this runner: a task delivered again while it runs
-        here (its in-progress signals lost in an outage, or admitted again after one) waits for
-        that run and is acked with it; one delivered again after it was done here is acked at
-        once. Neither runs a second group."""
-        while (running := self._running.get(task.task_id)) is not None:
-            self._duplicate(task, delivery, "running")
-            await running.wait()
-        if task.task_id in self._done:
-            self._duplicate(task, delivery, "done")
-            return
-        ended = self._running[task.task_id] = asyncio.Event()
-        try:
-            await self._handle(task, delivery)
-        finally:
-            del self._running[task.task_id]
-            ended.set()
-        self._done[task.task_id] = None
-        if len(self._done) > DONE_KEPT:
-            self._done.popitem(last=False)
+        """``_handle``, once per task id in this runner (``rollout.agents.once``)."""
+        await self._once.run(
+            task.task_id,
+            partial(self._handle, task, delivery),
+            partial(self._duplicate, task, delivery),
+        )
 
     def _duplicate(self, task: TaskSubmitted, delivery: Delivery, state: str) -> None:
         TASKS.labels("duplicate").inc()
@@ -270,7 +222,7 @@ class AgentRunner:
     async def _handle(self, task: TaskSubmitted, delivery: Delivery) -> None:
         # 1. Refuse what cannot be run: the ingress dead-letters it.
         try:
-            agent, reward = self._agent_for(task.env)
+            agent, reward = agent_for(task.env, self._agent)
             scoring = scoring_for(
                 task.reward,
                 reward,
@@ -312,17 +264,6 @@ class AgentRunner:
                 rewards=",".join(f"{m.reward:g}" for m in sessions),
             )
         )
-
-    def _agent_for(self, env: str) -> tuple[Agent, Reward]:
-        builtin = ENVIRONMENTS.get(env)
-        if self._agent is not None:
-            return self._agent, builtin.reward if builtin else binary_reward
-        if builtin is None:
-            raise InvalidTaskError(
-                f"env: no agent for env {env!r} (built-in: {', '.join(sorted(ENVIRONMENTS))}; "
-                "configure agents.agent or agents.command for others)"
-            )
-        return builtin.agent, builtin.reward
 
     async def _check_gateway(self) -> str:
         """The model name to call, once the gateway says it serves."""
