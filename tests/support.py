@@ -327,17 +327,25 @@ class InjectedWorkerWire:
 
 
 @asynccontextmanager
+async def serving(run: Callable[[asyncio.Event], Awaitable[None]]) -> AsyncIterator[asyncio.Task]:
+    """``run(stop)`` as a task on this event loop while the block runs; then ``stop`` is set and
+    the task awaited."""
+    stop = asyncio.Event()
+    running = asyncio.create_task(run(stop))
+    try:
+        yield running
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+
+
+@asynccontextmanager
 async def admitting(js, names: RunNames, *, limit: int = 1024) -> AsyncIterator[Admission]:
     """The scheduler's admission (the real one, on this event loop), so tasks published on
     ``names.tasks`` reach the agent runners; the limit is wide unless a test is about it."""
     admission = Admission(js, names, SMALL_RUN.tasks, limit=limit)
-    stop = asyncio.Event()
-    running = asyncio.create_task(admission.run(stop))
-    try:
+    async with serving(admission.run):
         yield admission
-    finally:
-        stop.set()
-        await asyncio.wait_for(running, 30)
 
 
 def record(session: str, call_id: str, prompt: list[int], output: list[int], version: int = 0):
@@ -369,14 +377,9 @@ async def publish_call(js, names: RunNames, call: CallRecorded) -> None:
 async def building(js, names: RunNames) -> AsyncIterator[asyncio.Task]:
     """The trajectory manager (the real one, on this event loop): ended sessions become samples.
     Yields its task (to ``watch``)."""
-    stop = asyncio.Event()
     manager = TrajectoryManager(js, names, SMALL_RUN.traj, TrajectoryConfig(concurrency=2))
-    running = asyncio.create_task(manager.run(stop))
-    try:
+    async with serving(manager.run) as running:
         yield running
-    finally:
-        stop.set()
-        await asyncio.wait_for(running, 30)
 
 
 # -- a NATS cluster ---------------------------------------------------------------------------
