@@ -15,10 +15,13 @@ the scheduler (``set_limit``); until it has them, nothing is admitted.
 A group admitted when fewer than ``limit`` groups are outstanding has fewer than ``steps_ahead``
 trainer steps ahead of it, so it is trained within the staleness bound: rollout is paced instead
 of running ahead and having its finished work thrown away by the trainer's staleness drop (which
-stays as a backstop, and counts what it drops). Work of partial rollouts and of lent workers is
-in these counts like any other. Every count is a broker consumer state (durables ``agents``,
-``trajectory``, ``trainer``, read in that order, so work moving downstream between two reads
-is counted twice, never missed); nothing is asked of the other processes.
+stays as a backstop, and counts what it drops). Unless its own generation outlasts those steps:
+groups are trained in the order they finish, and a long one, even started on the newest weights,
+is past the bound when it is done (``docs/performance.md``, emulated cluster: every sample that
+``bench/pipeline.py --stale drop`` drops in its asynchronous arms). Work of partial rollouts and
+of lent workers is in these counts like any other. Every count is a broker consumer state
+(durables ``agents``, ``trajectory``, ``trainer``, read in that order, so work moving downstream
+between two reads is counted twice, never missed); nothing is asked of the other processes.
 
 Sessions are counted in groups of the admitted tasks' ``group_size`` (the agent runner ends one
 session per attempt), samples in groups of as many samples as the trajectory manager has made
