@@ -149,7 +149,7 @@ class Admission:
         self._names = names
         self._tasks = tasks
         self._poll_s = poll_s
-        self._group_sizes: deque[int] = deque(maxlen=64)  # of recently admitted tasks
+        self._group_sizes: deque[int] = deque(maxlen=64)  # of recent tasks, admitted or waiting
         self._stop = asyncio.Event()
         self.set_limit(limit)
 
@@ -192,7 +192,9 @@ class Admission:
     async def _admit(self, task: TaskSubmitted, delivery: Delivery) -> None:
         """Wait for room (the ingress keeps the message in progress meanwhile), then admit
         ``task``. The admitted copy is de-duplicated by its id, so a redelivery after a crash
-        admits it once."""
+        admits it once. Its group size counts at once: a scheduler that took over knows no other,
+        and counting sessions one per group would leave the trainer's groups no room."""
+        self._group_sizes.append(task.group_size)
         WAITING.set(1)
         try:
             while (await self.state()).room <= 0:
@@ -206,7 +208,6 @@ class Admission:
             codec.encode(task),
             headers=codec.headers(msg_id=f"admitted-{task.task_id}"),
         )
-        self._group_sizes.append(task.group_size)
         ADMITTED.inc()
         ADMISSION_WAIT.observe(max(0.0, time.time() - delivery.published_at))
         log.debug(kv("task_admitted", task=task.task_id, group_size=task.group_size))

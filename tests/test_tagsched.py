@@ -268,6 +268,17 @@ async def test_admission_counts_unbuilt_sessions_and_a_sessions_real_samples(js,
         await settles(js, names, (2, 1))
 
 
+async def test_a_scheduler_that_took_over_counts_by_the_waiting_tasks_group_size(js, names):
+    """A fresh admission (a standby that took over) has admitted nothing yet: the 8 samples the
+    trainer holds count at the group size of the task it is admitting (4: two groups, room for
+    one more under a limit of 3), not at one sample per group (8 groups: no room, ever)."""
+    for i in range(8):
+        await js.publish(names.samples, codec.encode(sample(i)))
+    async with admitting(js, names, limit=3):
+        await submit_tasks(js, names, [task("t0", 4)], progress=False)
+        await settles(js, names, (1, 0))
+
+
 # -- role changes on real workers --------------------------------------------------------------
 
 
