@@ -23,13 +23,13 @@ of lent workers is in these counts like any other. Every count is a broker consu
 (durables ``agents``, ``trajectory``, ``trainer``, read in that order, so work moving downstream
 between two reads is counted twice, never missed); nothing is asked of the other processes.
 
-Sessions are counted in groups of the admitted tasks' ``group_size`` (the agent runner ends one
-session per attempt), samples in groups of as many samples as the trajectory manager has made
-per session so far (samples stored / sessions delivered to it: a session with several leaves
-makes several, one that yields none makes none). The first count left the manager's backlog out
-and took one sample per session: sessions ended but not yet built counted as nothing, and a
-session with several leaves as several groups (``bench/pipeline.py`` trained 8-80 samples past
-the bound per run; ``docs/agents.md`` saw a run stall).
+Sessions are counted in groups of the tasks' ``group_size`` (the agent runner ends one session
+per attempt), samples in groups of as many samples as the trajectory manager has made per
+session so far (samples stored / sessions delivered to it: a session with several leaves makes
+several, one that yields none makes none). The first count left the manager's backlog out and
+took one sample per session: sessions ended but not yet built counted as nothing
+(``bench/pipeline.py --stale drop`` dropped 16 samples as stale in its synchronous arm, 0 since),
+and a session with several leaves as several groups (``docs/agents.md`` saw a run stall).
 
 Sessions of clients that drive the gateway themselves enter these counts when they end (their
 ``SessionEnded`` and samples are on the same streams); while they run they are outside the
