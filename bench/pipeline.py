@@ -42,8 +42,10 @@ buckets, interpolated), and, for the emulated cluster, the simulator's predictio
 workload and the ratio measured/simulated (``emulation.sim``, when it is importable).
 
 Usage: flock /tmp/sf-bench.lock python -m bench.pipeline [--cluster emulated|tiny]
-[--arms a,b] [--devices 16] [--steps 8]. Prints a table, writes bench/results/pipeline.json
-(one entry per cluster, updated in place).
+[--arms a,b] [--devices 16] [--steps 8] [--stale drop]. Prints a table, writes
+bench/results/pipeline.json (one entry per cluster, updated in place), or with ``--stale drop``
+bench/results/pipeline-drop.json: each arm's ``stale_dropped`` is what admission let past the
+staleness bound.
 """
 
 import argparse
@@ -151,12 +153,13 @@ def arm_config(arm: Arm, cluster: str, run: str, out: Path, args: argparse.Names
     config = {
         "model": {"max_model_len": 2048 if workload else 512, "warm_start": {"steps": 0}},
         "rollout": {"workers": devices - 1},  # and the trainer's process or worker
-        # downweight, not drop: every arm trains every sample (the simulator drops whole groups
-        # and the trainer single samples, which would make their samples per step differ)
+        # downweight by default: every arm trains every sample (the simulator drops whole groups
+        # and the trainer single samples, which would make their samples per step differ);
+        # --stale drop shows what admission lets past the bound
         "trainer": {
             "groups_per_step": groups,
             "max_staleness": staleness,
-            "staleness_mode": "downweight",
+            "staleness_mode": args.stale,
         },
         "scheduler": {"steps_ahead": staleness + 1},
         "layout": {"kind": arm.layout},
@@ -336,7 +339,9 @@ def measure(
         "reclaims": summary["scheduler"].get("reclaims", 0),
         "reclaim_p50_s": _quantile(scheduler, "sf_scheduler_reclaim_seconds", 0.5),
         "reclaim_p99_s": _quantile(scheduler, "sf_scheduler_reclaim_seconds", 0.99),
+        "staleness_mode": args.stale,
         "stale_downweighted": summary["trainer"].get("samples downweighted", 0),
+        "stale_dropped": summary["trainer"].get("samples stale_dropped", 0),
         "trainer_step_s": summary["trainer"].get("step seconds (mean)"),
         "first_version_s": round(arrivals[min(arrivals)] - started, 1),  # start-up included
         "wall_s": round(time.monotonic() - started, 1),
@@ -393,7 +398,7 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
         steps,
         staleness,
         trainer_devices,
-        stale=StalenessMode.DOWNWEIGHT,
+        stale=StalenessMode(args.stale),
     )
     samples_per_step = WORKLOAD.samples_per_step
     return {
@@ -422,6 +427,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--staleness", type=int, default=2, help="of the asynchronous arms")
     parser.add_argument("--tiny-groups", type=int, default=4, help="groups per step, tiny model")
+    parser.add_argument(
+        "--stale",
+        choices=("downweight", "drop"),
+        default="downweight",
+        help="trainer.staleness_mode; drop writes pipeline-drop.json (samples past the bound "
+        "are not trained, so its rates are not comparable)",
+    )
     parser.add_argument(
         "--sim-path", type=Path, default=None, help="a checkout with emulation.sim, if not this one"
     )
@@ -467,7 +479,9 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
             f"{_fmt(row['idle_mean'])} {_fmt(row['idle_max'], 8)} {row['lends']:5.0f} "
             f"{_fmt(p50, 11)} {_fmt(p99, 6)} {_fmt(row.get('ratio_to_sim'), 6)}"
         )
-    path = RESULTS / "pipeline.json"
+    path = RESULTS / (
+        "pipeline.json" if args.stale == "downweight" else f"pipeline-{args.stale}.json"
+    )
     results = json.loads(path.read_text()) if path.is_file() else {}
     arms = results.get(cluster, {}).get("arms", {})  # arms run by other invocations stay
     results[cluster] = {

@@ -20,6 +20,11 @@ SESSION_HEADER = "X-Session-Id"
 """The HTTP header that ties an agent's calls to the gateway into one session (else the
 request's ``user`` field); its value is a session id (``NAME_PATTERN``)."""
 
+TASK_HEADER = "X-Task-Id"
+"""The HTTP header an agent runner's attempt sends with every call: the admitted task's id. The
+gateway counts calls without it as ``direct`` (a client driving the gateway itself, outside
+admission until its session ends: ``tagsched.admission``)."""
+
 
 def check_name(kind: str, name: str) -> str:
     """Return ``name`` if it can be one token of a subject and part of a stream/bucket name."""

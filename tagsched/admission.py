@@ -5,7 +5,8 @@ Clients publish tasks on ``sf.<run>.tasks``; only the active scheduler consumes 
 runners) only while the run's outstanding work stays within the staleness bound:
 
     outstanding = admitted groups not yet finished (queued for or running on an agent runner)
-                + samples the trainer has not settled, counted in groups
+                + ended sessions the trajectory manager has not built yet, in groups
+                + samples the trainer has not settled, in groups
     limit       = steps_ahead * groups_per_step,  steps_ahead <= max_staleness + 1
 
 ``groups_per_step`` and ``max_staleness`` are the trainer's own, read off its registry entry by
@@ -14,13 +15,30 @@ the scheduler (``set_limit``); until it has them, nothing is admitted.
 A group admitted when fewer than ``limit`` groups are outstanding has fewer than ``steps_ahead``
 trainer steps ahead of it, so it is trained within the staleness bound: rollout is paced instead
 of running ahead and having its finished work thrown away by the trainer's staleness drop (which
-stays as a backstop, and counts what it drops). Work of partial rollouts and of lent workers is
-in these counts like any other. Both counts are the broker's consumer states; nothing is asked
-of the other processes.
+stays as a backstop, and counts what it drops). Unless its own generation outlasts those steps:
+groups are trained in the order they finish, and a long one, even started on the newest weights,
+is past the bound when it is done (``docs/performance.md``, emulated cluster: every sample that
+``bench/pipeline.py --stale drop`` drops in its asynchronous arms). Work of partial rollouts and
+of lent workers is in these counts like any other. Every count is a broker consumer state
+(durables ``agents``, ``trajectory``, ``trainer``, read in that order, so work moving downstream
+between two reads is counted twice, never missed); nothing is asked of the other processes.
+
+Sessions are counted in groups of the tasks' ``group_size`` (the agent runner ends one session
+per attempt), samples in groups of as many samples as the trajectory manager has made per
+session so far (samples stored / sessions delivered to it: a session with several leaves makes
+several, one that yields none makes none). The first count left the manager's backlog out and
+took one sample per session: sessions ended but not yet built counted as nothing
+(``bench/pipeline.py --stale drop`` dropped 16 samples as stale in its synchronous arm, 0 since),
+and a session with several leaves as several groups (``docs/agents.md`` saw a run stall).
+
+Sessions of clients that drive the gateway themselves enter these counts when they end (their
+``SessionEnded`` and samples are on the same streams); while they run they are outside the
+bound: the scheduler cannot see them (``sf_gateway_calls_total{source="direct"}`` shows them).
 """
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -59,10 +77,12 @@ class AdmissionState:
     """Samples the trainer has not settled, in groups (rounded up)."""
     groups_total: float = 0.0
     """Groups' worth of samples ever published to the trainer (it grows as rollout works)."""
+    unbuilt_groups: int = 0
+    """Ended sessions the trajectory manager has not built yet, in groups (rounded up)."""
 
     @property
     def outstanding(self) -> int:
-        return self.admitted + self.unsettled_groups
+        return self.admitted + self.unbuilt_groups + self.unsettled_groups
 
     def missing_groups(self, groups_per_step: int) -> int:
         """Groups the trainer still lacks for its next batch (<= 0: a batch is ready)."""
@@ -75,17 +95,42 @@ class AdmissionState:
 
 
 def admission_state(
-    agents: ConsumerInfo, trainer: ConsumerInfo, *, limit: int, samples_per_group: float
+    agents: ConsumerInfo,
+    trajectory: ConsumerInfo,
+    trainer: ConsumerInfo,
+    *,
+    limit: int,
+    group_size: float,
 ) -> AdmissionState:
-    """The state from the ``agents`` and ``trainer`` consumers' counts."""
-    per_group = max(1, round(samples_per_group))
-    unsettled = (trainer.num_pending or 0) + (trainer.num_ack_pending or 0)
-    groups = -(-unsettled // per_group)  # ceiling
-    admitted = (agents.num_pending or 0) + (agents.num_ack_pending or 0)
+    """The state from the ``agents``, ``trajectory`` and ``trainer`` consumers' counts; a group is
+    ``group_size`` sessions, each of the samples per session the trajectory manager made so far
+    (1 until it has made any)."""
+    sessions_per_group = max(1.0, group_size)
     published = (trainer.delivered.stream_seq if trainer.delivered else 0) + (
         trainer.num_pending or 0
     )
-    return AdmissionState(limit, admitted, groups, published / per_group)
+    # Sessions handed to the manager, those it is building and redeliveries included: too few
+    # samples per session if anything, so too many groups, never too few.
+    sessions = trajectory.delivered.consumer_seq if trajectory.delivered else 0
+    per_session = published / sessions if published and sessions else 1.0
+    per_group = sessions_per_group * per_session
+    return AdmissionState(
+        limit,
+        admitted=_unsettled(agents),
+        unsettled_groups=_groups(_unsettled(trainer), per_group),
+        unbuilt_groups=_groups(_unsettled(trajectory), sessions_per_group),
+        groups_total=published / per_group,
+    )
+
+
+def _unsettled(consumer: ConsumerInfo) -> int:
+    """Messages the consumer has not settled: not yet delivered, or delivered and not acked."""
+    return (consumer.num_pending or 0) + (consumer.num_ack_pending or 0)
+
+
+def _groups(units: int, per_group: float) -> int:
+    """``units`` in groups of ``per_group``, rounded up."""
+    return math.ceil(units / per_group)
 
 
 class Admission:
@@ -104,7 +149,7 @@ class Admission:
         self._names = names
         self._tasks = tasks
         self._poll_s = poll_s
-        self._group_sizes: deque[int] = deque(maxlen=64)  # of recently admitted tasks
+        self._group_sizes: deque[int] = deque(maxlen=64)  # of recent tasks, admitted or waiting
         self._stop = asyncio.Event()
         self.set_limit(limit)
 
@@ -133,19 +178,23 @@ class Admission:
 
     async def state(self) -> AdmissionState:
         n = self._names
+        # Upstream first: work moving on between two reads is counted twice, never missed.
         agents = await self._js.consumer_info(n.tasks_stream, Durable.AGENTS)
+        trajectory = await self._js.consumer_info(n.traj_stream, Durable.TRAJECTORY)
         trainer = await self._js.consumer_info(n.samples_stream, Durable.TRAINER)
         sizes = self._group_sizes
-        per_group = sum(sizes) / len(sizes) if sizes else 1.0
+        group_size = sum(sizes) / len(sizes) if sizes else 1.0
         limit = self.limit or 0
-        state = admission_state(agents, trainer, limit=limit, samples_per_group=per_group)
+        state = admission_state(agents, trajectory, trainer, limit=limit, group_size=group_size)
         OUTSTANDING.set(state.outstanding)
         return state
 
     async def _admit(self, task: TaskSubmitted, delivery: Delivery) -> None:
         """Wait for room (the ingress keeps the message in progress meanwhile), then admit
         ``task``. The admitted copy is de-duplicated by its id, so a redelivery after a crash
-        admits it once."""
+        admits it once. Its group size counts at once: a scheduler that took over knows no other,
+        and counting sessions one per group would leave the trainer's groups no room."""
+        self._group_sizes.append(task.group_size)
         WAITING.set(1)
         try:
             while (await self.state()).room <= 0:
@@ -159,7 +208,6 @@ class Admission:
             codec.encode(task),
             headers=codec.headers(msg_id=f"admitted-{task.task_id}"),
         )
-        self._group_sizes.append(task.group_size)
         ADMITTED.inc()
         ADMISSION_WAIT.observe(max(0.0, time.time() - delivery.published_at))
         log.debug(kv("task_admitted", task=task.task_id, group_size=task.group_size))

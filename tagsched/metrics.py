@@ -9,7 +9,8 @@ REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 ADMITTED = Counter("sf_scheduler_tasks_admitted", "Tasks admitted to the agents", registry=REGISTRY)
 OUTSTANDING = Gauge(
     "sf_scheduler_admission_outstanding",
-    "Outstanding groups: admitted not finished, plus untrained samples in groups",
+    "Outstanding groups: admitted not finished, ended sessions not yet built and untrained "
+    "samples, the last two in groups",
     registry=REGISTRY,
 )
 LIMIT = Gauge(

@@ -24,6 +24,8 @@ from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, MiB, ProvisionConfig, StreamLimits
 from broker.messages import (
+    CallRecorded,
+    FinishReason,
     GenerationCancelled,
     GenerationRequested,
     Message,
@@ -37,6 +39,8 @@ from common.metrics import metric_sum, scrape
 from rollout.gateway import Gateway, GatewayConfig
 from seamlessflow.processes import ServiceProcess, worker_process
 from tagsched.admission import Admission
+from trajectory.config import TrajectoryConfig
+from trajectory.manager import TrajectoryManager
 
 
 def _nats_binaries() -> dict[str, Path]:
@@ -323,17 +327,59 @@ class InjectedWorkerWire:
 
 
 @asynccontextmanager
+async def serving(run: Callable[[asyncio.Event], Awaitable[None]]) -> AsyncIterator[asyncio.Task]:
+    """``run(stop)`` as a task on this event loop while the block runs; then ``stop`` is set and
+    the task awaited."""
+    stop = asyncio.Event()
+    running = asyncio.create_task(run(stop))
+    try:
+        yield running
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+
+
+@asynccontextmanager
 async def admitting(js, names: RunNames, *, limit: int = 1024) -> AsyncIterator[Admission]:
     """The scheduler's admission (the real one, on this event loop), so tasks published on
     ``names.tasks`` reach the agent runners; the limit is wide unless a test is about it."""
     admission = Admission(js, names, SMALL_RUN.tasks, limit=limit)
-    stop = asyncio.Event()
-    running = asyncio.create_task(admission.run(stop))
-    try:
+    async with serving(admission.run):
         yield admission
-    finally:
-        stop.set()
-        await asyncio.wait_for(running, 30)
+
+
+def record(session: str, call_id: str, prompt: list[int], output: list[int], version: int = 0):
+    """A finished call of ``session`` as the gateway records it."""
+    return CallRecorded(
+        session_id=session,
+        call_id=call_id,
+        model="tiny",
+        prompt_ids=prompt,
+        output_ids=output,
+        output_logprobs=[-0.25] * len(output),
+        output_versions=[version] * len(output),
+        finish_reason=FinishReason.STOP,
+        started_at=1.0,
+        finished_at=2.0,
+    )
+
+
+async def publish_call(js, names: RunNames, call: CallRecorded) -> None:
+    """As the gateway does: msgpack, de-duplicated by call id, on the session's subject."""
+    await js.publish(
+        names.traj_calls(call.session_id),
+        codec.encode(call),
+        headers=codec.headers(msg_id=call.call_id),
+    )
+
+
+@asynccontextmanager
+async def building(js, names: RunNames) -> AsyncIterator[asyncio.Task]:
+    """The trajectory manager (the real one, on this event loop): ended sessions become samples.
+    Yields its task (to ``watch``)."""
+    manager = TrajectoryManager(js, names, SMALL_RUN.traj, TrajectoryConfig(concurrency=2))
+    async with serving(manager.run) as running:
+        yield running
 
 
 # -- a NATS cluster ---------------------------------------------------------------------------

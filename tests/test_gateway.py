@@ -27,6 +27,7 @@ from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from broker.weights import LOCAL_BLOB, announce_local, local_folder
+from rollout.agents.sessions import gateway_headers
 from rollout.gateway import Gateway, serve_gateway
 from rollout.gateway.tools import ToolCallStream, parse_tool_calls
 from seamlessflow.processes import ServiceProcess, worker_process
@@ -237,6 +238,26 @@ async def test_next_turn_reuses_the_generated_token_ids(stack, js, tok):
     assert two.prompt_ids[len(earlier) - (not cut)] == tok.eos_token_id
     reused = await metric(metrics_url(stack.url), "sf_gateway_prompt_tokens_total", source="reused")
     assert reused - reused_before == len(earlier) + cut
+
+
+async def test_calls_are_counted_by_source_task_or_direct(stack):
+    """An agent runner's attempt sends its task's id (``gateway_headers``): its calls are
+    ``task``; a client driving the gateway itself does not: ``direct``, outside admission's
+    bound until its session ends."""
+    url = metrics_url(stack.url)
+
+    async def counts() -> dict[str, float]:
+        return {
+            s: await metric(url, "sf_gateway_calls_total", source=s) for s in ("task", "direct")
+        }
+
+    before = await counts()
+    client = stack.async_client()
+    for headers in (gateway_headers(session_id(), "t1"), {"X-Session-Id": session_id()}):
+        await client.chat.completions.create(
+            model=MODEL, messages=HELLO, max_tokens=2, extra_headers=headers
+        )
+    assert await counts() == {"task": before["task"] + 1, "direct": before["direct"] + 1}
 
 
 async def test_completions_with_token_ids_and_logprobs(stack, js, tok):

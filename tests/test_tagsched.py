@@ -21,6 +21,7 @@ from broker.messages import (
     RoleChangeAcked,
     RoleChangeRequested,
     SampleReady,
+    SessionEnded,
     TaskSubmitted,
     TrainerShape,
     WorkerRegistered,
@@ -50,9 +51,13 @@ from tests.support import (
     MODEL,
     SMALL_RUN,
     admitting,
+    building,
+    consumer_settled,
     eventually,
     gateway_config,
     metric,
+    publish_call,
+    record,
     registered,
     stream_messages,
 )
@@ -175,41 +180,103 @@ def sample(i: int) -> SampleReady:
     )
 
 
+async def admission_counts(js, names: RunNames) -> tuple[int, int]:
+    """(Tasks admitted and not finished, tasks waiting for the scheduler.)"""
+    admitted = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
+    waiting = await js.consumer_info(names.tasks_stream, Durable.SCHEDULER)
+    return admitted.num_pending + admitted.num_ack_pending, waiting.num_pending
+
+
+async def settles(js, names: RunNames, want: tuple[int, int]) -> None:
+    """``admission_counts`` reach ``want`` and stay there: nothing more is admitted."""
+
+    async def there() -> bool:
+        return await admission_counts(js, names) == want
+
+    await eventually(there)
+    await asyncio.sleep(1.0)
+    assert await admission_counts(js, names) == want
+
+
 async def test_admission_paces_an_outside_clients_tasks_by_outstanding_groups(js, names):
     """10 tasks from a client; limit 3 outstanding groups. Finished tasks whose samples the
     trainer has not settled still count; settling them admits more, never past the limit."""
     agents = await js.pull_subscribe_bind(durable=Durable.AGENTS, stream=names.tasks_stream)
     trainer = await js.pull_subscribe_bind(durable=Durable.TRAINER, stream=names.samples_stream)
 
-    async def counts() -> tuple[int, int]:
-        admitted = await js.consumer_info(names.tasks_stream, Durable.AGENTS)
-        waiting = await js.consumer_info(names.tasks_stream, Durable.SCHEDULER)
-        return admitted.num_pending + admitted.num_ack_pending, waiting.num_pending
-
-    async def settles(want: tuple[int, int]) -> None:
-        async def there() -> bool:
-            return await counts() == want
-
-        await eventually(there)
-        await asyncio.sleep(1.0)  # and stays there: nothing more is admitted
-        assert await counts() == want
-
     async with admitting(js, names, limit=3):
         await submit_tasks(js, names, [task(f"t{i}") for i in range(10)], progress=False)
-        await settles((3, 6))  # 3 admitted; 6 wait (one is held by the scheduler)
+        await settles(js, names, (3, 6))  # 3 admitted; 6 wait (one is held by the scheduler)
         # An agent runner finishes 2 tasks: their 2 samples wait for the trainer.
         for msg in await agents.fetch(2, timeout=5):
             await msg.ack()
         for i in range(2):
             await js.publish(names.samples, codec.encode(sample(i)))
-        await settles((1, 6))  # 1 admitted + 2 unsettled groups = 3: nothing more
+        await settles(js, names, (1, 6))  # 1 admitted + 2 unsettled groups = 3: nothing more
         # The trainer settles them: two more are admitted.
         for msg in await trainer.fetch(2, timeout=5):
             await msg.ack()
-        await settles((3, 4))
+        await settles(js, names, (3, 4))
     admitted = [codec.decode(TaskSubmitted, m.data) for m in await agents.fetch(3, timeout=5)]
     assert [t.task_id for t in admitted] == ["t2", "t3", "t4"]  # in order, once each
     assert REGISTRY.get_sample_value("sf_scheduler_admission_limit") == 3
+
+
+async def test_admission_counts_unbuilt_sessions_and_a_sessions_real_samples(js, names):
+    """Limit 3, tasks of 2 attempts whose sessions fork into 3 samples each. A finished task's
+    sessions count as its group before the trajectory manager builds them, and its 6 samples
+    as one group after (3 samples per session, as the manager made them), not as 3."""
+    agents = await js.pull_subscribe_bind(durable=Durable.AGENTS, stream=names.tasks_stream)
+    trainer = await js.pull_subscribe_bind(durable=Durable.TRAINER, stream=names.samples_stream)
+
+    async def finish_one() -> None:
+        """As an agent runner: 2 sessions, each forked into 3 calls, ended; then the ack."""
+        (msg,) = await agents.fetch(1, timeout=5)
+        done = codec.decode(TaskSubmitted, msg.data)
+        for attempt in range(2):
+            sid = f"{done.task_id}-{attempt}"
+            for leaf in range(3):
+                await publish_call(js, names, record(sid, f"{sid}-{leaf}", [1, 2], [3 + leaf]))
+            group = {"task_id": done.task_id, "group_id": done.task_id, "group_size": 2}
+            end = SessionEnded(session_id=sid, reward=1.0, **group)
+            await js.publish(names.traj_end, codec.encode(end))
+        await msg.ack()
+
+    async with admitting(js, names, limit=3) as admission:
+        await submit_tasks(js, names, [task(f"t{i}", 2) for i in range(6)], progress=False)
+        await settles(js, names, (3, 2))
+        await finish_one()  # its sessions wait for the trajectory manager: still its group
+        await settles(js, names, (2, 2))
+        assert (await admission.state()).unbuilt_groups == 1
+        async with building(js, names) as manager:
+            await eventually(
+                lambda: consumer_settled(js, names.traj_stream, Durable.TRAJECTORY),
+                watch=manager,
+            )
+            await settles(js, names, (2, 2))  # 6 samples: one group
+            await finish_one()
+            await eventually(
+                lambda: consumer_settled(js, names.traj_stream, Durable.TRAJECTORY),
+                watch=manager,
+            )
+            await settles(js, names, (1, 2))  # 12 samples: two groups
+            state = await admission.state()
+            assert (state.unbuilt_groups, state.unsettled_groups) == (0, 2)
+        # The trainer settles the first group's 6 samples: one more task is admitted.
+        for msg in await trainer.fetch(6, timeout=5):
+            await msg.ack()
+        await settles(js, names, (2, 1))
+
+
+async def test_a_scheduler_that_took_over_counts_by_the_waiting_tasks_group_size(js, names):
+    """A fresh admission (a standby that took over) has admitted nothing yet: the 8 samples the
+    trainer holds count at the group size of the task it is admitting (4: two groups, room for
+    one more under a limit of 3), not at one sample per group (8 groups: no room, ever)."""
+    for i in range(8):
+        await js.publish(names.samples, codec.encode(sample(i)))
+    async with admitting(js, names, limit=3):
+        await submit_tasks(js, names, [task("t0", 4)], progress=False)
+        await settles(js, names, (1, 0))
 
 
 # -- role changes on real workers --------------------------------------------------------------

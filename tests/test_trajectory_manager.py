@@ -9,8 +9,6 @@ import pytest
 from broker import codec
 from broker.exceptions import RunNotProvisionedError
 from broker.messages import (
-    CallRecorded,
-    FinishReason,
     MessageRejected,
     SampleReady,
     SessionEnded,
@@ -22,35 +20,20 @@ from common.rewards import RewardsConfig
 from seamlessflow.config import load_config
 from seamlessflow.exceptions import ConfigError
 from seamlessflow.processes import ServiceProcess
-from tests.support import SMALL_RUN, consumer_settled, eventually, metric, stream_messages
+from tests.support import (
+    SMALL_RUN,
+    building,
+    consumer_settled,
+    eventually,
+    metric,
+    publish_call,
+    record,
+    stream_messages,
+)
 from trajectory.config import TrajectoryConfig
 from trajectory.manager import REGISTRY, TrajectoryManager
 
 pytestmark = pytest.mark.newest_nats
-
-
-def record(session: str, call_id: str, prompt: list[int], output: list[int], version: int = 0):
-    return CallRecorded(
-        session_id=session,
-        call_id=call_id,
-        model="tiny",
-        prompt_ids=prompt,
-        output_ids=output,
-        output_logprobs=[-0.25] * len(output),
-        output_versions=[version] * len(output),
-        finish_reason=FinishReason.STOP,
-        started_at=1.0,
-        finished_at=2.0,
-    )
-
-
-async def publish_call(js, names: RunNames, call: CallRecorded) -> None:
-    """As the gateway does: msgpack, de-duplicated by call id, on the session's subject."""
-    await js.publish(
-        names.traj_calls(call.session_id),
-        codec.encode(call),
-        headers=codec.headers(msg_id=call.call_id),
-    )
 
 
 async def end_session(js, names: RunNames, end: SessionEnded) -> None:
@@ -71,12 +54,8 @@ def metrics_url():
 
 @pytest.fixture
 async def manager(js, names: RunNames):
-    stop = asyncio.Event()
-    trajectory = TrajectoryManager(js, names, SMALL_RUN.traj, TrajectoryConfig(concurrency=2))
-    task = asyncio.create_task(trajectory.run(stop))
-    yield task
-    stop.set()
-    await asyncio.wait_for(task, 10)
+    async with building(js, names) as task:
+        yield task
 
 
 async def settled(js, names: RunNames) -> bool:

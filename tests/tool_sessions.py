@@ -3,7 +3,6 @@ and the checks that a tool session on the tool stack (``tool_stack``, ``tool_mod
 ``tests/conftest.py``) was recorded token-exact: shared by the framework, built-in and TypeScript
 tool agents' tests (and the multi-agent one's runs)."""
 
-import asyncio
 import json
 
 from broker.messages import CallRecorded, SampleReady, SessionEnded, TaskSubmitted
@@ -12,10 +11,8 @@ from rollout.agents.calculator import calculate
 from rollout.gateway.tools import parse_tool_calls
 from seamlessflow.submit import submit_tasks
 from tests.conftest import TOOL_EXPRESSION, TOOL_QUESTION
-from tests.support import SMALL_RUN, consumer_settled, eventually, stream_messages
+from tests.support import building, consumer_settled, eventually, stream_messages
 from tests.test_agents import calls, ended, runner
-from trajectory.config import TrajectoryConfig
-from trajectory.manager import TrajectoryManager
 
 
 async def run_sessions(
@@ -25,10 +22,7 @@ async def run_sessions(
     manager until their ``count`` sessions have ended and the samples are out: the sessions'
     ``SessionEnded`` and every sample of the run."""
     names = stack.names
-    stop = asyncio.Event()
-    manager = TrajectoryManager(js, names, SMALL_RUN.traj, TrajectoryConfig(concurrency=2))
-    managing = asyncio.create_task(manager.run(stop))
-    try:
+    async with building(js, names) as managing:
         async with runner(js, names, stack.url, **runner_fields):
             await submit_tasks(js, names, tasks, progress=False)
             sessions = await ended(js, names, {t.task_id for t in tasks}, count)
@@ -38,9 +32,6 @@ async def run_sessions(
             timeout=60,
             watch=managing,
         )
-    finally:
-        stop.set()
-        await asyncio.wait_for(managing, 30)
     return sessions, await stream_messages(js, names.samples_stream, SampleReady)
 
 

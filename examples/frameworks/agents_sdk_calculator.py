@@ -26,7 +26,6 @@ from agents import (
 from agents.items import ToolCallOutputItem
 from openai import AsyncOpenAI
 
-from broker.subjects import SESSION_HEADER
 from rollout.agents.agents import AgentContext, AgentResult
 from rollout.agents.calculator import DESCRIPTION, calculate
 
@@ -48,7 +47,7 @@ async def agent(ctx: AgentContext) -> AgentResult:
     client = AsyncOpenAI(
         base_url=ctx.gateway_url,
         api_key="unused",
-        default_headers={SESSION_HEADER: ctx.session_id},
+        default_headers=ctx.headers,
         max_retries=0,
     )
     solver = Agent(

@@ -17,7 +17,6 @@ from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from broker.subjects import SESSION_HEADER
 from rollout.agents.agents import AgentContext, AgentResult
 from rollout.agents.calculator import DESCRIPTION, calculate
 
@@ -40,7 +39,7 @@ async def agent(ctx: AgentContext) -> AgentResult:
         model=ctx.model,
         base_url=ctx.gateway_url,
         api_key="unused",
-        default_headers={SESSION_HEADER: ctx.session_id},
+        default_headers=ctx.headers,
         temperature=ctx.temperature,
         max_tokens=ctx.max_tokens,
         max_retries=0,

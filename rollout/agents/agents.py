@@ -42,6 +42,7 @@ from rollout.agents.exceptions import (
     GatewayUnavailableError,
     UnscoredError,
 )
+from rollout.agents.sessions import gateway_headers
 
 EX_TEMPFAIL = 75
 """An external command exits with this when the gateway failed: the task is retried."""
@@ -59,12 +60,17 @@ class AgentContext:
     gateway_url: str
     """The gateway's OpenAI base URL, ending in ``/v1``."""
     client: openai.AsyncOpenAI
-    """Ready to call: sends ``X-Session-Id: <session_id>`` with every request."""
+    """Ready to call: sends ``headers`` with every request."""
     model: str
     temperature: float
     max_tokens: int
     verify: Callable[[str], bool]
     """The task's verifier with its reference: environment feedback for multi-turn agents."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What ``client`` sends with every call (for a client of one's own)."""
+        return gateway_headers(self.session_id, self.task.task_id)
 
 
 @dataclass(frozen=True)

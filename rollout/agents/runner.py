@@ -48,7 +48,7 @@ from broker.messages import SessionEnded, TaskSubmitted
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.retry import retry
-from broker.subjects import SESSION_HEADER, Durable, RunNames
+from broker.subjects import Durable, RunNames
 from common.log import kv
 from common.metrics import serve_metrics
 from common.ready import announce_ready
@@ -64,7 +64,7 @@ from rollout.agents.exceptions import (
 )
 from rollout.agents.once import OncePerTask
 from rollout.agents.rewards import CallLog, Scoring, Transcript, ended, scoring_for
-from rollout.agents.sessions import gateway_base, group_id, session_id
+from rollout.agents.sessions import gateway_base, gateway_headers, group_id, session_id
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ class AgentRunner:
             task=task,
             session_id=sid,
             gateway_url=self.gateway_url,
-            client=self._client.with_options(default_headers={SESSION_HEADER: sid}),
+            client=self._client.with_options(default_headers=gateway_headers(sid, task.task_id)),
             model=model,
             temperature=self._config.temperature,
             max_tokens=self._config.max_tokens,

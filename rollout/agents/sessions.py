@@ -1,6 +1,9 @@
-"""Session and group ids of a task's attempts, and the gateway's base URL."""
+"""Session and group ids of a task's attempts, the headers of their calls, and the gateway's base
+URL."""
 
 import hashlib
+
+from broker.subjects import SESSION_HEADER, TASK_HEADER
 
 
 def session_id(task_id: str, attempt: int, delivery: int = 1, retry: int = 0) -> str:
@@ -27,6 +30,12 @@ def _suffixed(task_id: str, suffix: str) -> str:
         return task_id + suffix
     digest = hashlib.sha256(task_id.encode()).hexdigest()[:24]
     return f"{task_id[: 64 - len(suffix) - 25]}-{digest}{suffix}"
+
+
+def gateway_headers(session_id: str, task_id: str) -> dict[str, str]:
+    """What an attempt sends the gateway with every call: its session, and its admitted task
+    (without it the gateway counts the call as direct)."""
+    return {SESSION_HEADER: session_id, TASK_HEADER: task_id}
 
 
 def gateway_base(url: str) -> str:

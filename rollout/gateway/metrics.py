@@ -12,6 +12,16 @@ REQUESTS = Counter(
     registry=REGISTRY,
 )
 TOKENS_OUT = Counter("sf_gateway_tokens_out", "Tokens generated for clients", registry=REGISTRY)
+CALLS = Counter(
+    "sf_gateway_calls",
+    "Calls (choices) started, by source: task (an agent runner's attempt at an admitted task, "
+    "header X-Task-Id) or direct (a client driving the gateway itself: outside admission's "
+    "bound until its session ends)",
+    ["source"],
+    registry=REGISTRY,
+)
+for _source in ("task", "direct"):  # exported at 0
+    CALLS.labels(_source)
 PROMPT_TOKENS = Counter(
     "sf_gateway_prompt_tokens",
     "Prompt tokens by source: reused (ids of a session's earlier turns), tokenized, or "

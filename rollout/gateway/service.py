@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from broker.codec import describe
 from broker.messages import FinishReason, SamplingParams, ToolCall
-from broker.subjects import NAME_PATTERN, SESSION_HEADER, RunNames
+from broker.subjects import NAME_PATTERN, SESSION_HEADER, TASK_HEADER, RunNames
 from common.log import kv
 from rollout.exceptions import (
     ClientDisconnectedError,
@@ -47,7 +47,7 @@ from rollout.gateway.choices import ChoiceSpec, Event, Run
 from rollout.gateway.config import GatewayConfig
 from rollout.gateway.detok import Detokenizer
 from rollout.gateway.formats import ChatFormat, CompletionFormat, Format, usage
-from rollout.gateway.metrics import PROMPT_TOKENS, TOKENS_OUT
+from rollout.gateway.metrics import CALLS, PROMPT_TOKENS, TOKENS_OUT
 from rollout.gateway.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -149,6 +149,7 @@ class OpenAIService:
             len(prompt.ids), format_.requested_max_tokens, format_.prompt_param
         )
         specs = self._specs(format_, max_tokens)
+        CALLS.labels("task" if TASK_HEADER in request.headers else "direct").inc(len(specs))
         run = await self._start(request, session_id, prompt, format_, specs)
         if body.stream:
             return sse(self._stream(run, format_, len(prompt.ids)))
