@@ -9,6 +9,9 @@ and the same for tool calls per session when the run's agents count them (a tool
 a run "rises" when its last mean reward exceeds its first by at least ``--rise``. The curves
 (reward; tool calls in a second panel) are drawn into one PNG next to the JSON. ``uptime``'s
 load average is recorded at the start and end of each run (the machine may be shared).
+``--keep DIR`` keeps each run's output folder (its broker store too) under ``DIR``, to read the
+runs' sessions afterwards (``seamlessflow broker --state-dir DIR/<run>/broker``, then
+``seamlessflow export``); by default they are removed.
 
 Usage: python -m bench.recipe [--config examples/smollm2.toml] [--runs 3] [--rise 0.1]
        python -m bench.recipe --config examples/tools.toml --config examples/tools_baseline.toml
@@ -106,6 +109,7 @@ def main() -> None:
         help="first and last means over this many policy versions (the summary's: 10; fewer "
         "for runs of few steps, where 10 and 10 overlap)",
     )
+    parser.add_argument("--keep", type=Path, help="keep each run's output folder under this")
     args = parser.parse_args()
     configs = args.config or [Path("examples/smollm2.toml")]
     runs = args.runs or [3]
@@ -115,11 +119,12 @@ def main() -> None:
         raise SystemExit("give --runs once, or once per --config")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep.resolve() if args.keep else Path(tmp)
         for config, n in zip(configs, runs, strict=True):
             for i in range(n):
                 name = f"{config.stem}-{i}-{int(time.time())}"
                 print(f"{config} run {i + 1}/{n}: {name} ...", flush=True)
-                rows.append(run_once(config, name, Path(tmp) / name, args.edge))
+                rows.append(run_once(config, name, root / name, args.edge))
     print(
         f"\n{'run':>34}{'steps':>7}{'wall s':>8}{'first':>8}{'last':>8}{'rises':>7}"
         f"{'tools first':>13}{'tools last':>12}{'multi-version':>15}{'load':>16}"

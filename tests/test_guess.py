@@ -1,14 +1,17 @@
-"""The long-horizon environment ``guess`` (``rollout.agents.guess``): its feedback, reward, turn
-cap and latency, its demonstrations, and a whole game through a real gateway (hf worker, tiny
-model) recorded token-exact across its turns."""
+"""The long-horizon environment ``guess`` (``rollout.agents.guess``): its feedback, reward (found,
+how fast, and guesses within the open range), turn cap and latency, its demonstrations, and a
+whole game through a real gateway (hf worker, tiny model) recorded token-exact across its
+turns."""
 
 import itertools
 import random
 import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from openai.types.chat import ChatCompletionMessage
 
 from broker.messages import CallRecorded, SessionEnded
 from broker.subjects import SESSION_HEADER
@@ -16,11 +19,13 @@ from rollout.agents.agents import AgentContext
 from rollout.agents.guess import (
     ENV,
     HIGHER,
+    IN_RANGE_WEIGHT,
     LOWER,
     MIN_FOUND,
     NO_GUESS,
     Game,
     demonstration,
+    episode_reward,
     guess_agent,
     guess_reward,
     guess_task,
@@ -51,6 +56,62 @@ def test_the_reward_falls_with_the_turns_used_and_is_zero_when_not_found():
     assert found[:3] == [1.0, 0.9, 0.8]
     assert all(a > b for a, b in itertools.pairwise(found[:10]))
     assert found[-1] == MIN_FOUND > guess_reward(False, 1) == 0.0
+
+
+def test_the_episode_reward_also_credits_guesses_within_the_open_range():
+    assert episode_reward(True, 1, 1) == 1.0
+    assert episode_reward(True, 3, 3) == pytest.approx(0.9)  # 0.5 * 0.8 + 0.5 * 3/3
+    # Games not won: the more guesses used the feedback, the more reward (found-only: all 0.0).
+    lost = [episode_reward(False, 8, k) for k in range(9)]
+    assert lost[0] == 0.0 and lost[8] == IN_RANGE_WEIGHT
+    assert all(a < b for a, b in itertools.pairwise(lost))
+    # Found late with every guess in range beats found late with guesses wasted outside it.
+    assert episode_reward(True, 6, 6) > episode_reward(True, 6, 2)
+    every = [episode_reward(f, t, k) for f in (True, False) for t in range(1, 13)
+             for k in range(t + 1)]  # fmt: skip
+    assert min(every) == 0.0 and max(every) == 1.0
+    with pytest.raises(ValueError, match="3 guesses in range out of 2"):
+        episode_reward(False, 2, 3)
+
+
+class ScriptedModel:
+    """A client whose model replies ``replies`` in order, one per call."""
+
+    def __init__(self, replies: list[str]) -> None:
+        self.replies = iter(replies)
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+
+    async def create(self, **_: object) -> SimpleNamespace:
+        message = ChatCompletionMessage(role="assistant", content=next(self.replies))
+        return SimpleNamespace(choices=[SimpleNamespace(message=message)])
+
+
+def scripted(secret: int, replies: list[str], max_turns: int = 8) -> AgentContext:
+    task = guess_task("t", secret, high=16, group_size=1, max_turns=max_turns)
+    return AgentContext(
+        task=task,
+        session_id="s",
+        gateway_url="http://unused/v1",
+        client=ScriptedModel(replies),  # type: ignore[arg-type]
+        model=MODEL,
+        temperature=1.0,
+        max_tokens=4,
+        verify=bind(task.reward),
+    )
+
+
+async def test_the_agent_scores_its_game_by_the_guesses_in_the_open_range():
+    # 5 (in 1-16), 3 (out of 6-16), no number (out), 12 (in 6-16), 9 (in 6-11: found).
+    result = await guess_agent(scripted(9, ["5", "3", "hm", "12", "9"]))
+    assert result.answer == "9" and result.turns == 5
+    assert result.metrics == {"found": 1.0, "in_range": 0.6}
+    assert result.reward == pytest.approx(0.5 * 0.6 + 0.5 * 0.6)
+    # Not found: 8 (in 1-16), then 8 twice (out of 9-16); the last guess, unanswered, counts.
+    result = await guess_agent(scripted(9, ["8", "8", "8"], max_turns=3))
+    assert result.turns == 3 and result.metrics == {"found": 0.0, "in_range": pytest.approx(1 / 3)}
+    assert result.reward == pytest.approx(0.5 / 3, abs=1e-6)
+    result = await guess_agent(scripted(9, ["8", "12", "10"], max_turns=3))
+    assert result.metrics["in_range"] == 1.0 and result.reward == IN_RANGE_WEIGHT
 
 
 def test_tasks_are_generated_in_code_and_verified_by_their_secret():

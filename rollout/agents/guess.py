@@ -11,9 +11,16 @@ did not learn, in minutes of RL, to work it out from bare "higher"/"lower" over 
 its reward stayed flat or fell over 16-32 steps.) Every turn appends to one conversation, so
 the session is one growing prompt: one sample, every guess in its loss mask.
 
-Reward (``guess_reward``): 1.0 for the secret on the first turn, 0.1 less per further turn (at
-least ``MIN_FOUND``), 0.0 when not found within the turn cap; so a policy that uses the feedback
-(halving the range) earns more than one that finds the number late or not at all.
+Reward (``episode_reward``, the agent's own, computed from the game it played): half for
+finding the secret and how fast (``guess_reward``: 1.0 on the first turn, 0.1 less per further
+turn, at least ``MIN_FOUND``; 0.0 not found within the turn cap), half for the fraction of its
+guesses that fell inside the range the feedback had left open when they were made (a reply
+without a number is outside). One float per episode in [0, 1]. The second half is shaping for a
+tiny model: found-or-not alone was too sparse for RL to improve in minutes of CPU
+(docs/agents.md, section 7), while a game not won still shows, guess by guess, whether the
+feedback was used. The metrics ``found`` and ``in_range`` (and the runner's ``turns``) report
+the two halves apart. A configured agent playing ``guess`` (one that gives no reward) is scored
+by the verifier with ``guess_reward`` alone: it is not known which of its guesses were in range.
 
 Demonstrations for the warm start (``demonstration``) guess uniformly within the open range:
 they teach the format and the use of the feedback, not the halving, so RL has turns to save.
@@ -44,6 +51,8 @@ FEEDBACK = "{verdict}: {low}-{high}"
 VERIFIER = "number"
 MAX_TOKENS = 4
 """Tokens per guess (a number), unless ``metadata["max_tokens"]`` says otherwise."""
+IN_RANGE_WEIGHT = 0.5
+"""The share of ``episode_reward`` given for guessing within the open range."""
 STEP = 0.1
 """Reward lost per turn after the first."""
 MIN_FOUND = 0.1
@@ -61,6 +70,10 @@ class Game:
     secret: int
     low: int
     high: int
+
+    def open(self, guess: int | None) -> bool:
+        """Whether ``guess`` lies in the range still open (``None``: no number, it does not)."""
+        return guess is not None and self.low <= guess <= self.high
 
     def answer(self, guess: int | None) -> tuple["Game", str]:
         """The game after a wrong ``guess`` (``None``: the reply held no number), and what the
@@ -80,6 +93,16 @@ def guess_reward(correct: bool, turns: int) -> float:
     if not correct:
         return 0.0
     return max(MIN_FOUND, round(1.0 - STEP * (turns - 1), 6))
+
+
+def episode_reward(found: bool, turns: int, in_range: int) -> float:
+    """The reward of a game of ``turns`` guesses, ``in_range`` of them inside the range open when
+    made: ``(1 - IN_RANGE_WEIGHT) * guess_reward(found, turns) + IN_RANGE_WEIGHT * in_range /
+    turns``, in [0, 1]."""
+    if not 0 <= in_range <= turns:
+        raise ValueError(f"{in_range} guesses in range out of {turns}")
+    shaped = IN_RANGE_WEIGHT * in_range / turns
+    return round((1.0 - IN_RANGE_WEIGHT) * guess_reward(found, turns) + shaped, 6)
 
 
 def guess_task(
@@ -151,19 +174,36 @@ def demonstration(rng: random.Random, high: int) -> tuple[list[dict[str, str]], 
     return messages, str(rng.randint(game.low, game.high))
 
 
+def _guess(message: ChatCompletionMessage) -> int | None:
+    """The reply's guess: its first number (``None``: it has none)."""
+    number = first_number(message.content or "")
+    return None if number is None else int(number)
+
+
 async def guess_agent(ctx: AgentContext) -> AgentResult:
     """Ask for a guess; while wrong and turns remain, the environment (after its latency) says
-    higher or lower and the model guesses again."""
+    higher or lower and the model guesses again. The reward is ``episode_reward`` of the game."""
     game = Game(int(ctx.task.reward.reference or "0"), 1, int(ctx.task.metadata.get("high", "0")))
     delay = float(ctx.task.metadata.get("turn_delay_s", "0"))
+    in_range = 0
 
     async def feedback(message: ChatCompletionMessage) -> list[dict[str, Any]]:
-        nonlocal game
-        text = message.content or ""
-        guess = first_number(text)
+        nonlocal game, in_range
+        guess = _guess(message)
+        in_range += game.open(guess)
         await asyncio.sleep(delay)  # the environment's step
-        game, said = game.answer(None if guess is None else int(guess))
-        return [{"role": "assistant", "content": text}, {"role": "user", "content": said}]
+        game, said = game.answer(guess)
+        return [
+            {"role": "assistant", "content": message.content or ""},
+            {"role": "user", "content": said},
+        ]
 
     message, turns = await converse(ctx, feedback, MAX_TOKENS)
-    return AgentResult(answer=message.content or "", turns=turns)
+    in_range += game.open(_guess(message))  # the last guess, which got no feedback
+    found = ctx.verify(message.content or "")
+    return AgentResult(
+        answer=message.content or "",
+        turns=turns,
+        metrics={"found": float(found), "in_range": in_range / turns},
+        reward=episode_reward(found, turns, in_range),
+    )
