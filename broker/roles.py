@@ -33,6 +33,7 @@ from broker import codec
 from broker.exceptions import InvalidMessageError
 from broker.messages import Role, RoleChangeAcked, RoleChangeRequested
 from broker.registry import Registration
+from broker.retry import retry
 from broker.subjects import RunNames
 from common.log import kv
 
@@ -237,7 +238,9 @@ async def membership(
     taken even if one before it raised."""
     async with contextlib.AsyncExitStack() as leave:  # runs its callbacks last-in, first-out
         await switch(registration.entry.role)
-        await registration.put()
+        # A process joining while JetStream cannot answer (leaders moving after an outage) waits
+        # for it to register, rather than exiting.
+        await retry(registration.put, what="registration")
         leave.push_async_callback(registration.delete)
         roles = RoleHolder(nc, names, registration, switch)
         leave.push_async_callback(roles.stop)

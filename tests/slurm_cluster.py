@@ -195,7 +195,10 @@ class SlurmCluster:
             "ReturnToService=2",
             "SlurmdParameters=config_overrides",
             "SlurmctldTimeout=30",
-            "SlurmdTimeout=60",
+            # Slurm's default: a node whose slurmd did not answer for this long is DOWN and its
+            # jobs cancelled. At 60 s the test's 30 s link cut ended the job when the last ping
+            # answered came 30 s before the cut.
+            "SlurmdTimeout=300",
             "MessageTimeout=20",
             "InactiveLimit=0",
             "MinJobAge=300",

@@ -65,6 +65,7 @@ from trainer.checkpoint import read_steps
 
 pytestmark = [
     pytest.mark.cluster,
+    pytest.mark.cluster_long,  # outside CI: see the Makefile's test-cluster-long
     pytest.mark.skipif(available() is not None, reason=str(available())),
 ]
 
