@@ -121,6 +121,11 @@ class Registration:
                 await self.put()
             except NatsError as exc:
                 log.warning(kv("heartbeat_failed", worker=self.worker_id, error=exc))
+            # nats-py waits for replies with asyncio.wait_for, which (Python 3.11) returns the
+            # reply when a cancel lands as it arrives: the cancel is swallowed, and this loop
+            # would outlive it (a worker that never stopped, with heartbeats every 0.5 s).
+            if (task := asyncio.current_task()) is not None and task.cancelling():
+                raise asyncio.CancelledError
 
     async def delete(self) -> None:
         """Remove the entry. Called on the way out, so a broker outage is logged, not raised: it
