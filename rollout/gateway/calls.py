@@ -93,9 +93,9 @@ RECORD_ATTEMPTS = 3
 """Publishes of a CallRecorded (0.5 s, then 1 s apart) before the call fails."""
 
 _POLL_S = 0.25
+"""How often a waiting call looks at the connection."""
 _GONE_LOOKS = 2
 """Looks ``stall_timeout_s`` apart that must find a request gone before its attempt is lost."""
-"""How often a waiting call looks at the connection."""
 
 
 class CallLimits(BaseModel):
