@@ -67,6 +67,7 @@ class RunPlan:
     consumers: list[ConsumerPlan]
     workers_kv: KeyValueConfig
     control_kv: KeyValueConfig
+    state_kv: KeyValueConfig
     weights_store: ObjectStoreConfig
     bucket_streams: dict[str, dict[str, object]]
     """Settings of the KV and object-store streams that must match on re-provisioning."""
@@ -133,6 +134,7 @@ def plan(run: str, cfg: ProvisionConfig) -> RunPlan:
     control_kv = KeyValueConfig(
         bucket=n.control_kv, history=1, ttl=cfg.scheduler_lease_s, replicas=cfg.replicas
     )
+    state_kv = KeyValueConfig(bucket=n.state_kv, history=1, replicas=cfg.replicas)
     weights_store = ObjectStoreConfig(
         bucket=n.weights_store,
         max_bytes=cfg.weights_store_max_bytes,
@@ -150,12 +152,19 @@ def plan(run: str, cfg: ProvisionConfig) -> RunPlan:
             "max_msgs_per_subject": 1,
             "num_replicas": cfg.replicas,
         },
+        KV_STREAM.format(n.state_kv): {
+            "max_age": 0.0,
+            "max_msgs_per_subject": 1,
+            "num_replicas": cfg.replicas,
+        },
         OBJ_STREAM.format(n.weights_store): {
             "max_bytes": cfg.weights_store_max_bytes,
             "num_replicas": cfg.replicas,
         },
     }
-    return RunPlan(n, streams, consumers, workers_kv, control_kv, weights_store, bucket_streams)
+    return RunPlan(
+        n, streams, consumers, workers_kv, control_kv, state_kv, weights_store, bucket_streams
+    )
 
 
 _STREAM_FIELDS = (
@@ -218,7 +227,7 @@ async def provision_run(
     for sc in p.streams:
         wanted = {k: getattr(sc, k) for k in _STREAM_FIELDS}
         await ensure(sc.name, wanted, lambda sc=sc: js.add_stream(sc))
-    for bucket in (p.workers_kv, p.control_kv):
+    for bucket in (p.workers_kv, p.control_kv, p.state_kv):
         kv_stream = KV_STREAM.format(bucket.bucket)
         await ensure(
             kv_stream, p.bucket_streams[kv_stream], lambda b=bucket: js.create_key_value(b)

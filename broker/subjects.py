@@ -148,6 +148,12 @@ class RunNames:
         return f"sf-{self.run}-control"
 
     @property
+    def state_kv(self) -> str:
+        """The control plane's durable state (no TTL): what must outlive the scheduler holding
+        the lease, for the one that takes over (``docs/protocol.md`` lists its keys)."""
+        return f"sf-{self.run}-state"
+
+    @property
     def weights_store(self) -> str:
         return f"sf-{self.run}-weights"
 

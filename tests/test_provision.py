@@ -27,7 +27,7 @@ async def test_provisioning_twice_is_a_no_op(js, run_name):
     second = await provision_run(js, run_name, SMALL_RUN)
     after = {name: (await js.stream_info(name)).config for name in _streams(run_name)}
 
-    assert len(first.created) == 14  # 6 streams, 2 KV buckets, object store, 5 consumers
+    assert len(first.created) == 15  # 6 streams, 3 KV buckets, object store, 5 consumers
     assert second.created == []
     assert sorted(second.unchanged) == sorted(first.created)
     assert before == after
