@@ -342,6 +342,29 @@ class WorkerRegistered(Message):
     heartbeat_at: Timestamp
 
 
+class TrainerGroup(Message):
+    """The workers that train together, one data-parallel group: rank = index in ``members``,
+    rank 0 takes the samples. # scheduler -> workers holding a trainer, as key
+    ``trainer-group`` of the ``sf-<run>-state`` KV bucket, rewritten when the membership
+    changes (a new ``generation`` each time)."""
+
+    generation: int = Field(ge=1, lt=MAX_SAFE_INT)
+    members: list[Id] = Field(max_length=4096)
+    changed_at: Timestamp
+
+
+class TrainerRendezvous(Message):
+    """Where the members of one formation of the trainer group meet: rank 0's
+    ``torch.distributed`` store. # rank 0 -> the other members, as key ``trainer-rendezvous``
+    of the ``sf-<run>-state`` KV bucket; a new ``attempt`` each time rank 0 forms the group."""
+
+    generation: int = Field(ge=1, lt=MAX_SAFE_INT)
+    attempt: int = Field(ge=1, lt=MAX_SAFE_INT)
+    members: list[Id] = Field(min_length=1, max_length=4096)
+    host: str = Field(min_length=1, max_length=256)
+    port: int = Field(ge=1, lt=65536)
+
+
 class RoleChangeRequested(Message):
     """Take this role. # scheduler -> worker, request on ``sf.<run>.ctl.role.<worker_id>``."""
 

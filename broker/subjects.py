@@ -153,6 +153,11 @@ class RunNames:
         the lease, for the one that takes over (``docs/protocol.md`` lists its keys)."""
         return f"sf-{self.run}-state"
 
+    TRAINER_GROUP_KEY = "trainer-group"
+    """``state_kv`` key: the trainer group (``TrainerGroup``), written by the scheduler."""
+    TRAINER_RENDEZVOUS_KEY = "trainer-rendezvous"
+    """``state_kv`` key: where the group's ranks meet (``TrainerRendezvous``), by its rank 0."""
+
     @property
     def weights_store(self) -> str:
         return f"sf-{self.run}-weights"

@@ -1,7 +1,9 @@
 """One process, one registration, two parts: the rollout worker serves as ``rollout``, the
-trainer steps as ``train``. Switching stops one part before starting the other: taking ``train``
-stops routing to the engine, aborts its generations (they continue elsewhere) and pauses it warm;
-giving ``train`` up lets the step in progress commit first."""
+trainer steps as ``train`` (as one rank of the trainer group, ``trainer.group``: several such
+workers train together, and only the group's rank 0 takes samples). Switching stops one part
+before starting the other: taking ``train`` stops routing to the engine, aborts its generations
+(they continue elsewhere) and pauses it warm; giving ``train`` up lets the step in progress
+commit first."""
 
 import asyncio
 from collections.abc import Awaitable
@@ -13,6 +15,7 @@ from nats.aio.client import Client as NATS
 from broker.client import session
 from broker.config import ProvisionConfig
 from broker.messages import Role
+from broker.registry import node_name
 from broker.roles import membership
 from broker.subjects import RunNames
 from common.metrics import serve_metrics
@@ -21,6 +24,7 @@ from rollout.serve import METRICS, announce, worker_registration
 from rollout.worker import RolloutWorker
 from rollout.worker_config import WorkerConfig
 from trainer.config import TrainerConfig
+from trainer.group import GroupLink
 from trainer.metrics import REGISTRY as TRAINER_METRICS
 from trainer.serve import close_ranks, open_ranks
 from trainer.service import Trainer
@@ -87,8 +91,18 @@ async def _serve(
         async with membership(
             nc, names, registration, switch, heartbeat_s=c.worker.heartbeat_s
         ) as roles:
+            link = GroupLink(
+                js,
+                names,
+                c.worker.worker_id,
+                node_name(),  # the host its registry entry names
+                trainer,
+                ranks,
+                c.trainer.collective_timeout_s,
+            )
             outcomes = await asyncio.gather(
-                _part(trainer.serve(c.provision, roles, stop), stop),
+                _part(trainer.serve(c.provision, roles, stop, grouped=True), stop),
+                _part(link.run(stop), stop),
                 _part(rollout.run(roles, stop, ready), stop),
                 return_exceptions=True,
             )

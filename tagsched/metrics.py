@@ -74,3 +74,21 @@ for _role in Role:
     ASSIGNED.labels(_role.value)
 for _outcome in ("acked", "refused", "timeout"):
     CHANGES.labels(_outcome)
+GROUP_SIZE = Gauge(
+    "sf_scheduler_trainer_group_size",
+    "Workers in the trainer group (the data-parallel ranks of the trainer)",
+    registry=REGISTRY,
+)
+GROUP_GENERATION = Gauge(
+    "sf_scheduler_trainer_group_generation",
+    "Generation of the trainer group record (one more at each membership change)",
+    registry=REGISTRY,
+)
+GROUP_CHANGES = Counter(
+    "sf_scheduler_trainer_group_changes",
+    "Trainer group membership changes written, by cause: a worker joined or left",
+    ["cause"],
+    registry=REGISTRY,
+)
+for _cause in ("joined", "left"):
+    GROUP_CHANGES.labels(_cause)

@@ -56,6 +56,7 @@ from tagsched.exceptions import (
     SchedulerError,
     UnsatisfiableSpecError,
 )
+from tagsched.group import GroupRecord
 from tagsched.lease import Lease
 from tagsched.lending import LendingPolicy, RateMeter, trainer_roles
 from tagsched.metrics import (
@@ -113,6 +114,7 @@ class Scheduler:
         self._unsatisfied_since: float | None = None
         self._last_problem = ""
         self.assignment = Assignment()
+        self._group = GroupRecord(self._js, names)  # the trainer group: tagsched.group
 
     # -- the lease ----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, on_ready=lambda: None) -> None:
@@ -238,6 +240,7 @@ class Scheduler:
             return
         self._unsatisfied_since = None
         UNSATISFIED.set(0)
+        await self._group.follow(self.assignment.train)  # before any member is given train
         state = await self._admission.state()
         rate = self._rate.update(time.monotonic(), state.groups_total)
         # No trainer registered yet: nothing to lend (as if its batch were ready).

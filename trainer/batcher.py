@@ -121,6 +121,13 @@ class Batcher:
             self._complete[group_id] = self._open.pop(group_id).samples()
         return len(expired)
 
+    def restore(self, groups: list[list[SampleReady]]) -> None:
+        """Put back groups ``take`` gave out (their step was abandoned), first in line."""
+        for group in reversed(groups):
+            self._complete[group[0].group_id] = group
+            self._complete.move_to_end(group[0].group_id, last=False)
+            self._held.update(s.sample_id for s in group)
+
     def take(self, groups: int) -> list[list[SampleReady]] | None:
         """The ``groups`` oldest complete groups, or None while fewer are complete."""
         if len(self._complete) < groups:

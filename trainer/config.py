@@ -182,6 +182,13 @@ class TrainerConfig(BaseModel):
         default_factory=lambda: ["train"], description="capability tags, comma-separated"
     )
     heartbeat_s: float = Field(default=5.0, gt=0, description="worker registry renewal period")
+    collective_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="trainer group of workers: how long its rendezvous and each collective may "
+        "wait for a member before the group re-forms (rank 0 pings an idle group every third "
+        "of it)",
+    )
 
     def shape(self) -> TrainerShape:
         """What the scheduler admits by (the trainer's registry entry carries it)."""

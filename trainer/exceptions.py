@@ -17,3 +17,8 @@ class CheckpointError(TrainerError):
 
 class BatchError(TrainerError):
     """Samples cannot form a valid batch (inconsistent group sizes, bad shapes)."""
+
+
+class GroupBrokenError(TrainerError):
+    """A collective of the trainer group failed (a member died, left or timed out): the step
+    was abandoned with the weights and optimizer as last committed; the group re-forms."""

@@ -147,3 +147,44 @@ def report_step(version: int, items: list[TrainItem], stats: StepStats, seconds:
             seconds=round(seconds, 3),
         )
     )
+
+
+GROUP_SIZE = Gauge(
+    "sf_trainer_group_size",
+    "Workers in the trainer group this worker follows (trainer.group)",
+    registry=REGISTRY,
+)
+GROUP_GENERATION = Gauge(
+    "sf_trainer_group_generation", "Generation of the trainer group followed", registry=REGISTRY
+)
+GROUP_RANK = Gauge(
+    "sf_trainer_group_rank",
+    "This worker's rank in the trainer group; -1 outside it (it takes no samples)",
+    registry=REGISTRY,
+)
+GROUP_REFORMS = Counter(
+    "sf_trainer_group_reforms",
+    "Trainer group formations by its rank 0, by cause: a new generation (membership), a failed "
+    "collective (failure: a member died or timed out), an earlier rendezvous that timed out",
+    ["cause"],
+    registry=REGISTRY,
+)
+for _cause in ("membership", "failure", "rendezvous"):
+    GROUP_REFORMS.labels(_cause)
+GROUP_REFUSED = Counter(
+    "sf_trainer_group_refused",
+    "Trainer group records this worker could not join (trainer.world_size > 1 local ranks)",
+    registry=REGISTRY,
+)
+RENDEZVOUS_SECONDS = Histogram(
+    "sf_trainer_group_rendezvous_seconds",
+    "From the rendezvous opened (rank 0) or read (others) to the group formed, state sent",
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)
+RANK_STEP_SECONDS = Histogram(
+    "sf_trainer_rank_step_seconds",
+    "One step on this rank (its shard), in a trainer group of workers",
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)

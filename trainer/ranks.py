@@ -4,8 +4,15 @@ follow. With ``world_size > 1`` rank 0 starts the followers as local processes t
 checkpoint, train these items, stop); every rank then runs the same ``train_step`` on its shard.
 
 Commands travel as JSON bytes in a uint8 tensor (samples as their JSON form): no pickle.
+
+The same ranks also span workers: a trainer group (``trainer.group``) joins this process to the
+other members' as one ``torch.distributed`` group (``join``), rank 0 sends its committed state
+(``send_state``: safetensors bytes and JSON, no pickle) and then drives each step as above; a
+follower member runs ``follow_group``. A collective that fails in such a group (a member died)
+raises ``GroupBrokenError`` with the backend restored to its state before the step.
 """
 
+import copy
 import json
 import logging
 import multiprocessing
@@ -18,6 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 
 from broker.messages import SampleReady
 from common.log import kv, setup_logging
@@ -25,6 +34,8 @@ from trainer.backends import TrainerBackend, build_backend
 from trainer.batcher import TrainItem
 from trainer.checkpoint import Checkpoint, load_file
 from trainer.config import TrainerConfig
+from trainer.exceptions import GroupBrokenError
+from trainer.metrics import RANK_STEP_SECONDS
 from trainer.step import StepStats, train_step
 
 log = logging.getLogger(__name__)
@@ -43,6 +54,8 @@ class RankGroup:
 
     def __init__(self, model: Path, config: TrainerConfig) -> None:
         self._config = config
+        self._lock = threading.Lock()  # one sequence of collectives at a time
+        self.grouped = False  # joined to a trainer group of workers (``join``)
         self._followers: list[multiprocessing.Process] = []
         if config.world_size > 1:
             init = f"tcp://127.0.0.1:{_free_port()}"
@@ -60,8 +73,12 @@ class RankGroup:
         self.backend: TrainerBackend = build_backend(model, config)
 
     @property
+    def local_world_size(self) -> int:
+        return self._config.world_size
+
+    @property
     def distributed(self) -> bool:
-        return bool(self._followers)
+        return dist.is_initialized()
 
     def load(self, checkpoint: Checkpoint | None, path: Path | None) -> None:
         """Every rank loads ``checkpoint`` (followers read it from ``path``, on this machine)."""
@@ -71,17 +88,141 @@ class RankGroup:
             self.backend.load_state(checkpoint.backend)
 
     def step(self, items: list[TrainItem], version: int) -> StepStats:
-        if self.distributed:
+        with self._lock:
+            if not self.distributed:
+                return train_step(self.backend, items, version, self._config)
             command = {
                 "kind": "step",
                 "version": version,
                 "items": [[i.sample.model_dump_json(), i.advantage, i.weight] for i in items],
             }
-            _broadcast(command, self._comm)
-        return train_step(self.backend, items, version, self._config)
+            if not self.grouped:
+                _broadcast(command, self._comm)
+                return train_step(self.backend, items, version, self._config)
+            # With several minibatches an earlier one's update may land before a later
+            # collective fails: keep the committed state to go back to.
+            before = copy.deepcopy(self.backend.state()) if self._config.minibatches > 1 else None
+            started = time.monotonic()
+            try:
+                _broadcast(command, self._comm)
+                stats = train_step(self.backend, items, version, self._config)
+                RANK_STEP_SECONDS.observe(time.monotonic() - started)
+                return stats
+            except RuntimeError as exc:  # gloo and nccl raise their failures as RuntimeError
+                if before is not None:
+                    self.backend.load_state(before)
+                self._destroy()
+                raise GroupBrokenError(f"step v{version + 1} abandoned: {exc}") from exc
+
+    # -- a trainer group of workers ----------------------------------------------------------
+    def join(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+        """Join the group that meets at ``store`` (every member calls this; blocks until all
+        have, at most ``timeout``). Rank 0 then sends its state to every other rank."""
+        if self._followers:
+            raise GroupBrokenError(
+                f"trainer.world_size = {self._config.world_size} (local ranks) cannot join a "
+                "trainer group of several workers"
+            )
+        with self._lock:
+            use_cuda = self._device().type == "cuda"
+            if use_cuda:
+                torch.cuda.set_device(self._device())
+            dist.init_process_group(
+                "nccl" if use_cuda else "gloo",
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
+            self.grouped = True
+            try:
+                if rank == 0:
+                    self._send_state()
+                else:
+                    self._receive_state(_broadcast(None, self._comm))
+            except RuntimeError as exc:
+                self._destroy()
+                raise GroupBrokenError(f"state transfer failed: {exc}") from exc
+
+    def _device(self) -> torch.device:
+        return next(self.backend.model.parameters()).device  # the torch backend's
+
+    def ping(self) -> None:
+        """Rank 0, between steps: a command that does nothing, so that the others' wait for the
+        next one never reaches the collective timeout, and a member gone is found before the
+        next step. Raises ``GroupBrokenError``."""
+        with self._lock:
+            if not self.grouped:
+                return
+            try:
+                _broadcast({"kind": "ping"}, self._comm)
+            except RuntimeError as exc:
+                self._destroy()
+                raise GroupBrokenError(f"ping failed: {exc}") from exc
+
+    def leave(self) -> None:
+        """Rank 0: tell the other members the group is over (they wait for the next), then
+        leave it. A member gone already is no error: the group is over either way."""
+        with self._lock:
+            if not self.grouped or dist.get_rank() != 0:
+                return
+            try:
+                _broadcast({"kind": "leave"}, self._comm)
+            except RuntimeError as exc:
+                log.info(kv("trainer_group_leave_failed", error=exc))
+            self._destroy()
+
+    def follow_group(self) -> None:
+        """A member other than rank 0, after ``join``: run rank 0's commands until it says
+        ``leave`` (returns) or a collective fails (raises ``GroupBrokenError``); left either way."""
+        try:
+            while True:
+                command = _broadcast(None, self._comm)
+                if command["kind"] == "leave":
+                    return
+                if command["kind"] == "step":
+                    started = time.monotonic()
+                    train_step(self.backend, _items(command), command["version"], self._config)
+                    RANK_STEP_SECONDS.observe(time.monotonic() - started)
+        except RuntimeError as exc:
+            raise GroupBrokenError(f"lost rank 0: {exc}") from exc
+        finally:
+            self._destroy()
+
+    def _destroy(self) -> None:
+        self.grouped = False
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _send_state(self) -> None:
+        """The committed model and optimizer state, to every other rank."""
+        state = self.backend.state()
+        tensors = {f"model.{k}": v.detach().cpu().clone() for k, v in state["model"].items()}
+        optimizer = state["optimizer"]
+        for index, entries in optimizer["state"].items():
+            for name, value in entries.items():
+                tensors[f"optimizer.{index}.{name}"] = value.detach().cpu().clone()
+        _broadcast({"kind": "state", "param_groups": optimizer["param_groups"]}, self._comm)
+        _broadcast_bytes(save_tensors(tensors), self._comm)
+
+    def _receive_state(self, command: dict) -> None:
+        tensors = load_tensors(_broadcast_bytes(None, self._comm))
+        model, optimizer = {}, {}
+        for key, value in tensors.items():
+            part, name = key.split(".", 1)
+            if part == "model":
+                model[name] = value
+            else:
+                index, entry = name.split(".", 1)
+                optimizer.setdefault(int(index), {})[entry] = value
+        groups = command["param_groups"]
+        self.backend.load_state(
+            {"model": model, "optimizer": {"state": optimizer, "param_groups": groups}}
+        )
 
     def close(self) -> None:
-        if self.distributed:
+        self.leave()
+        if self._followers:
             _broadcast({"kind": "stop"}, self._comm)
             for p in self._followers:
                 p.join(timeout=30)
@@ -108,13 +249,16 @@ def follow(rank: int, init: str, model: Path, config: TrainerConfig, parent: int
             if command["path"]:
                 backend.load_state(load_file(Path(command["path"])).backend)
             continue
-        items = [
-            TrainItem(SampleReady.model_validate_json(sample), advantage, weight)
-            for sample, advantage, weight in command["items"]
-        ]
-        train_step(backend, items, command["version"], config)
+        train_step(backend, _items(command), command["version"], config)
     dist.destroy_process_group()
     log.info(kv("trainer_rank_stopped", rank=rank))
+
+
+def _items(command: dict) -> list[TrainItem]:
+    return [
+        TrainItem(SampleReady.model_validate_json(sample), advantage, weight)
+        for sample, advantage, weight in command["items"]
+    ]
 
 
 def _init(rank: int, init: str, config: TrainerConfig) -> None:
@@ -136,17 +280,22 @@ def _comm_device() -> torch.device:
 
 def _broadcast(command: dict | None, device: torch.device) -> dict:
     """Rank 0 sends ``command``; every other rank receives and returns it."""
+    data = _broadcast_bytes(None if command is None else json.dumps(command).encode(), device)
+    return command if command is not None else json.loads(data)
+
+
+def _broadcast_bytes(data: bytes | None, device: torch.device) -> bytes:
+    """Rank 0 sends ``data``; every other rank receives and returns it."""
     if dist.get_rank() == 0:
-        data = json.dumps(command).encode()
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
         dist.broadcast(size, 0)
         dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), 0)
-        return command
+        return data
     size = torch.zeros(1, dtype=torch.int64, device=device)
     dist.broadcast(size, 0)
     buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(buf, 0)
-    return json.loads(buf.cpu().numpy().tobytes())
+    return buf.cpu().numpy().tobytes()
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -45,7 +45,7 @@ from trainer import checkpoint
 from trainer.batcher import DROPPED, Batcher, Outcome, lag, plan_step
 from trainer.checkpoint import Checkpoint, StepRecord
 from trainer.config import TrainerConfig
-from trainer.exceptions import BatchError, TrainerError
+from trainer.exceptions import BatchError, GroupBrokenError, TrainerError
 from trainer.metrics import (
     CHECKPOINT_SECONDS,
     DROPPED_SAMPLES,
@@ -96,12 +96,24 @@ class Trainer:
         self._roles: RoleHolder | None = None  # set by serve: busy time, the entry's version
         self._publisher = WeightPublisher(js, names, config, PUBLISH_SECONDS)
         self._uncommitted: list[StepRecord] = []  # steps since the last checkpoint
+        # The trainer group (``trainer.group``): only its rank 0 takes samples (``_leading``),
+        # steps only while the group is formed (``_formed``), and tells a failed collective
+        # (``broken``). A trainer outside any group leads and is formed.
+        self._leading = asyncio.Event()
+        self._leading.set()
+        self._formed = asyncio.Event()
+        self._formed.set()
+        self.broken = asyncio.Event()
+        self._ingress_stop = asyncio.Event()
+        self._provision: ProvisionConfig | None = None
 
     # -- samples ----------------------------------------------------------------------------
     async def on_sample(self, sample: SampleReady, delivery: Delivery) -> None:
         """Ingress handler: returns (-> ack) once the step that consumed the sample is committed."""
         if self._stopping:  # after the hand-back: nobody would release it
             raise HandBack("trainer stopping")
+        if not self._leading.is_set():  # another member of the trainer group takes samples
+            raise HandBack("not the trainer group's rank 0")
         # 1. Trained before this (re)delivery: acknowledge it again, train nothing.
         if sample.sample_id in self._trained:
             SAMPLES.labels(Outcome.DUPLICATE.value).inc()
@@ -133,6 +145,58 @@ class Trainer:
             else:
                 future.set_exception(error)
 
+    # -- the trainer group -------------------------------------------------------------------
+    async def lead(self, on: bool) -> None:
+        """Take samples (``on``: this trainer is the group's rank 0) or stop taking them: then
+        hand back every held sample (nak: rank 0 takes it) and stop consuming."""
+        if on == self._leading.is_set():
+            return
+        if on:
+            self._leading.set()
+            return
+        self._leading.clear()
+        async with self._stepping:  # a step in progress commits what it took
+            self._release(list(self._waiting), HandBack("not the trainer group's rank 0"))
+            self._batcher = Batcher()
+        self._ingress_stop.set()
+
+    def formed(self, on: bool) -> None:
+        """Whether the trainer group is formed: steps wait while it is not."""
+        if on:
+            self.broken.clear()
+            self._formed.set()
+        else:
+            self._formed.clear()
+
+    @property
+    def stepping(self) -> asyncio.Lock:
+        """Held for each step: the group re-forms between steps, never during one."""
+        return self._stepping
+
+    async def resume(self) -> None:
+        """Becoming rank 0: carry on from the newest checkpoint if it is ahead of this trainer
+        (the previous rank 0 committed it), then publish what it left unpublished."""
+        directory = self._config.checkpoint_dir
+        path = checkpoint.latest_path(directory) if directory is not None else None
+        if path is not None:
+            start = await asyncio.to_thread(checkpoint.load_file, path)
+            if start.version > self.version:
+                await asyncio.to_thread(self._ranks.backend.load_state, start.backend)
+                self.version = start.version
+                self._recent = list(start.recent)
+                self._trained = start.trained_ids()
+                log.info(kv("trainer_resumed", version=start.version, path=path))
+        await self.publish_if_missing()
+
+    async def _consume(self, stop: asyncio.Event) -> None:
+        """Consume samples while leading, until ``stop``."""
+        while not stop.is_set():
+            if not self._leading.is_set():
+                await wait_first(self._leading.wait(), stop.wait())
+                continue
+            self._ingress_stop = asyncio.Event()
+            await self._samples(self._provision).run(self._ingress_stop)
+
     # -- steps ------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         """Step whenever enough groups are complete, until ``stop``; then hand every held
@@ -145,13 +209,16 @@ class Trainer:
                     GROUPS_EXPIRED.inc(expired)
                     log.warning(kv("groups_expired", groups=expired, after_s=timeout))
                 if not self._may_step.is_set():  # lent or idle: wait to be given the role back
-                    await _first(self._may_step.wait(), stop.wait())
+                    await wait_first(self._may_step.wait(), stop.wait())
+                    continue
+                if not self._formed.is_set():  # the trainer group is (re-)forming
+                    await wait_first(self._formed.wait(), stop.wait())
                     continue
                 groups = self._batcher.take(self._config.groups_per_step)
                 if groups is None:
                     self._wake.clear()
                     # also wakes to expire groups
-                    await _first(self._wake.wait(), stop.wait(), timeout=min(timeout, 5.0))
+                    await wait_first(self._wake.wait(), stop.wait(), timeout=min(timeout, 5.0))
                     continue
                 async with self._stepping:
                     if self._roles is not None:
@@ -199,6 +266,15 @@ class Trainer:
         started = time.monotonic()
         try:
             stats = await asyncio.to_thread(self._ranks.step, items, self.version)
+        except GroupBrokenError as exc:
+            # A member died or left mid-step: nothing was committed or acknowledged and the
+            # weights are as the last step left them; the samples go back to the batcher and are
+            # trained in the first step of the re-formed group.
+            self._batcher.restore(groups)
+            self._formed.clear()
+            self.broken.set()
+            log.warning(kv("step_abandoned", version=self.version, error=exc))
+            return
         except Exception as exc:
             self._release(consumed, exc)
             raise
@@ -281,16 +357,23 @@ class Trainer:
         roles: RoleHolder,
         stop: asyncio.Event,
         on_ready=lambda: None,
+        grouped: bool = False,
     ) -> None:
         """Publish what a crash may have left unpublished, then consume samples and step until
         ``stop`` (or until training, consuming or following workers fails: that raises).
-        ``roles`` belongs to whoever opened the membership (``broker.roles.membership``)."""
+        ``roles`` belongs to whoever opened the membership (``broker.roles.membership``).
+        ``grouped``: a ``trainer.group.GroupLink`` drives this trainer (it leads and publishes
+        once it is rank 0); otherwise it leads from the start."""
         self._roles = roles
+        self._provision = provision
         names = self._names
         await durable_info(self._js, names, names.samples_stream, Durable.TRAINER)
-        await self.publish_if_missing()
-        ingress_stop = asyncio.Event()
-        consuming = asyncio.create_task(self._samples(provision).run(ingress_stop))
+        if grouped:
+            self._leading.clear()
+            self._formed.clear()
+        else:
+            await self.publish_if_missing()
+        consuming = asyncio.create_task(self._consume(stop))
         following = asyncio.create_task(self._watch.follow(self._js, names))  # until cancelled
         uploading = asyncio.create_task(self._publisher.run())
         stepping = asyncio.create_task(self.run(stop))
@@ -309,7 +392,7 @@ class Trainer:
             await asyncio.gather(stepping, return_exceptions=True)
             self._publisher.close()  # the last version's upload ends first
             await asyncio.gather(uploading, return_exceptions=True)
-            ingress_stop.set()
+            self._ingress_stop.set()
             await asyncio.gather(consuming, return_exceptions=True)
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)
@@ -369,7 +452,7 @@ class Trainer:
         VERSION.set(self.version)
 
 
-async def _first(*waits, timeout: float | None = None) -> None:  # noqa: ASYNC109
+async def wait_first(*waits, timeout: float | None = None) -> None:  # noqa: ASYNC109
     """Wait for the first of ``waits`` (coroutines) to finish, or ``timeout``; cancel the rest."""
     tasks = [asyncio.ensure_future(w) for w in waits]
     try:

@@ -71,7 +71,12 @@ class TorchBackend:
         self._reference = None
         if config.kl_coef > 0:
             self._reference = copy.deepcopy(self.model).requires_grad_(False)
-        self._distributed = dist.is_initialized() and dist.get_world_size() > 1
+
+    @property
+    def _distributed(self) -> bool:
+        """Read at each use: a trainer group (``trainer.group``) forms and dissolves while the
+        backend lives."""
+        return dist.is_initialized() and dist.get_world_size() > 1
 
     @property
     def dp_rank(self) -> int:
@@ -183,7 +188,13 @@ class TorchBackend:
         if self._distributed:
             # One flat buffer: one collective instead of one per tensor.
             flat = torch.cat([p.grad.flatten() for p in params])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            try:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            except Exception:
+                # A failed collective (a member gone) leaves the weights and optimizer as they
+                # were; gradients left behind would be added to the next step's.
+                self.optimizer.zero_grad(set_to_none=True)
+                raise
             offset = 0
             for p in params:
                 n = p.numel()
