@@ -10,13 +10,32 @@
    twice across the lends.
 """
 
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
+from nats.js.errors import KeyNotFoundError
 from safetensors.torch import load, save_file
 
-from tests.test_trainer import DP_CONFIG, dp_items, group
+from broker import codec
+from broker.config import ConsumerLimits
+from broker.messages import TrainerGroup
+from broker.provision import provision_run
+from broker.subjects import RunNames
+from seamlessflow.processes import worker_process
+from tagsched.admission import Admission
+from tagsched.config import SchedulerConfig
+from tagsched.scheduler import Scheduler
+from tagsched.spec import Demand, PlacementSpec
+from tests.support import SMALL_RUN, eventually, metric
+from tests.test_trainer import DP_CONFIG, dp_items, group, publish
+from trainer import checkpoint
 
 TOLERANCE = 1e-5
 """float32 on CPU: two ranks sum two partial gradients where one rank sums them in one
@@ -99,3 +118,135 @@ def test_two_ranks_give_one_ranks_loss_gradients_and_step(tiny_model_dir, tmp_pa
     for name, tensor in one.items():
         assert torch.equal(ranks[0][name], ranks[1][name]), name
         assert torch.allclose(ranks[0][name], tensor, atol=TOLERANCE, rtol=0), name
+
+
+# -- 2. a colocated group of worker processes, one rank killed ---------------------------------
+TTL = 3.0
+"""Registry entries go stale this long after their last heartbeat (0.5 s here)."""
+COLLECTIVE_TIMEOUT = 5.0
+RESUME_BOUND = 30.0
+"""From the kill to the next committed version: the dead member found at once (its socket
+closes), one more rendezvous at the old membership (up to ``COLLECTIVE_TIMEOUT``) while the
+scheduler waits out ``TTL``, a rendezvous of the survivors, the state sent, one step; on 2
+shared cores, with room."""
+
+
+async def _run(js, run_name: str, tmp_path: Path) -> tuple[RunNames, Path, Path]:
+    """A run whose registry entries go stale within ``TTL``; the workers' config file (one
+    checkpoint folder for all, as ``seamlessflow run`` gives them) and that folder."""
+    limits = ConsumerLimits(ack_wait_s=5, max_deliver=20, max_ack_pending=8192)
+    provision = SMALL_RUN.model_copy(update={"trainer": limits, "workers_ttl_s": TTL})
+    await provision_run(js, run_name, provision)
+    ckpt = tmp_path / "ckpt"
+    config = tmp_path / "worker.toml"
+    config.write_text(
+        f'[trainer]\ncheckpoint_dir = "{ckpt}"\nlocal_weights_dir = "{tmp_path / "shm"}"\n'
+        "groups_per_step = 1\nlr = 1e-3\nmax_staleness = 1000\nthreads = 1\n"
+        f"collective_timeout_s = {COLLECTIVE_TIMEOUT}\n"
+    )
+    return RunNames(run_name), config, ckpt
+
+
+def _workers(url: str, names: RunNames, model: Path, config: Path, tags: dict[str, str]):
+    return {
+        wid: worker_process(
+            url, names.run, model, wid, "--tags", t, "--heartbeat-s", "0.5", "--config", str(config)
+        )
+        for wid, t in tags.items()
+    }
+
+
+@asynccontextmanager
+async def _scheduling(nc, names: RunNames, spec: PlacementSpec, **fields) -> AsyncIterator[None]:
+    s = Scheduler(
+        nc,
+        names,
+        SchedulerConfig(tick_s=0.1, placement_timeout_s=600, **fields),
+        spec,
+        Admission(nc.jetstream(), names, SMALL_RUN.tasks),
+        workers_ttl_s=TTL,
+        lease_s=SMALL_RUN.scheduler_lease_s,
+    )
+    stop = asyncio.Event()
+    running = asyncio.create_task(s.run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+
+
+async def _group(js, names: RunNames) -> TrainerGroup | None:
+    bucket = await js.key_value(names.state_kv)
+    try:
+        return codec.decode(TrainerGroup, (await bucket.get(RunNames.TRAINER_GROUP_KEY)).value)
+    except KeyNotFoundError:
+        return None
+
+
+def _trained(ckpt: Path) -> list[str]:
+    return [sid for step in checkpoint.read_steps(ckpt) for sid in step.trained]
+
+
+def _check_once(ckpt: Path, everything: set[str]) -> None:
+    """Every sample trained exactly once; versions one after another."""
+    steps = checkpoint.read_steps(ckpt)
+    trained = _trained(ckpt)
+    assert len(trained) == len(set(trained)), "a sample was trained twice"
+    assert set(trained) == everything, f"lost: {sorted(everything - set(trained))}"
+    assert [s.version for s in steps] == list(range(1, len(steps) + 1))
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        p.stop()
+
+
+@pytest.mark.newest_nats
+async def test_a_colocated_group_forms_by_rendezvous_and_survives_a_killed_rank(
+    broker, nc, js, run_name, tiny_model_dir, tmp_path
+):
+    names, config, ckpt = await _run(js, run_name, tmp_path)
+    tags = {f"g{i}": "train,rollout" for i in range(3)}
+    procs = _workers(broker.url, names, tiny_model_dir, config, tags)
+    everything: set[str] = set()
+    try:
+        await asyncio.gather(*(asyncio.to_thread(p.wait_ready) for p in procs.values()))
+        # Every worker tagged both trains (no lending here: item 3 lends).
+        spec = PlacementSpec(train=Demand(tags=["train", "rollout"]), rollout=Demand(
+            tags=["rollout"], count=0))  # fmt: skip
+        async with _scheduling(nc, names, spec):
+            first = [group(f"a{i}", 2, base=i) for i in range(40)]
+            everything |= {s.sample_id for g in first for s in g}
+            await eventually(lambda: _group(js, names), timeout=30)
+            members = (await _group(js, names)).members
+            assert sorted(members) == sorted(tags)
+            leader = procs[members[0]].metrics_url
+            await publish(js, names, *[s for g in first for s in g])
+            await eventually(lambda: len(checkpoint.read_steps(ckpt)) >= 3, timeout=60)
+            # Formed once, by KV rendezvous, with three ranks.
+            assert await metric(leader, "sf_trainer_group_size") == 3
+            assert await metric(leader, "sf_trainer_group_rendezvous_seconds_count") >= 1
+            follower = procs[members[1]].metrics_url
+            assert await metric(follower, "sf_trainer_rank_step_seconds_count") >= 1
+            assert await metric(follower, "sf_trainer_group_rank") == 1
+            victim = members[2]
+            procs[victim].stop(signal.SIGKILL)
+            killed_at, version_at_kill = time.monotonic(), len(checkpoint.read_steps(ckpt))
+            await eventually(
+                lambda: len(checkpoint.read_steps(ckpt)) > version_at_kill + 1, timeout=RESUME_BOUND
+            )
+            resumed_s = time.monotonic() - killed_at
+            # The survivors go on as a group of two at a new generation.
+            regrouped = await _group(js, names)
+            assert regrouped.members == members[:2]
+            assert await metric(leader, "sf_trainer_group_size") == 2
+            assert await metric(leader, "sf_trainer_group_generation") == regrouped.generation
+            later = [group(f"b{i}", 2, base=i) for i in range(6)]
+            everything |= {s.sample_id for g in later for s in g}
+            await publish(js, names, *[s for g in later for s in g])
+            await eventually(lambda: set(_trained(ckpt)) >= everything, timeout=90)
+            print(f"next version {resumed_s:.1f} s after the kill")
+    finally:
+        _stop(procs.values())
+    _check_once(ckpt, everything)
