@@ -31,8 +31,9 @@ from broker.subjects import RunNames
 from seamlessflow.processes import worker_process
 from tagsched.admission import Admission
 from tagsched.config import SchedulerConfig
+from tagsched.metrics import REGISTRY as SCHEDULER_METRICS
 from tagsched.scheduler import Scheduler
-from tagsched.spec import Demand, PlacementSpec
+from tagsched.spec import Demand, Layout, PlacementSpec, layout_spec
 from tests.support import SMALL_RUN, eventually, metric
 from tests.test_trainer import DP_CONFIG, dp_items, group, publish
 from trainer import checkpoint
@@ -131,7 +132,9 @@ scheduler waits out ``TTL``, a rendezvous of the survivors, the state sent, one 
 shared cores, with room."""
 
 
-async def _run(js, run_name: str, tmp_path: Path) -> tuple[RunNames, Path, Path]:
+async def _run(
+    js, run_name: str, tmp_path: Path, groups_per_step: int = 1
+) -> tuple[RunNames, Path, Path]:
     """A run whose registry entries go stale within ``TTL``; the workers' config file (one
     checkpoint folder for all, as ``seamlessflow run`` gives them) and that folder."""
     limits = ConsumerLimits(ack_wait_s=5, max_deliver=20, max_ack_pending=8192)
@@ -141,7 +144,7 @@ async def _run(js, run_name: str, tmp_path: Path) -> tuple[RunNames, Path, Path]
     config = tmp_path / "worker.toml"
     config.write_text(
         f'[trainer]\ncheckpoint_dir = "{ckpt}"\nlocal_weights_dir = "{tmp_path / "shm"}"\n'
-        "groups_per_step = 1\nlr = 1e-3\nmax_staleness = 1000\nthreads = 1\n"
+        f"groups_per_step = {groups_per_step}\nlr = 1e-3\nmax_staleness = 1000\nthreads = 1\n"
         f"collective_timeout_s = {COLLECTIVE_TIMEOUT}\n"
     )
     return RunNames(run_name), config, ckpt
@@ -247,6 +250,58 @@ async def test_a_colocated_group_forms_by_rendezvous_and_survives_a_killed_rank(
             await publish(js, names, *[s for g in later for s in g])
             await eventually(lambda: set(_trained(ckpt)) >= everything, timeout=90)
             print(f"next version {resumed_s:.1f} s after the kill")
+    finally:
+        _stop(procs.values())
+    _check_once(ckpt, everything)
+
+
+# -- 3. lending a trainer group ------------------------------------------------------------------
+BATCHES = 4
+
+
+def _count(name: str) -> float:
+    return SCHEDULER_METRICS.get_sample_value(name) or 0.0
+
+
+@pytest.mark.newest_nats
+async def test_the_multiplexed_layout_lends_the_trainer_group_and_loses_no_sample(
+    broker, nc, js, run_name, tiny_model_dir, tmp_path
+):
+    names, config, ckpt = await _run(js, run_name, tmp_path, groups_per_step=2)
+    tags = {"g0": "train,rollout", "g1": "train,rollout", "r0": "rollout"}
+    procs = _workers(broker.url, names, tiny_model_dir, config, tags)
+    everything: set[str] = set()
+    lends, reclaims = (_count(f"sf_scheduler_{k}_seconds_count") for k in ("lend", "reclaim"))
+    try:
+        await asyncio.gather(*(asyncio.to_thread(p.wait_ready) for p in procs.values()))
+        spec = layout_spec(Layout.MULTIPLEXED, train_workers=2)
+        # Lend whenever the trainer waits longer than a switch: every gap between batches.
+        quick = {"lend_gain": 1.0, "switch_cost_s": 0.1, "rate_window_s": 1.0}
+        async with _scheduling(nc, names, spec, **quick):
+            await eventually(lambda: _group(js, names), timeout=30)
+            group_record = await _group(js, names)
+            assert sorted(group_record.members) == ["g0", "g1"]
+            leader = procs[group_record.members[0]].metrics_url
+            # The workers start as rollout (the role a lent worker has); each batch takes them
+            # back, and each wait for the next lends them again.
+            for batch in range(BATCHES):
+                samples = [s for i in range(2) for s in group(f"m{batch}-{i}", 2, base=i)]
+                everything |= {s.sample_id for s in samples}
+                await publish(js, names, *samples)
+                want = frozenset(everything)
+                await eventually(lambda w=want: set(_trained(ckpt)) >= w, timeout=60)
+                # The group waits for the next batch: both its workers are lent to rollout.
+                lent = lends + 2 * (batch + 1)
+                await eventually(
+                    lambda n=lent: _count("sf_scheduler_lend_seconds_count") >= n, timeout=30
+                )
+            # Reclaimed before each batch but the first; one generation, formed once.
+            assert _count("sf_scheduler_reclaim_seconds_count") >= reclaims + 2 * (BATCHES - 1)
+            assert await _group(js, names) == group_record
+            assert await metric(leader, "sf_trainer_group_reforms_total", cause="membership") == 1
+            assert await metric(leader, "sf_trainer_group_reforms_total", cause="failure") == 0
+            follower = procs[group_record.members[1]].metrics_url
+            assert await metric(follower, "sf_trainer_rank_step_seconds_count") >= BATCHES
     finally:
         _stop(procs.values())
     _check_once(ckpt, everything)
