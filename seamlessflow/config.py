@@ -19,7 +19,6 @@ from seamlessflow.processes import SuperviseConfig
 from tagsched.admission import admission_limit
 from tagsched.config import LayoutConfig, SchedulerConfig
 from tagsched.exceptions import AdmissionError
-from tagsched.spec import Layout
 from trainer.config import TrainerConfig
 from trainer.warmstart import WarmStartConfig
 from trajectory.config import TrajectoryConfig
@@ -59,7 +58,13 @@ class ModelConfig(_Section, ToolSettings):
 class RolloutConfig(_Section):
     """How many rollout workers ``seamlessflow run`` starts (each configured by ``[worker]``)."""
 
-    workers: int = Field(default=1, ge=0, le=64, description="rollout worker processes")
+    workers: int = Field(
+        default=1,
+        ge=0,
+        le=64,
+        description="rollout worker processes; colocated layout: workers tagged train and rollout "
+        "(at least one), of which the scheduler's spec picks the trainer group",
+    )
     threads: int = Field(
         default=1, ge=1, description="torch threads per worker (with cpus.placement = 'none')"
     )
@@ -269,17 +274,6 @@ class RunConfig(BaseModel):
             )
         except AdmissionError as exc:
             raise ValueError(str(exc)) from exc
-        return self
-
-    @model_validator(mode="after")
-    def _one_colocated_worker(self) -> "RunConfig":
-        if self.layout.kind is Layout.COLOCATED and self.rollout.workers > 1:
-            raise ValueError(
-                f"layout.kind = 'colocated' runs one worker, not rollout.workers = "
-                f"{self.rollout.workers}: every worker tagged train would hold a trainer taking "
-                "samples, and only one trains (several train workers are not built); use "
-                "'multiplexed' for one trainer worker plus rollout workers"
-            )
         return self
 
     output_dir: Path | None = Field(

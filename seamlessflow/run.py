@@ -306,9 +306,12 @@ class Services:
         placed on ``cpus`` (``seamlessflow.placement``): disaggregated, a trainer process on the
         trainer's CPUs and ``rollout.workers`` rollout workers on the rollout CPUs; multiplexed,
         the trainer is a worker tagged ``train,rollout`` on the trainer's CPUs (lent to rollout
-        while it waits: those CPUs generate then); colocated, one worker tagged both runs
-        anywhere, time-shared between training and rollout. Whatever holds a trainer
-        checkpoints to ``checkpoint_dir`` unless the config sets one (so a restart resumes)."""
+        while it waits: those CPUs generate then); colocated, ``rollout.workers`` workers tagged
+        both run anywhere, sharing the CPUs, time-shared between training and rollout: those
+        the scheduler assigns ``train`` form the trainer group (``trainer.group``; only its rank
+        0 takes samples), the rest generate. Whatever holds a trainer checkpoints to
+        ``checkpoint_dir`` unless the config sets one (so a restart, or a member that becomes
+        rank 0, resumes)."""
         cfg = self.config
         checkpoints = (
             {} if cfg.trainer.checkpoint_dir else {"checkpoint_dir": str(self.checkpoint_dir)}
@@ -323,9 +326,20 @@ class Services:
             return self.child(name, "worker", changes, where)
 
         if layout is Layout.COLOCATED:
-            anywhere = CpuSet(None, len(os.sched_getaffinity(0)))
-            # one (config); named trainer: the one the progress report reads
-            return [worker("trainer", "worker-0", ["train", "rollout"], Role.IDLE, anywhere)]
+            n = max(1, cfg.rollout.workers)
+            anywhere = CpuSet(None, max(1, len(os.sched_getaffinity(0)) // n))
+            # worker-0 is named trainer: the one the progress report reads (assigned train
+            # first, the ids in order: the group's rank 0)
+            return [
+                worker(
+                    "trainer" if i == 0 else f"worker-{i}",
+                    f"worker-{i}",
+                    ["train", "rollout"],
+                    Role.IDLE,
+                    anywhere,
+                )
+                for i in range(n)
+            ]
         rollout = [
             worker(f"rollout-{i}", f"rollout-{i}", ["rollout"], Role.ROLLOUT, where)
             for i, where in enumerate(cpus.workers)

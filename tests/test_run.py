@@ -258,10 +258,11 @@ def test_a_kind_chosen_section_takes_only_its_own_options(tmp_path: Path):
         load_config(config)
 
 
-def test_a_colocated_run_is_one_worker(tmp_path: Path):
+def test_a_colocated_run_may_have_several_workers(tmp_path: Path):
+    """Only the trainer group's rank 0 takes samples (``trainer.group``): several workers
+    tagged train no longer stall a run, so the colocated layout takes ``rollout.workers``."""
     config = tmp_path / "run.toml"
     config.write_text('[layout]\nkind = "colocated"\n[rollout]\nworkers = 2\n')
-    with pytest.raises(ConfigError, match=r"colocated' runs one worker, not rollout.workers = 2"):
-        load_config(config)
+    assert load_config(config).rollout.workers == 2
     config.write_text('[layout]\nkind = "multiplexed"\n[rollout]\nworkers = 2\n')
     assert load_config(config).rollout.workers == 2
