@@ -68,7 +68,7 @@ async def _serve(
     try:
         rollout = RolloutWorker(nc, names, engine, c.worker, c.provision.gen, nats_url=c.url)
         watch = ServingWatch(c.provision.workers_ttl_s)
-        trainer = Trainer(js, names, c.trainer, ranks, watch, start)
+        trainer = Trainer(js, names, c.trainer, ranks, watch, start, grouped=True)
         await rollout.load_latest()
         registration = await worker_registration(
             js,
@@ -101,7 +101,7 @@ async def _serve(
                 c.trainer.collective_timeout_s,
             )
             outcomes = await asyncio.gather(
-                _part(trainer.serve(c.provision, roles, stop, grouped=True), stop),
+                _part(trainer.serve(c.provision, roles, stop), stop),
                 _part(link.run(stop), stop),
                 _part(rollout.run(roles, stop, ready), stop),
                 return_exceptions=True,

@@ -4,7 +4,8 @@
    loss, gradients and weights after one optimizer step of one rank on the same batch.
 2. A colocated group of three ``seamlessflow worker`` processes forms by KV rendezvous (no
    address given), trains; one non-zero rank is killed with SIGKILL mid-run and training goes
-   on within a bound; no sample is lost or trained twice over the whole run.
+   on within a bound; then rank 0 is killed and the survivor takes over from the checkpoint; no
+   sample is lost or trained twice over the whole run.
 3. The multiplexed layout: a two-worker group plus a rollout worker; the scheduler lends the
    group's workers to rollout between batches and reclaims them; no sample lost or trained
    twice across the lends.
@@ -206,7 +207,7 @@ def _stop(procs) -> None:
 
 
 @pytest.mark.newest_nats
-async def test_a_colocated_group_forms_by_rendezvous_and_survives_a_killed_rank(
+async def test_a_colocated_group_forms_by_rendezvous_and_survives_killed_ranks(
     broker, nc, js, run_name, tiny_model_dir, tmp_path
 ):
     names, config, ckpt = await _run(js, run_name, tmp_path)
@@ -245,10 +246,18 @@ async def test_a_colocated_group_forms_by_rendezvous_and_survives_a_killed_rank(
             assert regrouped.members == members[:2]
             assert await metric(leader, "sf_trainer_group_size") == 2
             assert await metric(leader, "sf_trainer_group_generation") == regrouped.generation
-            later = [group(f"b{i}", 2, base=i) for i in range(6)]
+            # Rank 0 itself killed mid-run: the survivor becomes rank 0, resumes from the
+            # shared checkpoint folder, and the samples the dead one held come back to it.
+            later = [group(f"b{i}", 2, base=i) for i in range(20)]
             everything |= {s.sample_id for g in later for s in g}
             await publish(js, names, *[s for g in later for s in g])
+            at = len(checkpoint.read_steps(ckpt))
+            await eventually(lambda: len(checkpoint.read_steps(ckpt)) >= at + 2, timeout=60)
+            procs[members[0]].stop(signal.SIGKILL)
             await eventually(lambda: set(_trained(ckpt)) >= everything, timeout=90)
+            assert (await _group(js, names)).members == [members[1]]
+            successor = procs[members[1]].metrics_url
+            assert await metric(successor, "sf_trainer_group_rank") == 0
             print(f"next version {resumed_s:.1f} s after the kill")
     finally:
         _stop(procs.values())

@@ -82,7 +82,7 @@ def save(directory: Path, checkpoint: Checkpoint) -> Path:
     try:
         _atomic(directory / name, lambda f: torch.save(payload, f))
         _atomic(directory / LATEST, lambda f: f.write(name.encode()))
-        for old in sorted(directory.glob("v*.pt"), key=_version)[:-KEEP]:
+        for old in sorted(directory.glob("v*.pt"), key=version_of)[:-KEEP]:
             old.unlink()
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint {directory / name}: {exc}") from exc
@@ -137,7 +137,8 @@ def read_steps(directory: Path) -> list[StepRecord]:
     return records
 
 
-def _version(path: Path) -> int:
+def version_of(path: Path) -> int:
+    """The version of the checkpoint file ``path`` (``v<version>.pt``), without reading it."""
     return int(path.stem[1:])
 
 

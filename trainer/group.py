@@ -76,7 +76,7 @@ class GroupLink:
         self._group: TrainerGroup | None = None
         self._rendezvous: TrainerRendezvous | None = None
         self._changed = asyncio.Event()  # a new group record or rendezvous
-        self._led = False  # this worker has been rank 0 (resumed, published)
+        self._led = False  # rank 0 of the last group it was in: its state is the committed one
 
     async def run(self, stop: asyncio.Event) -> None:
         bucket = await self._js.key_value(self._names.state_kv)
@@ -85,6 +85,7 @@ class GroupLink:
             while not stop.is_set():
                 group = self._group
                 if group is None or self._me not in group.members or self._refused(group):
+                    self._led = False
                     await self._trainer.lead(False)
                     GROUP_RANK.set(-1)
                     await self._wait(stop)
@@ -96,6 +97,7 @@ class GroupLink:
                 if rank == 0:
                     await self._lead(bucket, group, stop)
                 else:
+                    self._led = False
                     await self._follow(group, rank, stop)
         finally:
             watching.cancel()
@@ -151,8 +153,8 @@ class GroupLink:
     async def _lead(self, bucket: KeyValue, group: TrainerGroup, stop: asyncio.Event) -> None:
         """Be rank 0 of ``group`` until a new generation or ``stop``: take samples, form the
         group (again after each failure), keep it alive between steps."""
-        if not self._led:
-            await self._trainer.resume()  # carry on from the previous rank 0's checkpoint
+        if not self._led:  # becoming rank 0: carry on from the previous one's checkpoint
+            await self._trainer.resume()
             self._led = True
         await self._trainer.lead(True)
         trainer = self._trainer

@@ -77,7 +77,12 @@ class Trainer:
         ranks: RankGroup,
         watch: ServingWatch,
         start: Checkpoint | None,
+        grouped: bool = False,
     ) -> None:
+        """``grouped``: a ``trainer.group.GroupLink`` drives this trainer: it takes samples and
+        steps only once the link makes it the group's rank 0 and forms the group (and publishes
+        then); otherwise it does both from the start."""
+        self._grouped = grouped
         self._js = js
         self._names = names
         self._config = config
@@ -100,9 +105,10 @@ class Trainer:
         # steps only while the group is formed (``_formed``), and tells a failed collective
         # (``broken``). A trainer outside any group leads and is formed.
         self._leading = asyncio.Event()
-        self._leading.set()
         self._formed = asyncio.Event()
-        self._formed.set()
+        if not grouped:
+            self._leading.set()
+            self._formed.set()
         self.broken = asyncio.Event()
         self._ingress_stop = asyncio.Event()
         self._provision: ProvisionConfig | None = None
@@ -178,14 +184,15 @@ class Trainer:
         (the previous rank 0 committed it), then publish what it left unpublished."""
         directory = self._config.checkpoint_dir
         path = checkpoint.latest_path(directory) if directory is not None else None
-        if path is not None:
+        if path is not None and checkpoint.version_of(path) > self.version:
             start = await asyncio.to_thread(checkpoint.load_file, path)
-            if start.version > self.version:
-                await asyncio.to_thread(self._ranks.backend.load_state, start.backend)
-                self.version = start.version
-                self._recent = list(start.recent)
-                self._trained = start.trained_ids()
-                log.info(kv("trainer_resumed", version=start.version, path=path))
+            await asyncio.to_thread(self._ranks.backend.load_state, start.backend)
+            self.version = start.version
+            self._recent = list(start.recent)
+            self._trained = start.trained_ids()
+            # The previous rank 0 may have died between the checkpoint and its steps log line.
+            await asyncio.to_thread(checkpoint.append_steps, directory, start.recent)
+            log.info(kv("trainer_resumed", version=start.version, path=path))
         await self.publish_if_missing()
 
     async def _consume(self, stop: asyncio.Event) -> None:
@@ -357,21 +364,15 @@ class Trainer:
         roles: RoleHolder,
         stop: asyncio.Event,
         on_ready=lambda: None,
-        grouped: bool = False,
     ) -> None:
         """Publish what a crash may have left unpublished, then consume samples and step until
         ``stop`` (or until training, consuming or following workers fails: that raises).
-        ``roles`` belongs to whoever opened the membership (``broker.roles.membership``).
-        ``grouped``: a ``trainer.group.GroupLink`` drives this trainer (it leads and publishes
-        once it is rank 0); otherwise it leads from the start."""
+        ``roles`` belongs to whoever opened the membership (``broker.roles.membership``)."""
         self._roles = roles
         self._provision = provision
         names = self._names
         await durable_info(self._js, names, names.samples_stream, Durable.TRAINER)
-        if grouped:
-            self._leading.clear()
-            self._formed.clear()
-        else:
+        if not self._grouped:  # else once it is the group's rank 0: ``resume``
             await self.publish_if_missing()
         consuming = asyncio.create_task(self._consume(stop))
         following = asyncio.create_task(self._watch.follow(self._js, names))  # until cancelled
