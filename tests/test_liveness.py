@@ -102,13 +102,16 @@ def test_last_seen_judges_by_the_observers_clock_only():
 
 
 @asynccontextmanager
-async def leading(nc, names: RunNames) -> AsyncIterator[Scheduler]:
-    """A scheduler leading the run, serving every rollout-tagged worker, until the block ends."""
+async def leading(
+    nc, names: RunNames, spec: PlacementSpec = SERVE_ALL, **config: float
+) -> AsyncIterator[Scheduler]:
+    """A scheduler leading the run by ``spec`` (default: every rollout-tagged worker serves)
+    with ``TTL``, until the block ends."""
     s = Scheduler(
         nc,
         names,
-        SchedulerConfig(tick_s=0.1, placement_timeout_s=600),
-        SERVE_ALL,
+        SchedulerConfig(tick_s=0.1, placement_timeout_s=600, **config),
+        spec,
         Admission(nc.jetstream(), names, SMALL_RUN.tasks),
         workers_ttl_s=TTL,
         lease_s=SMALL_RUN.scheduler_lease_s,

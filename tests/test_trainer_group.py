@@ -14,8 +14,6 @@
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,12 +28,10 @@ from broker.messages import TrainerGroup
 from broker.provision import provision_run
 from broker.subjects import RunNames
 from seamlessflow.processes import worker_process
-from tagsched.admission import Admission
-from tagsched.config import SchedulerConfig
 from tagsched.metrics import REGISTRY as SCHEDULER_METRICS
-from tagsched.scheduler import Scheduler
 from tagsched.spec import Demand, Layout, PlacementSpec, layout_spec
 from tests.support import SMALL_RUN, eventually, metric
+from tests.test_liveness import TTL, leading
 from tests.test_trainer import DP_CONFIG, dp_items, group, publish
 from trainer import checkpoint
 
@@ -123,8 +119,6 @@ def test_two_ranks_give_one_ranks_loss_gradients_and_step(tiny_model_dir, tmp_pa
 
 
 # -- 2. a colocated group of worker processes, one rank killed ---------------------------------
-TTL = 3.0
-"""Registry entries go stale this long after their last heartbeat (0.5 s here)."""
 COLLECTIVE_TIMEOUT = 5.0
 RESUME_BOUND = 30.0
 """From the kill to the next committed version: the dead member found at once (its socket
@@ -158,26 +152,6 @@ def _workers(url: str, names: RunNames, model: Path, config: Path, tags: dict[st
         )
         for wid, t in tags.items()
     }
-
-
-@asynccontextmanager
-async def _scheduling(nc, names: RunNames, spec: PlacementSpec, **fields) -> AsyncIterator[None]:
-    s = Scheduler(
-        nc,
-        names,
-        SchedulerConfig(tick_s=0.1, placement_timeout_s=600, **fields),
-        spec,
-        Admission(nc.jetstream(), names, SMALL_RUN.tasks),
-        workers_ttl_s=TTL,
-        lease_s=SMALL_RUN.scheduler_lease_s,
-    )
-    stop = asyncio.Event()
-    running = asyncio.create_task(s.run(stop))
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(running, 30)
 
 
 async def _group(js, names: RunNames) -> TrainerGroup | None:
@@ -219,7 +193,7 @@ async def test_a_colocated_group_forms_by_rendezvous_and_survives_killed_ranks(
         # Every worker tagged both trains (no lending here: item 3 lends).
         spec = PlacementSpec(train=Demand(tags=["train", "rollout"]), rollout=Demand(
             tags=["rollout"], count=0))  # fmt: skip
-        async with _scheduling(nc, names, spec):
+        async with leading(nc, names, spec):
             first = [group(f"a{i}", 2, base=i) for i in range(40)]
             everything |= {s.sample_id for g in first for s in g}
             await eventually(lambda: _group(js, names), timeout=30)
@@ -286,7 +260,7 @@ async def test_the_multiplexed_layout_lends_the_trainer_group_and_loses_no_sampl
         spec = layout_spec(Layout.MULTIPLEXED, train_workers=2)
         # Lend whenever the trainer waits longer than a switch: every gap between batches.
         quick = {"lend_gain": 1.0, "switch_cost_s": 0.1, "rate_window_s": 1.0}
-        async with _scheduling(nc, names, spec, **quick):
+        async with leading(nc, names, spec, **quick):
             await eventually(lambda: _group(js, names), timeout=30)
             group_record = await _group(js, names)
             assert sorted(group_record.members) == ["g0", "g1"]

@@ -30,6 +30,7 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -41,6 +42,7 @@ from common.log import kv
 from trainer.exceptions import GroupBrokenError
 from trainer.metrics import (
     GROUP_GENERATION,
+    GROUP_INVALID,
     GROUP_RANK,
     GROUP_REFORMS,
     GROUP_REFUSED,
@@ -77,6 +79,7 @@ class GroupLink:
         self._rendezvous: TrainerRendezvous | None = None
         self._changed = asyncio.Event()  # a new group record or rendezvous
         self._led = False  # rank 0 of the last group it was in: its state is the committed one
+        self._refused_generation = 0
 
     async def run(self, stop: asyncio.Event) -> None:
         bucket = await self._js.key_value(self._names.state_kv)
@@ -104,8 +107,12 @@ class GroupLink:
             await asyncio.gather(watching, return_exceptions=True)
 
     def _refused(self, group: TrainerGroup) -> bool:
+        """Whether this worker cannot be a rank of ``group`` (told once per generation)."""
         world = self._ranks.local_world_size
-        if len(group.members) > 1 and world > 1:
+        if len(group.members) <= 1 or world <= 1:
+            return False
+        if group.generation != self._refused_generation:
+            self._refused_generation = group.generation
             GROUP_REFUSED.inc()
             log.error(
                 kv(
@@ -115,8 +122,7 @@ class GroupLink:
                     f"group of {len(group.members)} workers: set it to 1 on grouped workers",
                 )
             )
-            return True
-        return False
+        return True
 
     async def _watch(self, bucket: KeyValue) -> None:
         """Keep ``_group`` and ``_rendezvous`` current (a dropped watch is started again)."""
@@ -134,10 +140,11 @@ class GroupLink:
                     try:
                         setattr(self, attribute, codec.decode(schema, entry.value))
                     except InvalidMessageError as exc:
+                        GROUP_INVALID.inc()
                         log.warning(kv("trainer_group_entry_invalid", key=entry.key, error=exc))
                         continue
                     self._changed.set()
-            except Exception as exc:
+            except NatsError as exc:
                 log.warning(kv("trainer_group_watch_failed", error=exc))
             await asyncio.sleep(1.0)
 

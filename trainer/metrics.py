@@ -176,6 +176,11 @@ GROUP_REFUSED = Counter(
     "Trainer group records this worker could not join (trainer.world_size > 1 local ranks)",
     registry=REGISTRY,
 )
+GROUP_INVALID = Counter(
+    "sf_trainer_group_entries_invalid",
+    "trainer-group / trainer-rendezvous entries of the state bucket that did not decode (skipped)",
+    registry=REGISTRY,
+)
 RENDEZVOUS_SECONDS = Histogram(
     "sf_trainer_group_rendezvous_seconds",
     "From the rendezvous opened (rank 0) or read (others) to the group formed, state sent",
