@@ -2,6 +2,8 @@
 
 1. Two ranks that met through a store (as group members do) and took rank 0's state give the
    loss, gradients and weights after one optimizer step of one rank on the same batch.
+   A member dying between two minibatches' updates leaves rank 0's model and optimizer as
+   last committed (restored), with no gradient left behind.
 2. A colocated group of three ``seamlessflow worker`` processes forms by KV rendezvous (no
    address given), trains; one non-zero rank is killed with SIGKILL mid-run and training goes
    on within a bound; then rank 0 is killed and the survivor takes over from the checkpoint; no
@@ -12,6 +14,7 @@
 """
 
 import asyncio
+import os
 import signal
 import time
 from datetime import timedelta
@@ -34,6 +37,7 @@ from tests.support import SMALL_RUN, eventually, metric
 from tests.test_liveness import TTL, leading
 from tests.test_trainer import DP_CONFIG, dp_items, group, publish
 from trainer import checkpoint
+from trainer.config import TrainerConfig
 
 TOLERANCE = 1e-5
 """float32 on CPU: two ranks sum two partial gradients where one rank sums them in one
@@ -72,17 +76,24 @@ def _loss_and_grads(backend, items) -> tuple[torch.Tensor, torch.Tensor]:
     return loss, grads
 
 
-def _group_rank(rank: int, port: int, model: str, out: str) -> None:
+def _joined(rank: int, port: int, model: str, config: TrainerConfig):
+    """This process as rank ``rank`` of a group of two, met at ``port``, with rank 0's state
+    (rank 1 warmed up on other samples first: the join must replace its state)."""
     import torch.distributed as dist
 
     from trainer.ranks import RankGroup
 
     torch.set_num_threads(1)
-    ranks = RankGroup(Path(model), DP_CONFIG)
-    _warm(ranks, seed=rank)  # rank 1 starts elsewhere: the join must give it rank 0's state
+    ranks = RankGroup(Path(model), config)
+    _warm(ranks, seed=rank)
     timeout = timedelta(seconds=30)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timeout)
     ranks.join(store, rank, 2, timeout)
+    return ranks
+
+
+def _group_rank(rank: int, port: int, model: str, out: str) -> None:
+    ranks = _joined(rank, port, model, DP_CONFIG)
     loss, grads = _loss_and_grads(ranks.backend, dp_items())
     if rank == 0:
         ranks.step(dp_items(), 0)
@@ -288,3 +299,61 @@ async def test_the_multiplexed_layout_lends_the_trainer_group_and_loses_no_sampl
     finally:
         _stop(procs.values())
     _check_once(ckpt, everything)
+
+
+MINIBATCHES = TrainerConfig(**{**DP_CONFIG.model_dump(), "groups_per_step": 2, "minibatches": 2})
+
+
+def _counting(backend) -> list[int]:
+    """Count ``backend``'s completed optimizer updates."""
+    done: list[int] = []
+    apply = backend.apply
+
+    def counted(loss):
+        stats = apply(loss)
+        done.append(1)
+        return stats
+
+    backend.apply = counted
+    return done
+
+
+def _dying_rank(rank: int, port: int, model: str) -> None:
+    import copy
+
+    import torch.distributed as dist
+
+    from trainer.exceptions import GroupBrokenError
+
+    ranks = _joined(rank, port, model, MINIBATCHES)
+    backend = ranks.backend
+    done = _counting(backend)
+    if rank == 1:
+        # An injected fault: this rank dies between the two minibatches' updates (after the
+        # first all-reduce, before the second), as a killed member would.
+        apply = backend.apply
+        backend.apply = lambda loss: os._exit(0) if done else apply(loss)
+        ranks.follow_group()
+        raise AssertionError("rank 1 outlived its second update")
+    committed = copy.deepcopy(backend.state())
+    with pytest.raises(GroupBrokenError):
+        ranks.step(dp_items(), 0)
+    assert done == [1]  # the first minibatch's update had landed: restoring was needed
+    state = backend.state()
+    for name, tensor in committed["model"].items():
+        assert torch.equal(state["model"][name], tensor), name
+    for index, entries in committed["optimizer"]["state"].items():
+        for name, tensor in entries.items():
+            assert torch.equal(state["optimizer"]["state"][index][name], tensor), (index, name)
+    assert all(p.grad is None for p in backend.model.parameters())  # none left to add up
+    assert not dist.is_initialized() and not ranks.grouped
+
+
+def test_a_member_dying_mid_step_leaves_rank_0_as_last_committed(tiny_model_dir):
+    """With two minibatches the first update lands before the second collective fails: rank 0
+    restores the model and optimizer as they were before the step, with no gradient left."""
+    from tests.support import free_port
+
+    torch.multiprocessing.spawn(
+        _dying_rank, args=(free_port(), str(tiny_model_dir)), nprocs=2, join=True
+    )
