@@ -45,6 +45,31 @@ backward, so values differ in the last bits; 1e-5 absolute bounds loss, gradient
 after one step (observed differences about 1e-7)."""
 
 
+# -- the record ----------------------------------------------------------------------------------
+async def test_the_group_record_keeps_rank_0_and_outlives_its_scheduler(js, names):
+    """Members keep their places and newcomers go last, so rank 0 stays while it is assigned;
+    the same set in another order is no change; a scheduler taking over continues the
+    generation it finds."""
+    from tagsched.group import GroupRecord
+
+    async def written() -> tuple[int, list[str]]:
+        found = await _group(js, names)
+        return found.generation, found.members
+
+    record = GroupRecord(js, names)
+    await record.follow(["a", "b"])
+    assert await written() == (1, ["a", "b"])
+    await record.follow(["b", "a"])  # assign put another first: the record keeps its order
+    assert await written() == (1, ["a", "b"])
+    await record.follow(["c", "b"])  # a left, c joined: b is rank 0 now, c last
+    assert await written() == (2, ["b", "c"])
+    takeover = GroupRecord(js, names)
+    await takeover.follow(["c", "b"])
+    assert await written() == (2, ["b", "c"])  # nothing changed: nothing written
+    await takeover.follow(["b", "c", "d"])
+    assert await written() == (3, ["b", "c", "d"])
+
+
 # -- 1. two ranks == one rank --------------------------------------------------------------------
 def _warm(ranks, seed: int) -> None:
     """A solo step on other samples, so that the optimizer has state (rank 1's differs)."""
