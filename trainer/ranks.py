@@ -56,6 +56,11 @@ class RankGroup:
         self._config = config
         self._lock = threading.Lock()  # one sequence of collectives at a time
         self.grouped = False  # joined to a trainer group of workers (``join``)
+        # Set while this process holds the train role: a follower member lent to rollout trains
+        # rank 0's next step only once it is reclaimed too (or after half the collective
+        # timeout, before rank 0's wait for it runs out).
+        self.training = threading.Event()
+        self.training.set()
         self._followers: list[multiprocessing.Process] = []
         if config.world_size > 1:
             init = f"tcp://127.0.0.1:{_free_port()}"
@@ -181,6 +186,9 @@ class RankGroup:
                 if command["kind"] == "leave":
                     return
                 if command["kind"] == "step":
+                    wait_s = self._config.collective_timeout_s / 2
+                    if not self.training.wait(wait_s):
+                        log.warning(kv("trainer_rank_not_reclaimed", waited_s=wait_s))
                     started = time.monotonic()
                     train_step(self.backend, _items(command), command["version"], self._config)
                     RANK_STEP_SECONDS.observe(time.monotonic() - started)

@@ -244,8 +244,10 @@ class Trainer:
         """``RoleHolder``'s switch: step as ``train``; otherwise finish the step in progress and
         hold off (samples keep being taken and held)."""
         if role is Role.TRAIN:
+            self._ranks.training.set()  # a follower member trains rank 0's steps again
             self._may_step.set()
             return
+        self._ranks.training.clear()
         self._may_step.clear()
         async with self._stepping:  # the step in progress, if any, has committed
             pass
