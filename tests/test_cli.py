@@ -94,7 +94,7 @@ async def test_provision_then_submit_then_status(broker, js, run_name, tmp_path)
 
     # The same file's config again is a no-op; a different one is refused, with exit code 2.
     assert (
-        "0 created, 14 unchanged"
+        "0 created, 15 unchanged"
         in sf("provision", "--nats", broker.url, "--config", str(config)).stdout
     )
     clash = config.read_text().replace("[provision]\n", "[provision]\nworkers_ttl_s = 5.0\n")
