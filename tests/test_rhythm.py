@@ -55,6 +55,10 @@ async def status_rows(url: str, run: str) -> dict[str, list[str]]:
 async def test_a_quarantined_worker_is_seen_while_another_serves_and_rejoins_current(
     broker, nc, js, names, tiny_model_dir
 ):
+    """Two workers, one scheduler. A version's load overruns its deadline on "wa" only: its
+    entry, its metrics, the scheduler's gauges and ``seamlessflow status`` say it is loading and
+    quarantined, while "wb" serves every request on the new version. Once the load ends "wa"
+    rejoins at the current version (ready, not quarantined) and serves again."""
     common = ("--heartbeat-s", "0.5", "--max-model-len", "2048")
     stuck = worker_process(
         broker.url,
@@ -84,9 +88,16 @@ async def test_a_quarantined_worker_is_seen_while_another_serves_and_rejoins_cur
             assert await metric(stuck.metrics_url, "sf_rollout_quarantined") == 1
             assert await metric(stuck.metrics_url, "sf_rollout_weights_state", state="loading") == 1
             # the scheduler sees it
-            await eventually(lambda: scheduled("sf_scheduler_workers_quarantined") == 1)
-            assert scheduled("sf_scheduler_workers_weights", state="loading") == 1
-            assert scheduled("sf_scheduler_workers_weights", state="ready") == 1
+            await eventually(
+                lambda: (
+                    (
+                        scheduled("sf_scheduler_workers_quarantined"),
+                        scheduled("sf_scheduler_workers_weights", state="loading"),
+                        scheduled("sf_scheduler_workers_weights", state="ready"),
+                    )
+                    == (1, 1, 1)
+                )
+            )
 
             # seamlessflow status shows both
             rows = await status_rows(broker.url, names.run)
@@ -133,9 +144,9 @@ async def _quarantined(js, names, wid: str) -> bool:
 
 IDLE_S = 3.0
 TOLERANCE_S = 0.3
-"""How far a worker's seconds in one (role, state) may be from the wall time measured here:
-role changes are timed by their acks, a busy stretch from the request's publication to its last
-chunk (the worker's own stretch starts when it takes the request, a few ms later)."""
+"""How far a worker's seconds in one (role, state) may be from the wall time measured here
+(role changes timed by their acks, a busy stretch from the request's publication to its last
+chunk): off by about 10 ms either way when measured, on a shared two-core machine."""
 
 
 async def test_busy_and_idle_seconds_per_role_follow_the_wall_time(
