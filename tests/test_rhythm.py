@@ -9,6 +9,7 @@ whose load takes a configured time (``--engine-weight-load-s``); the other serve
 ``hf`` engine."""
 
 import asyncio
+import io
 import subprocess
 import sys
 import time
@@ -16,12 +17,12 @@ import time
 import pytest
 
 from broker.messages import FinishReason, Role, WeightsState
-from broker.registry import read_registry
+from broker.registry import Registration, read_registry
 from broker.weights import publish_weights
-from seamlessflow.launcher import scrape_role_seconds
+from seamlessflow.launcher import print_workers, scrape_role_seconds
 from seamlessflow.processes import worker_process
 from tagsched.metrics import REGISTRY as SCHEDULER_METRICS
-from tests.support import eventually, metric, perturbed_weights, registered
+from tests.support import eventually, free_port, metric, perturbed_weights, registered
 from tests.test_liveness import leading
 from tests.test_tagsched import ask
 from tests.test_worker import Call
@@ -196,3 +197,20 @@ async def test_busy_and_idle_seconds_per_role_follow_the_wall_time(
     assert busy > 0.5  # long enough for the bound above to mean something
     for key in (("idle", "busy"), ("train", "busy"), ("train", "idle")):
         assert after[key] == 0, key
+
+
+async def test_status_shows_what_it_could_not_read(js, names):
+    """A worker whose ``/metrics`` does not answer (gone, another network) shows "?" for its
+    seconds, one without ``metrics_url`` "-"; the others' rows and the table still show."""
+    dead = f"http://127.0.0.1:{free_port()}/metrics"
+    for wid, url in (("w-dead", dead), ("w-none", None)):
+        fields = {"tags": ["rollout"], "role": Role.ROLLOUT, "metrics_url": url}
+        await (await Registration.open(js, names, wid, **fields)).put()
+    found = await read_registry(js, names)
+    seconds = await scrape_role_seconds(found)
+    assert seconds == {"w-dead": None}
+    out = io.StringIO()
+    print_workers(found, None, out, role_seconds=seconds)
+    rows = {line.split()[0]: line.split() for line in out.getvalue().splitlines()[2:-1]}
+    assert rows["w-dead"][7:11] == ["ready", "-", "no", "?"], rows
+    assert rows["w-none"][7:11] == ["ready", "-", "no", "-"], rows
