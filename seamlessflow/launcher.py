@@ -114,12 +114,16 @@ RoleSeconds = dict[tuple[str, str], float]
 async def scrape_role_seconds(workers: list[Sighting]) -> dict[str, RoleSeconds | None]:
     """Each worker's seconds per role, busy and idle, from its ``/metrics`` (the registry does not
     carry them), all read at once; ``None`` for one whose endpoint did not answer (another
-    network, gone): the table says so, and the rest still shows."""
+    network, gone) or answered as another process (a ``127.0.0.1`` URL read from another
+    host: its ``sf_worker_info`` names another worker): the table says so, and the rest still
+    shows."""
 
-    async def read(url: str) -> RoleSeconds | None:
+    async def read(worker_id: str, url: str) -> RoleSeconds | None:
         try:
             samples = await scrape(url)
         except (httpx.HTTPError, ValueError):
+            return None
+        if not metric_sum(samples, "sf_worker_info", worker_id=worker_id):
             return None
         name = "sf_worker_role_seconds_total"
         return {
@@ -129,7 +133,7 @@ async def scrape_role_seconds(workers: list[Sighting]) -> dict[str, RoleSeconds 
         }
 
     urls = {s.worker_id: s.entry.metrics_url for s in workers if s.entry and s.entry.metrics_url}
-    seconds = await asyncio.gather(*(read(url) for url in urls.values()))
+    seconds = await asyncio.gather(*(read(wid, url) for wid, url in urls.items()))
     return dict(zip(urls, seconds, strict=True))
 
 

@@ -15,10 +15,12 @@ import sys
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from broker.messages import FinishReason, Role, WeightsState
 from broker.registry import Registration, read_registry
 from broker.weights import publish_weights
+from common.metrics import serve_metrics
 from seamlessflow.launcher import print_workers, scrape_role_seconds
 from seamlessflow.processes import worker_process
 from tagsched.metrics import REGISTRY as SCHEDULER_METRICS
@@ -200,17 +202,22 @@ async def test_busy_and_idle_seconds_per_role_follow_the_wall_time(
 
 
 async def test_status_shows_what_it_could_not_read(js, names):
-    """A worker whose ``/metrics`` does not answer (gone, another network) shows "?" for its
-    seconds, one without ``metrics_url`` "-"; the others' rows and the table still show."""
+    """A worker whose ``/metrics`` does not answer (gone, another network) or answers as another
+    process (nothing there names the worker: a ``127.0.0.1`` URL read from another host) shows
+    "?" for its seconds, one without ``metrics_url`` "-"; the table still shows every row."""
     dead = f"http://127.0.0.1:{free_port()}/metrics"
-    for wid, url in (("w-dead", dead), ("w-none", None)):
-        fields = {"tags": ["rollout"], "role": Role.ROLLOUT, "metrics_url": url}
-        await (await Registration.open(js, names, wid, **fields)).put()
-    found = await read_registry(js, names)
-    seconds = await scrape_role_seconds(found)
-    assert seconds == {"w-dead": None}
+    other = serve_metrics(CollectorRegistry())  # a /metrics, but no worker's
+    try:
+        for wid, url in (("w-dead", dead), ("w-other", other.url), ("w-none", None)):
+            fields = {"tags": ["rollout"], "role": Role.ROLLOUT, "metrics_url": url}
+            await (await Registration.open(js, names, wid, **fields)).put()
+        found = await read_registry(js, names)
+        seconds = await scrape_role_seconds(found)
+    finally:
+        other.close()
+    assert seconds == {"w-dead": None, "w-other": None}
     out = io.StringIO()
     print_workers(found, None, out, role_seconds=seconds)
     rows = {line.split()[0]: line.split() for line in out.getvalue().splitlines()[2:-1]}
-    assert rows["w-dead"][7:11] == ["ready", "-", "no", "?"], rows
+    assert rows["w-dead"][7:11] == rows["w-other"][7:11] == ["ready", "-", "no", "?"], rows
     assert rows["w-none"][7:11] == ["ready", "-", "no", "-"], rows
