@@ -16,6 +16,7 @@ from broker.messages import (
     SamplingParams,
     TokensGenerated,
     WeightsPublished,
+    WeightsState,
 )
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.registry import watch_workers
@@ -318,17 +319,20 @@ def _ingress_count(outcome: str) -> float:
 
 async def test_weight_waves_load_one_wave_after_the_other(broker, nc, js, names, tiny_model_dir):
     """Two workers, two waves: for every version the second (by id) loads only once the first
-    serves it, so one of them is always generating."""
+    serves it, so one of them is always generating; each step of that rhythm shows in their
+    registry entries as it happens."""
     args = ("--weight-waves", "2", "--heartbeat-s", "0.5")
     workers = [
         worker_process(broker.url, names.run, tiny_model_dir, wid, *args) for wid in ("wa", "wb")
     ]
     seen: dict[str, list[tuple[float, int]]] = {"wa": [], "wb": []}
+    rhythm: dict[str, set[tuple[WeightsState, int | None]]] = {"wa": set(), "wb": set()}
 
     async def follow() -> None:
         async for wid, entry in watch_workers(js, names):
             if entry is None or wid not in seen or entry.version is None:
                 continue
+            rhythm[wid].add((entry.weights, entry.wave))
             if not seen[wid] or seen[wid][-1][1] != entry.version:
                 seen[wid].append((time.monotonic(), entry.version))
 
@@ -341,9 +345,15 @@ async def test_weight_waves_load_one_wave_after_the_other(broker, nc, js, names,
                 await eventually(lambda w=wid, v=version: _registered_version(js, names, w, v))
         following.cancel()
         waited = await metric(workers[1].metrics_url, "sf_rollout_weight_wave_wait_seconds_count")
+        assert await metric(workers[1].metrics_url, "sf_rollout_weight_wave") == 1
     finally:
         for w in workers:
             w.stop()
+    # Each step of the rhythm is written as it happens (heartbeats alone would miss most): the
+    # second wave is seen waiting for the first, each loading, each ready again, in its wave.
+    for wid, wave in (("wa", 0), ("wb", 1)):
+        states = {WeightsState.WAITING, WeightsState.LOADING, WeightsState.READY}
+        assert {(state, wave) for state in states} <= rhythm[wid], (wid, rhythm[wid])
     first = {v: t for t, v in seen["wa"]}
     for at, version in seen["wb"]:
         if version >= 1:
