@@ -15,11 +15,12 @@ A run's ``[layout]`` refines its kind's spec with the user's own tags and counts
 tags = ["gpu=h200"]``: ``tagsched.config``); the tags a worker has come from its config and its
 node (``broker.node_tags``: ``node=<host>``, ``gpu=<model>``).
 
-Registered capacity (requests a worker generates at once) weights the choice where a demand takes
-fewer workers than match: rollout takes the largest first, train the smallest first (keeping the
-big generators for rollout); a worker already holding the role keeps it before either, so a new
-worker does not move roles around. Routing is already in proportion to capacity: each rollout
-worker pulls from the generation queue only as many requests as it has free slots.
+Registered capacity (requests a worker generates at once) weights the choice where the rollout
+demand takes fewer workers than match: the largest first, after those serving already (a worker
+joining moves no one). It does not pick the trainer: a trainer worker lent to rollout is not
+training at that moment, and capacity must not move the trainer to another worker then. Routing
+is already in proportion to capacity: each rollout worker pulls from the generation queue only
+as many requests as it has free slots.
 """
 
 from dataclasses import dataclass, field
@@ -95,13 +96,9 @@ def assign(spec: PlacementSpec, workers: dict[str, WorkerRegistered]) -> Assignm
     able = sorted(
         (w for w in workers.values() if has_tags(w.tags, spec.train.tags)),
         # those training now first, then those that cannot serve rollout (keep the versatile
-        # ones for it), then the smallest generators (keep the large ones for it), then by id
-        key=lambda w: (
-            w.role != "train",
-            has_tags(w.tags, spec.rollout.tags),
-            w.capacity,
-            w.worker_id,
-        ),
+        # ones for it; by the demand, not by counting tags: node and GPU tags would make a
+        # GPU-less worker look the most dedicated), then by id
+        key=lambda w: (w.role != "train", has_tags(w.tags, spec.rollout.tags), w.worker_id),
     )
     wanted = spec.train.count if spec.train.count is not None else max(1, len(able))
     if len(able) < wanted:

@@ -182,14 +182,13 @@ def test_capacity_weights_the_choice_when_fewer_workers_are_wanted_than_match():
         worker("c", "rollout", capacity=16),
         worker("d", "rollout", capacity=128),
     )
-    # train takes the smallest generator, rollout the largest ones.
-    a = assign(layout(train={"count": 1}, rollout={"count": 2}), pool)
-    assert (a.train, a.rollout, a.idle) == (["b"], ["a", "d"], ["c"])
-    # A worker holding its role keeps it before capacity counts (no churn on a join).
-    pool["c"] = worker("c", "rollout", capacity=16, role=Role.ROLLOUT)
-    pool["a"] = worker("a", "train", "rollout", capacity=64, role=Role.TRAIN)
+    # rollout takes the largest of those left; capacity does not pick the trainer (by id here).
     a = assign(layout(train={"count": 1}, rollout={"count": 2}), pool)
     assert (a.train, a.rollout, a.idle) == (["a"], ["c", "d"], ["b"])
+    # A worker serving already keeps serving before capacity counts (no churn on a join).
+    pool["b"] = worker("b", "train", "rollout", capacity=8, role=Role.ROLLOUT)
+    a = assign(layout(train={"count": 1}, rollout={"count": 2}), pool)
+    assert (a.train, a.rollout, a.idle) == (["a"], ["b", "d"], ["c"])
 
 
 def test_an_unsatisfiable_demand_names_the_missing_tags_and_what_the_workers_have():
