@@ -89,7 +89,7 @@ async def test_provision_then_submit_then_status(broker, js, run_name, tmp_path)
         "worker", "node", "tags", "role", "epoch", "version", "busy", "written", "clock"
     ]  # fmt: skip
     row = next(line for line in lines if line.startswith("w-1 ")).split()
-    assert row[1] == node_name() and row[2:4] == ["rollout", "idle"]
+    assert row[1] == node_name() and row[2:4] == [f"rollout,node={node_name()}", "idle"]
     assert row[-2] == "ago" and float(row[-3].rstrip("s")) < 30 and row[-1] == "ok"
 
     # The same file's config again is a no-op; a different one is refused, with exit code 2.

@@ -20,7 +20,7 @@ from broker.messages import (
 )
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.registry import watch_workers
-from broker.subjects import RunNames
+from broker.subjects import Durable, RunNames
 from broker.weights import LOCAL_BLOB, announce_local, host_id, local_folder, publish_weights
 from rollout.worker import RolloutWorker
 from rollout.worker_config import WorkerConfig
@@ -91,7 +91,8 @@ def worker(broker, names: RunNames, tiny_model_dir: Path):
 async def test_worker_streams_token_exact_chunks_and_acks(worker, nc, js, names, tiny_model_dir):
     entry = await registered(js, names, "w1")
     assert entry is not None and entry.role == "rollout" and entry.version == 0
-    assert entry.tags == ["rollout"] and entry.metrics_url == worker.metrics_url
+    assert entry.tags == ["rollout", f"node={entry.host}"]  # its config's and its node's
+    assert entry.metrics_url == worker.metrics_url
 
     call = await Call(nc, names, "c1", max_tokens=12, temperature=0).start()
     last = await call.finished()
@@ -385,3 +386,54 @@ async def test_an_engine_stuck_loading_is_quarantined_and_rejoins(
         }
     finally:
         w.stop()
+
+
+async def test_workers_pull_generations_in_proportion_to_their_capacity(
+    broker, nc, js, names, tiny_model_dir
+):
+    """Routing by capacity needs no weights: with a backlog, each worker pulls from the work
+    queue only as many requests as it has free slots, so a worker registered with capacity 3
+    runs three for the other's one, and the rest wait on the queue for the next free slot."""
+    capacity = {"w-small": 1, "w-large": 3}
+    workers = {
+        wid: worker_process(
+            broker.url,
+            names.run,
+            tiny_model_dir,
+            wid,
+            "--max-running",
+            str(n),
+            "--max-model-len",
+            "2048",
+        )
+        for wid, n in capacity.items()
+    }
+    try:
+        await asyncio.gather(*(asyncio.to_thread(w.wait_ready) for w in workers.values()))
+        for wid, n in capacity.items():
+            assert (await registered(js, names, wid)).capacity == n
+        calls = [
+            await Call(nc, names, f"c{i}", max_tokens=100000, temperature=1.0).start()
+            for i in range(8)
+        ]
+
+        async def running() -> dict[str, float]:
+            return {
+                wid: await metric(w.metrics_url, "sf_rollout_requests_running")
+                for wid, w in workers.items()
+            }
+
+        async def full() -> bool:
+            return await running() == capacity
+
+        await eventually(full)
+        info = await js.consumer_info(names.gen_stream, Durable.ROLLOUT)
+        assert (info.num_ack_pending, info.num_pending) == (4, 4)
+        for _ in range(5):  # and it stays so: nobody pulls past its capacity
+            await asyncio.sleep(0.2)
+            assert await running() == capacity
+        served = {c.chunks[0].worker_id for c in calls if c.chunks}
+        assert served == set(capacity)
+    finally:
+        for w in workers.values():
+            w.stop()
