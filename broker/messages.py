@@ -56,6 +56,17 @@ class Role(StrEnum):
     TRAIN = "train"
 
 
+class WeightsState(StrEnum):
+    """Where a worker stands in the weight rhythm (``rollout.following``)."""
+
+    READY = "ready"
+    """Serving the version it holds; no newer one pending."""
+    WAITING = "waiting"
+    """A newer version is fetched or waits for its wave; still serving the old one."""
+    LOADING = "loading"
+    """The engine is paused, loading a version: its capacity is out."""
+
+
 class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
@@ -66,6 +77,7 @@ class FinishReason(StrEnum):
 # Enums arrive as strings on the wire; they are still checked against the allowed values.
 RoleField = Annotated[Role, Field(strict=False)]
 FinishReasonField = Annotated[FinishReason, Field(strict=False)]
+WeightsStateField = Annotated[WeightsState, Field(strict=False)]
 
 
 class FunctionCall(BaseModel):
@@ -327,6 +339,17 @@ class WorkerRegistered(Message):
     busy: bool = Field(default=False, description="working in its role right now")
     quarantined: bool = Field(
         default=False, description="a weight load overran its deadline: not serving until done"
+    )
+    weights: WeightsStateField = Field(
+        default=WeightsState.READY,
+        description="where it stands in the weight rhythm: ready, waiting (for its wave) or "
+        "loading (engine paused); written as it changes",
+    )
+    wave: int | None = Field(
+        default=None,
+        ge=0,
+        lt=MAX_SAFE_INT,
+        description="its wave (0 first) at its last rolling load; none without weight_waves > 1",
     )
     capacity: int = Field(
         default=1, ge=1, lt=MAX_SAFE_INT, description="requests it generates at once as rollout"

@@ -30,6 +30,7 @@ from nats.js.kv import KeyValue
 from broker import codec
 from broker.exceptions import InvalidMessageError
 from broker.messages import Role, TrainerShape, WorkerRegistered
+from broker.node_tags import query_gpus, with_node_tags
 from broker.subjects import RunNames
 from common.log import kv
 
@@ -87,9 +88,12 @@ class Registration:
 
     @classmethod
     async def open(
-        cls, js: JetStreamContext, names: RunNames, worker_id: str, **fields
+        cls, js: JetStreamContext, names: RunNames, worker_id: str, *, tags: list[str], **fields
     ) -> "Registration":
-        return cls(await js.key_value(names.workers_kv), worker_id, **fields)
+        """The entry of ``worker_id`` with ``tags`` and its node's (``broker.node_tags``)."""
+        gpus = await asyncio.to_thread(query_gpus)
+        tags = with_node_tags(tags, node_name(), gpus)
+        return cls(await js.key_value(names.workers_kv), worker_id, tags=tags, **fields)
 
     @property
     def worker_id(self) -> str:

@@ -8,6 +8,10 @@ host's in-memory copy waits for the object store's announcement. With ``weight_w
 rollout workers load in waves, so not all capacity pauses at once. A load past
 ``weight_load_timeout_s`` quarantines the worker (routing stops, its generations continue
 elsewhere) until it holds the newest version.
+
+Where the worker stands in that rhythm (``WeightsState``: ready, waiting, loading; its wave;
+quarantined) is written to its registry entry as it changes, for the scheduler and
+``seamlessflow status``, and shown on ``/metrics``.
 """
 
 import asyncio
@@ -27,7 +31,7 @@ from nats.js.api import DeliverPolicy
 
 from broker import codec
 from broker.exceptions import BrokerError, InvalidMessageError
-from broker.messages import Role, WeightsPublished
+from broker.messages import Role, WeightsPublished, WeightsState
 from broker.registry import Registration, read_registry
 from broker.retry import retry
 from broker.subjects import RunNames
@@ -36,11 +40,14 @@ from common.log import kv
 from rollout.engines import Engine, EngineError
 from rollout.metrics import (
     INTERRUPTIONS,
+    QUARANTINED,
     QUARANTINES,
     VERSION,
+    WAVE,
     WAVE_WAIT,
     WEIGHT_ERRORS,
     WEIGHT_LOAD,
+    WEIGHTS_STATE,
 )
 from rollout.worker_config import WorkerConfig
 
@@ -90,6 +97,8 @@ class WeightFollower:
         self._tried_version = -1
         self._registration: Registration | None = None  # told of each version once following
         self.quarantined = False
+        self._state = WeightsState.READY
+        self._wave: int | None = None
 
     async def load_latest(self) -> None:
         """Load the newest published version, if any: at start, before registering."""
@@ -152,26 +161,29 @@ class WeightFollower:
             log.debug(kv("weights_not_local", version=event.version, host=event.host))
             return
         started = time.monotonic()
-        await self._wait_for_wave(event.version)
-        async with self._weights_folder(event, local) as folder:
-            fetched = time.monotonic()
-            self._tried_version = event.version
-            try:
-                async with self._lock:
-                    INTERRUPTIONS.labels("weight_update").inc(self._worker.in_flight())
-                    await self._engine.pause()
-                    try:
-                        await self._load_within_deadline(event.version, folder)
-                    finally:
-                        if self._worker.serving():  # an idle worker's engine stays paused
-                            await self._engine.resume()
-            finally:
-                await self._rejoin()
+        await self._show(WeightsState.WAITING)
+        try:
+            await self._wait_for_wave(event.version)
+            async with self._weights_folder(event, local) as folder:
+                fetched = time.monotonic()
+                self._tried_version = event.version
+                try:
+                    async with self._lock:
+                        INTERRUPTIONS.labels("weight_update").inc(self._worker.in_flight())
+                        await self._show(WeightsState.LOADING)
+                        await self._engine.pause()
+                        try:
+                            await self._load_within_deadline(event.version, folder)
+                        finally:
+                            if self._worker.serving():  # an idle worker's engine stays paused
+                                await self._engine.resume()
+                finally:
+                    await self._rejoin()
+        finally:
+            VERSION.set(self._engine.version)
+            await self._show(WeightsState.READY, version=self._engine.version)
         seconds = time.monotonic() - started
         WEIGHT_LOAD.observe(seconds)
-        VERSION.set(self._engine.version)
-        if self._registration is not None:  # tell the registry now, not at the next heartbeat
-            await self._registration.put(version=self._engine.version)
         log.info(
             kv(
                 "weights_loaded",
@@ -224,6 +236,9 @@ class WeightFollower:
             if me not in ids:
                 break
             wave = ids.index(me) % waves
+            if wave != self._wave:
+                self._wave = wave
+                await self._show(WeightsState.WAITING)
             earlier = [live[w] for i, w in enumerate(ids) if i % waves < wave]
             if all((w.version if w.version is not None else -1) >= version for w in earlier):
                 break
@@ -240,8 +255,7 @@ class WeightFollower:
             QUARANTINES.inc()
             self.quarantined = True
             log.error(kv("weights_load_stuck", version=version, quarantined=True))
-            if self._registration is not None:
-                await self._registration.put(quarantined=True)
+            await self._show(self._state)
             await self._worker.quarantine()
         await load
 
@@ -254,7 +268,26 @@ class WeightFollower:
         if latest is not None and latest.version > max(self._engine.version, self._tried_version):
             return  # that version's event is next: rejoin after it
         self.quarantined = False
-        if self._registration is not None:
-            await self._registration.put(quarantined=False)
+        await self._show(self._state)
         await self._worker.rejoin()
         log.info(kv("worker_rejoined", version=self._engine.version))
+
+    async def _show(self, state: WeightsState, **changes) -> None:
+        """Say where this worker stands (``state``, its wave, whether quarantined, and
+        ``changes``) on ``/metrics`` and in its registry entry at once, not at the next
+        heartbeat. A write the broker cannot take now is logged: the entry keeps the change and
+        the next heartbeat carries it, so a weight load never stops on it."""
+        self._state = state
+        for s in WeightsState:
+            WEIGHTS_STATE.labels(s.value).set(s is state)
+        QUARANTINED.set(self.quarantined)
+        WAVE.set(self._wave or 0)
+        if self._registration is None:  # loading before registering: the entry is made after
+            return
+        self._registration.note(
+            weights=state, wave=self._wave, quarantined=self.quarantined, **changes
+        )
+        try:
+            await self._registration.put()
+        except NatsError as exc:
+            log.warning(kv("weights_state_write_failed", state=state, error=exc))

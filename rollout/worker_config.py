@@ -19,7 +19,9 @@ class WorkerConfig(BaseModel):
         description="this worker's key in the worker registry; default: <host>-<pid>",
     )
     tags: Tags = Field(
-        default_factory=lambda: ["rollout"], description="capability tags, comma-separated"
+        default_factory=lambda: ["rollout"],
+        description="capability tags, comma-separated; node=<host> and gpu=<model> (nvidia-smi) "
+        "are added unless given",
     )
     max_running: int = Field(default=32, ge=1, description="requests generated at once")
     role: RoleField = Field(

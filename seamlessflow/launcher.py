@@ -5,19 +5,21 @@ import asyncio
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import httpx
 from prometheus_client import CollectorRegistry
 
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig
+from broker.messages import Role, WorkerRegistered
 from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus
 from broker.registry import Sighting
 from broker.server import EmbeddedBroker
-from common.metrics import MetricsEndpoint, serve_metrics
+from common.metrics import MetricsEndpoint, metric_sum, scrape, serve_metrics
 from common.ready import announce_ready
 
 
@@ -105,6 +107,105 @@ def print_status(status: RunStatus, out=sys.stdout) -> None:
         print(f"missing: {name} (run `seamlessflow provision`)", file=out)
 
 
+RoleSeconds = dict[tuple[str, str], float]
+"""A worker's ``sf_worker_role_seconds`` by ``(role, state)``, read from its ``/metrics``."""
+
+
+async def scrape_role_seconds(workers: list[Sighting]) -> dict[str, RoleSeconds | None]:
+    """Each worker's seconds per role, busy and idle, from its ``/metrics`` (the registry does not
+    carry them), all read at once; ``None`` for one whose endpoint did not answer (another
+    network, gone) or answered as another process (a ``127.0.0.1`` URL read from another
+    host: its ``sf_worker_info`` names another worker): the table says so, and the rest still
+    shows."""
+
+    async def read(worker_id: str, url: str) -> RoleSeconds | None:
+        try:
+            samples = await scrape(url)
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not metric_sum(samples, "sf_worker_info", worker_id=worker_id):
+            return None
+        name = "sf_worker_role_seconds_total"
+        return {
+            (r.value, state): metric_sum(samples, name, role=r.value, state=state)
+            for r in Role
+            for state in ("busy", "idle")
+        }
+
+    urls = {s.worker_id: s.entry.metrics_url for s in workers if s.entry and s.entry.metrics_url}
+    seconds = await asyncio.gather(*(read(wid, url) for wid, url in urls.items()))
+    return dict(zip(urls, seconds, strict=True))
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """What ``seamlessflow status`` knows of one worker: its registry entry as the server dated
+    it, when the table was made (``now``, ``time.monotonic()``), the registry's TTL, and its
+    seconds per role if they were asked for (``asked``; ``role_seconds`` ``None``: its
+    ``/metrics`` did not answer)."""
+
+    sighting: Sighting
+    entry: WorkerRegistered
+    now: float
+    ttl: float | None = None
+    role_seconds: RoleSeconds | None = None
+    asked: bool = False
+
+    def written(self) -> str:
+        """How long ago the entry was written, dated by the server's clock alone; past ``ttl``
+        marked "not renewed", as every observer judges it dead."""
+        if not self.sighting.dated:  # a server that does not tell its time
+            return "?"
+        age = self.sighting.age(self.now)
+        if self.ttl is not None and age > self.ttl:
+            return f"{age:.1f}s ago (not renewed within {self.ttl:g}s)"
+        return f"{age:.1f}s ago"
+
+    def clock(self) -> str:
+        """The worker's ``heartbeat_at`` against the server's timestamp of the write."""
+        offset = self.sighting.clock_offset()
+        return "-" if offset is None else "ok" if abs(offset) < 1.0 else f"{offset:+.1f}s"
+
+    def seconds(self) -> str:
+        """``role=busy/idle`` seconds for every role it has spent time in."""
+        if not self.asked or self.entry.metrics_url is None:
+            return "-"
+        if self.role_seconds is None:
+            return "?"
+        got = self.role_seconds
+        return (
+            ",".join(
+                f"{r.value}={got[r.value, 'busy']:.0f}/{got[r.value, 'idle']:.0f}"
+                for r in Role
+                if got[r.value, "busy"] + got[r.value, "idle"] >= 0.5
+            )
+            or "0"
+        )
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+WORKER_COLUMNS: tuple[tuple[str, Callable[[WorkerRow], str]], ...] = (
+    # One line a column; "clock" stays last (scripts read it from the end of a row).
+    ("worker", lambda r: r.entry.worker_id),
+    ("node", lambda r: r.entry.host),
+    ("tags", lambda r: ",".join(r.entry.tags)),
+    ("role", lambda r: r.entry.role.value),
+    ("epoch", lambda r: str(r.entry.epoch)),
+    ("version", lambda r: "-" if r.entry.version is None else str(r.entry.version)),
+    ("busy", lambda r: _yes(r.entry.busy)),
+    ("weights", lambda r: r.entry.weights.value),
+    ("wave", lambda r: "-" if r.entry.wave is None else str(r.entry.wave)),
+    ("quarantined", lambda r: _yes(r.entry.quarantined)),
+    ("busy/idle s", WorkerRow.seconds),
+    ("written", WorkerRow.written),
+    ("clock", WorkerRow.clock),
+)
+"""The registry table's columns: a header and how a row's cell is made."""
+
+
 def print_workers(
     workers: list[Sighting],
     leader: str | None,
@@ -112,41 +213,23 @@ def print_workers(
     *,
     ttl: float | None = None,
     now: float | None = None,
+    role_seconds: dict[str, RoleSeconds | None] | None = None,
 ) -> None:
-    """The registry as a table (node, tags, role, epoch, version, when the entry was last
-    written and how far the worker's clock is off), and the scheduler holding the run's lease.
-    "written" is dated by the server's clock alone (the write's stored timestamp against the
-    server's time now), so a worker whose clock is off shows its true age; past ``ttl`` it is
-    marked "not renewed", as every observer judges it dead. "clock" is the worker's
-    ``heartbeat_at`` against the server's timestamp of the write: information only."""
+    """The registry as a table (``WORKER_COLUMNS``: node, tags, role, epoch, version, where it
+    stands in the weight rhythm, its busy/idle seconds per role from ``role_seconds``, when the
+    entry was last written and how far the worker's clock is off), and the scheduler holding
+    the run's lease. "written" is dated by the server's clock alone (the write's stored
+    timestamp against the server's time now), so a worker whose clock is off shows its true age;
+    past ``ttl`` it is marked "not renewed", as every observer judges it dead. "clock" is the
+    worker's ``heartbeat_at`` against the server's timestamp of the write: information only."""
     now = time.monotonic() if now is None else now
-    rows = [("worker", "node", "tags", "role", "epoch", "version", "busy", "written", "clock")]
+    rows = [tuple(header for header, _ in WORKER_COLUMNS)]
     for s in workers:
-        w = s.entry
-        if w is None:
+        if s.entry is None:
             continue
-        version = "-" if w.version is None else str(w.version)
-        if not s.dated:  # a server that does not tell its time
-            written = "?"
-        else:
-            age = s.age(now)
-            written = f"{age:.1f}s ago"
-            if ttl is not None and age > ttl:
-                written += f" (not renewed within {ttl:g}s)"
-        offset = s.clock_offset()
-        clock = "-" if offset is None else "ok" if abs(offset) < 1.0 else f"{offset:+.1f}s"
-        row = (
-            w.worker_id,
-            w.host,
-            ",".join(w.tags),
-            w.role.value,
-            str(w.epoch),
-            version,
-            "yes" if w.busy else "no",
-            written,
-            clock,
-        )
-        rows.append(row)
+        seconds = None if role_seconds is None else role_seconds.get(s.worker_id)
+        row = WorkerRow(s, s.entry, now, ttl, seconds, asked=role_seconds is not None)
+        rows.append(tuple(cell(row) for _, cell in WORKER_COLUMNS))
     print(file=out)
     _print_table(rows, out)
     print(f"scheduler: {leader or 'none holds the lease'}", file=out)

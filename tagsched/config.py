@@ -1,14 +1,61 @@
 """The scheduler's settings (``[scheduler]``) and the cluster layout (``[layout]``)."""
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from broker.config import Tags
 from broker.messages import NAME_PATTERN
 from broker.registry import default_worker_id
-from tagsched.spec import Layout, PlacementSpec, layout_spec
+from tagsched.spec import Demand, Layout, PlacementSpec, layout_spec
+
+REST = "rest"
+
+
+class RoleDemand(BaseModel):
+    """``[layout.train]`` or ``[layout.rollout]``: what the user asks of one role's workers, on
+    top of the layout kind's demand (``train``: workers tagged ``train``, one of them;
+    ``rollout``: every other worker tagged ``rollout``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tags: Tags = Field(
+        default_factory=list,
+        description="tags its workers must have besides the kind's (gpu=h200, node=a1; a bare "
+        "key matches any value: gpu)",
+    )
+    count: int | Literal["rest"] | None = Field(
+        default=None,
+        description="how many workers hold the role, or 'rest': every remaining worker that has "
+        "the tags (at least one); default: the kind's (train 1, rollout rest)",
+    )
+
+    @field_validator("count", mode="before")
+    @classmethod
+    def _count(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.isdigit():
+            return int(value)  # a flag's text
+        if (
+            value is None
+            or value == REST
+            or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+        ):
+            return value
+        raise ValueError(
+            f"count is a number of workers (0 or more) or {REST!r} (every remaining worker "
+            f"that has the tags), not {value!r}"
+        )
+
+    def refine(self, demand: Demand) -> Demand:
+        """``demand`` with these tags added and this count, if given."""
+        tags = [*demand.tags, *(t for t in self.tags if t not in demand.tags)]
+        count = demand.count if self.count is None else None if self.count == REST else self.count
+        return Demand(tags=tags, count=count)
 
 
 class LayoutConfig(BaseModel):
-    """How the run's workers share the work: three specs of one mechanism (``tagsched.spec``)."""
+    """How the run's workers share the work: the kind's spec (three specs of one mechanism,
+    ``tagsched.spec``), refined per role by the user's tags and counts."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -18,9 +65,21 @@ class LayoutConfig(BaseModel):
         "quickstart within 10% of each other (bench/layouts.py)",
         json_schema_extra={"flag": "layout"},
     )
+    train: RoleDemand = Field(
+        default_factory=RoleDemand, description="the trainer's workers: their tags and count"
+    )
+    rollout: RoleDemand = Field(
+        default_factory=RoleDemand, description="the rollout workers: their tags and count"
+    )
 
     def spec(self) -> PlacementSpec:
-        return layout_spec(self.kind)
+        base = layout_spec(self.kind)
+        return base.model_copy(
+            update={
+                "train": self.train.refine(base.train),
+                "rollout": self.rollout.refine(base.rollout),
+            }
+        )
 
 
 class SchedulerConfig(BaseModel):

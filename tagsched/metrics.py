@@ -2,7 +2,7 @@
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from broker.messages import Role
+from broker.messages import Role, WeightsState
 
 REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
@@ -46,6 +46,18 @@ LEADER = Gauge(
 ASSIGNED = Gauge(
     "sf_scheduler_workers", "Live workers by the role they hold", ["role"], registry=REGISTRY
 )
+WEIGHTS = Gauge(
+    "sf_scheduler_workers_weights",
+    "Live workers by where they stand in the weight rhythm (ready, waiting, loading), as their "
+    "registry entries say",
+    ["state"],
+    registry=REGISTRY,
+)
+QUARANTINED = Gauge(
+    "sf_scheduler_workers_quarantined",
+    "Live workers quarantined now (a weight load overran its deadline: not serving)",
+    registry=REGISTRY,
+)
 LENT = Gauge("sf_scheduler_workers_lent", "Trainer workers lent to rollout now", registry=REGISTRY)
 FENCED = Counter("sf_scheduler_fenced", "Workers fenced for missing a deadline", registry=REGISTRY)
 FENCED_NOW = Gauge("sf_scheduler_workers_fenced", "Workers fenced now", registry=REGISTRY)
@@ -72,6 +84,8 @@ RECLAIM_SECONDS = Histogram(
 )
 for _role in Role:
     ASSIGNED.labels(_role.value)
+for _state in WeightsState:
+    WEIGHTS.labels(_state.value)
 for _outcome in ("acked", "refused", "timeout"):
     CHANGES.labels(_outcome)
 GROUP_SIZE = Gauge(

@@ -38,6 +38,7 @@ from broker.messages import (
     RoleChangeAcked,
     RoleChangeRequested,
     TrainerShape,
+    WeightsState,
     WorkerRegistered,
 )
 from broker.metrics import REGISTRY as INGRESS_METRICS
@@ -67,10 +68,12 @@ from tagsched.metrics import (
     LEADER,
     LEND_SECONDS,
     LENT,
+    QUARANTINED,
     RECLAIM_SECONDS,
     REFUSED,
     REGISTRY,
     UNSATISFIED,
+    WEIGHTS,
 )
 from tagsched.spec import Assignment, PlacementSpec, assign
 
@@ -273,6 +276,9 @@ class Scheduler:
     def _show(self, live: dict[str, WorkerRegistered]) -> None:
         for role in Role:
             ASSIGNED.labels(role.value).set(sum(w.role is role for w in live.values()))
+        for state in WeightsState:
+            WEIGHTS.labels(state.value).set(sum(w.weights is state for w in live.values()))
+        QUARANTINED.set(sum(w.quarantined for w in live.values()))
         LENT.set(len(self._lent))
         FENCED_NOW.set(len(self._fenced))
 

@@ -10,6 +10,17 @@ mechanism:
 - **disaggregated**: disjoint tags; trainer workers train, rollout workers generate;
 - **multiplexed**: disaggregated, plus the trainer's workers are also tagged ``rollout`` and are
   lent to rollout while the sample backlog is below a batch.
+
+A run's ``[layout]`` refines its kind's spec with the user's own tags and counts (``[layout.train]
+tags = ["gpu=h200"]``: ``tagsched.config``); the tags a worker has come from its config and its
+node (``broker.node_tags``: ``node=<host>``, ``gpu=<model>``).
+
+Registered capacity (requests a worker generates at once) weights the choice where the rollout
+demand takes fewer workers than match: the largest first, after those serving already (a worker
+joining moves no one). It does not pick the trainer: a trainer worker lent to rollout is not
+training at that moment, and capacity must not move the trainer to another worker then. Routing
+is already in proportion to capacity: each rollout worker pulls from the generation queue only
+as many requests as it has free slots.
 """
 
 from dataclasses import dataclass, field
@@ -28,8 +39,8 @@ class Layout(StrEnum):
 
 
 class Demand(BaseModel):
-    """``count`` workers having every tag in ``tags`` (``count=None``: every such worker;
-    ``0``: none, e.g. a cluster that only serves)."""
+    """``count`` workers having every tag in ``tags`` (``count=None``: every such worker that
+    is left, "the rest", at least one; ``0``: none, e.g. a cluster that only serves)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -84,22 +95,27 @@ def assign(spec: PlacementSpec, workers: dict[str, WorkerRegistered]) -> Assignm
     Raises ``UnsatisfiableSpecError`` naming what is missing."""
     able = sorted(
         (w for w in workers.values() if has_tags(w.tags, spec.train.tags)),
-        # those training now first, then those with the fewest other tags (keep the versatile
-        # ones for rollout), then by id
-        key=lambda w: (w.role != "train", len(w.tags), w.worker_id),
+        # those training now first, then those that cannot serve rollout (keep the versatile
+        # ones for it; by the demand, not by counting tags: node and GPU tags would make a
+        # GPU-less worker look the most dedicated), then by id
+        key=lambda w: (w.role != "train", has_tags(w.tags, spec.rollout.tags), w.worker_id),
     )
     wanted = spec.train.count if spec.train.count is not None else max(1, len(able))
     if len(able) < wanted:
         raise UnsatisfiableSpecError(
             f"train needs {wanted} worker(s) tagged {_tags(spec.train.tags)}; "
-            f"{len(able)} of the live workers are: {_describe(workers)}"
+            f"{len(able)} of the live workers are: {_describe(workers, spec.train.tags)}"
         )
     train = [w.worker_id for w in able[:wanted]]
-    ordered = sorted(workers.values(), key=lambda w: w.worker_id)
-    rest = [w for w in ordered if w.worker_id not in train]
-    rollout = [w.worker_id for w in rest if has_tags(w.tags, spec.rollout.tags)]
+    rest = [w for w in workers.values() if w.worker_id not in train]
+    serving = sorted(
+        (w for w in rest if has_tags(w.tags, spec.rollout.tags)),
+        # those serving now first, then the largest capacity, then by id
+        key=lambda w: (w.role != "rollout", -w.capacity, w.worker_id),
+    )
     if spec.rollout.count is not None:
-        rollout = rollout[: spec.rollout.count]
+        serving = serving[: spec.rollout.count]
+    rollout = sorted(w.worker_id for w in serving)
     lendable = (
         [w for w in train if has_tags(workers[w].tags, spec.rollout.tags)] if spec.lend else []
     )
@@ -108,9 +124,9 @@ def assign(spec: PlacementSpec, workers: dict[str, WorkerRegistered]) -> Assignm
         raise UnsatisfiableSpecError(
             f"rollout needs {needed} worker(s) tagged {_tags(spec.rollout.tags)} besides the "
             f"trainer{' (or a lendable trainer worker)' if spec.lend else ''}; "
-            f"live workers: {_describe(workers)}"
+            f"live workers: {_describe(workers, spec.rollout.tags)}"
         )
-    idle = [w.worker_id for w in rest if w.worker_id not in rollout]
+    idle = sorted(w.worker_id for w in rest if w.worker_id not in rollout)
     return Assignment(train=train, rollout=rollout, lendable=lendable, idle=idle)
 
 
@@ -118,7 +134,16 @@ def _tags(tags: list[str]) -> str:
     return "{" + ",".join(tags) + "}"
 
 
-def _describe(workers: dict[str, WorkerRegistered]) -> str:
+def _describe(workers: dict[str, WorkerRegistered], wanted: list[str]) -> str:
+    """Each live worker's tags, and the ``wanted`` ones it lacks."""
     if not workers:
         return "none"
-    return ", ".join(f"{w.worker_id}{_tags(w.tags)}" for w in workers.values())
+    return ", ".join(
+        f"{w.worker_id}{_tags(w.tags)}"
+        + (f" lacks {_tags(lacking)}" if (lacking := _lacking(w.tags, wanted)) else "")
+        for w in sorted(workers.values(), key=lambda w: w.worker_id)
+    )
+
+
+def _lacking(worker_tags: list[str], wanted: list[str]) -> list[str]:
+    return [t for t in wanted if not has_tags(worker_tags, [t])]

@@ -52,7 +52,7 @@ async def test_provision_then_submit_then_status(broker, js, run_name, tmp_path)
     config = _config(tmp_path, run_name)
     done = sf("provision", "--nats", broker.url, "--config", str(config))
     assert done.returncode == 0, done.stderr
-    assert f"run '{run_name}': 14 created" in done.stdout
+    assert f"run '{run_name}': 15 created" in done.stdout
 
     lines = [
         json.dumps({"task_id": "a", "messages": [{"role": "user", "content": "1+1"}]}),
@@ -89,12 +89,12 @@ async def test_provision_then_submit_then_status(broker, js, run_name, tmp_path)
         "worker", "node", "tags", "role", "epoch", "version", "busy", "written", "clock"
     ]  # fmt: skip
     row = next(line for line in lines if line.startswith("w-1 ")).split()
-    assert row[1] == node_name() and row[2:4] == ["rollout", "idle"]
+    assert row[1] == node_name() and row[2:4] == [f"rollout,node={node_name()}", "idle"]
     assert row[-2] == "ago" and float(row[-3].rstrip("s")) < 30 and row[-1] == "ok"
 
     # The same file's config again is a no-op; a different one is refused, with exit code 2.
     assert (
-        "0 created, 14 unchanged"
+        "0 created, 15 unchanged"
         in sf("provision", "--nats", broker.url, "--config", str(config)).stdout
     )
     clash = config.read_text().replace("[provision]\n", "[provision]\nworkers_ttl_s = 5.0\n")
@@ -353,7 +353,7 @@ def test_base_commands_run_without_torch(broker, js, run_name, tmp_path):
     assert run("schema", "export", str(tmp_path / "schemas")).returncode == 0
     config = _config(tmp_path, run_name)
     done = run("provision", "--nats", broker.url, "--config", str(config))
-    assert done.returncode == 0 and "14 created" in done.stdout, done.stderr
+    assert done.returncode == 0 and "15 created" in done.stdout, done.stderr
     task = json.dumps({"task_id": "a", "messages": [{"role": "user", "content": "1+1"}]})
     done = run("submit", "--nats", broker.url, "--run", run_name, "-", stdin=task + "\n")
     assert done.returncode == 0 and "submitted 1 tasks" in done.stdout, done.stderr

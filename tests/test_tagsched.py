@@ -1,7 +1,9 @@
 """The tag scheduler: placement specs, lending, admission, role changes with epochs, fencing and
 failover, on a real broker with real worker and scheduler processes."""
 
+import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import subprocess
@@ -26,15 +28,19 @@ from broker.messages import (
     TrainerShape,
     WorkerRegistered,
 )
+from broker.node_tags import gpu_tags, query_gpus, with_node_tags
 from broker.provision import provision_run
-from broker.registry import Registration
+from broker.registry import Registration, node_name
 from broker.roles import membership
 from broker.subjects import Durable, RunNames
 from rollout.gateway import Gateway
+from seamlessflow.config import load_config
+from seamlessflow.exceptions import ConfigError
+from seamlessflow.flags import add_flags, apply_flags, section_flags
 from seamlessflow.processes import ServiceProcess, worker_process
 from seamlessflow.submit import submit_tasks
 from tagsched.admission import admission_limit
-from tagsched.config import SchedulerConfig
+from tagsched.config import LayoutConfig, SchedulerConfig
 from tagsched.exceptions import AdmissionError, UnsatisfiableSpecError
 from tagsched.lending import LendingPolicy, RateMeter
 from tagsched.metrics import REGISTRY
@@ -65,9 +71,15 @@ from tests.support import (
 # -- placement specs (pure) --------------------------------------------------------------------
 
 
-def worker(wid: str, *tags: str, role: Role = Role.IDLE) -> WorkerRegistered:
+def worker(wid: str, *tags: str, role: Role = Role.IDLE, capacity: int = 1) -> WorkerRegistered:
     return WorkerRegistered(
-        worker_id=wid, host="h", pid=1, tags=list(tags), role=role, heartbeat_at=time.time()
+        worker_id=wid,
+        host="h",
+        pid=1,
+        tags=list(tags),
+        role=role,
+        capacity=capacity,
+        heartbeat_at=time.time(),
     )
 
 
@@ -118,6 +130,172 @@ def test_unsatisfiable_specs_name_the_missing_tags():
     # A serving-only spec needs no trainer.
     serving = PlacementSpec(train=Demand(tags=["train"], count=0))
     assert assign(serving, only_rollout).rollout == ["r1"]
+
+
+# -- placement by the user's tags (pure) -----------------------------------------------------------
+
+
+def layout(**tables) -> PlacementSpec:
+    """The spec of a ``[layout]`` table."""
+    return LayoutConfig.model_validate(tables).spec()
+
+
+GPUS = fleet(
+    worker("h1", "train", "rollout", "gpu=h200"),
+    worker("h2", "train", "rollout", "gpu=h200"),
+    worker("l1", "train", "rollout", "gpu=l4"),
+    worker("l2", "rollout", "gpu=l4"),
+    worker("c1", "rollout"),
+)
+
+
+def test_demands_put_the_trainer_on_the_tagged_workers_and_rollout_on_the_rest():
+    # The kind alone trains one worker (h1, by id), whatever its GPU.
+    assert assign(layout(), GPUS).train == ["h1"]
+    a = assign(layout(train={"tags": ["gpu=h200"], "count": 2}, rollout={"count": "rest"}), GPUS)
+    assert (a.train, a.rollout, a.idle) == (["h1", "h2"], ["c1", "l1", "l2"], [])
+    # rollout on the L4s only: the untagged worker is idle; a bare key matches any value.
+    a = assign(layout(train={"tags": ["gpu=h200"], "count": 2}, rollout={"tags": ["gpu=l4"]}), GPUS)
+    assert (a.rollout, a.idle) == (["l1", "l2"], ["c1"])
+    a = assign(layout(train={"tags": ["gpu=h200"], "count": 2}, rollout={"tags": ["gpu"]}), GPUS)
+    assert (a.rollout, a.idle) == (["l1", "l2"], ["c1"])
+    # "rest" for train: every worker that has the tags trains (data parallel).
+    assert assign(layout(train={"tags": ["gpu=h200"], "count": "rest"}), GPUS).train == ["h1", "h2"]
+    # Multiplexed with demands: the H200 trainers are lendable, rollout still the rest.
+    a = assign(layout(kind="multiplexed", train={"tags": ["gpu=h200"], "count": 2}), GPUS)
+    assert (a.train, a.lendable, a.rollout) == (["h1", "h2"], ["h1", "h2"], ["c1", "l1", "l2"])
+
+
+def test_the_kinds_are_shorthands_the_tables_refine():
+    for kind in Layout:
+        assert layout(kind=kind.value) == layout_spec(kind)
+    spec = layout(kind="colocated", train={"tags": ["gpu=h200"]}, rollout={"count": 2})
+    assert spec.train == Demand(tags=["train", "rollout", "gpu=h200"], count=1)
+    assert spec.rollout == Demand(tags=["rollout"], count=2) and spec.lend
+    assert layout(train={"tags": ["train"], "count": 0}).train == Demand(tags=["train"], count=0)
+
+
+def test_capacity_weights_the_choice_when_fewer_workers_are_wanted_than_match():
+    pool = fleet(
+        worker("a", "train", "rollout", capacity=64),
+        worker("b", "train", "rollout", capacity=8),
+        worker("c", "rollout", capacity=16),
+        worker("d", "rollout", capacity=128),
+    )
+    # rollout takes the largest of those left; capacity does not pick the trainer (by id here).
+    a = assign(layout(train={"count": 1}, rollout={"count": 2}), pool)
+    assert (a.train, a.rollout, a.idle) == (["a"], ["c", "d"], ["b"])
+    # A worker serving already keeps serving before capacity counts (no churn on a join).
+    pool["b"] = worker("b", "train", "rollout", capacity=8, role=Role.ROLLOUT)
+    a = assign(layout(train={"count": 1}, rollout={"count": 2}), pool)
+    assert (a.train, a.rollout, a.idle) == (["a"], ["b", "d"], ["c"])
+
+
+def test_an_unsatisfiable_demand_names_the_missing_tags_and_what_the_workers_have():
+    spec = layout(train={"tags": ["gpu=h200"], "count": 3})
+    with pytest.raises(UnsatisfiableSpecError) as caught:
+        assign(spec, GPUS)
+    assert str(caught.value) == (
+        "train needs 3 worker(s) tagged {train,gpu=h200}; 2 of the live workers are: "
+        "c1{rollout} lacks {train,gpu=h200}, h1{train,rollout,gpu=h200}, "
+        "h2{train,rollout,gpu=h200}, l1{train,rollout,gpu=l4} lacks {gpu=h200}, "
+        "l2{rollout,gpu=l4} lacks {train,gpu=h200}"
+    )
+    with pytest.raises(
+        UnsatisfiableSpecError,
+        match=r"rollout needs 1 worker\(s\) tagged "
+        r"\{rollout,gpu=a100\}.* l2\{rollout,gpu=l4\} lacks \{gpu=a100\}",
+    ):
+        assign(layout(rollout={"tags": ["gpu=a100"]}), GPUS)
+    with pytest.raises(UnsatisfiableSpecError, match=r"rollout needs 5 worker\(s\)"):
+        assign(layout(rollout={"count": 5}), GPUS)  # 4 besides the trainer
+
+
+def test_layout_tables_parse_from_toml_and_flags_and_refuse_bad_input(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        '[layout]\nkind = "multiplexed"\n'
+        '[layout.train]\ntags = ["gpu=h200"]\ncount = 2\n'
+        '[layout.rollout]\ntags = "gpu=l4,node=b"\ncount = "rest"\n'
+    )
+    config = load_config(path).layout
+    assert config.spec() == PlacementSpec(
+        train=Demand(tags=["train", "gpu=h200"], count=2),
+        rollout=Demand(tags=["rollout", "gpu=l4", "node=b"]),
+        lend=True,
+    )
+    parser = argparse.ArgumentParser()
+    flags = section_flags("layout")
+    add_flags(parser, flags)
+    given = ["--train-tags", "gpu=h200", "--train-count", "2", "--rollout-count", "rest"]
+    spec = apply_flags(load_config(None), parser.parse_args(given), flags).layout.spec()
+    assert spec.train == Demand(tags=["train", "gpu=h200"], count=2)
+    assert spec.rollout == Demand(tags=["rollout"])
+    for table, error in [
+        (
+            "[layout.train]\ncount = 'all'",
+            "layout.train.count\n  Value error, count is a number of "
+            "workers (0 or more) or 'rest' (every remaining worker that has the tags), not 'all'",
+        ),
+        ("[layout.rollout]\ncount = -1", "not -1"),
+        ("[layout.train]\ntag = ['gpu']", "layout.train.tag\n  Extra inputs are not permitted"),
+        ("[layout.train]\ntags = ['gpu h200']", "layout.train.tags.0\n  String should match"),
+    ]:
+        path.write_text(table + "\n")
+        with pytest.raises(ConfigError) as caught:
+            load_config(path)
+        assert error in str(caught.value), caught.value
+    args = parser.parse_args(["--rollout-count", "most"])
+    with pytest.raises(ConfigError, match="--rollout-count 'most': Value error, count is a number"):
+        apply_flags(load_config(None), args, flags)
+
+
+# -- node tags (pure, and the absent nvidia-smi of this machine) -----------------------------------
+
+NVIDIA_SMI = {  # nvidia-smi --query-gpu=name --format=csv,noheader, as captured on such nodes
+    "NVIDIA H200\nNVIDIA H200\nNVIDIA H200\nNVIDIA H200\n": ["gpu=h200"],
+    "NVIDIA H100 80GB HBM3\nNVIDIA H100 80GB HBM3\n": ["gpu=h100"],
+    "NVIDIA A100-SXM4-80GB\n": ["gpu=a100"],
+    "NVIDIA L4\n": ["gpu=l4"],
+    "Tesla V100-SXM2-16GB\n": ["gpu=v100"],
+    "NVIDIA GeForce RTX 4090\nNVIDIA RTX A6000\n": ["gpu=rtx4090", "gpu=rtxa6000"],
+    "": [],
+    "\n": [],
+}
+
+
+def test_gpu_tags_are_read_from_nvidia_smi_output():
+    for output, tags in NVIDIA_SMI.items():
+        assert gpu_tags(output) == tags, output
+
+
+def test_node_tags_are_added_unless_the_user_gave_that_key(tmp_path, monkeypatch):
+    assert with_node_tags(["rollout"], "n1", "NVIDIA H200\n") == ["rollout", "node=n1", "gpu=h200"]
+    mine = ["rollout", "gpu=big", "node=rack3"]  # explicit node=/gpu= win
+    assert with_node_tags(mine, "n1", "NVIDIA H200\n") == mine
+    assert with_node_tags(["train"], "n1", "") == ["train", "node=n1"]  # no GPU: no gpu= tag
+    assert with_node_tags(["train", "gpu"], "n1", "NVIDIA L4\n") == [
+        "train",
+        "gpu",
+        "node=n1",
+        "gpu=l4",
+    ]
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi here (none on this machine at all)
+    assert query_gpus() == ""
+    # A node whose driver is gone: nvidia-smi fails (a stand-in script, the failure injected).
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    smi.chmod(0o755)
+    assert query_gpus() == ""
+
+
+async def test_a_registration_carries_its_nodes_tags(js, names):
+    r = await Registration.open(js, names, "n1", tags=["rollout"], role=Role.IDLE)
+    await r.put()
+    entry = await registered(js, names, "n1")
+    assert entry.tags[:2] == ["rollout", f"node={node_name()}"] and entry.host == node_name()
+    gpus = [t for t in entry.tags if t.startswith("gpu=")]
+    assert gpus == gpu_tags(query_gpus())  # none on a machine without nvidia-smi
 
 
 def test_lending_needs_a_gain_over_the_switch_cost_and_reclaims_ahead_of_the_batch():
@@ -342,9 +520,10 @@ async def test_a_worker_changes_role_by_epoch_and_refuses_stale_ones(
             timeout=60,
         )
         row = next(line.split() for line in status.stdout.splitlines() if line.startswith("w1 "))
-        assert row[:7] == ["w1", e.host, "rollout", "idle", "5", "0", "no"], status.stdout
+        tags = f"rollout,node={e.host}"  # its node's tag added to the config's
+        assert row[:7] == ["w1", e.host, tags, "idle", "5", "0", "no"], status.stdout
         assert row[-1] == "ok"  # its clock agrees with the server's
-        info = {"node": e.host, "worker_id": "w1", "tags": "rollout"}
+        info = {"node": e.host, "worker_id": "w1", "tags": tags}
         assert await metric(w.metrics_url, "sf_worker_info", **info) == 1
         assert "scheduler: none holds the lease" in status.stdout
         stale = await ask(nc, names, "w1", Role.ROLLOUT, 5)
@@ -576,6 +755,73 @@ async def test_a_trainer_disagreeing_with_the_schedulers_config_is_refused(nc, j
         assert "this scheduler's config has groups_per_step=2 max_staleness=1" in line
         await trainer.put(trainer=configured)
         await stays_admitted(js, names, 4, running)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+
+
+async def test_a_scheduler_places_roles_by_the_users_tags(nc, js, names, caplog):
+    """Four workers tagged apart (two H200 and two L4 by their gpu= tags, three of them able to
+    train) and a layout asking for the trainer on two H200 workers and rollout on the rest: the
+    H200s train, the L4s serve. One H200 leaves: the spec cannot be met, and the scheduler says
+    which tags the others lack (it fails after placement_timeout_s with that message)."""
+    fleet_tags = {
+        "h200-a": "train,rollout,gpu=h200",
+        "h200-b": "train,rollout,gpu=h200",
+        "l4-a": "train,rollout,gpu=l4",  # able to train, but not on an H200
+        "l4-b": "rollout,gpu=l4",
+    }
+    spec = layout(train={"tags": ["gpu=h200"], "count": 2}, rollout={"count": "rest"})
+    roles: dict[str, list[Role]] = {wid: [] for wid in fleet_tags}
+
+    def switch(wid: str):
+        async def take(role: Role) -> None:
+            roles[wid].append(role)
+
+        return take
+
+    def problems() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "placement_unsatisfied" in r.getMessage()]
+
+    s = scheduler(nc, names, spec, tick_s=0.1)
+    stop = asyncio.Event()
+    running = asyncio.create_task(s.run(stop))
+    caplog.set_level(logging.WARNING, logger="tagsched")
+    try:
+        async with contextlib.AsyncExitStack() as staying, contextlib.AsyncExitStack() as leaving:
+            for wid, tags in fleet_tags.items():
+                registration = await Registration.open(
+                    js, names, wid, tags=tags.split(","), role=Role.IDLE
+                )
+                member = membership(nc, names, registration, switch(wid), heartbeat_s=0.2)
+                await (leaving if wid == "h200-b" else staying).enter_async_context(member)
+            want = {
+                "h200-a": Role.TRAIN,
+                "h200-b": Role.TRAIN,
+                "l4-a": Role.ROLLOUT,
+                "l4-b": Role.ROLLOUT,
+            }
+            await eventually(
+                lambda: (
+                    {wid: taken[-1:] for wid, taken in roles.items()}
+                    == {wid: [role] for wid, role in want.items()}
+                ),
+                watch=running,
+            )
+            for wid, role in want.items():  # the registry says so too
+                assert (await registered(js, names, wid)).role is role
+            assert (s.assignment.train, s.assignment.rollout) == (
+                ["h200-a", "h200-b"],
+                ["l4-a", "l4-b"],
+            )
+            await leaving.aclose()  # h200-b leaves: one H200 is not enough
+            wanted = "train needs 2 worker(s) tagged {train,gpu=h200}; 1 of the live workers are"
+            await eventually(lambda: any(wanted in p for p in problems()), watch=running)
+        (problem,) = [p for p in problems() if wanted in p]
+        assert "l4-a{train,rollout,gpu=l4,node=" in problem
+        assert "} lacks {gpu=h200}, l4-b{rollout,gpu=l4,node=" in problem
+        assert problem.endswith('} lacks {train,gpu=h200}"')
+        assert REGISTRY.get_sample_value("sf_scheduler_unsatisfied") == 1
     finally:
         stop.set()
         await asyncio.wait_for(running, 30)

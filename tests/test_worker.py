@@ -16,10 +16,11 @@ from broker.messages import (
     SamplingParams,
     TokensGenerated,
     WeightsPublished,
+    WeightsState,
 )
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.registry import watch_workers
-from broker.subjects import RunNames
+from broker.subjects import Durable, RunNames
 from broker.weights import LOCAL_BLOB, announce_local, host_id, local_folder, publish_weights
 from rollout.worker import RolloutWorker
 from rollout.worker_config import WorkerConfig
@@ -90,7 +91,8 @@ def worker(broker, names: RunNames, tiny_model_dir: Path):
 async def test_worker_streams_token_exact_chunks_and_acks(worker, nc, js, names, tiny_model_dir):
     entry = await registered(js, names, "w1")
     assert entry is not None and entry.role == "rollout" and entry.version == 0
-    assert entry.tags == ["rollout"] and entry.metrics_url == worker.metrics_url
+    assert entry.tags == ["rollout", f"node={entry.host}"]  # its config's and its node's
+    assert entry.metrics_url == worker.metrics_url
 
     call = await Call(nc, names, "c1", max_tokens=12, temperature=0).start()
     last = await call.finished()
@@ -318,17 +320,20 @@ def _ingress_count(outcome: str) -> float:
 
 async def test_weight_waves_load_one_wave_after_the_other(broker, nc, js, names, tiny_model_dir):
     """Two workers, two waves: for every version the second (by id) loads only once the first
-    serves it, so one of them is always generating."""
+    serves it, so one of them is always generating; each step of that rhythm shows in their
+    registry entries as it happens."""
     args = ("--weight-waves", "2", "--heartbeat-s", "0.5")
     workers = [
         worker_process(broker.url, names.run, tiny_model_dir, wid, *args) for wid in ("wa", "wb")
     ]
     seen: dict[str, list[tuple[float, int]]] = {"wa": [], "wb": []}
+    rhythm: dict[str, set[tuple[WeightsState, int | None]]] = {"wa": set(), "wb": set()}
 
     async def follow() -> None:
         async for wid, entry in watch_workers(js, names):
             if entry is None or wid not in seen or entry.version is None:
                 continue
+            rhythm[wid].add((entry.weights, entry.wave))
             if not seen[wid] or seen[wid][-1][1] != entry.version:
                 seen[wid].append((time.monotonic(), entry.version))
 
@@ -341,9 +346,15 @@ async def test_weight_waves_load_one_wave_after_the_other(broker, nc, js, names,
                 await eventually(lambda w=wid, v=version: _registered_version(js, names, w, v))
         following.cancel()
         waited = await metric(workers[1].metrics_url, "sf_rollout_weight_wave_wait_seconds_count")
+        assert await metric(workers[1].metrics_url, "sf_rollout_weight_wave") == 1
     finally:
         for w in workers:
             w.stop()
+    # Each step of the rhythm is written as it happens (heartbeats alone would miss most): the
+    # second wave is seen waiting for the first, each loading, each ready again, in its wave.
+    for wid, wave in (("wa", 0), ("wb", 1)):
+        states = {WeightsState.WAITING, WeightsState.LOADING, WeightsState.READY}
+        assert {(state, wave) for state in states} <= rhythm[wid], (wid, rhythm[wid])
     first = {v: t for t, v in seen["wa"]}
     for at, version in seen["wb"]:
         if version >= 1:
@@ -375,3 +386,54 @@ async def test_an_engine_stuck_loading_is_quarantined_and_rejoins(
         }
     finally:
         w.stop()
+
+
+async def test_workers_pull_generations_in_proportion_to_their_capacity(
+    broker, nc, js, names, tiny_model_dir
+):
+    """Routing by capacity needs no weights: with a backlog, each worker pulls from the work
+    queue only as many requests as it has free slots, so a worker registered with capacity 3
+    runs three for the other's one, and the rest wait on the queue for the next free slot."""
+    capacity = {"w-small": 1, "w-large": 3}
+    workers = {
+        wid: worker_process(
+            broker.url,
+            names.run,
+            tiny_model_dir,
+            wid,
+            "--max-running",
+            str(n),
+            "--max-model-len",
+            "2048",
+        )
+        for wid, n in capacity.items()
+    }
+    try:
+        await asyncio.gather(*(asyncio.to_thread(w.wait_ready) for w in workers.values()))
+        for wid, n in capacity.items():
+            assert (await registered(js, names, wid)).capacity == n
+        calls = [
+            await Call(nc, names, f"c{i}", max_tokens=100000, temperature=1.0).start()
+            for i in range(8)
+        ]
+
+        async def running() -> dict[str, float]:
+            return {
+                wid: await metric(w.metrics_url, "sf_rollout_requests_running")
+                for wid, w in workers.items()
+            }
+
+        async def full() -> bool:
+            return await running() == capacity
+
+        await eventually(full)
+        info = await js.consumer_info(names.gen_stream, Durable.ROLLOUT)
+        assert (info.num_ack_pending, info.num_pending) == (4, 4)
+        for _ in range(5):  # and it stays so: nobody pulls past its capacity
+            await asyncio.sleep(0.2)
+            assert await running() == capacity
+        served = {c.chunks[0].worker_id for c in calls if c.chunks}
+        assert served == set(capacity)
+    finally:
+        for w in workers.values():
+            w.stop()

@@ -179,7 +179,9 @@ class TrainerConfig(BaseModel):
         description="this trainer's key in the worker registry",
     )
     tags: Tags = Field(
-        default_factory=lambda: ["train"], description="capability tags, comma-separated"
+        default_factory=lambda: ["train"],
+        description="capability tags, comma-separated; node=<host> and gpu=<model> (nvidia-smi) "
+        "are added unless given",
     )
     heartbeat_s: float = Field(default=5.0, gt=0, description="worker registry renewal period")
     collective_timeout_s: float = Field(
