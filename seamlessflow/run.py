@@ -308,10 +308,10 @@ class Services:
         the trainer is a worker tagged ``train,rollout`` on the trainer's CPUs (lent to rollout
         while it waits: those CPUs generate then); colocated, ``rollout.workers`` workers tagged
         both run anywhere, sharing the CPUs, time-shared between training and rollout: those
-        the scheduler assigns ``train`` form the trainer group (``trainer.group``; only its rank
-        0 takes samples), the rest generate. Whatever holds a trainer checkpoints to
-        ``checkpoint_dir`` unless the config sets one (so a restart, or a member that becomes
-        rank 0, resumes)."""
+        the scheduler assigns ``train`` (``[layout.train] count``, one by default) form the
+        trainer group (``trainer.group``; only its rank 0 takes samples), the rest generate.
+        Whatever holds a trainer checkpoints to ``checkpoint_dir`` unless the config sets one
+        (so a restart, or a member that becomes rank 0, resumes)."""
         cfg = self.config
         checkpoints = (
             {} if cfg.trainer.checkpoint_dir else {"checkpoint_dir": str(self.checkpoint_dir)}

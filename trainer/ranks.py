@@ -7,7 +7,7 @@ Commands travel as JSON bytes in a uint8 tensor (samples as their JSON form): no
 
 The same ranks also span workers: a trainer group (``trainer.group``) joins this process to the
 other members' as one ``torch.distributed`` group (``join``), rank 0 sends its committed state
-(``send_state``: safetensors bytes and JSON, no pickle) and then drives each step as above; a
+(safetensors bytes and JSON, no pickle) and then drives each step as above; a
 follower member runs ``follow_group``. A collective that fails in such a group (a member died)
 raises ``GroupBrokenError`` with the backend restored to its state before the step.
 """
@@ -105,7 +105,8 @@ class RankGroup:
                 _broadcast(command, self._comm)
                 return train_step(self.backend, items, version, self._config)
             # With several minibatches an earlier one's update may land before a later
-            # collective fails: keep the committed state to go back to.
+            # collective fails: keep the committed state to go back to (a copy of the model and
+            # AdamW state per step, in groups of several workers only).
             before = copy.deepcopy(self.backend.state()) if self._config.minibatches > 1 else None
             started = time.monotonic()
             try:
