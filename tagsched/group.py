@@ -41,17 +41,22 @@ class GroupRecord:
         self._record: TrainerGroup | None = None
         self._read = False
 
-    async def follow(self, train: list[str]) -> None:
-        """Write a new generation if the workers assigned ``train`` are not the members."""
-        bucket = await self._js.key_value(self._names.state_kv)
+    async def members(self) -> list[str]:
+        """The group's members now (``assign`` keeps them training, a lent one included)."""
         if not self._read:  # a scheduler taking over continues the record it finds
+            bucket = await self._js.key_value(self._names.state_kv)
             try:
                 entry = await bucket.get(RunNames.TRAINER_GROUP_KEY)
                 self._record = codec.decode(TrainerGroup, entry.value)
             except KeyNotFoundError:
                 pass
             self._read = True
-        current = self._record.members if self._record else []
+        return self._record.members if self._record else []
+
+    async def follow(self, train: list[str]) -> None:
+        """Write a new generation if the workers assigned ``train`` are not the members."""
+        current = await self.members()
+        bucket = await self._js.key_value(self._names.state_kv)
         members = next_members(current, train)
         if self._record is not None and members == current:
             return

@@ -237,7 +237,7 @@ class Scheduler:
     async def _tick(self) -> None:
         live = self.live()
         try:
-            self.assignment = assign(self._spec, live)
+            self.assignment = assign(self._spec, live, await self._group.members())
         except UnsatisfiableSpecError as exc:
             self._unsatisfied(str(exc))
             return

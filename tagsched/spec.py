@@ -23,6 +23,7 @@ is already in proportion to capacity: each rollout worker pulls from the generat
 as many requests as it has free slots.
 """
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -90,15 +91,24 @@ class Assignment:
     idle: list[str] = field(default_factory=list)
 
 
-def assign(spec: PlacementSpec, workers: dict[str, WorkerRegistered]) -> Assignment:
-    """Which live worker holds which role. Stable: a worker already training keeps training.
-    Raises ``UnsatisfiableSpecError`` naming what is missing."""
+def assign(
+    spec: PlacementSpec, workers: dict[str, WorkerRegistered], training: Collection[str] = ()
+) -> Assignment:
+    """Which live worker holds which role. Stable: a worker already training, or assigned to
+    train before (``training``: the trainer group's members, a lent one among them while it
+    serves rollout), keeps training. Raises ``UnsatisfiableSpecError`` naming what is missing."""
     able = sorted(
         (w for w in workers.values() if has_tags(w.tags, spec.train.tags)),
-        # those training now first, then those that cannot serve rollout (keep the versatile
-        # ones for it; by the demand, not by counting tags: node and GPU tags would make a
-        # GPU-less worker look the most dedicated), then by id
-        key=lambda w: (w.role != "train", has_tags(w.tags, spec.rollout.tags), w.worker_id),
+        # those training now or lent from training first (a lent member holds ``rollout``, and
+        # moving the trainer away from it would re-form the group around another rank 0), then
+        # those that cannot serve rollout (keep the versatile ones for it; by the demand, not
+        # by counting tags: node and GPU tags would make a GPU-less worker look the most
+        # dedicated), then by id
+        key=lambda w: (
+            w.role != "train" and w.worker_id not in training,
+            has_tags(w.tags, spec.rollout.tags),
+            w.worker_id,
+        ),
     )
     wanted = spec.train.count if spec.train.count is not None else max(1, len(able))
     if len(able) < wanted:

@@ -118,6 +118,17 @@ def test_assignment_is_stable_and_prefers_dedicated_trainers():
     assert assign(layout_spec(Layout.MULTIPLEXED), mixed).train == ["z"]  # fewest other tags
 
 
+def test_a_lent_trainer_keeps_its_place_when_a_newcomer_could_train():
+    # "t" trains, lent to rollout (it holds rollout now); "a" joins, first by id
+    lent = fleet(
+        worker("t", "train", "rollout", role=Role.ROLLOUT), worker("a", "train", "rollout")
+    )
+    spec = layout_spec(Layout.MULTIPLEXED)
+    assert assign(spec, lent).train == ["a"]  # without the group's members: the trainer moves
+    assert assign(spec, lent, training=["t"]).train == ["t"]
+    assert assign(spec, lent, training=["t"]).lendable == ["t"]
+
+
 def test_unsatisfiable_specs_name_the_missing_tags():
     only_rollout = fleet(worker("r1", "rollout"))
     with pytest.raises(UnsatisfiableSpecError, match=r"train needs 1 worker\(s\) tagged \{train\}"):
