@@ -139,9 +139,9 @@ class ProvisionConfig(_Config):
         default=30.0, gt=0, description="a worker key expires unless renewed"
     )
     scheduler_lease_s: float = Field(
-        default=6.0,
+        default=3.0,
         gt=0,
-        description="the active scheduler's lease expires unless renewed; a standby takes over "
-        "within this plus its retry period",
+        description="the active scheduler's lease expires unless renewed (every third of it); a "
+        "standby takes over within this plus its retry period (0.5 s), so within 5 s at 3 s",
     )
     weights_store_max_bytes: int = Field(default=2 * GiB, gt=0)

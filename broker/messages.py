@@ -35,6 +35,9 @@ HEADER_MAX = 256
 Timestamp = Annotated[float, Field(ge=0)]
 """Seconds since the Unix epoch."""
 
+Seconds = Annotated[float, Field(ge=0)]
+"""A duration."""
+
 
 CALLABLE_REF = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 """``package.module:function`` (ASCII names: a wire pattern every schema validator reads alike)."""
@@ -400,6 +403,10 @@ class RoleChangeRequested(Message):
     deadline_s: float = Field(
         default=30.0, gt=0, le=3600, description="ack within this, or be fenced"
     )
+    expires_at: Timestamp = Field(
+        description="on the worker's own clock (the one its heartbeat_at is read from): a "
+        "request received after this is refused, a switch that ends after it is given back"
+    )
 
 
 class RoleChangeAcked(Message):
@@ -410,6 +417,43 @@ class RoleChangeAcked(Message):
     epoch: int = Field(ge=0, lt=MAX_SAFE_INT)
     ok: bool
     error: str | None = Field(default=None, max_length=4096)
+
+
+class Fence(BaseModel):
+    """A worker the scheduler fenced: left out until it shows another registration."""
+
+    model_config = Message.model_config
+
+    worker_id: Id
+    started_at: Timestamp | None = Field(description="the registration fenced")
+    epoch: int = Field(ge=1, lt=MAX_SAFE_INT, description="the request it did not ack in time")
+
+
+class SchedulerState(Message):
+    """The scheduler's durable state. # the leading scheduler -> its successor and the workers,
+    as key ``scheduler`` of the ``sf-<run>-state`` KV bucket, rewritten on every change with a
+    compare-and-set on the revision it last wrote."""
+
+    leader: Id = Field(description="the scheduler that wrote it")
+    epoch: int = Field(
+        default=0,
+        ge=0,
+        lt=MAX_SAFE_INT,
+        description="the highest epoch handed out: stored before a request carries it",
+    )
+    fenced: list[Fence] = Field(default_factory=list, max_length=4096)
+    lend_seconds: list[Seconds] = Field(
+        default_factory=list, max_length=64, description="recent lends' switch times"
+    )
+    reclaim_seconds: list[Seconds] = Field(
+        default_factory=list, max_length=64, description="recent reclaims' switch times"
+    )
+    group_sizes: list[Count] = Field(
+        default_factory=list, max_length=256, description="recent tasks' group sizes"
+    )
+
+    def fence(self, worker_id: str) -> Fence | None:
+        return next((f for f in self.fenced if f.worker_id == worker_id), None)
 
 
 class MessageRejected(Message):
@@ -440,6 +484,7 @@ WIRE_MESSAGES: tuple[type[Message], ...] = (
     WorkerRegistered,
     RoleChangeRequested,
     RoleChangeAcked,
+    SchedulerState,
     MessageRejected,
 )
 """Every top-level wire message, in the order ``docs/protocol.md`` describes them."""

@@ -15,11 +15,12 @@ started is dated by the server alone, its stored timestamp against the server's 
 import asyncio
 import json
 import logging
+import math
 import os
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -28,7 +29,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from broker import codec
-from broker.exceptions import InvalidMessageError
+from broker.exceptions import InvalidMessageError, ProvisionConflictError
 from broker.messages import Role, TrainerShape, WorkerRegistered
 from broker.node_tags import query_gpus, with_node_tags
 from broker.subjects import RunNames
@@ -44,10 +45,11 @@ def node_name() -> str:
     return os.environ.get("NODE_NAME") or socket.gethostname()
 
 
-def default_worker_id(prefix: str = "") -> str:
-    """``<prefix><host>-<pid>``, a valid id whatever the host name (``a.local`` -> ``a-local``)."""
+def default_worker_id(prefix: str = "", *, pid: bool = True) -> str:
+    """``<prefix><host>-<pid>`` (``pid=False``: ``<prefix><host>``, the same after a restart), a
+    valid id whatever the host name (``a.local`` -> ``a-local``)."""
     host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())
-    return f"{prefix}{host}-{os.getpid()}"[-64:]
+    return (f"{prefix}{host}-{os.getpid()}" if pid else f"{prefix}{host}")[-64:]
 
 
 class Registration:
@@ -71,6 +73,10 @@ class Registration:
         injector skews it; nobody's liveness depends on it)."""
         self._bucket = bucket
         self._wall_clock = wall_clock
+        self.written_at = -math.inf
+        """``time.monotonic()`` when the last write that succeeded was sent (so at or before the
+        moment it was stored): what a worker's role lease runs from (``broker.roles``)."""
+        self._next_write = asyncio.Event()  # set (and replaced) by each write that succeeds
         now = wall_clock()
         self._entry = WorkerRegistered(
             worker_id=worker_id,
@@ -108,7 +114,29 @@ class Registration:
         ``epoch``, ``busy``); a change given as ``None`` keeps the field as it is."""
         update = {k: v for k, v in changes.items() if v is not None}
         self._entry = self._entry.model_copy(update={**update, "heartbeat_at": self._wall_clock()})
+        sent = time.monotonic()
         await self._bucket.put(self.worker_id, codec.encode(self._entry))
+        self.written_at = max(self.written_at, sent)
+        self._next_write.set()
+        self._next_write = asyncio.Event()
+
+    async def next_write(self) -> None:
+        """Return once a write succeeds (the first after this call)."""
+        await self._next_write.wait()
+
+    def now(self) -> float:
+        """This worker's clock: the one ``heartbeat_at`` is read from, so the one a role
+        change's ``expires_at`` is stated in."""
+        return self._wall_clock()
+
+    async def ttl(self) -> float:
+        """The registry's TTL (``workers_ttl_s``, as the bucket was provisioned)."""
+        status = await self._bucket.status()
+        if not status.ttl:
+            raise ProvisionConflictError(
+                f"the worker registry {status.bucket} has no TTL: provision the run again"
+            )
+        return status.ttl
 
     def note(self, **changes) -> None:
         """Change the entry without writing it: the next ``put`` or heartbeat carries it."""
@@ -118,11 +146,17 @@ class Registration:
         """Begin a new registration (a fenced worker is re-admitted once it shows one)."""
         self._entry = self._entry.model_copy(update={"started_at": self._wall_clock()})
 
-    async def keep_alive(self, period: float) -> None:
+    async def keep_alive(
+        self, period: float, then: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """Write the entry every ``period`` seconds; after each write that succeeded, ``then()``
+        (its broker errors are logged like the write's)."""
         while True:
             await asyncio.sleep(period)
             try:
                 await self.put()
+                if then is not None:
+                    await then()
             except NatsError as exc:
                 log.warning(kv("heartbeat_failed", worker=self.worker_id, error=exc))
             # nats-py waits for replies with asyncio.wait_for, which (Python 3.11) returns the

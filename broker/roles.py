@@ -6,11 +6,26 @@ scheduler sends ``RoleChangeRequested`` as a core NATS request on
 
 - an epoch not above the one it holds is refused: ``ok=false`` with its current role and epoch
   (a scheduler that took over learns where to continue from);
+- a request received after its ``expires_at`` is refused (``expired``): the scheduler has fenced
+  the worker meanwhile (the worker was frozen, or the request was held up on the way);
+  ``expires_at`` is on this worker's own clock (the scheduler states it from the worker's last
+  heartbeat, ``heartbeat_at``, plus the time since it saw it written), so no two machines'
+  clocks are compared;
 - otherwise it switches (``switch(role)``: the engine released warm or woken, the trainer's step
   gate closed or opened), writes its registry entry (role, epoch) and acks ``ok=true``; a switch
   that fails acks ``ok=false`` with the error and the worker keeps the role it had;
-- a switch that overruns the request's ``deadline_s`` has been fenced by the scheduler in the
-  meantime: the worker goes idle and begins a new registration, which is what re-admits it.
+- a switch that ends after ``expires_at`` has been fenced by the scheduler in the meantime: the
+  worker goes idle and begins a new registration, which is what re-admits it.
+
+**The role is a lease.** The worker holds it while it keeps writing its registry entry: each
+write that succeeds extends it by ``role_lease_s`` (``ROLE_LEASE_SHARE`` of the registry's TTL,
+measured from when the write was sent, so it ends before the scheduler, counting the TTL from
+when the write was stored, gives the role to another). A worker that cannot write for that long
+(cut off from the broker) gives the role up by itself: idle (the rollout worker stops fetching
+and routing, the trainer stops stepping), and a new registration, so that it is re-admitted
+once it writes again. With each heartbeat it also reads the scheduler's state
+(``SchedulerState``, bucket ``sf-<run>-state``): a fence on its current registration (an ack the
+scheduler never got) makes it give the role up the same way.
 
 Requests are handled one at a time, in arrival order. Rollout workers and trainers both hold their
 role through this class, so both export the same ``sf_worker_*`` metrics, and both register with
@@ -27,14 +42,16 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from broker import codec
 from broker.exceptions import InvalidMessageError
-from broker.messages import Role, RoleChangeAcked, RoleChangeRequested
+from broker.messages import Role, RoleChangeAcked, RoleChangeRequested, SchedulerState
 from broker.registry import Registration
 from broker.retry import retry
-from broker.subjects import RunNames
+from broker.subjects import RunNames, StateKey
 from common.log import kv
 
 log = logging.getLogger(__name__)
@@ -50,7 +67,8 @@ ROLE_SECONDS = Counter(
 )
 ROLE_CHANGES = Counter(
     "sf_worker_role_changes",
-    "Role change requests, by outcome (applied, stale, failed, overran)",
+    "Role change requests, by outcome (applied, stale, expired: received after its expiry, "
+    "failed, overran: switched after its expiry)",
     ["outcome"],
     registry=REGISTRY,
 )
@@ -77,35 +95,70 @@ INFO = Gauge(
 BAD_REQUESTS = Counter(
     "sf_worker_bad_role_requests", "Role change requests that could not be read", registry=REGISTRY
 )
+GIVEN_UP = Counter(
+    "sf_worker_roles_given_up",
+    "Times this worker went idle by itself: its role lease ran out (lease: no registry write "
+    "for role_lease_s) or it read that the scheduler fenced its registration (fenced)",
+    ["reason"],
+    registry=REGISTRY,
+)
+LEASE = Gauge(
+    "sf_worker_role_lease_seconds",
+    "How long this worker holds its role without a registry write (role_lease_s)",
+    registry=REGISTRY,
+)
+BAD_STATE = Counter(
+    "sf_worker_bad_scheduler_state",
+    "Reads of the scheduler's state (for this worker's fence) that could not be decoded",
+    registry=REGISTRY,
+)
 for _role in Role:  # every role exported from the start
     ROLE.labels(_role.value)
     SWITCH_SECONDS.labels(_role.value)
     for _state in ("busy", "idle"):
         ROLE_SECONDS.labels(_role.value, _state)
-for _outcome in ("applied", "stale", "failed", "overran"):
+for _outcome in ("applied", "stale", "expired", "failed", "overran"):
     ROLE_CHANGES.labels(_outcome)
+for _reason in ("lease", "fenced"):
+    GIVEN_UP.labels(_reason)
 
 Switch = Callable[[Role], Awaitable[None]]
 ACCOUNT_EVERY_S = 1.0
 """How often the time in the current role is added to ``sf_worker_role_seconds``."""
+ROLE_LEASE_SHARE = 2 / 3
+"""``role_lease_s`` as a share of the registry's TTL (``workers_ttl_s``, read from the bucket, so
+the worker and the scheduler hold one setting): the rest of the TTL (10 s of the default 30 s)
+is for the switch to idle to end before the scheduler gives the role to another."""
 
 
 class RoleHolder:
     """Serves a worker's role-change requests and accounts its time per role."""
 
     def __init__(
-        self, nc: NATS, names: RunNames, registration: Registration, switch: Switch
+        self,
+        nc: NATS,
+        names: RunNames,
+        registration: Registration,
+        switch: Switch,
+        *,
+        lease_s: float,
+        state: KeyValue,
     ) -> None:
+        """``lease_s``: the role lease (``role_lease_s``); ``state``: the run's state bucket,
+        where the scheduler's fences are read."""
         self._nc = nc
         self._names = names
         self._registration = registration
         self._switch = switch
+        self._lease_s = lease_s
+        self._state = state
         self._lock = asyncio.Lock()
         self._sub: Subscription | None = None
-        self._ticker: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._busy = False
         self._since = time.monotonic()
         self._show(registration.entry.role)
+        LEASE.set(lease_s)
         entry = registration.entry
         TAGS.labels(",".join(entry.tags)).set(1)
         INFO.labels(entry.host, entry.worker_id, ",".join(entry.tags)).set(1)
@@ -126,15 +179,15 @@ class RoleHolder:
         subject = self._names.ctl_role(self._registration.worker_id)
         self._sub = await self._nc.subscribe(subject, cb=self._on_request)
         await self._nc.flush()  # the server knows the subscription before anyone is told
-        self._ticker = asyncio.create_task(self._tick())
+        self._tasks = [asyncio.create_task(self._tick()), asyncio.create_task(self._hold())]
 
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
-        if self._ticker is not None:
-            self._ticker.cancel()
-            await asyncio.gather(self._ticker, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self.account()
 
     async def _tick(self) -> None:
@@ -181,6 +234,15 @@ class RoleHolder:
             )
             await self._reply(msg, self.role, self.epoch, False, why)
             return
+        if (late := self._registration.now() - request.expires_at) > 0:
+            # Frozen, or held up on the way: the scheduler has fenced this worker meanwhile.
+            ROLE_CHANGES.labels("expired").inc()
+            log.warning(
+                kv("role_change_expired", role=request.role, epoch=request.epoch, late_s=late)
+            )
+            why = f"expired {late:.3f}s before it was handled: this worker keeps {self.role}"
+            await self._reply(msg, self.role, self.epoch, False, why)
+            return
         try:
             if request.role is not self.role:
                 await self._switch(request.role)
@@ -190,7 +252,7 @@ class RoleHolder:
             await self._reply(msg, self.role, self.epoch, False, f"switch failed: {exc!r}")
             return
         seconds = time.monotonic() - received
-        if seconds > request.deadline_s:
+        if self._registration.now() > request.expires_at:
             # Fenced meanwhile: give the role up and come back as a new registration.
             ROLE_CHANGES.labels("overran").inc()
             log.warning(kv("role_change_overran", role=request.role, seconds=round(seconds, 3)))
@@ -206,10 +268,61 @@ class RoleHolder:
         await self._reply(msg, request.role, request.epoch, True)
 
     async def _change(self, role: Role, epoch: int) -> None:
+        self._held(role)
+        await self._registration.put(role=role, epoch=epoch, busy=False)
+
+    def _held(self, role: Role) -> None:
+        """Account the time in the old role; show ``role`` (not busy yet)."""
         self.account()
         self._busy = False
         self._show(role)
-        await self._registration.put(role=role, epoch=epoch, busy=False)
+        self._registration.note(role=role, busy=False)
+
+    # -- the role lease ---------------------------------------------------------------------
+    async def _hold(self) -> None:
+        """Give the role up once no registry write has succeeded for ``lease_s``; then wait for
+        one (the worker is back) before counting the lease again."""
+        while True:
+            left = self._registration.written_at + self._lease_s - time.monotonic()
+            if left > 0:
+                await asyncio.sleep(left)
+                continue
+            back = asyncio.create_task(self._registration.next_write())
+            try:
+                await self._give_up("lease")
+                await back
+            finally:
+                back.cancel()
+
+    async def check_fence(self) -> None:
+        """Read the scheduler's state; give the role up if it fenced this registration (the
+        scheduler gave up waiting for an ack: the role is another worker's now). Called after
+        every heartbeat; a state that cannot be read is counted and logged, and changes
+        nothing."""
+        try:
+            found = await self._state.get(StateKey.SCHEDULER)
+        except KeyNotFoundError:  # no scheduler has led this run yet
+            return
+        try:
+            state = codec.decode(SchedulerState, found.value or b"")
+        except InvalidMessageError as exc:
+            BAD_STATE.inc()
+            log.warning(kv("bad_scheduler_state", bucket=self._names.state_kv, error=exc.reason))
+            return
+        fence = state.fence(self._registration.worker_id)
+        if fence is not None and fence.started_at == self._registration.entry.started_at:
+            await self._give_up("fenced")
+
+    async def _give_up(self, reason: str) -> None:
+        """Go idle by itself and begin a new registration: the next write that succeeds shows
+        it, and the scheduler re-admits it."""
+        async with self._lock:
+            GIVEN_UP.labels(reason).inc()
+            log.warning(kv("role_given_up", role=self.role, epoch=self.epoch, reason=reason))
+            if self.role is not Role.IDLE:
+                await self._switch(Role.IDLE)
+                self._held(Role.IDLE)
+            self._registration.renew()
 
     @staticmethod
     def _show(role: Role) -> None:
@@ -233,19 +346,24 @@ async def membership(
     nc: NATS, names: RunNames, registration: Registration, switch: Switch, *, heartbeat_s: float
 ) -> AsyncIterator[RoleHolder]:
     """A process's membership of the run: take the entry's role (``switch``), write the entry,
-    serve role-change requests, renew the entry every ``heartbeat_s``. On the way out, normal or
-    not: stop the heartbeats, stop the role requests, delete the entry, in that order, each step
-    taken even if one before it raised."""
+    serve role-change requests, renew the entry every ``heartbeat_s`` (reading the scheduler's
+    fences after each), hold the role as a lease. On the way out, normal or not: stop the
+    heartbeats, stop the role requests, delete the entry, in that order, each step taken even if
+    one before it raised."""
     async with contextlib.AsyncExitStack() as leave:  # runs its callbacks last-in, first-out
         await switch(registration.entry.role)
         # A process joining while JetStream cannot answer (leaders moving after an outage) waits
         # for it to register, rather than exiting.
         await retry(registration.put, what="registration")
         leave.push_async_callback(registration.delete)
-        roles = RoleHolder(nc, names, registration, switch)
+        ttl = await retry(registration.ttl, what="registry_ttl")
+        js = nc.jetstream()
+        state = await retry(lambda: js.key_value(names.state_kv), what="state_bucket")
+        lease_s = ttl * ROLE_LEASE_SHARE
+        roles = RoleHolder(nc, names, registration, switch, lease_s=lease_s, state=state)
         leave.push_async_callback(roles.stop)
         await roles.start()
-        heartbeat = asyncio.create_task(registration.keep_alive(heartbeat_s))
+        heartbeat = asyncio.create_task(registration.keep_alive(heartbeat_s, roles.check_fence))
         leave.push_async_callback(_cancel, heartbeat)
         yield roles
 

@@ -163,6 +163,12 @@ class RunNames:
         return f"sf-{self.run}-weights"
 
 
+class StateKey(StrEnum):
+    """Keys of the run's durable control-plane bucket (``RunNames.state_kv``)."""
+
+    SCHEDULER = "scheduler"  # SchedulerState: epochs, fences, switch costs, admission
+
+
 class Durable(StrEnum):
     """Durable pull-consumer names, one per consuming role."""
 

@@ -153,6 +153,16 @@ class Admission:
         self._stop = asyncio.Event()
         self.set_limit(limit)
 
+    @property
+    def group_sizes(self) -> list[int]:
+        """The group sizes of recent tasks (what the counts take a group to be)."""
+        return list(self._group_sizes)
+
+    def recall(self, sizes: list[int]) -> None:
+        """Count by ``sizes`` (a scheduler taking over: its predecessor's ``group_sizes``)."""
+        self._group_sizes.clear()
+        self._group_sizes.extend(sizes)
+
     def set_limit(self, limit: int | None) -> None:
         """Outstanding groups allowed from now on; None admits nothing."""
         self.limit = limit
@@ -192,8 +202,9 @@ class Admission:
     async def _admit(self, task: TaskSubmitted, delivery: Delivery) -> None:
         """Wait for room (the ingress keeps the message in progress meanwhile), then admit
         ``task``. The admitted copy is de-duplicated by its id, so a redelivery after a crash
-        admits it once. Its group size counts at once: a scheduler that took over knows no other,
-        and counting sessions one per group would leave the trainer's groups no room."""
+        admits it once. Its group size counts at once: a scheduler that took over may know no other
+        (its predecessor's are recalled from the run's state, when it wrote them), and counting
+        sessions one per group would leave the trainer's groups no room."""
         self._group_sizes.append(task.group_size)
         WAITING.set(1)
         try:

@@ -88,9 +88,11 @@ class SchedulerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     scheduler_id: str = Field(
-        default_factory=lambda: default_worker_id("scheduler-"),
+        default_factory=lambda: default_worker_id("scheduler-", pid=False),
         pattern=NAME_PATTERN,
-        description="this scheduler's name in the lease; default: scheduler-<host>-<pid>",
+        description="this scheduler's name in the lease: stable across restarts (a restarted "
+        "scheduler takes its own lease over at once), unique among the run's schedulers; "
+        "default: scheduler-<host>",
     )
     steps_ahead: int = Field(
         default=2,

@@ -82,10 +82,19 @@ RECLAIM_SECONDS = Histogram(
     buckets=_SECONDS,
     registry=REGISTRY,
 )
+STATE_WRITES = Counter(
+    "sf_scheduler_state_writes",
+    "Writes of the scheduler's durable state (sf-<run>-state): claimed (taking over), written, "
+    "deposed (refused: another scheduler wrote it since, so this one stops leading)",
+    ["outcome"],
+    registry=REGISTRY,
+)
 for _role in Role:
     ASSIGNED.labels(_role.value)
 for _state in WeightsState:
     WEIGHTS.labels(_state.value)
+for _outcome in ("claimed", "written", "deposed"):
+    STATE_WRITES.labels(_outcome)
 for _outcome in ("acked", "refused", "timeout"):
     CHANGES.labels(_outcome)
 GROUP_SIZE = Gauge(

@@ -12,6 +12,10 @@
 3. lends the trainer's workers to rollout while the trainer waits for a batch, and reclaims
    them before the batch is ready (``tagsched.lending``).
 
+What must outlive this scheduler (epochs, fences, measured switch costs, recent group sizes) is
+in the run's state bucket (``tagsched.state``): a scheduler taking over claims it before it acts
+and continues from it; a deposed one's next write fails, and it stops leading.
+
 A worker is live while its registry entry was last written no longer than ``workers_ttl_s`` ago
 on this scheduler's own clock (``broker.registry.LastSeen``: a heartbeat's arrival, never the
 worker's ``heartbeat_at``, so a worker whose clock is off is judged like any other). The bucket
@@ -22,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from functools import partial
 
 from nats.aio.client import Client as NATS
@@ -34,6 +39,7 @@ from broker.client import session
 from broker.config import ProvisionConfig
 from broker.exceptions import InvalidMessageError
 from broker.messages import (
+    Fence,
     Role,
     RoleChangeAcked,
     RoleChangeRequested,
@@ -76,6 +82,7 @@ from tagsched.metrics import (
     WEIGHTS,
 )
 from tagsched.spec import Assignment, PlacementSpec, assign
+from tagsched.state import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +114,9 @@ class Scheduler:
         self._lease_s = lease_s
         self._workers: dict[str, WorkerRegistered] = {}
         self._heard = LastSeen()  # when each worker's entry was last written, on our clock
-        # fenced worker -> the registration (started_at) fenced; another one re-admits it
-        self._fenced: dict[str, float | None] = {}
+        self._store: StateStore | None = None  # epochs and fences: set by run
         self._pending: dict[str, asyncio.Task] = {}  # role changes in flight, by worker
-        self._lent: set[str] = set()
-        self._epoch = 0
+        self._lent: set[str] = set()  # trainer workers holding rollout: derived every tick
         self._policy = LendingPolicy(config.lend_gain, config.switch_cost_s)
         self._rate = RateMeter(config.rate_window_s)
         self._unsatisfied_since: float | None = None
@@ -119,10 +124,22 @@ class Scheduler:
         self.assignment = Assignment()
         self._group = GroupRecord(self._js, names)  # the trainer group: tagsched.group
 
+    @property
+    def _fenced(self) -> dict[str, Fence]:
+        """Fenced workers (a new registration re-admits each), by id."""
+        return {} if self._store is None else {f.worker_id: f for f in self._store.state.fenced}
+
+    def _unfence(self, worker_id: str) -> None:
+        assert self._store is not None
+        kept = [f for f in self._store.state.fenced if f.worker_id != worker_id]
+        self._store.change(fenced=kept)
+
     # -- the lease ----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, on_ready=lambda: None) -> None:
         """Stand by until this scheduler holds the lease, lead until it is lost or ``stop``."""
-        lease = await Lease.open(self._js, self._names, self._config.scheduler_id, self._lease_s)
+        scheduler_id = self._config.scheduler_id
+        lease = await Lease.open(self._js, self._names, scheduler_id, self._lease_s)
+        self._store = await StateStore.open(self._js, self._names, scheduler_id)
         on_ready()
         while await lease.acquire(stop):
             LEADER.set(1)
@@ -140,14 +157,23 @@ class Scheduler:
 
     async def _lead(self, lease: Lease, stop: asyncio.Event) -> None:
         log.info(kv("scheduler_leading", scheduler=self._config.scheduler_id))
+        # What the scheduler before this one left: claimed before anything is done, so that its
+        # next write fails.
+        assert self._store is not None
+        state = await self._store.claim()
+        self._policy.lends = deque(state.lend_seconds, maxlen=self._policy.lends.maxlen)
+        self._policy.reclaims = deque(state.reclaim_seconds, maxlen=self._policy.reclaims.maxlen)
+        self._admission.recall(state.group_sizes)
         initial = asyncio.Event()
         watching = asyncio.create_task(self._watch(initial))
         admission_stop = asyncio.Event()
         admitting = asyncio.create_task(self._admission.run(admission_stop))
         try:
             await asyncio.wait_for(initial.wait(), self._lease_s)
-            # Continue above every epoch a previous scheduler handed out.
-            self._epoch = max([self._epoch, *(w.epoch for w in self._workers.values())])
+            # Continue above every epoch handed out: stored, or (a state lost) in the registry.
+            epoch = max([state.epoch, *(w.epoch for w in self._workers.values())])
+            if epoch > state.epoch:
+                self._store.change(epoch=epoch)
             renewed = time.monotonic()
             while not stop.is_set():
                 for task in (watching, admitting):
@@ -180,14 +206,17 @@ class Scheduler:
             await asyncio.sleep(BACKOFF.max_s)
 
     def _seen(self, worker_id: str, entry: WorkerRegistered | None) -> None:
+        fence = self._fenced.get(worker_id)
         if entry is None:
             self._workers.pop(worker_id, None)
+            if fence is not None:  # gone: whatever comes back under its id is a new process
+                self._unfence(worker_id)
             return
         if entry.trainer is not None:
             self._follow_trainer(worker_id, entry.trainer)
         known = self._workers.get(worker_id)
-        if worker_id in self._fenced and entry.started_at != self._fenced[worker_id]:
-            del self._fenced[worker_id]  # a new registration: re-admitted
+        if fence is not None and entry.started_at != fence.started_at:
+            self._unfence(worker_id)  # a new registration: re-admitted
             log.info(kv("worker_readmitted", worker=worker_id))
         if known is not None and known.epoch > entry.epoch:
             # our own record is ahead (acked, not yet written back): keep its role and epoch
@@ -235,6 +264,10 @@ class Scheduler:
         }
 
     async def _tick(self) -> None:
+        assert self._store is not None
+        if (sizes := self._admission.group_sizes) != self._store.state.group_sizes:
+            self._store.change(group_sizes=sizes)
+        await self._store.flush()  # LeaseLostError once another scheduler wrote the state
         live = self.live()
         try:
             self.assignment = assign(self._spec, live, await self._group.members())
@@ -244,6 +277,9 @@ class Scheduler:
         self._unsatisfied_since = None
         UNSATISFIED.set(0)
         await self._group.follow(self.assignment.train)  # before any member is given train
+        # A lend is a trainer worker holding rollout (its entry says so): no record of its own,
+        # so a scheduler that took over continues the lends it finds.
+        self._lent = {w for w in self.assignment.lendable if live[w].role is Role.ROLLOUT}
         state = await self._admission.state()
         rate = self._rate.update(time.monotonic(), state.groups_total)
         # No trainer registered yet: nothing to lend (as if its batch were ready).
@@ -285,17 +321,27 @@ class Scheduler:
     # -- role changes -------------------------------------------------------------------------
     async def _change(self, worker_id: str, role: Role, reason: str) -> None:
         """Ask ``worker_id`` to take ``role``; fence it if it does not answer in time."""
+        store = self._store
+        assert store is not None
         try:
             entry = self._workers[worker_id]
             lending = role is Role.ROLLOUT and worker_id in self.assignment.lendable
             reclaiming = role is Role.TRAIN and worker_id in self._lent
-            self._epoch += 1
+            epoch = store.state.epoch + 1
+            store.change(epoch=epoch)
+            try:
+                await store.flush()  # a successor continues above it, whatever happens next
+            except (*TRANSIENT, LeaseLostError) as exc:  # the tick tries again, or stops leading
+                log.warning(kv("role_change_deferred", worker=worker_id, error=exc))
+                return
+            deadline = self._config.role_change_deadline_s
             request = RoleChangeRequested(
                 worker_id=worker_id,
                 role=role,
-                epoch=self._epoch,
+                epoch=epoch,
                 reason=reason[:1024],
-                deadline_s=self._config.role_change_deadline_s,
+                deadline_s=deadline,
+                expires_at=self._expiry(worker_id, deadline),
             )
             started = time.monotonic()
             try:
@@ -306,23 +352,27 @@ class Scheduler:
                 )
                 ack = codec.decode(RoleChangeAcked, reply.data)
             except (NatsTimeoutError, NoRespondersError, InvalidMessageError) as exc:
-                self._fence(worker_id, entry, f"{type(exc).__name__}: {exc}")
+                self._fence(worker_id, entry, epoch, f"{type(exc).__name__}: {exc}")
                 return
             seconds = time.monotonic() - started
             if not ack.ok:
                 CHANGES.labels("refused").inc()
-                self._epoch = max(self._epoch, ack.epoch)  # a stale epoch: continue above it
+                if ack.epoch > store.state.epoch:  # a stale epoch: continue above it
+                    store.change(epoch=ack.epoch)
                 log.warning(kv("role_change_refused", worker=worker_id, error=ack.error))
                 return
             CHANGES.labels("acked").inc()
-            self._workers[worker_id] = entry.model_copy(update={"role": role, "epoch": ack.epoch})
+            now = self._workers.get(worker_id, entry)
+            self._workers[worker_id] = now.model_copy(update={"role": role, "epoch": ack.epoch})
             if lending:
                 self._lent.add(worker_id)
                 self._policy.lends.append(seconds)
+                store.change(lend_seconds=list(self._policy.lends))
                 LEND_SECONDS.observe(seconds)
             elif reclaiming:
                 self._lent.discard(worker_id)
                 self._policy.reclaims.append(seconds)
+                store.change(reclaim_seconds=list(self._policy.reclaims))
                 RECLAIM_SECONDS.observe(seconds)
             log.info(
                 kv("role_assigned", worker=worker_id, role=role, epoch=ack.epoch, reason=reason)
@@ -330,12 +380,26 @@ class Scheduler:
         finally:
             self._pending.pop(worker_id, None)
 
-    def _fence(self, worker_id: str, entry: WorkerRegistered, why: str) -> None:
+    def _expiry(self, worker_id: str, deadline: float) -> float:
+        """When a request sent now expires, on the worker's own clock: its last heartbeat's
+        ``heartbeat_at`` plus how long ago this scheduler saw that write (so, at or after the
+        moment the worker stamped it), plus the deadline, less a tenth of it left for the ack's
+        way back. No two clocks are compared: the worker reads it on the clock that stamped
+        ``heartbeat_at``; the heartbeat's own way here only makes it earlier."""
+        entry = self._workers[worker_id]
+        return entry.heartbeat_at + (self._heard.age(worker_id) or 0.0) + 0.9 * deadline
+
+    def _fence(self, worker_id: str, entry: WorkerRegistered, epoch: int, why: str) -> None:
+        """Leave the worker out until it shows another registration, and say so in the state
+        (written by the next tick): the worker reads it and gives its role up."""
+        assert self._store is not None
         CHANGES.labels("timeout").inc()
         FENCED.inc()
-        self._fenced[worker_id] = entry.started_at
+        fence = Fence(worker_id=worker_id, started_at=entry.started_at, epoch=epoch)
+        others = [f for f in self._store.state.fenced if f.worker_id != worker_id]
+        self._store.change(fenced=[*others, fence])
         self._lent.discard(worker_id)
-        log.warning(kv("worker_fenced", worker=worker_id, error=why))
+        log.warning(kv("worker_fenced", worker=worker_id, epoch=epoch, error=why))
 
     async def _cancel_pending(self) -> None:
         tasks = list(self._pending.values())

@@ -472,7 +472,11 @@ async def test_a_scheduler_that_took_over_counts_by_the_waiting_tasks_group_size
 
 
 async def ask(nc, names: RunNames, wid: str, role: Role, epoch: int) -> RoleChangeAcked:
-    request = RoleChangeRequested(worker_id=wid, role=role, epoch=epoch, reason="test")
+    """A role change as a scheduler sends it (its expiry: the worker runs on this machine's
+    clock)."""
+    request = RoleChangeRequested(
+        worker_id=wid, role=role, epoch=epoch, reason="test", expires_at=time.time() + 30
+    )
     reply = await nc.request(names.ctl_role(wid), codec.encode(request), timeout=30)
     return codec.decode(RoleChangeAcked, reply.data)
 
