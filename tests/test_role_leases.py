@@ -44,18 +44,8 @@ async def test_a_worker_frozen_during_a_request_and_continued_late_does_not_take
     measured the deadline from its late receipt and took the role the scheduler had given up
     on). It then reads its fence, comes back as a new registration, is re-admitted and given
     the role afresh, with a higher epoch."""
-    w = worker_process(
-        broker.url,
-        names.run,
-        tiny_model_dir,
-        "w-a",
-        "--role",
-        "idle",
-        "--heartbeat-s",
-        "0.5",
-        "--tags",
-        "rollout,w",
-    ).wait_ready()
+    args = ("--role", "idle", "--heartbeat-s", "0.5")
+    w = worker_process(broker.url, names.run, tiny_model_dir, "w-a", *args).wait_ready()
     entries: list[WorkerRegistered] = []
     watching = asyncio.create_task(record_entries(js, names, "w-a", entries))
     stop, running = asyncio.Event(), None
@@ -63,7 +53,8 @@ async def test_a_worker_frozen_during_a_request_and_continued_late_does_not_take
         first = await registered(js, names, "w-a")
         assert first is not None and first.role is Role.IDLE
         w.proc.send_signal(signal.SIGSTOP)
-        spec = PlacementSpec(train=Demand(tags=["train"], count=0), rollout=Demand(tags=["w"]))
+        serving = Demand(tags=["rollout"])
+        spec = PlacementSpec(train=Demand(tags=["train"], count=0), rollout=serving)
         s = scheduler(nc, names, spec, role_change_deadline_s=1.0, tick_s=0.1)
         before = fenced()
         running = asyncio.create_task(s.run(stop))
