@@ -23,12 +23,18 @@ async def scheduler_state(js, names: RunNames) -> SchedulerState:
     return codec.decode(SchedulerState, (await bucket.get(StateKey.SCHEDULER)).value)
 
 
-async def record_entries(js, names: RunNames, worker_id: str, into: list[WorkerRegistered]):
-    """Append every write of ``worker_id``'s registry entry to ``into`` (until cancelled)."""
+async def record_entries(
+    js, names: RunNames, worker_id: str, into: list[WorkerRegistered], stop: asyncio.Event
+) -> None:
+    """Append every write of ``worker_id``'s registry entry to ``into``, until ``stop``."""
     bucket = await js.key_value(names.workers_kv)
     watcher = await bucket.watch(worker_id)
     try:
-        async for found in watcher:
+        while not stop.is_set():
+            try:
+                found = await watcher.updates(timeout=0.2)
+            except TimeoutError:
+                continue
             if found is not None and found.value:
                 into.append(codec.decode(WorkerRegistered, found.value))
     finally:
@@ -47,8 +53,8 @@ async def test_a_worker_frozen_during_a_request_and_continued_late_does_not_take
     args = ("--role", "idle", "--heartbeat-s", "0.5")
     w = worker_process(broker.url, names.run, tiny_model_dir, "w-a", *args).wait_ready()
     entries: list[WorkerRegistered] = []
-    watching = asyncio.create_task(record_entries(js, names, "w-a", entries))
     stop, running = asyncio.Event(), None
+    watching = asyncio.create_task(record_entries(js, names, "w-a", entries, stop))
     try:
         first = await registered(js, names, "w-a")
         assert first is not None and first.role is Role.IDLE
@@ -80,8 +86,7 @@ async def test_a_worker_frozen_during_a_request_and_continued_late_does_not_take
         now = await registered(js, names, "w-a")
     finally:
         stop.set()
-        watching.cancel()
-        await asyncio.gather(watching, return_exceptions=True)
+        await watching
         if running is not None:
             await asyncio.wait_for(running, 30)
         w.proc.send_signal(signal.SIGCONT)
@@ -140,3 +145,124 @@ async def test_a_worker_cut_off_from_the_broker_goes_idle_within_its_lease(
     print(f"cut off: idle after {took:.2f}s (lease 2 s, registry TTL 3 s)")
     assert took < provision.workers_ttl_s and rollout == 0 and lease == 1
     assert after is not None and after.started_at != before.started_at
+
+
+async def test_failover_mid_lend_continues_roles_epochs_lends_and_admission(
+    broker, js, names, tiny_model_dir, run_toml
+):
+    """A multiplexed layout: one worker holding the trainer too (tagged train,rollout), started
+    training; scheduler ``first`` leads and lends it to rollout (the trainer waits for a batch);
+    ``second`` stands by. ``first`` is killed (-9) mid-lend and mid-admission: ``second`` leads
+    within 5 s, continues the lend (it sends the worker nothing), and once samples make a batch
+    ready reclaims the worker with an epoch above every epoch ``first`` handed out, then lends
+    it again. Then ``second`` is killed (-9) and restarted at once: it takes its own lease over
+    and leads within 5 s. Every task submitted is admitted once: 0 lost, 0 twice."""
+    from nats.errors import TimeoutError as NatsTimeoutError
+
+    from broker.messages import TaskSubmitted
+    from broker.subjects import Durable
+    from seamlessflow.processes import ServiceProcess
+    from seamlessflow.submit import submit_tasks
+    from tests.test_tagsched import task
+    from tests.test_trainer import group, publish
+
+    config = run_toml(
+        names.run,
+        trainer={"groups_per_step": 1, "max_staleness": 4},
+        layout={"kind": "multiplexed"},
+        scheduler={"tick_s": 0.1},
+    )
+    args = ("--tags", "train,rollout", "--role", "train", "--heartbeat-s", "0.5")
+    tw = worker_process(broker.url, names.run, tiny_model_dir, "tw", *args, "--config", str(config))
+
+    def start(name: str) -> ServiceProcess:
+        command = ("scheduler", "--nats", broker.url, "--config", str(config))
+        return ServiceProcess(name, *command, "--scheduler-id", name)
+
+    async def leads(p: ServiceProcess) -> bool:
+        return p.serving and await metric(p.metrics_url, "sf_scheduler_leader") == 1
+
+    entries: list[WorkerRegistered] = []
+    watched = asyncio.Event()
+    watching = asyncio.create_task(record_entries(js, names, "tw", entries, watched))
+    agents = await js.pull_subscribe_bind(durable=Durable.AGENTS, stream=names.tasks_stream)
+    got: list[str] = []
+
+    async def agent() -> None:
+        """An agent runner that finishes each admitted task at once (no samples)."""
+        while True:
+            try:
+                msgs = await agents.fetch(1, timeout=0.5)
+            except NatsTimeoutError:
+                continue
+            for msg in msgs:
+                got.append(codec.decode(TaskSubmitted, msg.data).task_id)
+                await msg.ack()
+            await asyncio.sleep(0.3)
+
+    async def lent_at(above: int) -> int:
+        """Wait for the worker to be lent (rollout) with an epoch above ``above``; that epoch."""
+
+        async def lent() -> bool:
+            return any(e.role is Role.ROLLOUT and e.epoch > above for e in entries)
+
+        await eventually(lent, timeout=60)
+        return max(e.epoch for e in entries if e.role is Role.ROLLOUT)
+
+    finishing = asyncio.create_task(agent())
+    first = start("first")
+    second = None
+    tasks = [task(f"t{i}") for i in range(12)]
+    try:
+        await asyncio.to_thread(tw.wait_ready)
+        first.wait_ready()
+        second = start("second").wait_ready()
+        await eventually(lambda: leads(first), timeout=30)
+        lend = await lent_at(0)
+        assert not await leads(second)
+        await submit_tasks(js, names, tasks[:6], progress=False)
+        await eventually(lambda: len(got) >= 2, timeout=30)
+        first.proc.kill()  # mid-lend, mid-admission
+        killed = time.monotonic()
+        await eventually(lambda: leads(second), timeout=30)
+        standby_s = time.monotonic() - killed
+        state = await scheduler_state(js, names)
+        assert state.leader == "second" and state.epoch >= lend
+        await asyncio.sleep(1.5)  # the lend goes on: nothing is sent to the worker
+        assert (await registered(js, names, "tw")).epoch == lend
+        # A batch is ready: reclaimed (above first's epochs), trains, is lent again.
+        await publish(js, names, *group("g1", 2))
+
+        async def reclaimed() -> bool:
+            return any(e.role is Role.TRAIN and e.epoch > lend for e in entries)
+
+        await eventually(reclaimed, timeout=60)
+        again = await lent_at(lend + 1)
+        await eventually(lambda: len(got) == 6, timeout=60)
+        # Killed and restarted at once: its own lease, taken over.
+        await submit_tasks(js, names, tasks[6:], progress=False)
+        await eventually(lambda: len(got) >= 8, timeout=30)
+        second.proc.kill()
+        second.proc.wait()
+        killed = time.monotonic()
+        second.restart()
+        await eventually(lambda: leads(second), timeout=30)
+        restart_s = time.monotonic() - killed
+        await eventually(lambda: len(got) == 12, timeout=60)
+        await asyncio.sleep(1.0)
+    finally:
+        finishing.cancel()
+        watched.set()
+        await asyncio.gather(finishing, watching, return_exceptions=True)
+        for p in (first, second, tw):
+            if p is not None:
+                p.stop()
+    print(f"failover: standby led {standby_s:.2f}s after kill -9, restarted {restart_s:.2f}s")
+    assert sorted(got) == sorted(t.task_id for t in tasks)  # 0 lost, 0 twice
+    epochs = [e.epoch for e in entries]
+    assert epochs == sorted(epochs) and again > lend  # epochs never went back
+    roles: dict[int, set[Role]] = {}
+    for e in entries:
+        roles.setdefault(e.epoch, set()).add(e.role)
+    assert all(len(held) == 1 for held in roles.values()), roles  # an epoch is one change
+    assert standby_s < 5.0 and restart_s < 5.0
