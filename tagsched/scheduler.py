@@ -267,6 +267,12 @@ class Scheduler:
         assert self._store is not None
         if (sizes := self._admission.group_sizes) != self._store.state.group_sizes:
             self._store.change(group_sizes=sizes)
+        # A fenced worker not heard of for the TTL is gone, or has given its role up by itself
+        # (its lease is shorter) and re-registered: its fence has done its work.
+        fenced = self._store.state.fenced
+        kept = [f for f in fenced if self._heard.fresh(f.worker_id, self._ttl)]
+        if len(kept) < len(fenced):
+            self._store.change(fenced=kept)
         await self._store.flush()  # LeaseLostError once another scheduler wrote the state
         live = self.live()
         try:

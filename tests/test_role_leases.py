@@ -6,6 +6,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from broker import codec
 from broker.client import session
 from broker.messages import Role, SchedulerState, WorkerRegistered
@@ -13,7 +15,9 @@ from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames, StateKey
 from seamlessflow.processes import worker_process
+from tagsched.exceptions import LeaseLostError
 from tagsched.spec import Demand, PlacementSpec
+from tagsched.state import StateStore
 from tests.support import SMALL_RUN, broker_config, eventually, metric, registered
 from tests.test_tagsched import fenced, scheduler
 
@@ -39,6 +43,25 @@ async def record_entries(
                 into.append(codec.decode(WorkerRegistered, found.value))
     finally:
         await watcher.stop()
+
+
+async def test_a_deposed_schedulers_state_write_fails(js, names):
+    """The state's revision is a fencing token: once a scheduler taking over has claimed the
+    state, the one it deposed cannot write it (it stops leading), and what it wrote before is
+    what the new one continues from."""
+    first = await StateStore.open(js, names, "first")
+    await first.claim()
+    first.change(epoch=5)
+    await first.flush()
+    second = await StateStore.open(js, names, "second")
+    taken = await second.claim()
+    assert (taken.leader, taken.epoch) == ("second", 5)
+    first.change(epoch=6)
+    with pytest.raises(LeaseLostError, match="another scheduler wrote the run's state"):
+        await first.flush()
+    second.change(epoch=7)
+    await second.flush()
+    assert (await scheduler_state(js, names)).epoch == 7
 
 
 async def test_a_worker_frozen_during_a_request_and_continued_late_does_not_take_the_role(
