@@ -26,6 +26,7 @@ from nats.js.api import (
     StreamInfo,
 )
 from nats.js.errors import APIError, NotFoundError
+from nats.js.kv import KeyValue
 
 from broker.config import ConsumerLimits, ProvisionConfig, StreamLimits
 from broker.exceptions import BrokerError, ProvisionConflictError, RunNotProvisionedError
@@ -330,6 +331,12 @@ async def stream_status(js: JetStreamContext, info: StreamInfo) -> StreamStatus:
 async def run_stream_info(js: JetStreamContext, names: RunNames, stream: str) -> StreamInfo:
     """The info of one of the run's streams; ``RunNotProvisionedError`` when it is missing."""
     return await _provisioned(names, f"stream {stream}", js.stream_info(stream))
+
+
+async def run_bucket(js: JetStreamContext, names: RunNames, bucket: str) -> KeyValue:
+    """One of the run's KV buckets; ``RunNotProvisionedError`` when it is missing (a run
+    provisioned before it was added: ``sf-<run>-state``)."""
+    return await _provisioned(names, f"bucket {bucket}", js.key_value(bucket))
 
 
 async def durable_info(

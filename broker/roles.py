@@ -49,6 +49,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from broker import codec
 from broker.exceptions import InvalidMessageError
 from broker.messages import Role, RoleChangeAcked, RoleChangeRequested, SchedulerState
+from broker.provision import run_bucket
 from broker.registry import Registration
 from broker.retry import retry
 from broker.subjects import RunNames, StateKey
@@ -358,7 +359,7 @@ async def membership(
         leave.push_async_callback(registration.delete)
         ttl = await retry(registration.ttl, what="registry_ttl")
         js = nc.jetstream()
-        state = await retry(lambda: js.key_value(names.state_kv), what="state_bucket")
+        state = await retry(lambda: run_bucket(js, names, names.state_kv), what="state_bucket")
         lease_s = ttl * ROLE_LEASE_SHARE
         roles = RoleHolder(nc, names, registration, switch, lease_s=lease_s, state=state)
         leave.push_async_callback(roles.stop)

@@ -24,6 +24,7 @@ from nats.js.kv import KeyValue
 from broker import codec
 from broker.exceptions import InvalidMessageError
 from broker.messages import SchedulerState
+from broker.provision import run_bucket
 from broker.subjects import RunNames, StateKey
 from common.log import kv
 from tagsched.exceptions import LeaseLostError
@@ -48,7 +49,7 @@ class StateStore:
 
     @classmethod
     async def open(cls, js: JetStreamContext, names: RunNames, leader: str) -> "StateStore":
-        return cls(await js.key_value(names.state_kv), leader)
+        return cls(await run_bucket(js, names, names.state_kv), leader)
 
     async def claim(self) -> SchedulerState:
         """Read the state a previous scheduler left and write it back as this one's. A state

@@ -10,8 +10,11 @@ import pytest
 
 from broker import codec
 from broker.client import session
+from broker.exceptions import RunNotProvisionedError
 from broker.messages import Role, SchedulerState, WorkerRegistered
 from broker.provision import provision_run
+from broker.registry import Registration
+from broker.roles import membership
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames, StateKey
 from seamlessflow.processes import worker_process
@@ -62,6 +65,20 @@ async def test_a_deposed_schedulers_state_write_fails(js, names):
     second.change(epoch=7)
     await second.flush()
     assert (await scheduler_state(js, names)).epoch == 7
+
+
+async def test_a_run_provisioned_without_the_state_bucket_is_named(nc, js, names):
+    """A worker of a run provisioned before the state bucket existed is told what to run."""
+    await js.delete_key_value(names.state_kv)
+
+    async def switch(role: Role) -> None:
+        pass
+
+    registration = await Registration.open(js, names, "old", tags=["rollout"], role=Role.IDLE)
+    with pytest.raises(RunNotProvisionedError, match=f"no bucket {names.state_kv} .*provision"):
+        async with membership(nc, names, registration, switch, heartbeat_s=0.1):
+            pass
+    assert await registered(js, names, "old") is None  # it left the registry on the way out
 
 
 async def test_a_worker_frozen_during_a_request_and_continued_late_does_not_take_the_role(
