@@ -37,7 +37,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from broker import codec
 from broker.client import session
 from broker.config import ProvisionConfig
-from broker.exceptions import InvalidMessageError
+from broker.exceptions import InvalidMessageError, RetryStoppedError
 from broker.messages import (
     Fence,
     Role,
@@ -50,7 +50,7 @@ from broker.messages import (
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.provision import durable_info
 from broker.registry import LastSeen, watch_registry
-from broker.retry import BACKOFF, TRANSIENT
+from broker.retry import BACKOFF, TRANSIENT, retry
 from broker.subjects import Durable, RunNames
 from common.log import kv
 from common.metrics import serve_metrics
@@ -160,7 +160,10 @@ class Scheduler:
         # What the scheduler before this one left: claimed before anything is done, so that its
         # next write fails.
         assert self._store is not None
-        state = await self._store.claim()
+        try:  # JetStream may be electing leaders: wait for it, unless stopped
+            state = await retry(self._store.claim, what="scheduler_state_claim", stop=stop)
+        except RetryStoppedError:
+            return
         self._policy.lends = deque(state.lend_seconds, maxlen=self._policy.lends.maxlen)
         self._policy.reclaims = deque(state.reclaim_seconds, maxlen=self._policy.reclaims.maxlen)
         self._admission.recall(state.group_sizes)
