@@ -321,8 +321,13 @@ class RoleHolder:
             GIVEN_UP.labels(reason).inc()
             log.warning(kv("role_given_up", role=self.role, epoch=self.epoch, reason=reason))
             if self.role is not Role.IDLE:
-                await self._switch(Role.IDLE)
-                self._held(Role.IDLE)
+                try:
+                    await self._switch(Role.IDLE)
+                except Exception as exc:  # never ends the heartbeats; the TTL still ends the role
+                    ROLE_CHANGES.labels("failed").inc()
+                    log.error(kv("role_give_up_failed", role=self.role, error=exc))
+                else:
+                    self._held(Role.IDLE)
             self._registration.renew()
 
     @staticmethod

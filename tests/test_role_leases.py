@@ -11,9 +11,10 @@ import pytest
 from broker import codec
 from broker.client import session
 from broker.exceptions import RunNotProvisionedError
-from broker.messages import Role, SchedulerState, WorkerRegistered
+from broker.messages import Fence, Role, SchedulerState, WorkerRegistered
 from broker.provision import provision_run
 from broker.registry import Registration
+from broker.roles import REGISTRY as ROLE_METRICS
 from broker.roles import membership
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames, StateKey
@@ -79,6 +80,44 @@ async def test_a_run_provisioned_without_the_state_bucket_is_named(nc, js, names
         async with membership(nc, names, registration, switch, heartbeat_s=0.1):
             pass
     assert await registered(js, names, "old") is None  # it left the registry on the way out
+
+
+async def test_a_fenced_worker_gives_up_its_role_and_a_failing_switch_stops_no_heartbeat(
+    nc, js, names
+):
+    """The scheduler's state fences a serving worker's registration (its ack was lost): with
+    its next heartbeat the worker reads the fence and goes idle; here its switch fails, which is
+    logged and counted, and the worker still begins a new registration and keeps renewing it."""
+    taken: list[Role] = []
+
+    async def switch(role: Role) -> None:
+        taken.append(role)
+        if role is Role.IDLE:
+            raise RuntimeError("the engine would not pause")
+
+    def given_up() -> float:
+        return ROLE_METRICS.get_sample_value("sf_worker_roles_given_up_total", {"reason": "fenced"})
+
+    before = given_up()
+    registration = await Registration.open(js, names, "m", tags=["rollout"], role=Role.ROLLOUT)
+    async with membership(nc, names, registration, switch, heartbeat_s=0.1):
+        first = await registered(js, names, "m")
+        assert first is not None
+        fence = Fence(worker_id="m", started_at=first.started_at, epoch=3)
+        state = SchedulerState(leader="s", epoch=3, fenced=[fence])
+        bucket = await js.key_value(names.state_kv)
+        await bucket.put(StateKey.SCHEDULER, codec.encode(state))
+
+        async def renewed() -> bool:
+            e = await registered(js, names, "m")
+            return e is not None and e.started_at != first.started_at
+
+        await eventually(renewed)
+        again = await registered(js, names, "m")
+        await asyncio.sleep(0.3)
+        later = await registered(js, names, "m")
+    assert taken == [Role.ROLLOUT, Role.IDLE] and given_up() == before + 1
+    assert later.heartbeat_at > again.heartbeat_at  # the heartbeats go on
 
 
 async def test_a_worker_frozen_during_a_request_and_continued_late_does_not_take_the_role(
