@@ -52,7 +52,7 @@ from broker.messages import Role, RoleChangeAcked, RoleChangeRequested, Schedule
 from broker.provision import run_bucket
 from broker.registry import Registration
 from broker.retry import retry
-from broker.subjects import RunNames, StateKey
+from broker.subjects import RunNames
 from common.log import kv
 
 log = logging.getLogger(__name__)
@@ -301,7 +301,7 @@ class RoleHolder:
         every heartbeat; a state that cannot be read is counted and logged, and changes
         nothing."""
         try:
-            found = await self._state.get(StateKey.SCHEDULER)
+            found = await self._state.get(RunNames.SCHEDULER_STATE_KEY)
         except KeyNotFoundError:  # no scheduler has led this run yet
             return
         try:

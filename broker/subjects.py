@@ -153,6 +153,9 @@ class RunNames:
         the lease, for the one that takes over (``docs/protocol.md`` lists its keys)."""
         return f"sf-{self.run}-state"
 
+    SCHEDULER_STATE_KEY = "scheduler"
+    """``state_kv`` key: the scheduler's epochs, fences, switch costs and group sizes
+    (``SchedulerState``), written by the scheduler leading, read by its successor and workers."""
     TRAINER_GROUP_KEY = "trainer-group"
     """``state_kv`` key: the trainer group (``TrainerGroup``), written by the scheduler."""
     TRAINER_RENDEZVOUS_KEY = "trainer-rendezvous"
@@ -161,12 +164,6 @@ class RunNames:
     @property
     def weights_store(self) -> str:
         return f"sf-{self.run}-weights"
-
-
-class StateKey(StrEnum):
-    """Keys of the run's durable control-plane bucket (``RunNames.state_kv``)."""
-
-    SCHEDULER = "scheduler"  # SchedulerState: epochs, fences, switch costs, admission
 
 
 class Durable(StrEnum):

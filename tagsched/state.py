@@ -25,14 +25,14 @@ from broker import codec
 from broker.exceptions import InvalidMessageError
 from broker.messages import SchedulerState
 from broker.provision import run_bucket
-from broker.subjects import RunNames, StateKey
+from broker.subjects import RunNames
 from common.log import kv
 from tagsched.exceptions import LeaseLostError
 from tagsched.metrics import STATE_WRITES
 
 log = logging.getLogger(__name__)
 
-KEY = StateKey.SCHEDULER
+KEY = RunNames.SCHEDULER_STATE_KEY
 
 
 class StateStore:

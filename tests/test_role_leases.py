@@ -17,7 +17,7 @@ from broker.registry import Registration
 from broker.roles import REGISTRY as ROLE_METRICS
 from broker.roles import membership
 from broker.server import EmbeddedBroker
-from broker.subjects import RunNames, StateKey
+from broker.subjects import RunNames
 from seamlessflow.processes import worker_process
 from tagsched.exceptions import LeaseLostError
 from tagsched.spec import Demand, PlacementSpec
@@ -28,7 +28,7 @@ from tests.test_tagsched import fenced, scheduler
 
 async def scheduler_state(js, names: RunNames) -> SchedulerState:
     bucket = await js.key_value(names.state_kv)
-    return codec.decode(SchedulerState, (await bucket.get(StateKey.SCHEDULER)).value)
+    return codec.decode(SchedulerState, (await bucket.get(RunNames.SCHEDULER_STATE_KEY)).value)
 
 
 async def record_entries(
@@ -106,7 +106,7 @@ async def test_a_fenced_worker_gives_up_its_role_and_a_failing_switch_stops_no_h
         fence = Fence(worker_id="m", started_at=first.started_at, epoch=3)
         state = SchedulerState(leader="s", epoch=3, fenced=[fence])
         bucket = await js.key_value(names.state_kv)
-        await bucket.put(StateKey.SCHEDULER, codec.encode(state))
+        await bucket.put(RunNames.SCHEDULER_STATE_KEY, codec.encode(state))
 
         async def renewed() -> bool:
             e = await registered(js, names, "m")
