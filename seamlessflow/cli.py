@@ -204,7 +204,12 @@ async def _status(args: argparse.Namespace) -> int:
     from broker.provision import run_status
     from broker.registry import read_registry
     from broker.subjects import RunNames
-    from seamlessflow.launcher import print_status, print_workers, scrape_role_seconds
+    from seamlessflow.launcher import (
+        print_status,
+        print_workers,
+        read_control,
+        scrape_role_seconds,
+    )
     from tagsched.lease import lease_holder
 
     async with session(args.nats, "seamlessflow-status") as nc:
@@ -217,9 +222,10 @@ async def _status(args: argparse.Namespace) -> int:
             ttl = (await (await js.key_value(names.workers_kv)).status()).ttl
             leader = await lease_holder(js, names)
             seconds = await scrape_role_seconds(workers)
+            control = await read_control(js, names)
     print_status(status)
     if not status.missing:
-        print_workers(workers, leader, ttl=ttl, role_seconds=seconds)
+        print_workers(workers, leader, ttl=ttl, role_seconds=seconds, control=control)
     return 1 if status.missing else 0
 
 

@@ -8,17 +8,24 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
 from prometheus_client import CollectorRegistry
 
+from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig
-from broker.messages import Role, WorkerRegistered
+from broker.exceptions import InvalidMessageError
+from broker.messages import Message, Role, SchedulerState, TrainerGroup, WorkerRegistered
 from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus
 from broker.registry import Sighting
+from broker.roles import ROLE_LEASE_SHARE
 from broker.server import EmbeddedBroker
+from broker.subjects import RunNames
 from common.metrics import MetricsEndpoint, metric_sum, scrape, serve_metrics
 from common.ready import announce_ready
 
@@ -138,6 +145,41 @@ async def scrape_role_seconds(workers: list[Sighting]) -> dict[str, RoleSeconds 
 
 
 @dataclass(frozen=True)
+class ControlState:
+    """What the run's state bucket (``sf-<run>-state``) says of the workers: the leading
+    scheduler's fences and the trainer group (``None``: absent, or unreadable)."""
+
+    scheduler: SchedulerState | None = None
+    group: TrainerGroup | None = None
+
+    def fenced(self, entry: WorkerRegistered) -> bool:
+        """Whether the scheduler fenced this registration of the worker."""
+        fence = self.scheduler.fence(entry.worker_id) if self.scheduler else None
+        return fence is not None and fence.started_at == entry.started_at
+
+    def rank(self, worker_id: str) -> int | None:
+        """The worker's rank in the trainer group, if it is a member."""
+        members = self.group.members if self.group else []
+        return members.index(worker_id) if worker_id in members else None
+
+
+async def read_control(js: JetStreamContext, names: RunNames) -> ControlState:
+    """The scheduler's state and the trainer group record, as far as they exist and decode."""
+    bucket = await js.key_value(names.state_kv)
+
+    async def read(key: str, kind: type[Message]) -> Any:
+        try:
+            return codec.decode(kind, (await bucket.get(key)).value)
+        except (KeyNotFoundError, InvalidMessageError):
+            return None
+
+    return ControlState(
+        scheduler=await read(RunNames.SCHEDULER_STATE_KEY, SchedulerState),
+        group=await read(RunNames.TRAINER_GROUP_KEY, TrainerGroup),
+    )
+
+
+@dataclass(frozen=True)
 class WorkerRow:
     """What ``seamlessflow status`` knows of one worker: its registry entry as the server dated
     it, when the table was made (``now``, ``time.monotonic()``), the registry's TTL, and its
@@ -150,6 +192,7 @@ class WorkerRow:
     ttl: float | None = None
     role_seconds: RoleSeconds | None = None
     asked: bool = False
+    control: ControlState = ControlState()
 
     def written(self) -> str:
         """How long ago the entry was written, dated by the server's clock alone; past ``ttl``
@@ -160,6 +203,21 @@ class WorkerRow:
         if self.ttl is not None and age > self.ttl:
             return f"{age:.1f}s ago (not renewed within {self.ttl:g}s)"
         return f"{age:.1f}s ago"
+
+    def lease(self) -> str:
+        """How long the worker still holds its role without another registry write (its role
+        lease, ``broker.roles``: a share of the TTL from its last write), or "expired"."""
+        if self.entry.role is Role.IDLE:
+            return "-"
+        if not self.sighting.dated or self.ttl is None:
+            return "?"
+        left = self.ttl * ROLE_LEASE_SHARE - self.sighting.age(self.now)
+        return f"{left:.0f}s" if left > 0 else "expired"
+
+    def lent(self) -> str:
+        """A trainer group member serving rollout: lent by the scheduler."""
+        rank = self.control.rank(self.entry.worker_id)
+        return _yes(rank is not None and self.entry.role is Role.ROLLOUT)
 
     def clock(self) -> str:
         """The worker's ``heartbeat_at`` against the server's timestamp of the write."""
@@ -199,6 +257,10 @@ WORKER_COLUMNS: tuple[tuple[str, Callable[[WorkerRow], str]], ...] = (
     ("weights", lambda r: r.entry.weights.value),
     ("wave", lambda r: "-" if r.entry.wave is None else str(r.entry.wave)),
     ("quarantined", lambda r: _yes(r.entry.quarantined)),
+    ("lease", WorkerRow.lease),
+    ("fenced", lambda r: _yes(r.control.fenced(r.entry))),
+    ("lent", WorkerRow.lent),
+    ("rank", lambda r: "-" if (k := r.control.rank(r.entry.worker_id)) is None else str(k)),
     ("busy/idle s", WorkerRow.seconds),
     ("written", WorkerRow.written),
     ("clock", WorkerRow.clock),
@@ -214,10 +276,13 @@ def print_workers(
     ttl: float | None = None,
     now: float | None = None,
     role_seconds: dict[str, RoleSeconds | None] | None = None,
+    control: ControlState = ControlState(),
 ) -> None:
     """The registry as a table (``WORKER_COLUMNS``: node, tags, role, epoch, version, where it
-    stands in the weight rhythm, its busy/idle seconds per role from ``role_seconds``, when the
-    entry was last written and how far the worker's clock is off), and the scheduler holding
+    stands in the weight rhythm, how long its role lease has left, whether it is fenced or lent
+    and its trainer group rank (from ``control``), its busy/idle seconds per role from
+    ``role_seconds``, when the entry was last written and how far the worker's clock is off),
+    and the scheduler holding
     the run's lease. "written" is dated by the server's clock alone (the write's stored
     timestamp against the server's time now), so a worker whose clock is off shows its true age;
     past ``ttl`` it is marked "not renewed", as every observer judges it dead. "clock" is the
@@ -228,7 +293,7 @@ def print_workers(
         if s.entry is None:
             continue
         seconds = None if role_seconds is None else role_seconds.get(s.worker_id)
-        row = WorkerRow(s, s.entry, now, ttl, seconds, asked=role_seconds is not None)
+        row = WorkerRow(s, s.entry, now, ttl, seconds, role_seconds is not None, control)
         rows.append(tuple(cell(row) for _, cell in WORKER_COLUMNS))
     print(file=out)
     _print_table(rows, out)

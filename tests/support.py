@@ -461,3 +461,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def status_workers(stdout: str) -> dict[str, dict[str, str]]:
+    """``seamlessflow status``'s worker table: each worker's cells by column header. Every cell
+    is one word up to "busy/idle s" (a two-word header); "written" (``1.2s ago`` and more) and
+    "clock" follow."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("worker "))
+    header = lines[start].split()
+    at = header.index("busy/idle")
+    rows: dict[str, dict[str, str]] = {}
+    for line in lines[start + 1 :]:
+        if line.startswith("scheduler:"):
+            break
+        cells = line.split()
+        row = dict(zip(header[:at], cells[:at], strict=True))
+        row |= {"busy/idle s": cells[at], "written": " ".join(cells[at + 1 : -1])}
+        rows[cells[0]] = row | {"clock": cells[-1]}
+    return rows

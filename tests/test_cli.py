@@ -7,20 +7,22 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import msgpack
 import pytest
 
+from broker import codec
 from broker.ingress import tasks_ingress
-from broker.messages import Role, TaskSubmitted
+from broker.messages import Fence, Role, SchedulerState, TaskSubmitted, TrainerGroup
 from broker.registry import Registration, node_name
 from broker.subjects import Durable, RunNames
 from rollout.engines import HFEngineConfig, VLLMEngineConfig
 from seamlessflow import services
 from seamlessflow.cli import build_parser
-from tests.support import SMALL_RUN, eventually, stream_messages
+from tests.support import SMALL_RUN, eventually, status_workers, stream_messages
 from trainer.config import MegatronBackendConfig
 
 SMALL_TOML = 'run = "{run}"\n[provision]\nweights_store_max_bytes = 8388608\n' + "".join(
@@ -76,21 +78,44 @@ async def test_provision_then_submit_then_status(broker, js, run_name, tmp_path)
     stored = await stream_messages(js, names.tasks_stream, TaskSubmitted)
     assert [t.task_id for t in stored] == ["a", "b"]
 
-    # a registered worker is listed with its node, the age of its entry and its clock
+    # a registered worker is listed with its node, the age of its entry and its clock; and, from
+    # the state bucket, its role lease, fence and trainer group rank (here as the scheduler and
+    # the group record would have them: w-1 a group member lent to rollout, then fenced)
     registration = await Registration.open(js, names, "w-1", tags=["rollout"], role=Role.IDLE)
     await registration.put()
-    done = sf("status", "--nats", broker.url, "--run", run_name)
-    assert done.returncode == 0, done.stderr
-    row = next(line for line in done.stdout.splitlines() if line.startswith(names.tasks_stream))
-    assert row.split()[1] == "2"
-    lines = done.stdout.splitlines()
-    header = next(line for line in lines if line.startswith("worker "))
-    assert header.split() == [
-        "worker", "node", "tags", "role", "epoch", "version", "busy", "written", "clock"
-    ]  # fmt: skip
-    row = next(line for line in lines if line.startswith("w-1 ")).split()
-    assert row[1] == node_name() and row[2:4] == [f"rollout,node={node_name()}", "idle"]
-    assert row[-2] == "ago" and float(row[-3].rstrip("s")) < 30 and row[-1] == "ok"
+    other = await Registration.open(js, names, "w-2", tags=["train"], role=Role.TRAIN)
+    await other.put()
+    state = await js.key_value(names.state_kv)
+    group = TrainerGroup(generation=3, members=["w-2", "w-1"], changed_at=time.time())
+    await state.put(RunNames.TRAINER_GROUP_KEY, codec.encode(group))
+
+    def status() -> dict[str, dict[str, str]]:
+        done = sf("status", "--nats", broker.url, "--run", run_name)
+        assert done.returncode == 0, done.stderr
+        row = next(x for x in done.stdout.splitlines() if x.startswith(names.tasks_stream))
+        assert row.split()[1] == "2"
+        rows = status_workers(done.stdout)
+        for r in rows.values():
+            age, ago = r["written"].split()
+            assert ago == "ago" and float(age.rstrip("s")) < 30 and r["clock"] == "ok"
+        return rows
+
+    rows = status()
+    assert list(rows["w-1"])[:7] == ["worker", "node", "tags", "role", "epoch", "version", "busy"]
+    w1 = rows["w-1"]
+    assert w1["node"] == node_name() and w1["tags"] == f"rollout,node={node_name()}"
+    assert w1["role"] == "idle" and w1["lease"] == "-" and w1["rank"] == "1"
+    assert (w1["fenced"], w1["lent"]) == ("no", "no")
+    assert rows["w-2"]["rank"] == "0" and rows["w-2"]["lent"] == "no"
+    assert 0 < float(rows["w-2"]["lease"].rstrip("s")) <= 20  # 2/3 of the 30 s TTL
+    await registration.put(role=Role.ROLLOUT, epoch=4)
+    fence = Fence(worker_id="w-1", started_at=registration.entry.started_at, epoch=5)
+    scheduler = SchedulerState(leader="s", epoch=5, fenced=[fence])
+    await state.put(RunNames.SCHEDULER_STATE_KEY, codec.encode(scheduler))
+    rows = status()
+    w1 = rows["w-1"]
+    assert (w1["role"], w1["fenced"], w1["lent"], w1["rank"]) == ("rollout", "yes", "yes", "1")
+    assert rows["w-2"]["fenced"] == "no"
 
     # The same file's config again is a no-op; a different one is refused, with exit code 2.
     assert (

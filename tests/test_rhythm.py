@@ -24,7 +24,14 @@ from common.metrics import serve_metrics
 from seamlessflow.launcher import print_workers, scrape_role_seconds
 from seamlessflow.processes import worker_process
 from tagsched.metrics import REGISTRY as SCHEDULER_METRICS
-from tests.support import eventually, free_port, metric, perturbed_weights, registered
+from tests.support import (
+    eventually,
+    free_port,
+    metric,
+    perturbed_weights,
+    registered,
+    status_workers,
+)
 from tests.test_liveness import leading
 from tests.test_tagsched import ask
 from tests.test_worker import Call
@@ -39,8 +46,8 @@ def scheduled(name: str, **labels: str) -> float | None:
     return SCHEDULER_METRICS.get_sample_value(name, labels)
 
 
-async def status_rows(url: str, run: str) -> dict[str, list[str]]:
-    """``seamlessflow status``'s registry table, each row split into words by worker id."""
+async def status_rows(url: str, run: str) -> dict[str, dict[str, str]]:
+    """``seamlessflow status``'s registry table: each worker's cells by column."""
     done = await asyncio.to_thread(
         subprocess.run,
         [sys.executable, "-m", "seamlessflow.cli", "status", "--nats", url, "--run", run],
@@ -49,10 +56,11 @@ async def status_rows(url: str, run: str) -> dict[str, list[str]]:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("worker "))
-    assert lines[header].split()[7:11] == ["weights", "wave", "quarantined", "busy/idle"]
-    return {line.split()[0]: line.split() for line in lines[header + 1 : -1]}
+    return status_workers(done.stdout)
+
+
+def _cells(row: dict[str, str], *columns: str) -> list[str]:
+    return [row[c] for c in columns]
 
 
 async def test_a_quarantined_worker_is_seen_while_another_serves_and_rejoins_current(
@@ -104,9 +112,10 @@ async def test_a_quarantined_worker_is_seen_while_another_serves_and_rejoins_cur
 
             # seamlessflow status shows both
             rows = await status_rows(broker.url, names.run)
-            assert rows["wa"][7:10] == ["loading", "-", "yes"], rows["wa"]
-            assert rows["wb"][5:10] == ["1", "no", "ready", "-", "no"], rows["wb"]
-            assert rows["wb"][10].startswith("rollout="), rows["wb"]
+            rhythm = ("weights", "wave", "quarantined")
+            assert _cells(rows["wa"], *rhythm) == ["loading", "-", "yes"], rows["wa"]
+            assert _cells(rows["wb"], "version", "busy", *rhythm) == ["1", "no", "ready", "-", "no"]
+            assert rows["wb"]["busy/idle s"].startswith("rollout="), rows["wb"]
 
             # the other worker serves meanwhile, on the new version
             calls = [
@@ -130,7 +139,7 @@ async def test_a_quarantined_worker_is_seen_while_another_serves_and_rejoins_cur
             assert await metric(stuck.metrics_url, "sf_rollout_quarantines_total") == 1
             assert await metric(stuck.metrics_url, "sf_rollout_quarantined") == 0
             rows = await status_rows(broker.url, names.run)
-            assert rows["wa"][5:10] == ["1", "no", "ready", "-", "no"], rows["wa"]
+            assert _cells(rows["wa"], "version", "busy", *rhythm) == ["1", "no", "ready", "-", "no"]
         serving.stop()  # only the rejoined worker is left to serve
         again = await Call(nc, names, "cq-after", max_tokens=4, temperature=0).start()
         await again.finished()
@@ -218,6 +227,7 @@ async def test_status_shows_what_it_could_not_read(js, names):
     assert seconds == {"w-dead": None, "w-other": None}
     out = io.StringIO()
     print_workers(found, None, out, role_seconds=seconds)
-    rows = {line.split()[0]: line.split() for line in out.getvalue().splitlines()[2:-1]}
-    assert rows["w-dead"][7:11] == rows["w-other"][7:11] == ["ready", "-", "no", "?"], rows
-    assert rows["w-none"][7:11] == ["ready", "-", "no", "-"], rows
+    rows = status_workers(out.getvalue())
+    for w, seconds in (("w-dead", "?"), ("w-other", "?"), ("w-none", "-")):
+        cells = _cells(rows[w], "weights", "wave", "quarantined", "busy/idle s")
+        assert cells == ["ready", "-", "no", seconds], rows
