@@ -8,19 +8,22 @@ samples and holds the committed state) stays the same worker for as long as it i
 Lending changes roles, not the group: a lent member stays a member.
 
 The record outlives the scheduler (the state bucket has no TTL): one taking over continues its
-generation, so a generation names one membership for the whole run.
+generation, so a generation names one membership for the whole run. Each write is a
+compare-and-set on the revision this scheduler read or wrote, so a deposed scheduler cannot
+overwrite its successor's record: its write fails and it stops leading (``LeaseLostError``).
 """
 
 import logging
 import time
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from broker import codec
 from broker.messages import TrainerGroup
 from broker.subjects import RunNames
 from common.log import kv
+from tagsched.exceptions import LeaseLostError
 from tagsched.metrics import GROUP_CHANGES, GROUP_GENERATION, GROUP_SIZE
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,7 @@ class GroupRecord:
         self._js = js
         self._names = names
         self._record: TrainerGroup | None = None
+        self._revision = 0  # of the record read or last written: each write is a CAS on it
         self._read = False
 
     async def members(self) -> list[str]:
@@ -48,8 +52,9 @@ class GroupRecord:
             try:
                 entry = await bucket.get(RunNames.TRAINER_GROUP_KEY)
                 self._record = codec.decode(TrainerGroup, entry.value)
+                self._revision = entry.revision
             except KeyNotFoundError:
-                pass
+                self._record, self._revision = None, 0
             self._read = True
         return self._record.members if self._record else []
 
@@ -65,7 +70,22 @@ class GroupRecord:
             members=members,
             changed_at=time.time(),
         )
-        await bucket.put(RunNames.TRAINER_GROUP_KEY, codec.encode(record))
+        try:
+            if self._revision:
+                self._revision = await bucket.update(
+                    RunNames.TRAINER_GROUP_KEY, codec.encode(record), last=self._revision
+                )
+            else:
+                self._revision = await bucket.create(
+                    RunNames.TRAINER_GROUP_KEY, codec.encode(record)
+                )
+        except KeyWrongLastSequenceError as exc:
+            # Another scheduler wrote it since: this one no longer leads (read it afresh if it
+            # leads again).
+            self._read = False
+            raise LeaseLostError(
+                "the trainer group record was written by another scheduler"
+            ) from exc
         self._record = record
         joined, left = set(members) - set(current), set(current) - set(members)
         for cause, workers in (("joined", joined), ("left", left)):

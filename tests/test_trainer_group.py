@@ -50,6 +50,7 @@ async def test_the_group_record_keeps_rank_0_and_outlives_its_scheduler(js, name
     """Members keep their places and newcomers go last, so rank 0 stays while it is assigned;
     the same set in another order is no change; a scheduler taking over continues the
     generation it finds."""
+    from tagsched.exceptions import LeaseLostError
     from tagsched.group import GroupRecord
 
     async def written() -> tuple[int, list[str]]:
@@ -67,6 +68,10 @@ async def test_the_group_record_keeps_rank_0_and_outlives_its_scheduler(js, name
     await takeover.follow(["c", "b"])
     assert await written() == (2, ["b", "c"])  # nothing changed: nothing written
     await takeover.follow(["b", "c", "d"])
+    assert await written() == (3, ["b", "c", "d"])
+    # the deposed scheduler cannot overwrite its successor's record: it stops leading
+    with pytest.raises(LeaseLostError):
+        await record.follow(["a"])
     assert await written() == (3, ["b", "c", "d"])
 
 
