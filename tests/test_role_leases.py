@@ -120,6 +120,7 @@ async def test_a_fenced_worker_gives_up_its_role_and_a_failing_switch_stops_no_h
     assert later.heartbeat_at > again.heartbeat_at  # the heartbeats go on
 
 
+@pytest.mark.newest_nats
 async def test_a_worker_frozen_during_a_request_and_continued_late_does_not_take_the_role(
     broker, nc, js, names, tiny_model_dir
 ):
@@ -175,6 +176,7 @@ async def test_a_worker_frozen_during_a_request_and_continued_late_does_not_take
     assert now is not None and now.epoch > fence.epoch and now.started_at != first.started_at
 
 
+@pytest.mark.newest_nats
 async def test_a_worker_cut_off_from_the_broker_goes_idle_within_its_lease(
     nats_binary, tmp_path, tiny_model_dir
 ):
@@ -226,6 +228,7 @@ async def test_a_worker_cut_off_from_the_broker_goes_idle_within_its_lease(
     assert after is not None and after.started_at != before.started_at
 
 
+@pytest.mark.newest_nats
 async def test_failover_mid_lend_continues_roles_epochs_lends_and_admission(
     broker, js, names, tiny_model_dir, run_toml
 ):
