@@ -6,7 +6,10 @@ output folder (the config's other settings as they are). Per run: steps, seconds
 reward of the first and last ``--edge`` policy versions (10, as ``summary.json``) and the whole
 curve, the sessions scored and how many spanned several policy versions (partial rollout),
 and the same for tool calls per session when the run's agents count them (a tool task);
-a run "rises" when its last mean reward exceeds its first by at least ``--rise``. The curves
+a run "rises" when its last mean reward exceeds its first by at least ``--rise``. Beside it, the
+least-squares slope of the per-step mean reward (per 100 steps) and its z, the slope over its
+standard error: per-step means are noisy (a step of few samples holds the sessions that ended
+first, often the best), so a first/last gap alone can be chance; z >= 2 is a trend. The curves
 (reward; tool calls in a second panel) are drawn into one PNG next to the JSON. ``uptime``'s
 load average is recorded at the start and end of each run (the machine may be shared).
 ``--keep DIR`` keeps each run's output folder (its broker store too) under ``DIR``, to read the
@@ -127,20 +130,24 @@ def main() -> None:
                 rows.append(run_once(config, name, root / name, args.edge))
     print(
         f"\n{'run':>34}{'steps':>7}{'wall s':>8}{'first':>8}{'last':>8}{'rises':>7}"
+        f"{'slope/100':>10}{'z':>6}"
         f"{'tools first':>13}{'tools last':>12}{'multi-version':>15}{'load':>16}"
     )
     for r in rows:
         r["rises"] = r["reward_last"] - r["reward_first"] >= args.rise
+        r["slope_per_100"], r["z"] = trend(r["curve"])
         print(
             f"{r['run']:>34}{r['steps']:>7}{r['wall_s']:>8.0f}{r['reward_first']:>8.3f}"
-            f"{r['reward_last']:>8.3f}{r['rises']!s:>7}{_fmt(r['tool_calls_first']):>13}"
+            f"{r['reward_last']:>8.3f}{r['rises']!s:>7}{r['slope_per_100']:>10.3f}{r['z']:>6.1f}"
+            f"{_fmt(r['tool_calls_first']):>13}"
             f"{_fmt(r['tool_calls_last']):>12}"
             f"{r['sessions_multi_version'] / max(r['sessions'], 1):>15.0%}"
             f"{r['load_before'][0]:>8.1f}{r['load_after'][0]:>8.1f}"
         )
     print(
         f"{sum(r['rises'] for r in rows)} of {len(rows)} runs rise by >= {args.rise} "
-        f"(first and last {args.edge} versions)"
+        f"(first and last {args.edge} versions); {sum(r['z'] >= 2 for r in rows)} of "
+        f"{len(rows)} have a slope 2 standard errors above 0"
     )
     result = {
         "machine": machine(),
@@ -156,6 +163,21 @@ def main() -> None:
         " + ".join(f"{c} x {n}" for c, n in zip(configs, runs, strict=True)),
     )
     print(f"\nwrote {path} and {path.with_suffix('.png')}")
+
+
+def trend(curve: list[list[float]]) -> tuple[float, float]:
+    """The least-squares slope of a curve's mean reward per step (``[step, mean, samples]``
+    rows), per 100 steps, and its z (slope / standard error; 0 for fewer than 3 steps)."""
+    if len(curve) < 3:
+        return 0.0, 0.0
+    steps = [c[0] for c in curve]
+    means = [c[1] for c in curve]
+    x0, y0 = sum(steps) / len(steps), sum(means) / len(means)
+    sxx = sum((x - x0) ** 2 for x in steps)
+    slope = sum((x - x0) * (y - y0) for x, y in zip(steps, means, strict=True)) / sxx
+    residual = sum((y - y0 - slope * (x - x0)) ** 2 for x, y in zip(steps, means, strict=True))
+    se = (residual / (len(curve) - 2) / sxx) ** 0.5
+    return slope * 100, slope / se if se > 0 else 0.0
 
 
 def _fmt(value: float | None) -> str:
