@@ -323,15 +323,25 @@ async def _check_the_data(url: str, names: RunNames, ckpt: Path) -> tuple[int, i
         ended = await stream_messages(js, names.traj_stream, SessionEnded, subject=names.traj_end)
         samples = await stream_messages(js, names.samples_stream, SampleReady)
         dead = await stream_messages(js, names.dead_stream, MessageRejected)
-        # What the trainer has not settled (the run was stopped): take it all back, unacked.
+
+        # What the trainer has not settled (the run was stopped): take it all back, unacked,
+        # until every message delivered and not acked is in hand: a pull the stopped trainer
+        # left open may have been answered after it stopped reading, and those messages come
+        # back only once ack_wait runs out.
         sub = await js.pull_subscribe_bind(Durable.TRAINER, names.samples_stream)
         unsettled: set[str] = set()
-        while True:
-            try:
-                msgs = await sub.fetch(256, timeout=3)
-            except TimeoutError:
-                break
-            unsettled |= {m.headers.get("Nats-Msg-Id", "") for m in msgs if m.headers}
+        held = 0
+        async with asyncio.timeout(60):
+            while True:
+                try:
+                    msgs = await sub.fetch(256, timeout=3)
+                except TimeoutError:
+                    info = await js.consumer_info(names.samples_stream, Durable.TRAINER)
+                    if info.num_ack_pending <= held:
+                        break
+                    continue
+                held += len(msgs)
+                unsettled |= {m.headers.get("Nats-Msg-Id", "") for m in msgs if m.headers}
         await sub.unsubscribe()
     assert dead == [], [d.reason for d in dead]
     # Groups are whole, sessions have all their samples.
