@@ -9,10 +9,10 @@ the trainer's worker counts as one):
   ``steps_ahead 1``: a step's groups are admitted only once the previous batch is trained, so
   rollout and training alternate; the emulated trainer models all ``D`` devices training. It
   runs in the multiplexed layout (the trainer's worker generates until the batch is ready;
-  the rollout workers then wait as if they trained), not the colocated one: ``seamlessflow
-  run``'s colocated layout with more than one worker stalls (each worker tagged train holds a
-  trainer that takes samples from the shared consumer whatever its role, and only the one in
-  the train role trains; and it starts ``rollout.workers`` extra rollout-only workers besides).
+  the rollout workers then wait as if they trained), not the colocated one, so that its
+  results compare with earlier ones: the colocated layout with several workers stalled until
+  the trainer group (``trainer.group``: only rank 0 takes samples), and it ran one emulated
+  trainer per worker tagged train, not one for all ``D`` devices.
 - ``partial_rollout``: layout disaggregated, a trainer process and ``D - 1`` rollout workers,
   asynchronous within the staleness bound (``steps_ahead = max_staleness + 1``), with partial
   rollout: a worker pauses at a token boundary for a weight update and continues on the new
