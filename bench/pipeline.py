@@ -10,9 +10,8 @@ the trainer's worker counts as one):
   rollout and training alternate; the emulated trainer models all ``D`` devices training. It
   runs in the multiplexed layout (the trainer's worker generates until the batch is ready;
   the rollout workers then wait as if they trained), not the colocated one, so that its
-  results compare with earlier ones: the colocated layout with several workers stalled until
-  the trainer group (``trainer.group``: only rank 0 takes samples), and it ran one emulated
-  trainer per worker tagged train, not one for all ``D`` devices.
+  results compare with earlier ones (the colocated layout with several workers stalled until
+  the trainer group, ``trainer.group``, in which only rank 0 takes samples).
 - ``partial_rollout``: layout disaggregated, a trainer process and ``D - 1`` rollout workers,
   asynchronous within the staleness bound (``steps_ahead = max_staleness + 1``), with partial
   rollout: a worker pauses at a token boundary for a weight update and continues on the new
