@@ -18,6 +18,7 @@ import time
 
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
 from broker import codec
 from broker.messages import TrainerGroup
@@ -44,11 +45,17 @@ class GroupRecord:
         self._record: TrainerGroup | None = None
         self._revision = 0  # of the record read or last written: each write is a CAS on it
         self._read = False
+        self._bucket: KeyValue | None = None  # opened once: each open is a stream info request
+
+    async def _state(self) -> KeyValue:
+        if self._bucket is None:
+            self._bucket = await self._js.key_value(self._names.state_kv)
+        return self._bucket
 
     async def members(self) -> list[str]:
         """The group's members now (``assign`` keeps them training, a lent one included)."""
         if not self._read:  # a scheduler taking over continues the record it finds
-            bucket = await self._js.key_value(self._names.state_kv)
+            bucket = await self._state()
             try:
                 entry = await bucket.get(RunNames.TRAINER_GROUP_KEY)
                 self._record = codec.decode(TrainerGroup, entry.value)
@@ -61,10 +68,10 @@ class GroupRecord:
     async def follow(self, train: list[str]) -> None:
         """Write a new generation if the workers assigned ``train`` are not the members."""
         current = await self.members()
-        bucket = await self._js.key_value(self._names.state_kv)
         members = next_members(current, train)
         if self._record is not None and members == current:
             return
+        bucket = await self._state()
         record = TrainerGroup(
             generation=self._record.generation + 1 if self._record else 1,
             members=members,
