@@ -431,7 +431,12 @@ async def test_workers_pull_generations_in_proportion_to_their_capacity(
         assert (info.num_ack_pending, info.num_pending) == (4, 4)
         for _ in range(5):  # and it stays so: nobody pulls past its capacity
             await asyncio.sleep(0.2)
-            assert await running() == capacity
+            # At most, not exactly: a call that samples EOS ends, and its worker's next pull
+            # refills the slot a moment later.
+            now = await running()
+            assert all(now[wid] <= n for wid, n in capacity.items()), now
+            info = await js.consumer_info(names.gen_stream, Durable.ROLLOUT)
+            assert info.num_ack_pending <= sum(capacity.values()), info
         served = {c.chunks[0].worker_id for c in calls if c.chunks}
         assert served == set(capacity)
     finally:
