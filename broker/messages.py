@@ -131,6 +131,20 @@ class RewardSpec(BaseModel):
     )
 
 
+class Admitted(BaseModel):
+    """Where the scheduler admitted a task: set on its admitted copy, carried by its sessions'
+    ``SessionEnded`` and their samples, so the trainer trains in admission order
+    (``trainer.order``)."""
+
+    model_config = Message.model_config
+
+    ticket: int = Field(ge=1, lt=MAX_SAFE_INT, description="1, 2, ... in admission order")
+    version: Version = Field(
+        description="the oldest weight version a rollout worker served then: no token of the "
+        "task's sessions is older"
+    )
+
+
 class TaskSubmitted(Message):
     """A task to run agents on. # any client -> agent runner, on ``sf.<run>.tasks``."""
 
@@ -141,6 +155,9 @@ class TaskSubmitted(Message):
     group_size: int = Field(default=1, ge=1, le=1024, description="attempts per task")
     max_turns: int = Field(default=1, ge=1, le=1024)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+    admitted: Admitted | None = Field(
+        default=None, description="set by the scheduler on the admitted copy, replacing a client's"
+    )
 
 
 class SamplingParams(BaseModel):
@@ -245,6 +262,7 @@ class SessionEnded(Message):
     group_size: int = Field(
         default=1, ge=1, le=1024, description="sessions in the group (attempts at the task)"
     )
+    admitted: Admitted | None = Field(default=None, description="the task's, if admitted")
 
 
 class SampleReady(Message):
@@ -271,6 +289,7 @@ class SampleReady(Message):
     session_samples: int = Field(
         default=1, ge=1, le=1 << 16, description="samples (leaf paths) the session produced"
     )
+    admitted: Admitted | None = Field(default=None, description="the session's task's")
 
     @model_validator(mode="after")
     def _per_token_lists_align(self) -> Self:
@@ -450,6 +469,9 @@ class SchedulerState(Message):
     )
     group_sizes: list[Count] = Field(
         default_factory=list, max_length=256, description="recent tasks' group sizes"
+    )
+    tickets: Count = Field(
+        default=0, description="the last admission ticket handed out, stored before a task has it"
     )
 
     def fence(self, worker_id: str) -> Fence | None:

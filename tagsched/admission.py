@@ -15,10 +15,14 @@ the scheduler (``set_limit``); until it has them, nothing is admitted.
 A group admitted when fewer than ``limit`` groups are outstanding has fewer than ``steps_ahead``
 trainer steps ahead of it, so it is trained within the staleness bound: rollout is paced instead
 of running ahead and having its finished work thrown away by the trainer's staleness drop (which
-stays as a backstop, and counts what it drops). Unless its own generation outlasts those steps:
-groups are trained in the order they finish, and a long one, even started on the newest weights,
-is past the bound when it is done (``docs/performance.md``, emulated cluster: every sample that
-``bench/pipeline.py --stale drop`` drops in its asynchronous arms). Work of partial rollouts and
+stays as a backstop, and counts what it drops). That holds only if the trainer takes groups in
+the order they were admitted: in the order they finish, a long group, even started on the newest
+weights, is overtaken by later short ones and is past the bound when it is done (``bench/pipeline.py
+--stale drop`` dropped 64-80 samples per run so). So each admitted copy carries an ``Admitted``
+stamp: a ticket (1, 2, ... for the run, stored in the scheduler's state before a task carries it)
+and the oldest weight version a live worker held then (no token of the task is older). The
+trainer waits, within a bound, for an earlier ticket before a step that would put it past the
+staleness bound (``trainer.order``). Work of partial rollouts and
 of lent workers is in these counts like any other. Every count is a broker consumer state
 (durables ``agents``, ``trajectory``, ``trainer``, read in that order, so work moving downstream
 between two reads is counted twice, never missed); nothing is asked of the other processes.
@@ -41,6 +45,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
@@ -49,7 +54,7 @@ from nats.js.api import ConsumerInfo
 from broker import codec
 from broker.config import StreamLimits
 from broker.ingress import Delivery, HandBack, Ingress, tasks_ingress
-from broker.messages import TaskSubmitted
+from broker.messages import Admitted, TaskSubmitted
 from broker.subjects import Durable, RunNames
 from common.log import kv
 from tagsched.exceptions import AdmissionError
@@ -151,6 +156,7 @@ class Admission:
         self._poll_s = poll_s
         self._group_sizes: deque[int] = deque(maxlen=64)  # of recent tasks, admitted or waiting
         self._stop = asyncio.Event()
+        self._stamp: Callable[[], Awaitable[Admitted]]
         self.set_limit(limit)
 
     @property
@@ -168,9 +174,11 @@ class Admission:
         self.limit = limit
         LIMIT.set(limit or 0)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Admit client tasks until ``stop``; a task waiting for room is handed back then."""
+    async def run(self, stop: asyncio.Event, stamp: Callable[[], Awaitable[Admitted]]) -> None:
+        """Admit client tasks until ``stop``, each with its ``stamp()`` (its ticket, stored before
+        it is handed out); a task waiting for room is handed back then."""
         self._stop = stop
+        self._stamp = stamp
         await self._ingress().run(stop)
 
     def _ingress(self) -> Ingress[TaskSubmitted]:
@@ -214,11 +222,12 @@ class Admission:
                 await asyncio.sleep(self._poll_s)
         finally:
             WAITING.set(0)
+        stamp = await self._stamp()
         await self._js.publish(
             self._names.tasks_admitted,
-            codec.encode(task),
+            codec.encode(task.model_copy(update={"admitted": stamp})),
             headers=codec.headers(msg_id=f"admitted-{task.task_id}"),
         )
         ADMITTED.inc()
         ADMISSION_WAIT.observe(max(0.0, time.time() - delivery.published_at))
-        log.debug(kv("task_admitted", task=task.task_id, group_size=task.group_size))
+        log.debug(kv("task_admitted", task=task.task_id, group_size=task.group_size, **dict(stamp)))

@@ -39,6 +39,7 @@ from broker.client import session
 from broker.config import ProvisionConfig
 from broker.exceptions import InvalidMessageError, RetryStoppedError
 from broker.messages import (
+    Admitted,
     Fence,
     Role,
     RoleChangeAcked,
@@ -170,7 +171,7 @@ class Scheduler:
         initial = asyncio.Event()
         watching = asyncio.create_task(self._watch(initial))
         admission_stop = asyncio.Event()
-        admitting = asyncio.create_task(self._admission.run(admission_stop))
+        admitting = asyncio.create_task(self._admission.run(admission_stop, self._stamp))
         try:
             await asyncio.wait_for(initial.wait(), self._lease_s)
             # Continue above every epoch handed out: stored, or (a state lost) in the registry.
@@ -196,6 +197,19 @@ class Scheduler:
             admission_stop.set()
             watching.cancel()
             await asyncio.gather(watching, admitting, return_exceptions=True)
+
+    async def _stamp(self) -> Admitted:
+        """An admitted task's stamp: the next ticket, stored before the task carries it (a
+        successor continues above it; ``LeaseLostError`` once deposed), and the oldest weight
+        version a live rollout worker serves (the newest any worker holds while none serves)."""
+        assert self._store is not None
+        ticket = self._store.state.tickets + 1
+        self._store.change(tickets=ticket)
+        await self._store.flush()
+        live = [w for w in self.live().values() if w.version is not None]
+        serving = [w.version for w in live if w.role is Role.ROLLOUT and not w.quarantined]
+        version = min(serving) if serving else max((w.version for w in live), default=0)
+        return Admitted(ticket=ticket, version=version)
 
     async def _watch(self, initial: asyncio.Event) -> None:
         """Follow the registry; a watch the broker dropped (a restart) is started again."""

@@ -2,7 +2,9 @@
 stack (provisioned run, rollout worker, gateway) for tests that generate."""
 
 import asyncio
+import functools
 import inspect
+import itertools
 import json
 import shutil
 import socket
@@ -24,6 +26,7 @@ from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, MiB, ProvisionConfig, StreamLimits
 from broker.messages import (
+    Admitted,
     CallRecorded,
     FinishReason,
     GenerationCancelled,
@@ -342,9 +345,15 @@ async def serving(run: Callable[[asyncio.Event], Awaitable[None]]) -> AsyncItera
 @asynccontextmanager
 async def admitting(js, names: RunNames, *, limit: int = 1024) -> AsyncIterator[Admission]:
     """The scheduler's admission (the real one, on this event loop), so tasks published on
-    ``names.tasks`` reach the agent runners; the limit is wide unless a test is about it."""
+    ``names.tasks`` reach the agent runners; the limit is wide unless a test is about it. Tickets
+    count from 1 here, at version 0 (the scheduler stores its count and reads the workers')."""
     admission = Admission(js, names, SMALL_RUN.tasks, limit=limit)
-    async with serving(admission.run):
+    tickets = itertools.count(1)
+
+    async def stamp() -> Admitted:
+        return Admitted(ticket=next(tickets), version=0)
+
+    async with serving(functools.partial(admission.run, stamp=stamp)):
         yield admission
 
 

@@ -15,6 +15,7 @@ from trainer.batcher import Batcher, Outcome, lag, plan_step
 from trainer.config import Advantage, TrainerConfig
 from trainer.exceptions import BatchError
 from trainer.losses import group_advantages, k3, mismatch, policy_loss
+from trainer.order import AdmissionOrder
 
 
 def sample(
@@ -192,7 +193,7 @@ def test_logprobs_are_read_at_the_sampling_temperature():
 
 # -- batching -----------------------------------------------------------------------------------
 def test_a_group_completes_with_all_sessions_and_all_their_samples():
-    b = Batcher()
+    b = Batcher(AdmissionOrder(60.0))
     b.add(sample("x1", "g", "s1", group_size=2, session_samples=2))
     b.add(sample("y1", "g", "s2", group_size=2, session_samples=1))
     assert b.take(1) is None  # s1 still misses a sample
@@ -202,17 +203,20 @@ def test_a_group_completes_with_all_sessions_and_all_their_samples():
     assert not b.holds("x1")
 
 
-def test_groups_leave_in_completion_order_and_steps_wait_for_enough():
-    b = Batcher()
-    b.add(sample("a1", "a", group_size=2))
-    b.add(sample("b1", "b", group_size=1))
-    b.add(sample("a2", "a", group_size=2))
-    assert b.take(3) is None
-    assert [g[0].group_id for g in b.take(2)] == ["b", "a"]
+def test_groups_with_the_oldest_tokens_leave_first_and_steps_wait_for_enough():
+    b = Batcher(AdmissionOrder(60.0))
+    b.add(sample("a1", "a", group_size=2, versions=(3, 3)))
+    b.add(sample("b1", "b", group_size=1, versions=(3, 3)))
+    b.add(sample("c1", "c", group_size=1, versions=(2, 4)))
+    b.add(sample("a2", "a", group_size=2, versions=(3, 3)))
+    assert b.take(4) is None
+    # c's oldest token is the oldest; b and a are equals, in the order they completed
+    assert [g[0].group_id for g in b.take(2)] == ["c", "b"]
+    assert [g[0].group_id for g in b.take(1)] == ["a"]
 
 
 def test_contradicting_samples_are_refused_with_a_reason():
-    b = Batcher()
+    b = Batcher(AdmissionOrder(60.0))
     b.add(sample("a1", "a", "s1", group_size=2))
     with pytest.raises(BatchError, match="already held"):
         b.add(sample("a1", "a", "s1", group_size=2))
@@ -226,7 +230,7 @@ def test_contradicting_samples_are_refused_with_a_reason():
 
 
 def test_a_group_missing_a_session_is_closed_after_the_timeout():
-    b = Batcher()
+    b = Batcher(AdmissionOrder(60.0))
     b.add(sample("a1", "a", "s1", group_size=3))
     b.add(sample("a2", "a", "s2", group_size=3))  # the third session ended without samples
     assert b.expire(60.0) == 0 and b.take(1) is None

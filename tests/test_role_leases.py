@@ -238,7 +238,8 @@ async def test_failover_mid_lend_continues_roles_epochs_lends_and_admission(
     within 5 s, continues the lend (it sends the worker nothing), and once samples make a batch
     ready reclaims the worker with an epoch above every epoch ``first`` handed out, then lends
     it again. Then ``second`` is killed (-9) and restarted at once: it takes its own lease over
-    and leads within 5 s. Every task submitted is admitted once: 0 lost, 0 twice."""
+    and leads within 5 s. Every task submitted is admitted once: 0 lost, 0 twice,
+    with rising tickets."""
     from nats.errors import TimeoutError as NatsTimeoutError
 
     from broker.messages import TaskSubmitted
@@ -269,6 +270,7 @@ async def test_failover_mid_lend_continues_roles_epochs_lends_and_admission(
     watching = asyncio.create_task(record_entries(js, names, "tw", entries, watched))
     agents = await js.pull_subscribe_bind(durable=Durable.AGENTS, stream=names.tasks_stream)
     got: list[str] = []
+    tickets: list[int] = []
 
     async def agent() -> None:
         """An agent runner that finishes each admitted task at once (no samples)."""
@@ -278,7 +280,10 @@ async def test_failover_mid_lend_continues_roles_epochs_lends_and_admission(
             except NatsTimeoutError:
                 continue
             for msg in msgs:
-                got.append(codec.decode(TaskSubmitted, msg.data).task_id)
+                admitted = codec.decode(TaskSubmitted, msg.data)
+                got.append(admitted.task_id)
+                assert admitted.admitted is not None
+                tickets.append(admitted.admitted.ticket)
                 await msg.ack()
             await asyncio.sleep(0.3)
 
@@ -341,6 +346,8 @@ async def test_failover_mid_lend_continues_roles_epochs_lends_and_admission(
                 p.stop()
     print(f"failover: standby led {standby_s:.2f}s after kill -9, restarted {restart_s:.2f}s")
     assert sorted(got) == sorted(t.task_id for t in tasks)  # 0 lost, 0 twice
+    # Admission tickets rise across both failovers (stored before a task carries one)
+    assert tickets == sorted(set(tickets)) and tickets[0] == 1, tickets
     epochs = [e.epoch for e in entries]
     assert epochs == sorted(epochs) and again > lend  # epochs never went back
     roles: dict[int, set[Role]] = {}

@@ -16,13 +16,14 @@ from enum import StrEnum
 
 import torch
 
-from broker.messages import SampleReady
+from broker.messages import MAX_SAFE_INT, SampleReady
 from common import staleness
 from common.staleness import StalenessMode
 from trainer.backends.base import SharedPrefix, TokenBatch
 from trainer.config import TrainerConfig
 from trainer.exceptions import BatchError
 from trainer.losses import group_advantages
+from trainer.order import AdmissionOrder
 
 
 class Outcome(StrEnum):
@@ -61,9 +62,11 @@ class _Group:
 
 
 class Batcher:
-    """Samples in, complete groups out. ``add`` refuses a sample that contradicts its group."""
+    """Samples in, complete groups out. ``add`` refuses a sample that contradicts its group.
+    ``order`` learns which admitted tasks' groups have arrived (``trainer.order``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: AdmissionOrder) -> None:
+        self.order = order
         self._open: dict[str, _Group] = {}
         self._complete: OrderedDict[str, list[SampleReady]] = OrderedDict()
         self._held: set[str] = set()
@@ -107,9 +110,11 @@ class Batcher:
             )
         session[sample.sample_id] = sample
         self._held.add(sample.sample_id)
+        if sample.admitted is not None:
+            self.order.seen(sample.admitted)
         if group.complete():
             del self._open[sample.group_id]
-            self._complete[sample.group_id] = group.samples()
+            self._completed(sample.group_id, group.samples())
 
     def expire(self, timeout_s: float) -> int:
         """Close the groups opened more than ``timeout_s`` ago with the sessions they have (a
@@ -118,8 +123,13 @@ class Batcher:
         now = time.monotonic()
         expired = [g for g, group in self._open.items() if now - group.opened_at > timeout_s]
         for group_id in expired:
-            self._complete[group_id] = self._open.pop(group_id).samples()
+            self._completed(group_id, self._open.pop(group_id).samples())
         return len(expired)
+
+    def _completed(self, group_id: str, samples: list[SampleReady]) -> None:
+        self._complete[group_id] = samples
+        if (admitted := samples[0].admitted) is not None:
+            self.order.completed(admitted)
 
     def restore(self, groups: list[list[SampleReady]]) -> None:
         """Put back groups ``take`` gave out (their step was abandoned), first in line."""
@@ -129,10 +139,12 @@ class Batcher:
             self._held.update(s.sample_id for s in group)
 
     def take(self, groups: int) -> list[list[SampleReady]] | None:
-        """The ``groups`` oldest complete groups, or None while fewer are complete."""
+        """The ``groups`` complete groups with the oldest loss tokens (nearest the staleness
+        bound; of equals, the first complete), or None while fewer are complete."""
         if len(self._complete) < groups:
             return None
-        taken = [self._complete.popitem(last=False)[1] for _ in range(groups)]
+        oldest = sorted(self._complete, key=lambda g: min(map(_oldest, self._complete[g])))
+        taken = [self._complete.pop(g) for g in oldest[:groups]]
         for group in taken:
             self._held.difference_update(s.sample_id for s in group)
         return taken
@@ -145,6 +157,14 @@ class TrainItem:
     sample: SampleReady
     advantage: float
     weight: float  # 1.0, or stale_weight past the staleness bound
+
+
+def _oldest(sample: SampleReady) -> int:
+    """The version of the sample's oldest loss token (without any: above every version)."""
+    return min(
+        (v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m),
+        default=MAX_SAFE_INT,
+    )
 
 
 def lag(sample: SampleReady, version: int) -> int:

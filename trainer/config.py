@@ -170,6 +170,12 @@ class TrainerConfig(BaseModel):
         description="a group still incomplete this long after its first sample is trained with "
         "the sessions it has (a session can end without samples)",
     )
+    order_wait_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="in drop mode, how long a step may wait for an earlier admitted task's group "
+        "that it would put past max_staleness (trainer.order); 0: steps never wait",
+    )
     max_pending_samples: int = Field(
         default=4096, ge=1, description="samples held un-acked while their groups fill"
     )

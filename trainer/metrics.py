@@ -106,6 +106,16 @@ GROUPS_EXPIRED = Counter(
     "Groups trained incomplete after group_timeout_s",
     registry=REGISTRY,
 )
+ORDER_WAIT = Counter(
+    "sf_trainer_order_wait_seconds",
+    "Seconds steps waited for an earlier admitted task's group (trainer.order)",
+    registry=REGISTRY,
+)
+ORDER_GIVEN_UP = Counter(
+    "sf_trainer_order_given_up",
+    "Admitted tasks a step stopped waiting for after order_wait_s (no group in time)",
+    registry=REGISTRY,
+)
 
 
 def report_step(version: int, items: list[TrainItem], stats: StepStats, seconds: float) -> None:

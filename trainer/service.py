@@ -5,7 +5,9 @@ Per sample (``Ingress`` handler): skip-and-ack one already trained (redelivered 
 else hold it in the ``Batcher`` and wait, un-acked (the ingress keeps it in progress), until the
 step that used it is committed. Per step (``Trainer.run``):
 
-1. take ``groups_per_step`` complete groups; advantages, staleness bound;
+1. in drop mode, wait (bounded) for an earlier admitted task's group the step would put past the
+   staleness bound (``trainer.order``); take the ``groups_per_step`` complete groups with the
+   oldest tokens; advantages, staleness bound;
 2. train on every rank (off the event loop);
 3. every ``checkpoint_every`` versions (and at stop): checkpoint (model, optimizer, version
    v+1, the ids of recent steps) atomically and log the steps it holds;
@@ -41,6 +43,7 @@ from broker.roles import RoleHolder
 from broker.subjects import Durable, RunNames
 from broker.weights import latest_weights, newest_local
 from common.log import kv
+from common.staleness import StalenessMode
 from trainer import checkpoint
 from trainer.batcher import DROPPED, Batcher, Outcome, lag, plan_step
 from trainer.checkpoint import Checkpoint, StepRecord
@@ -52,6 +55,8 @@ from trainer.metrics import (
     GROUPS_EXPIRED,
     HELD,
     INVALID,
+    ORDER_GIVEN_UP,
+    ORDER_WAIT,
     PUBLISH_SECONDS,
     SAMPLES,
     STALENESS,
@@ -59,6 +64,7 @@ from trainer.metrics import (
     VERSION,
     report_step,
 )
+from trainer.order import AdmissionOrder
 from trainer.publisher import WeightPublisher
 from trainer.ranks import RankGroup
 from trainer.watch import ServingWatch
@@ -91,7 +97,7 @@ class Trainer:
         self.version = start.version if start else 0
         self._recent: list[StepRecord] = list(start.recent) if start else []
         self._trained = start.trained_ids() if start else set()
-        self._batcher = Batcher()
+        self._batcher = self._new_batcher()
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._wake = asyncio.Event()
         self._stopping = False
@@ -114,6 +120,9 @@ class Trainer:
         self._provision: ProvisionConfig | None = None
 
     # -- samples ----------------------------------------------------------------------------
+    def _new_batcher(self) -> Batcher:
+        return Batcher(AdmissionOrder(self._config.order_wait_s, lambda: self.version == 0))
+
     async def on_sample(self, sample: SampleReady, delivery: Delivery) -> None:
         """Ingress handler: returns (-> ack) once the step that consumed the sample is committed."""
         if self._stopping:  # after the hand-back: nobody would release it
@@ -163,7 +172,7 @@ class Trainer:
         self._leading.clear()
         async with self._stepping:  # a step in progress commits what it took
             self._release(list(self._waiting), HandBack("not the trainer group's rank 0"))
-            self._batcher = Batcher()
+            self._batcher = self._new_batcher()
         self._ingress_stop.set()
 
     def formed(self, on: bool) -> None:
@@ -221,6 +230,8 @@ class Trainer:
                 if not self._formed.is_set():  # the trainer group is (re-)forming
                     await wait_first(self._formed.wait(), stop.wait())
                     continue
+                if await self._wait_for_order(stop):
+                    continue
                 groups = self._batcher.take(self._config.groups_per_step)
                 if groups is None:
                     self._wake.clear()
@@ -239,6 +250,34 @@ class Trainer:
         finally:
             self._stopping = True
             self._release(list(self._waiting), HandBack("trainer stopping"))
+
+    async def _wait_for_order(self, stop: asyncio.Event) -> bool:
+        """With a batch complete, in drop mode: wait (once, until a sample comes or a wait runs
+        out) for the earlier admitted tasks this step would put past the staleness bound
+        (``trainer.order``). Returns whether it waited."""
+        config = self._config
+        if (
+            config.staleness_mode is not StalenessMode.DROP
+            or config.order_wait_s == 0
+            or self._batcher.complete_groups < config.groups_per_step
+        ):
+            return False
+        order = self._batcher.order
+        before = order.given_up
+        blocking = order.blocking(self.version, config.max_staleness, time.monotonic())
+        if gave_up := order.given_up - before:
+            ORDER_GIVEN_UP.inc(gave_up)
+            log.warning(kv("order_given_up", tickets=gave_up, after_s=config.order_wait_s))
+        if not blocking:
+            return False
+        deadline = order.deadline()
+        assert deadline is not None
+        log.info(kv("order_waiting", version=self.version, tickets=blocking[:4], n=len(blocking)))
+        self._wake.clear()
+        started = time.monotonic()
+        await wait_first(self._wake.wait(), stop.wait(), timeout=max(0.0, deadline - started))
+        ORDER_WAIT.inc(time.monotonic() - started)
+        return True
 
     async def take(self, role: Role) -> None:
         """``RoleHolder``'s switch: step as ``train``; otherwise finish the step in progress and

@@ -258,4 +258,5 @@ def _sample(leaf: Leaf, end: SessionEnded, session_samples: int) -> SampleReady:
         task_id=end.task_id,
         group_size=end.group_size,
         session_samples=session_samples,
+        admitted=end.admitted,
     )

@@ -196,6 +196,7 @@ def ended(task: TaskSubmitted, sid: str, reward: float, metrics: dict[str, float
         group_id=task.task_id,
         metrics=dict(list(metrics.items())[:64]),
         group_size=task.group_size,
+        admitted=task.admitted,
     )
 
 
