@@ -341,6 +341,8 @@ def measure(
         "staleness_mode": args.stale,
         "stale_downweighted": summary["trainer"].get("samples downweighted", 0),
         "stale_dropped": summary["trainer"].get("samples stale_dropped", 0),
+        "order_wait_s": summary["trainer"].get("admission order: seconds waited"),
+        "order_given_up": summary["trainer"].get("admission order: tasks given up"),
         "trainer_step_s": summary["trainer"].get("step seconds (mean)"),
         "first_version_s": round(arrivals[min(arrivals)] - started, 1),  # start-up included
         "wall_s": round(time.monotonic() - started, 1),
@@ -466,7 +468,7 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
     header = (
         f"{'arm':15s} {'s/step':>7s} {'samples/s':>9s} {'x ' + rows[0]['arm'][:6]:>9s} "
         f"{'tokens/s':>9s} {'idle mean':>9s} {'idle max':>8s} {'lends':>5s} "
-        f"{'reclaim p50':>11s} {'p99':>6s} {'vs sim':>6s}"
+        f"{'reclaim p50':>11s} {'p99':>6s} {'vs sim':>6s} {'dropped':>7s} {'order wait s':>12s}"
     )
     print(f"{cluster} cluster, {args.devices} devices")
     print(header)
@@ -476,7 +478,8 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
             f"{row['arm']:15s} {row['s_per_step']:7.2f} {row['samples_per_s']:9.2f} "
             f"{row['samples_per_s'] / base:9.2f} {row['trained_tokens_per_s']:9.0f} "
             f"{_fmt(row['idle_mean'])} {_fmt(row['idle_max'], 8)} {row['lends']:5.0f} "
-            f"{_fmt(p50, 11)} {_fmt(p99, 6)} {_fmt(row.get('ratio_to_sim'), 6)}"
+            f"{_fmt(p50, 11)} {_fmt(p99, 6)} {_fmt(row.get('ratio_to_sim'), 6)} "
+            f"{row['stale_dropped']:7.0f} {_fmt(row['order_wait_s'], 12)}"
         )
     path = RESULTS / (
         "pipeline.json" if args.stale == "downweight" else f"pipeline-{args.stale}.json"

@@ -90,7 +90,8 @@ TRAINER_MEANS = {
 
 
 def trainer_report(samples: list[Sample]) -> dict[str, float]:
-    """Means of the trainer's timing and mismatch histograms, and its samples by outcome."""
+    """Means of the trainer's timing and mismatch histograms, its samples by outcome, and what
+    waiting in admission order cost."""
     report = {}
     for label, name in TRAINER_MEANS.items():
         count = metric_sum(samples, f"{name}_count")
@@ -99,6 +100,12 @@ def trainer_report(samples: list[Sample]) -> dict[str, float]:
     for s in samples:
         if s.name == "sf_trainer_samples_total":
             report[f"samples {s.labels['outcome']}"] = s.value
+    report["admission order: seconds waited"] = metric_sum(
+        samples, "sf_trainer_order_wait_seconds_total"
+    )
+    report["admission order: tasks given up"] = metric_sum(
+        samples, "sf_trainer_order_given_up_total"
+    )
     return report
 
 

@@ -304,6 +304,10 @@ async def test_arithmetic_groups_end_with_verified_rewards(stack, js, tok):
     assert sorted(s.session_id for s in sessions) == sorted(
         f"{t.task_id}-{i}" for t in tasks for i in range(3)
     )
+    # Each task's sessions carry its admission ticket, one per task
+    stamps = {(s.task_id, s.admitted.ticket if s.admitted else None) for s in sessions}
+    assert len(stamps) == 2 and None not in {t for _, t in stamps}, stamps
+    assert len({t for _, t in stamps}) == 2
     multi_turn = 0
     for s in sessions:
         task = by_task[s.task_id]

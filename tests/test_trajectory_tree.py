@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.messages import CallRecorded, FinishReason, SessionEnded
+from broker.messages import Admitted, CallRecorded, FinishReason, SessionEnded
 from broker.subjects import NAME_PATTERN
 from trajectory.tree import ENV, Leaf, SessionTree, build_session, sample_id
 
@@ -152,6 +152,14 @@ def test_group_id_falls_back_to_task_then_session():
     assert build_session(calls, given_group).samples[0].group_id == "g"
     assert build_session(calls, END).samples[0].group_id == "t1"
     assert build_session(calls, no_task).samples[0].group_id == "s1"
+
+
+def test_samples_carry_their_tasks_admission_stamp():
+    calls = [call("c1", [1], [2]), call("c2", [1], [3])]  # two leaves
+    stamp = Admitted(ticket=7, version=3)
+    stamped = END.model_copy(update={"admitted": stamp})
+    assert [s.admitted for s in build_session(calls, stamped).samples] == [stamp, stamp]
+    assert build_session(calls, END).samples[0].admitted is None
 
 
 def test_sample_id_is_a_short_valid_id():
