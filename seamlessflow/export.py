@@ -234,6 +234,7 @@ def session_rows(collected: Collected) -> list[dict]:
                 "task_id": end.task_id if end else None,
                 "group_id": end.group_id if end else None,
                 "group_size": end.group_size if end else None,
+                "admitted": end.admitted.model_dump() if end and end.admitted else None,
                 "metrics": list(end.metrics.items()) if end else [],
                 "calls": len(its),
                 "output_tokens": sum(len(c.output_ids) for c in its),
@@ -256,6 +257,7 @@ def arrow_schemas(with_text: bool = False) -> dict[str, Any]:
     import pyarrow as pa
 
     ids, floats, ints = pa.list_(pa.int32()), pa.list_(pa.float64()), pa.list_(pa.int64())
+    admitted = pa.struct([("ticket", pa.int64()), ("version", pa.int64())])
     text = [("prompt_text", pa.string()), ("output_text", pa.string())] if with_text else []
     calls = [("stream_seq", pa.int64()), ("session_id", pa.string()), ("call_id", pa.string())]
     calls += [("model", pa.string()), ("prompt_ids", ids), ("output_ids", ids)]
@@ -264,7 +266,8 @@ def arrow_schemas(with_text: bool = False) -> dict[str, Any]:
     calls += [("finished_at", pa.float64()), ("interruptions", pa.int64()), *text]
     sessions = [("session_id", pa.string()), ("ended", pa.bool_()), ("end_seq", pa.int64())]
     sessions += [("reward", pa.float64()), ("task_id", pa.string()), ("group_id", pa.string())]
-    sessions += [("group_size", pa.int64()), ("metrics", pa.map_(pa.string(), pa.float64()))]
+    sessions += [("group_size", pa.int64()), ("admitted", admitted)]
+    sessions += [("metrics", pa.map_(pa.string(), pa.float64()))]
     sessions += [("calls", pa.int64()), ("output_tokens", pa.int64())]
     sessions += [("started_at", pa.float64()), ("finished_at", pa.float64())]
     samples = [("stream_seq", pa.int64()), ("sample_id", pa.string())]
@@ -272,6 +275,7 @@ def arrow_schemas(with_text: bool = False) -> dict[str, Any]:
     samples += [("loss_mask", pa.list_(pa.int8())), ("logprobs", floats), ("versions", ints)]
     samples += [("reward", pa.float64()), ("on_policy", pa.bool_()), ("task_id", pa.string())]
     samples += [("group_size", pa.int64()), ("session_samples", pa.int64())]
+    samples += [("admitted", admitted)]
     return {
         name: pa.schema(cols) for name, cols in zip(TABLES, (sessions, calls, samples), strict=True)
     }
