@@ -343,6 +343,9 @@ def measure(
         "stale_dropped": summary["trainer"].get("samples stale_dropped", 0),
         "order_wait_s": summary["trainer"].get("admission order: seconds waited"),
         "order_given_up": summary["trainer"].get("admission order: tasks given up"),
+        "stamp_gap_mean": summary["trainer"].get(
+            "versions from admission stamp to oldest token (mean)"
+        ),
         "trainer_step_s": summary["trainer"].get("step seconds (mean)"),
         "first_version_s": round(arrivals[min(arrivals)] - started, 1),  # start-up included
         "wall_s": round(time.monotonic() - started, 1),

@@ -86,6 +86,7 @@ TRAINER_MEANS = {
     "weight publish seconds (mean)": "sf_trainer_weight_publish_seconds",
     "optimizer step -> all workers serving, seconds (mean)": "sf_trainer_weights_serving_seconds",
     "|behaviour - proximal| logprob, same version (mean)": "sf_trainer_mismatch_mean_abs",
+    "versions from admission stamp to oldest token (mean)": "sf_trainer_admission_stamp_gap",
 }
 
 

@@ -377,7 +377,9 @@ async def test_a_reward_function_gets_the_calls_the_agent_made(stack, js):
     assert [s.reward for s in sessions] == [pytest.approx(0.2)] * 2  # the function, not -1.0
     assert len(TRANSCRIPTS) == 2
     for transcript, given in TRANSCRIPTS:
-        assert given == t and transcript.agent_reward == -1.0 and transcript.turns == 2
+        # the task as admitted: the client's, with the scheduler's stamp
+        assert given.admitted is not None and given.model_copy(update={"admitted": None}) == t
+        assert transcript.agent_reward == -1.0 and transcript.turns == 2
         first, second = transcript.calls
         assert first["messages"] == [{"role": "user", "content": "Say done."}]
         assert second["messages"][:1] == first["messages"] and len(second["messages"]) == 3

@@ -143,7 +143,7 @@ class Batcher:
         bound; of equals, the first complete), or None while fewer are complete."""
         if len(self._complete) < groups:
             return None
-        oldest = sorted(self._complete, key=lambda g: min(map(_oldest, self._complete[g])))
+        oldest = sorted(self._complete, key=lambda g: min(map(oldest_version, self._complete[g])))
         taken = [self._complete.pop(g) for g in oldest[:groups]]
         for group in taken:
             self._held.difference_update(s.sample_id for s in group)
@@ -159,7 +159,7 @@ class TrainItem:
     weight: float  # 1.0, or stale_weight past the staleness bound
 
 
-def _oldest(sample: SampleReady) -> int:
+def oldest_version(sample: SampleReady) -> int:
     """The version of the sample's oldest loss token (without any: above every version)."""
     return min(
         (v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m),

@@ -71,6 +71,13 @@ STALENESS = Histogram(
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
     registry=REGISTRY,
 )
+STAMP_GAP = Histogram(
+    "sf_trainer_admission_stamp_gap",
+    "Versions a group's oldest loss token is newer than its admission stamp (trainer.order: the "
+    "stamp is a lower bound; the gap is how early the trainer may wait)",
+    buckets=(0, 1, 2, 3, 4, 8),
+    registry=REGISTRY,
+)
 STEP_SECONDS = Histogram(
     "sf_trainer_step_seconds", "Training (all ranks) per step", buckets=_SECONDS, registry=REGISTRY
 )

@@ -45,7 +45,7 @@ from broker.weights import latest_weights, newest_local
 from common.log import kv
 from common.staleness import StalenessMode
 from trainer import checkpoint
-from trainer.batcher import DROPPED, Batcher, Outcome, lag, plan_step
+from trainer.batcher import DROPPED, Batcher, Outcome, lag, oldest_version, plan_step
 from trainer.checkpoint import Checkpoint, StepRecord
 from trainer.config import TrainerConfig
 from trainer.exceptions import BatchError, GroupBrokenError, TrainerError
@@ -60,6 +60,7 @@ from trainer.metrics import (
     PUBLISH_SECONDS,
     SAMPLES,
     STALENESS,
+    STAMP_GAP,
     STEP_SECONDS,
     VERSION,
     report_step,
@@ -297,6 +298,9 @@ class Trainer:
         items, outcomes, lags = plan_step(groups, self.version, self._config)
         for behind in lags:
             STALENESS.observe(behind)
+        for group in groups:
+            if (stamp := group[0].admitted) is not None:
+                STAMP_GAP.observe(min(map(oldest_version, group)) - stamp.version)
         for outcome in outcomes.values():
             SAMPLES.labels(outcome.value).inc()
         dropped = self._drops(groups, outcomes)
