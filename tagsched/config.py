@@ -100,6 +100,12 @@ class SchedulerConfig(BaseModel):
         description="admission control: groups outstanding (admitted, not yet trained), in "
         "trainer steps; at most trainer.max_staleness + 1",
     )
+    wave_wait_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="admission holds a task up to this long while rollout workers load a new "
+        "weight version, so that it starts on (and is stamped with) the newest one",
+    )
     tick_s: float = Field(default=0.2, gt=0, description="how often assignments are checked")
     role_change_deadline_s: float = Field(
         default=30.0, gt=0, description="a worker not acking a role change by then is fenced"

@@ -114,6 +114,7 @@ class Scheduler:
         self._ttl = workers_ttl_s
         self._lease_s = lease_s
         self._workers: dict[str, WorkerRegistered] = {}
+        self._entry_changed = asyncio.Event()  # set on every registry entry seen
         self._heard = LastSeen()  # when each worker's entry was last written, on our clock
         self._store: StateStore | None = None  # epochs and fences: set by run
         self._pending: dict[str, asyncio.Task] = {}  # role changes in flight, by worker
@@ -201,8 +202,17 @@ class Scheduler:
     async def _stamp(self) -> Admitted:
         """An admitted task's stamp: the next ticket, stored before the task carries it (a
         successor continues above it; ``LeaseLostError`` once deposed), and the oldest weight
-        version a live rollout worker serves (the newest any worker holds while none serves)."""
+        version a live rollout worker serves (the newest any worker holds while none serves).
+        While workers load a new version (a step just ended: when admission finds room), the
+        task waits up to ``wave_wait_s`` for them: it then starts on the newest version, and its
+        stamp says so (a stamp below its tokens makes the trainer wait for it a step early:
+        the stamp was 0.73 versions below in ``bench/pipeline.py``'s partial-rollout arm)."""
         assert self._store is not None
+        deadline = time.monotonic() + self._config.wave_wait_s
+        while self._loading() and (left := deadline - time.monotonic()) > 0:
+            self._entry_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._entry_changed.wait(), left)
         ticket = self._store.state.tickets + 1
         self._store.change(tickets=ticket)
         await self._store.flush()
@@ -210,6 +220,13 @@ class Scheduler:
         serving = [w.version for w in live if w.role is Role.ROLLOUT and not w.quarantined]
         version = min(serving) if serving else max((w.version for w in live), default=0)
         return Admitted(ticket=ticket, version=version)
+
+    def _loading(self) -> bool:
+        """Some live rollout worker has a newer weight version to load."""
+        return any(
+            w.role is Role.ROLLOUT and not w.quarantined and w.weights is not WeightsState.READY
+            for w in self.live().values()
+        )
 
     async def _watch(self, initial: asyncio.Event) -> None:
         """Follow the registry; a watch the broker dropped (a restart) is started again."""
@@ -239,6 +256,7 @@ class Scheduler:
             # our own record is ahead (acked, not yet written back): keep its role and epoch
             entry = entry.model_copy(update={"role": known.role, "epoch": known.epoch})
         self._workers[worker_id] = entry
+        self._entry_changed.set()
 
     def _follow_trainer(self, worker_id: str, shape: TrainerShape) -> None:
         """Admit by the registered trainer's ``shape``, or admit nothing when it disagrees with
