@@ -89,13 +89,16 @@ async def stream_messages(
     js: JetStreamContext, stream: str, schema: type[M], subject: str | None = None
 ) -> list[M]:
     """Every message stored in ``stream`` (on ``subject`` only, if given), decoded as
-    ``schema``, oldest first."""
+    ``schema``, oldest first. A work queue's acked messages leave gaps: skipped."""
     state = (await js.stream_info(stream)).state
     if not state.messages:
         return []
     found = []
     for seq in range(state.first_seq, state.last_seq + 1):
-        msg = await js.get_msg(stream, seq)
+        try:
+            msg = await js.get_msg(stream, seq)
+        except NotFoundError:
+            continue
         if subject is None or msg.subject == subject:
             found.append(codec.decode(schema, msg.data))
     return found

@@ -26,6 +26,7 @@ from broker.messages import (
     SessionEnded,
     TaskSubmitted,
     TrainerShape,
+    WeightsState,
     WorkerRegistered,
 )
 from broker.node_tags import gpu_tags, query_gpus, with_node_tags
@@ -745,6 +746,39 @@ async def test_admission_follows_the_registered_trainers_shape(nc, js, names):
     finally:
         stop.set()
         await asyncio.wait_for(running, 30)
+
+
+async def test_tasks_wait_out_a_weight_load_and_carry_rising_tickets_at_the_served_version(
+    nc, js, names
+):
+    """Admission stamps each task with the next ticket and the oldest version a rollout worker
+    serves. A worker loading a new version: a task with room waits for the load, then carries
+    the new version; a load that outlasts ``wave_wait_s`` holds a task that long, no longer,
+    and its stamp is the version still served (a lower bound: no token will be older)."""
+    spec = PlacementSpec(train=Demand(tags=["train"]), rollout=Demand(tags=["rollout"]))
+    s = scheduler(nc, names, spec, steps_ahead=2, tick_s=0.1, wave_wait_s=2.0)
+    await trainer_entry(js, names, TrainerShape(groups_per_step=2, max_staleness=1))
+    worker = await Registration.open(js, names, "w-1", tags=["rollout"], role=Role.ROLLOUT)
+    await worker.put(version=2, weights=WeightsState.LOADING)
+    stop = asyncio.Event()
+    running = asyncio.create_task(s.run(stop))
+    try:
+        await submit_tasks(js, names, [task("a")], progress=False)
+        await stays_admitted(js, names, 0, running)  # held: the worker is loading
+        await worker.put(version=3, weights=WeightsState.READY)
+        await stays_admitted(js, names, 1, running)
+        await worker.put(weights=WeightsState.WAITING)  # version 4 waits for its wave
+        submitted = time.monotonic()
+        await submit_tasks(js, names, [task("b")], progress=False)
+        await eventually(lambda: _eq(admitted(js, names), 2), watch=running)
+        held = time.monotonic() - submitted
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+    done = await stream_messages(js, names.tasks_stream, TaskSubmitted, names.tasks_admitted)
+    stamps = [(t.task_id, t.admitted.ticket, t.admitted.version) for t in done if t.admitted]
+    assert stamps == [("a", 1, 3), ("b", 2, 3)]
+    assert 2.0 <= held < 5.0
 
 
 async def test_a_trainer_disagreeing_with_the_schedulers_config_is_refused(nc, js, names, caplog):
