@@ -7,9 +7,10 @@ reward of the first and last ``--edge`` policy versions (10, as ``summary.json``
 curve, the sessions scored and how many spanned several policy versions (partial rollout),
 and the same for tool calls per session when the run's agents count them (a tool task);
 a run "rises" when its last mean reward exceeds its first by at least ``--rise``. Beside it, the
-least-squares slope of the per-step mean reward (per 100 steps) and its z, the slope over its
-standard error: per-step means are noisy (a step of few samples holds the sessions that ended
-first, often the best), so a first/last gap alone can be chance; z >= 2 is a trend. The curves
+least-squares slope of the per-step mean reward (each step weighted by its sessions; per 100
+steps) and its z, the slope over its standard error: per-step means are noisy (a step of few
+samples holds the sessions that ended first, often the best), so a first/last gap alone can be
+chance; z >= 2 is a trend. The curves
 (reward; tool calls in a second panel) are drawn into one PNG next to the JSON. ``uptime``'s
 load average is recorded at the start and end of each run (the machine may be shared).
 ``--keep DIR`` keeps each run's output folder (its broker store too) under ``DIR``, to read the
@@ -167,15 +168,21 @@ def main() -> None:
 
 def trend(curve: list[list[float]]) -> tuple[float, float]:
     """The least-squares slope of a curve's mean reward per step (``[step, mean, samples]``
-    rows), per 100 steps, and its z (slope / standard error; 0 for fewer than 3 steps)."""
+    rows), each step weighted by its samples, per 100 steps, and its z (slope / standard error;
+    0 for fewer than 3 steps). Weighted, because a session counts for the newest version among
+    its tokens: with episodes spanning versions, steps alternate between many sessions and a few
+    quick (high-reward) ones, and unweighted those few swing the fit as much as the many."""
     if len(curve) < 3:
         return 0.0, 0.0
-    steps = [c[0] for c in curve]
-    means = [c[1] for c in curve]
-    x0, y0 = sum(steps) / len(steps), sum(means) / len(means)
-    sxx = sum((x - x0) ** 2 for x in steps)
-    slope = sum((x - x0) * (y - y0) for x, y in zip(steps, means, strict=True)) / sxx
-    residual = sum((y - y0 - slope * (x - x0)) ** 2 for x, y in zip(steps, means, strict=True))
+    w = [max(c[2], 1) for c in curve]
+    total = sum(w)
+    x0 = sum(wi * c[0] for wi, c in zip(w, curve, strict=True)) / total
+    y0 = sum(wi * c[1] for wi, c in zip(w, curve, strict=True)) / total
+    sxx = sum(wi * (c[0] - x0) ** 2 for wi, c in zip(w, curve, strict=True))
+    slope = sum(wi * (c[0] - x0) * (c[1] - y0) for wi, c in zip(w, curve, strict=True)) / sxx
+    residual = sum(
+        wi * (c[1] - y0 - slope * (c[0] - x0)) ** 2 for wi, c in zip(w, curve, strict=True)
+    )
     se = (residual / (len(curve) - 2) / sxx) ** 0.5
     return slope * 100, slope / se if se > 0 else 0.0
 
