@@ -100,6 +100,7 @@ class Trainer:
         self._trained = start.trained_ids() if start else set()
         self._batcher = self._new_batcher()
         self._waiting: dict[str, asyncio.Future[None]] = {}
+        self._waited_for = 0  # the admission ticket a step last waited for (logged once)
         self._wake = asyncio.Event()
         self._stopping = False
         self._may_step = asyncio.Event()  # set while the trainer holds the train role
@@ -273,7 +274,9 @@ class Trainer:
             return False
         deadline = order.deadline()
         assert deadline is not None
-        log.info(kv("order_waiting", version=self.version, tickets=blocking[:4], n=len(blocking)))
+        if blocking[0] != self._waited_for:  # once per ticket, not per sample that wakes it
+            self._waited_for = blocking[0]
+            log.info(kv("order_waiting", version=self.version, ticket=blocking[0], n=len(blocking)))
         self._wake.clear()
         started = time.monotonic()
         await wait_first(self._wake.wait(), stop.wait(), timeout=max(0.0, deadline - started))
