@@ -16,10 +16,17 @@ class StalenessMode(StrEnum):
     DOWNWEIGHT = "downweight"
 
 
-def lag(version: int, versions: Iterable[int], loss_mask: Sequence[int] | None = None) -> int:
-    """Versions a sample's oldest loss token lags ``version`` (0 without loss tokens, and never
-    below 0). ``versions``: its tokens' weight versions; ``loss_mask``: which of them are loss
-    tokens (None: all are, as when ``versions`` holds the generated tokens' only)."""
+def oldest(versions: Iterable[int], loss_mask: Sequence[int] | None = None) -> int | None:
+    """The version of a sample's oldest loss token, None without loss tokens. ``versions``: its
+    tokens' weight versions; ``loss_mask``: which of them are loss tokens (None: all are, as when
+    ``versions`` holds the generated tokens' only)."""
     if loss_mask is not None:
         versions = [v for v, m in zip(versions, loss_mask, strict=True) if m]
-    return max(0, version - min(versions, default=version))
+    return min(versions, default=None)
+
+
+def lag(version: int, versions: Iterable[int], loss_mask: Sequence[int] | None = None) -> int:
+    """Versions a sample's oldest loss token (``oldest``) lags ``version`` (0 without loss
+    tokens, and never below 0)."""
+    first = oldest(versions, loss_mask)
+    return 0 if first is None else max(0, version - first)

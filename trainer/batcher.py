@@ -161,10 +161,8 @@ class TrainItem:
 
 def oldest_version(sample: SampleReady) -> int:
     """The version of the sample's oldest loss token (without any: above every version)."""
-    return min(
-        (v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m),
-        default=MAX_SAFE_INT,
-    )
+    first = staleness.oldest(sample.versions, sample.loss_mask)
+    return MAX_SAFE_INT if first is None else first
 
 
 def lag(sample: SampleReady, version: int) -> int:
