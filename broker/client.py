@@ -3,13 +3,16 @@
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
-from broker.exceptions import BrokerUnavailableError
+from broker.auth import IDENTITY_ENV, Identity
+from broker.exceptions import AuthorizationError, BrokerUnavailableError
 from common.log import kv
 
 log = logging.getLogger(__name__)
@@ -26,7 +29,13 @@ async def connect(url: str, name: str, *, give_up_after: float = 5.0) -> NATS:
     """Connect to ``url`` as client ``name`` within ``give_up_after`` seconds; once connected, the
     client reconnects forever. ``url`` may list several servers of a cluster, comma-separated
     (``nats://a:4222,nats://b:4222``): the client connects to any and moves to another when its
-    server goes away (it also learns the cluster's other servers from the one it reaches)."""
+    server goes away (it also learns the cluster's other servers from the one it reaches).
+
+    The process's identity is the file named by ``$SEAMLESSFLOW_NATS_IDENTITY`` (``broker.auth``;
+    unset: anonymous, which only a broker started ``--insecure`` lets in). A refused identity
+    raises ``AuthorizationError`` at once: waiting would not change the answer."""
+    identity_file = os.environ.get(IDENTITY_ENV)
+    identity = Identity.load(Path(identity_file)) if identity_file else None
 
     async def error_cb(exc: Exception) -> None:
         log.warning(kv("nats_error", client=name, error=f"{type(exc).__name__}: {exc}"))
@@ -56,16 +65,34 @@ async def connect(url: str, name: str, *, give_up_after: float = 5.0) -> NATS:
                 disconnected_cb=disconnected_cb,
                 reconnected_cb=reconnected_cb,
                 closed_cb=closed_cb,
+                **(identity.connect_options() if identity else {}),
             ),
             give_up_after,
         )
-    except (NatsError, OSError, TimeoutError) as exc:
+    except NatsError as exc:
         await nc.close()
-        raise BrokerUnavailableError(
-            f"cannot reach NATS at {url} within {give_up_after:g}s ({type(exc).__name__}: {exc}); "
-            "start one with `seamlessflow broker` or pass --nats URL / SEAMLESSFLOW_NATS_URL"
+        if "authorization violation" not in str(exc).lower():
+            raise _unavailable(url, give_up_after, exc) from exc
+        who = (
+            f"identity {identity_file} (run {identity.run}, {identity.principal})"
+            if identity
+            else f"no identity (${IDENTITY_ENV} is unset)"
+        )
+        raise AuthorizationError(
+            f"NATS at {url} refused {who}: it is unknown there, of another run, or the broker "
+            f"wants one; issue one with `seamlessflow creds`"
         ) from exc
+    except (OSError, TimeoutError) as exc:
+        await nc.close()
+        raise _unavailable(url, give_up_after, exc) from exc
     return nc
+
+
+def _unavailable(url: str, give_up_after: float, exc: BaseException) -> BrokerUnavailableError:
+    return BrokerUnavailableError(
+        f"cannot reach NATS at {url} within {give_up_after:g}s ({type(exc).__name__}: {exc}); "
+        "start one with `seamlessflow broker` or pass --nats URL / SEAMLESSFLOW_NATS_URL"
+    )
 
 
 async def disconnect(nc: NATS, *, drain_within: float = 10.0) -> None:

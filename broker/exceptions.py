@@ -53,3 +53,11 @@ class RetryStoppedError(UnavailableError):
 
 class WeightsIntegrityError(BrokerError):
     """A weight blob is missing, or its size or checksum differs from its event."""
+
+
+class IdentityError(BrokerError):
+    """An identity file is missing, unreadable, readable by others or malformed."""
+
+
+class AuthorizationError(BrokerError):
+    """The broker refused the identity (unknown, another run's, or none on a secured broker)."""

@@ -19,6 +19,9 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+import nkeys
+
+from broker.auth import Authority
 from broker.config import EmbeddedBrokerConfig
 from broker.exceptions import BrokerNotFoundError, BrokerStartError
 from common.log import kv
@@ -84,6 +87,11 @@ class EmbeddedBroker:
         self._proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.monitoring_url = ""
+        self.authority = (
+            None
+            if self.config.insecure
+            else Authority(self.config.state_dir / "auth", self.config.account)
+        )
 
     @property
     def pid(self) -> int | None:
@@ -106,11 +114,20 @@ class EmbeddedBroker:
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
-        conf = cfg.state_dir / "nats-server.conf"
-        conf.write_text(self._render_conf(ports_dir))
+        self._ports_dir = ports_dir
+        if self.authority is None:
+            log.warning(
+                kv(
+                    "broker_insecure",
+                    detail="authorization is OFF: anyone who reaches this broker may read, "
+                    "write and delete every run's data (--insecure); use it for a throwaway "
+                    "local run only",
+                )
+            )
+        self._write_conf()
         with self.log_path.open("ab") as log_file:
             self._proc = subprocess.Popen(
-                [str(self.binary), "-c", str(conf)],
+                [str(self.binary), "-c", str(self.conf_path)],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -132,6 +149,34 @@ class EmbeddedBroker:
             )
         )
         return self
+
+    @property
+    def conf_path(self) -> Path:
+        return self.config.state_dir / "nats-server.conf"
+
+    def reload(self) -> None:
+        """Rewrite the configuration (the identities of runs added since) and have the server
+        apply it (SIGHUP; connected clients stay)."""
+        if self._proc is None:
+            raise BrokerStartError("this broker is not started")
+        loaded = self._varz().get("config_load_time")
+        self._write_conf()
+        self._proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while self._varz().get("config_load_time") == loaded:
+            if time.monotonic() > deadline:
+                raise BrokerStartError(
+                    f"nats-server did not reload {self.conf_path} within "
+                    f"{self.config.startup_timeout_s}s; its log {self.log_path} ends with:\n"
+                    f"{self._log_tail()}"
+                )
+            time.sleep(0.02)
+        runs = self.authority.runs() if self.authority else []
+        log.info(kv("broker_reloaded", runs=",".join(runs)))
+
+    def _varz(self) -> dict:
+        with urllib.request.urlopen(f"{self.monitoring_url}/varz", timeout=5) as r:
+            return json.load(r)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, wait for a clean exit (the store is flushed), SIGKILL past ``timeout``."""
@@ -162,17 +207,25 @@ class EmbeddedBroker:
     ) -> None:
         self.stop()
 
-    def _render_conf(self, ports_dir: Path) -> str:
+    def _write_conf(self) -> None:
         cfg = self.config
-        conf = {
+        conf: dict = {
             "listen": f"{cfg.host}:{cfg.port or -1}",
             "http": f"{cfg.host}:{cfg.monitor_port or -1}",
-            "ports_file_dir": str(ports_dir),
+            "ports_file_dir": str(self._ports_dir),
             "max_payload": cfg.max_payload,
             "jetstream": {"store_dir": str(self.store_dir)},
         }
-        # nats-server's config format accepts JSON.
-        return json.dumps(conf, indent=2)
+        if self.authority is not None:
+            # A user whose seed nobody keeps turns authorization on before the first run's
+            # identities exist: until then every connection is refused.
+            nobody = nkeys.from_seed(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+            conf["accounts"] = {
+                **self.authority.accounts(),
+                "SF_NOBODY": {"users": [{"nkey": nobody.public_key.decode()}]},
+            }
+        # nats-server's config format accepts JSON; it holds public keys only.
+        self.conf_path.write_text(json.dumps(conf, indent=2))
 
     def _wait_healthy(self, ports_dir: Path) -> None:
         assert self._proc is not None

@@ -68,6 +68,10 @@ class RunNames:
         """Streamed token chunks of one call, rollout worker -> gateway (core NATS)."""
         return f"{self.prefix}.gen.out.{check_name('call', call_id)}"
 
+    @property
+    def gen_out_all(self) -> str:
+        return f"{self.prefix}.gen.out.*"
+
     def gen_cancel(self, call_id: str) -> str:
         """Cancellation of one call's generation, gateway -> rollout workers (core NATS)."""
         return f"{self.prefix}.gen.cancel.{check_name('call', call_id)}"
@@ -100,6 +104,10 @@ class RunNames:
     def ctl_role(self, worker_id: str) -> str:
         """Role changes for one worker, scheduler -> worker (core request/reply)."""
         return f"{self.prefix}.ctl.role.{check_name('worker', worker_id)}"
+
+    @property
+    def ctl_role_all(self) -> str:
+        return f"{self.prefix}.ctl.role.*"
 
     def dead(self, source: str) -> str:
         """Dead letters of messages rejected at the ingress named ``source``."""

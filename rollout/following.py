@@ -111,6 +111,7 @@ class WeightFollower:
         self._registration = registration
         return await self._js.subscribe(
             self._names.weights,
+            stream=self._names.weights_stream,
             cb=self._on_weights,
             ordered_consumer=True,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,

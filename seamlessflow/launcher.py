@@ -2,12 +2,14 @@
 broker URL of a local run, and the status tables."""
 
 import asyncio
+import os
 import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,11 +18,13 @@ from nats.js.errors import KeyNotFoundError
 from prometheus_client import CollectorRegistry
 
 from broker import codec
+from broker.auth import IDENTITY_ENV
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig
 from broker.exceptions import InvalidMessageError
 from broker.messages import Message, Role, SchedulerState, TrainerGroup, WorkerRegistered
 from broker.metrics import StreamDepthCollector
+from broker.permissions import Principal
 from broker.provision import RunStatus
 from broker.registry import Sighting
 from broker.roles import ROLE_LEASE_SHARE
@@ -46,23 +50,33 @@ async def serve_until_signalled(serve, *args) -> None:
 
 @dataclass(frozen=True)
 class Broker:
-    """The broker a local run uses: its client URL, and its ``/metrics`` when embedded."""
+    """The broker a local run uses: its client URL, its ``/metrics`` when embedded, and the
+    run's identity files when it issued them (embedded and not ``insecure``)."""
 
     url: str
     metrics_url: str | None
+    identities: dict[Principal, Path] | None = None
 
 
 @asynccontextmanager
-async def local_broker(explicit: str | None, config: EmbeddedBrokerConfig) -> AsyncIterator[Broker]:
-    """The broker at ``explicit`` when given (the user's, with its own metrics); otherwise an
-    embedded broker serving ``/metrics`` like ``seamlessflow broker``, for the duration."""
+async def local_broker(
+    explicit: str | None, config: EmbeddedBrokerConfig, run: str
+) -> AsyncIterator[Broker]:
+    """The broker at ``explicit`` when given (the user's, with its own metrics and identities:
+    this process and its children connect as ``$SEAMLESSFLOW_NATS_IDENTITY``); otherwise an
+    embedded broker serving ``/metrics`` like ``seamlessflow broker``, for the duration, with
+    ``run``'s identities issued and this process connecting as its admin."""
     if explicit:
         yield Broker(explicit, None)
         return
+    embedded = EmbeddedBroker(config)
+    identities = embedded.authority.issue_run(run) if embedded.authority else None
+    if identities:
+        os.environ[IDENTITY_ENV] = str(identities[Principal.ADMIN])
     # Started from this (main) thread: the server is tied to it and dies with it.
-    with EmbeddedBroker(config) as embedded:
+    with embedded:
         async with broker_metrics(embedded.url, config.metrics_port) as metrics:
-            yield Broker(embedded.url, metrics.url)
+            yield Broker(embedded.url, metrics.url, identities)
 
 
 @asynccontextmanager

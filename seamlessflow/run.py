@@ -36,6 +36,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from broker import codec
+from broker.auth import IDENTITY_ENV
 from broker.client import session
 from broker.exceptions import InvalidMessageError
 from broker.messages import (
@@ -46,6 +47,7 @@ from broker.messages import (
     SessionEnded,
     WeightsPublished,
 )
+from broker.permissions import Principal
 from broker.provision import provision_run
 from broker.registry import node_name, read_registry
 from broker.retry import TRANSIENT, Backoff
@@ -78,6 +80,15 @@ from tagsched.spec import Layout
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0
+PRINCIPALS = {
+    "scheduler": Principal.SCHEDULER,
+    "trajectory": Principal.TRAJECTORY,
+    "trainer": Principal.TRAINER,
+    "worker": Principal.WORKER,
+    "gateway": Principal.GATEWAY,
+    "agents": Principal.AGENTS,
+}
+"""The identity each child command connects as."""
 PLAIN_LINE_EVERY_S = 10.0
 """Without a terminal the progress line is printed as a new line this often."""
 SCRAPE_TARGETS = "scrape_targets.json"
@@ -109,7 +120,7 @@ async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
     broker = override(config, {"broker": {"state_dir": str(out / "broker")}}).broker
     names = RunNames(config.run)
     async with (
-        local_broker(nats, broker) as embedded,
+        local_broker(nats, broker, config.run) as embedded,
         session(embedded.url, "seamlessflow-run") as nc,
     ):
         url = embedded.url
@@ -126,7 +137,9 @@ async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
         print(f"broker {url}, model {model}, output {out}", flush=True)
         print(f"prometheus targets (file_sd): {targets.path}", flush=True)
         follow = asyncio.create_task(targets.follow(js, names))
-        services = Services(url, config, model, out / CHECKPOINTS, out / CONFIGS)
+        services = Services(
+            url, config, model, out / CHECKPOINTS, out / CONFIGS, embedded.identities
+        )
         stats = RunStats()
         started = time.time()
         try:
@@ -242,6 +255,9 @@ class Services:
     checkpoint_dir: Path
     """The trainer's, when the config sets none: a restarted trainer resumes from it."""
     configs: Path
+    identities: dict[Principal, Path] | None = None
+    """Each child connects as its principal's identity file when given (else it inherits this
+    process's ``$SEAMLESSFLOW_NATS_IDENTITY``, or none)."""
 
     def __post_init__(self) -> None:
         self.running: list[ServiceProcess] = []
@@ -263,6 +279,11 @@ class Services:
         """``seamlessflow <command> --config <its resolved config>``, on ``where``'s CPUs."""
         threads, cpus = (1, None) if where is None else (where.threads, where.cpus)
         env = {"SEAMLESSFLOW_NATS_URL": self.url, "SEAMLESSFLOW_RUN": self.config.run}
+        if self.identities:
+            # a worker tagged train may hold a trainer: the trainer's rights cover rollout's
+            tags = changes.get("worker", {}).get("tags", [])
+            principal = Principal.TRAINER if "train" in tags else PRINCIPALS[command]
+            env[IDENTITY_ENV] = str(self.identities[principal])
         path = self.resolve(name, changes)
         return ServiceProcess(
             name, command, "--config", str(path), threads=threads, cpus=cpus, env=env

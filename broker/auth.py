@@ -1,0 +1,150 @@
+"""Identities: an nkey per principal of a run, in files only their owner reads, and the server
+configuration that gives each its rights (``broker.permissions``) in its run's own account.
+
+An identity file (TOML, mode 0600) holds what a client in any language needs to connect::
+
+    run = "quickstart"
+    principal = "trainer"
+    inbox_prefix = "_INBOX.quickstart.trainer"
+    seed = "SUA..."
+
+The seed signs the server's challenge (nkey authentication, nats-server 2.0+); the server knows
+only the public key. Every run is its own NATS account (``account_name``) with its own JetStream
+limits, so one run's identities see nothing of another's. ``Authority`` keeps a broker's
+identities in one folder (``<folder>/<run>/<principal>.toml``) and renders them as the server's
+``accounts`` block; adding a run is a configuration reload (``EmbeddedBroker.reload``).
+"""
+
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import nkeys
+
+from broker.config import AccountLimits
+from broker.exceptions import IdentityError
+from broker.permissions import Principal, inbox_prefix, rights
+from broker.subjects import RunNames, check_name
+
+IDENTITY_ENV = "SEAMLESSFLOW_NATS_IDENTITY"
+"""The identity file a process connects with (``broker.client.connect``); unset: anonymous, for
+a broker running without authorization (``--insecure``)."""
+
+
+def account_name(run: str) -> str:
+    return f"SF_{check_name('run', run)}"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a process is on the broker: its run, principal, inbox prefix and nkey seed."""
+
+    run: str
+    principal: Principal
+    seed: str
+
+    @property
+    def inbox_prefix(self) -> str:
+        return inbox_prefix(self.run, self.principal)
+
+    @property
+    def public_key(self) -> str:
+        return nkeys.from_seed(self.seed.encode()).public_key.decode()
+
+    @classmethod
+    def new(cls, run: str, principal: Principal) -> "Identity":
+        seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+        return cls(check_name("run", run), principal, seed)
+
+    @classmethod
+    def load(cls, path: Path) -> "Identity":
+        """Read an identity file; refuses one that others may read, or a malformed one."""
+        try:
+            mode = path.stat().st_mode & 0o777
+            data = tomllib.loads(path.read_text())
+        except OSError as exc:
+            raise IdentityError(f"cannot read identity file {path}: {exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise IdentityError(f"identity file {path} is not TOML: {exc}") from exc
+        if mode & 0o077:
+            raise IdentityError(
+                f"identity file {path} is readable by others (mode {mode:o}): `chmod 600 {path}`"
+            )
+        try:
+            identity = cls(
+                check_name("run", data["run"]), Principal(data["principal"]), data["seed"]
+            )
+            identity.public_key  # noqa: B018 - the seed must decode
+        except (KeyError, ValueError, TypeError, nkeys.ErrInvalidSeed) as exc:
+            raise IdentityError(
+                f"identity file {path} needs run, principal and a user nkey seed: {exc!r}"
+            ) from exc
+        return identity
+
+    def save(self, path: Path) -> Path:
+        """Write it, mode 0600 from the start (never readable by others, even briefly)."""
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        text = (
+            f"# SeamlessFlow broker identity: run {self.run}, principal {self.principal}.\n"
+            "# Secret: whoever holds this file has these rights. Keep it mode 0600.\n"
+            f'run = "{self.run}"\n'
+            f'principal = "{self.principal.value}"\n'
+            f'inbox_prefix = "{self.inbox_prefix}"\n'
+            f'seed = "{self.seed}"\n'
+        )
+        tmp = path.with_suffix(".partial")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        tmp.replace(path)
+        return path
+
+    def connect_options(self) -> dict:
+        """nats-py ``connect`` keyword arguments."""
+        return {"nkeys_seed_str": self.seed, "inbox_prefix": self.inbox_prefix}
+
+
+class Authority:
+    """A broker's identities, one folder per run, and the accounts they make."""
+
+    def __init__(self, folder: Path, limits: AccountLimits) -> None:
+        self.folder = folder
+        self.limits = limits
+
+    def path(self, run: str, principal: Principal) -> Path:
+        return self.folder / check_name("run", run) / f"{principal.value}.toml"
+
+    def issue(self, run: str, principal: Principal) -> Path:
+        """The identity file of ``principal`` in ``run``, made on first use."""
+        path = self.path(run, principal)
+        if not path.exists():
+            Identity.new(run, principal).save(path)
+        return path
+
+    def issue_run(self, run: str) -> dict[Principal, Path]:
+        """Every principal's identity file of ``run``."""
+        return {p: self.issue(run, p) for p in Principal}
+
+    def runs(self) -> list[str]:
+        if not self.folder.is_dir():
+            return []
+        return sorted(d.name for d in self.folder.iterdir() if d.is_dir())
+
+    def accounts(self) -> dict:
+        """nats-server's ``accounts`` block: one account per run, its users with their rights."""
+        accounts = {}
+        for run in self.runs():
+            names = RunNames(run)
+            users = []
+            for principal in Principal:
+                path = self.path(run, principal)
+                if not path.exists():
+                    continue
+                user: dict = {"nkey": Identity.load(path).public_key}
+                granted = rights(names, principal)
+                if granted is not None:
+                    user["permissions"] = granted.nats()
+                users.append(user)
+            accounts[account_name(run)] = {"jetstream": self.limits.nats(), "users": users}
+        return accounts
