@@ -136,7 +136,7 @@ def main() -> None:
     codec_rows = bench_codec()
     with (
         tempfile.TemporaryDirectory() as state,
-        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state))) as broker,
+        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state), insecure=True)) as broker,
     ):
         plane = asyncio.run(bench_dataplane(broker.url, args.tasks))
         server = ".".join(map(str, broker.version))

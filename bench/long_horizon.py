@@ -199,7 +199,7 @@ def main() -> None:
     loadavg_before = os.getloadavg()[0]
     with (
         tempfile.TemporaryDirectory() as state,
-        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state))) as broker,
+        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state), insecure=True)) as broker,
     ):
         measured = asyncio.run(measure(broker.url, model, args))
     print(

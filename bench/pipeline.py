@@ -225,7 +225,9 @@ async def run_arm(arm: Arm, cluster: str, args: argparse.Namespace, tmp: Path) -
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     arrivals: dict[int, float] = {}
     scrapes = Scrapes(out / "scrape_targets.json")
-    with EmbeddedBroker(EmbeddedBrokerConfig(state_dir=tmp / f"{run}-broker")) as broker:
+    with EmbeddedBroker(
+        EmbeddedBrokerConfig(state_dir=tmp / f"{run}-broker", insecure=True)
+    ) as broker:
         async with session(broker.url, "bench-pipeline") as nc:
 
             async def on_weights(msg) -> None:

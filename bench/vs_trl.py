@@ -280,7 +280,9 @@ async def run_seamlessflow(
                 placement=placement,
             )
         )
-        with EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(tmp) / "broker")) as broker:
+        with EmbeddedBroker(
+            EmbeddedBrokerConfig(state_dir=Path(tmp) / "broker", insecure=True)
+        ) as broker:
             arrivals: list[float] = []
             started: list[float] = []
             held: list[Path] = []

@@ -264,7 +264,7 @@ def main() -> None:
     }[args.mode]
     with (
         tempfile.TemporaryDirectory() as state,
-        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state))) as broker,
+        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state), insecure=True)) as broker,
     ):
         rows = asyncio.run(run(broker.url, args.sizes_mb, args.rounds))
         server = ".".join(map(str, broker.version))

@@ -13,9 +13,11 @@ from nats.errors import Error as NatsError
 
 from broker.auth import IDENTITY_ENV, Identity
 from broker.exceptions import AuthorizationError, BrokerUnavailableError
+from broker.metrics import REFUSED
 from common.log import kv
 
 log = logging.getLogger(__name__)
+FIRST = asyncio.FIRST_COMPLETED
 
 
 PING_INTERVAL_S = 5
@@ -25,19 +27,31 @@ cluster after about (``MAX_OUTSTANDING_PINGS`` + 1) * ``PING_INTERVAL_S``; nats.
 (120 s, 2) kept a client on a cut-off server for up to 6 minutes."""
 
 
-async def connect(url: str, name: str, *, give_up_after: float = 5.0) -> NATS:
+async def connect(
+    url: str, name: str, *, give_up_after: float = 5.0, identity_file: Path | None = None
+) -> NATS:
     """Connect to ``url`` as client ``name`` within ``give_up_after`` seconds; once connected, the
     client reconnects forever. ``url`` may list several servers of a cluster, comma-separated
     (``nats://a:4222,nats://b:4222``): the client connects to any and moves to another when its
     server goes away (it also learns the cluster's other servers from the one it reaches).
 
-    The process's identity is the file named by ``$SEAMLESSFLOW_NATS_IDENTITY`` (``broker.auth``;
-    unset: anonymous, which only a broker started ``--insecure`` lets in). A refused identity
-    raises ``AuthorizationError`` at once: waiting would not change the answer."""
-    identity_file = os.environ.get(IDENTITY_ENV)
-    identity = Identity.load(Path(identity_file)) if identity_file else None
+    It connects as ``identity_file``, else the file named by ``$SEAMLESSFLOW_NATS_IDENTITY``
+    (``broker.auth``), else anonymously, which only a broker started ``--insecure`` lets in. A
+    refused identity raises ``AuthorizationError`` at once: waiting would not change the
+    answer."""
+    if identity_file is None and os.environ.get(IDENTITY_ENV):
+        identity_file = Path(os.environ[IDENTITY_ENV])
+    identity = Identity.load(identity_file) if identity_file else None
+
+    refused = asyncio.Event()
 
     async def error_cb(exc: Exception) -> None:
+        text = str(exc).lower()
+        if "authorization violation" in text or "authentication" in text:
+            REFUSED.labels("authorization").inc()
+            refused.set()
+        elif "permissions violation" in text:
+            REFUSED.labels("permissions").inc()
         log.warning(kv("nats_error", client=name, error=f"{type(exc).__name__}: {exc}"))
 
     async def disconnected_cb() -> None:
@@ -50,42 +64,56 @@ async def connect(url: str, name: str, *, give_up_after: float = 5.0) -> NATS:
         log.info(kv("nats_closed", client=name))
 
     nc = NATS()
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            [server.strip() for server in url.split(",") if server.strip()],
+            name=name,
+            connect_timeout=min(give_up_after, 2.0),
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            ping_interval=PING_INTERVAL_S,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
+            error_cb=error_cb,
+            disconnected_cb=disconnected_cb,
+            reconnected_cb=reconnected_cb,
+            closed_cb=closed_cb,
+            **(identity.connect_options() if identity else {}),
+        )
+    )
+    waiting = asyncio.ensure_future(refused.wait())
     try:
-        await asyncio.wait_for(
-            nc.connect(
-                [server.strip() for server in url.split(",") if server.strip()],
-                name=name,
-                connect_timeout=min(give_up_after, 2.0),
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                ping_interval=PING_INTERVAL_S,
-                max_outstanding_pings=MAX_OUTSTANDING_PINGS,
-                error_cb=error_cb,
-                disconnected_cb=disconnected_cb,
-                reconnected_cb=reconnected_cb,
-                closed_cb=closed_cb,
-                **(identity.connect_options() if identity else {}),
-            ),
-            give_up_after,
-        )
-    except NatsError as exc:
+        await asyncio.wait({connecting, waiting}, timeout=give_up_after, return_when=FIRST)
+    finally:
+        waiting.cancel()
+    if not connecting.done() or refused.is_set():
+        connecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, NatsError, OSError):
+            await connecting
         await nc.close()
-        if "authorization violation" not in str(exc).lower():
-            raise _unavailable(url, give_up_after, exc) from exc
-        who = (
-            f"identity {identity_file} (run {identity.run}, {identity.principal})"
-            if identity
-            else f"no identity (${IDENTITY_ENV} is unset)"
-        )
-        raise AuthorizationError(
-            f"NATS at {url} refused {who}: it is unknown there, of another run, or the broker "
-            f"wants one; issue one with `seamlessflow creds`"
-        ) from exc
-    except (OSError, TimeoutError) as exc:
+        if refused.is_set():
+            raise _refused(url, identity_file, identity)
+        raise _unavailable(url, give_up_after, TimeoutError("no answer"))
+    try:
+        connecting.result()
+    except (NatsError, OSError) as exc:
         await nc.close()
+        if "authorization violation" in str(exc).lower():
+            raise _refused(url, identity_file, identity) from exc
         raise _unavailable(url, give_up_after, exc) from exc
     return nc
+
+
+def _refused(url: str, path: Path | None, identity: Identity | None) -> AuthorizationError:
+    who = (
+        f"identity {path} (run {identity.run}, {identity.principal})"
+        if identity
+        else f"no identity (${IDENTITY_ENV} is unset)"
+    )
+    return AuthorizationError(
+        f"NATS at {url} refused {who}: it is unknown there, of another run, or the broker wants "
+        "one; issue one with `seamlessflow creds`"
+    )
 
 
 def _unavailable(url: str, give_up_after: float, exc: BaseException) -> BrokerUnavailableError:
@@ -109,9 +137,11 @@ async def disconnect(nc: NATS, *, drain_within: float = 10.0) -> None:
 
 
 @asynccontextmanager
-async def session(url: str, name: str, *, give_up_after: float = 5.0) -> AsyncIterator[NATS]:
+async def session(
+    url: str, name: str, *, give_up_after: float = 5.0, identity_file: Path | None = None
+) -> AsyncIterator[NATS]:
     """``connect`` for the duration of a block, then ``disconnect``."""
-    nc = await connect(url, name, give_up_after=give_up_after)
+    nc = await connect(url, name, give_up_after=give_up_after, identity_file=identity_file)
     try:
         yield nc
     finally:

@@ -5,13 +5,12 @@ import contextlib
 import logging
 from collections.abc import Iterable
 
-from nats.errors import Error as NatsError
-from nats.js import JetStreamContext
+import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from broker.provision import StreamStatus, stream_status
+from broker.provision import ConsumerStatus, StreamStatus
 from common.log import kv
 
 log = logging.getLogger(__name__)
@@ -42,9 +41,19 @@ NATS_RETRIES = Counter(
     registry=REGISTRY,
 )
 
+REFUSED = Counter(
+    "sf_nats_refused",
+    "What the broker refused this process, by reason: authorization (its identity is unknown, "
+    "of another run, or missing on a secured broker) or permissions (a subject its role may "
+    "not use: a bug or an attack; docs/security.md)",
+    ["reason"],
+    registry=REGISTRY,
+)
+
 
 class StreamDepthCollector(Collector):
-    """Reports the depth of every JetStream stream and durable consumer on the server.
+    """Reports the depth of every JetStream stream and durable consumer on the server, of every
+    account (every run), from the server's monitoring endpoint (``/jsz``): it needs no identity.
 
     ``poll`` refreshes a snapshot in the background; a scrape only reads the snapshot, so it
     never waits on NATS.
@@ -78,16 +87,41 @@ class StreamDepthCollector(Collector):
                 redelivered.add_metric([s.name, c.name], c.redelivered)
         yield from (up, msgs, size, pending, ack_pending, redelivered)
 
-    async def refresh(self, js: JetStreamContext) -> None:
-        self._snapshot = [await stream_status(js, info) for info in await js.streams_info()]
+    async def refresh(self, http: httpx.AsyncClient, monitoring_url: str) -> None:
+        reply = await http.get(
+            f"{monitoring_url}/jsz", params={"accounts": 1, "streams": 1, "consumers": 1}
+        )
+        reply.raise_for_status()
+        self._snapshot = [
+            StreamStatus(
+                stream["name"],
+                stream["state"].get("messages", 0),
+                stream["state"].get("bytes", 0),
+                [
+                    ConsumerStatus(
+                        c["name"],
+                        c.get("num_pending", 0),
+                        c.get("num_ack_pending", 0),
+                        c.get("num_redelivered", 0),
+                    )
+                    for c in stream.get("consumer_detail") or []
+                ],
+            )
+            for account in reply.json().get("account_details") or []
+            for stream in account.get("stream_detail") or []
+        ]
 
-    async def poll(self, js: JetStreamContext, stop: asyncio.Event, interval: float = 2.0) -> None:
-        while not stop.is_set():
-            try:
-                await self.refresh(js)
-                self._ok = 1.0
-            except (NatsError, TimeoutError) as exc:
-                self._ok = 0.0
-                log.warning(kv("stream_poll_failed", error=f"{type(exc).__name__}: {exc}"))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
+    async def poll(self, monitoring_url: str, stop: asyncio.Event, interval: float = 2.0) -> None:
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            while not stop.is_set():
+                await self._poll_once(http, monitoring_url)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval)
+
+    async def _poll_once(self, http: httpx.AsyncClient, monitoring_url: str) -> None:
+        try:
+            await self.refresh(http, monitoring_url)
+            self._ok = 1.0
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            self._ok = 0.0
+            log.warning(kv("stream_poll_failed", error=f"{type(exc).__name__}: {exc}"))

@@ -111,6 +111,16 @@ def rows(names: RunNames) -> list[Row]:
         Row(_api(f"STREAM.MSG.GET.{n.dead_stream}"), "read a dead letter", pub=frozenset({V})),
         Row(_api(f"STREAM.MSG.GET.{n.traj_stream}"), "read a call record", pub=frozenset({J})),
         Row(
+            _api(f"STREAM.MSG.GET.{n.gen_stream}"),
+            "is a request still queued",
+            pub=frozenset({G}),
+        ),
+        Row(
+            _api(f"STREAM.MSG.DELETE.{n.gen_stream}"),
+            "withdraw a cancelled request",
+            pub=frozenset({G}),
+        ),
+        Row(
             _api(f"STREAM.MSG.GET.{n.weights_stream}"),
             "read the latest weights event",
             pub=frozenset({W, T, S, V}),

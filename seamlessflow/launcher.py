@@ -19,7 +19,6 @@ from prometheus_client import CollectorRegistry
 
 from broker import codec
 from broker.auth import IDENTITY_ENV
-from broker.client import session
 from broker.config import EmbeddedBrokerConfig
 from broker.exceptions import InvalidMessageError
 from broker.messages import Message, Role, SchedulerState, TrainerGroup, WorkerRegistered
@@ -75,28 +74,26 @@ async def local_broker(
         os.environ[IDENTITY_ENV] = str(identities[Principal.ADMIN])
     # Started from this (main) thread: the server is tied to it and dies with it.
     with embedded:
-        async with broker_metrics(embedded.url, config.metrics_port) as metrics:
+        async with broker_metrics(embedded.monitoring_url, config.metrics_port) as metrics:
             yield Broker(embedded.url, metrics.url, identities)
 
 
 @asynccontextmanager
-async def broker_metrics(url: str, port: int) -> AsyncIterator[MetricsEndpoint]:
+async def broker_metrics(monitoring_url: str, port: int) -> AsyncIterator[MetricsEndpoint]:
     """``/metrics`` on ``port`` (0: a free one) with the depth of every stream and consumer of
-    the broker at ``url``, polled in the background while the context is open."""
+    the broker monitored at ``monitoring_url``, polled in the background while the context is
+    open."""
     collector = StreamDepthCollector()
     depths = CollectorRegistry()
     depths.register(collector)
     metrics = serve_metrics(depths, port=port)
+    done = asyncio.Event()
+    poll = asyncio.create_task(collector.poll(monitoring_url, done))
     try:
-        async with session(url, "seamlessflow-broker-metrics") as nc:
-            done = asyncio.Event()
-            poll = asyncio.create_task(collector.poll(nc.jetstream(), done))
-            try:
-                yield metrics
-            finally:
-                done.set()
-                await poll
+        yield metrics
     finally:
+        done.set()
+        await poll
         metrics.close()
 
 
@@ -105,7 +102,7 @@ async def serve_broker(config: EmbeddedBrokerConfig) -> None:
     (``config.metrics_port``)."""
     stop = stop_on_signals()
     with EmbeddedBroker(config) as broker:
-        async with broker_metrics(broker.url, config.metrics_port) as metrics:
+        async with broker_metrics(broker.monitoring_url, config.metrics_port) as metrics:
             announce_ready(
                 "broker",
                 metrics.url,

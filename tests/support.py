@@ -81,8 +81,14 @@ SMALL_RUN = ProvisionConfig(
 )
 
 
-def broker_config(state_dir: Path, binary: Path) -> EmbeddedBrokerConfig:
-    return EmbeddedBrokerConfig(state_dir=state_dir, binary=binary, max_payload=2 << 20)
+def broker_config(
+    state_dir: Path, binary: Path, *, insecure: bool = True, **settings
+) -> EmbeddedBrokerConfig:
+    """A test broker; open (``insecure``) unless a test is about authorization
+    (tests/test_permissions.py)."""
+    return EmbeddedBrokerConfig(
+        state_dir=state_dir, binary=binary, max_payload=2 << 20, insecure=insecure, **settings
+    )
 
 
 async def stream_messages(
