@@ -126,6 +126,12 @@ class Authority:
         """Every principal's identity file of ``run``."""
         return {p: self.issue(run, p) for p in Principal}
 
+    def fingerprint(self) -> frozenset[tuple[str, float]]:
+        """Changes when an identity file is added, replaced or removed."""
+        if not self.folder.is_dir():
+            return frozenset()
+        return frozenset((str(p), p.stat().st_mtime) for p in self.folder.glob("*/*.toml"))
+
     def runs(self) -> list[str]:
         if not self.folder.is_dir():
             return []

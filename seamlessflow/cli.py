@@ -18,6 +18,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from broker.permissions import Principal
 from common.exceptions import SeamlessFlowError
 from common.log import setup_logging
 from common.models import MODELS  # cheap: torch is imported inside its functions
@@ -74,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", type=Path, help="TOML run config (default: quickstart)")
     _add_nats(p, embedded=True)
     _add_run(p)
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="embedded broker without authorization (anyone who reaches it may do anything): a "
+        "throwaway local run only ([broker] insecure)",
+    )
     return parser
 
 
@@ -82,6 +89,20 @@ def _add_tools(sub) -> None:
     p = sub.add_parser("broker", help="run the embedded NATS JetStream broker until Ctrl-C")
     _add_config(p, "[broker] section")
     _add_service(p, section_flags("broker"), metrics=False)
+    p = sub.add_parser(
+        "creds",
+        help="issue a run's broker identities (files mode 0600) for processes on other nodes or "
+        "clients in other languages; a running `seamlessflow broker` applies them",
+    )
+    _add_run(p)
+    p.add_argument(
+        "--principal",
+        action="append",
+        choices=[x.value for x in Principal],
+        help="whose identity (repeatable; default: every principal of the run)",
+    )
+    _add_config(p, "[broker] section: its state_dir")
+    p.add_argument("--state-dir", type=Path, help="the broker's folder (default: the config's)")
     p = sub.add_parser("provision", help="create a run's streams, consumers and buckets")
     _add_nats(p)
     _add_run(p)
@@ -183,6 +204,26 @@ def _services() -> list[tuple[str, str, str, list[Flag], bool]]:
             True,
         ),
     ]
+
+
+def _creds(args: argparse.Namespace) -> int:
+    from broker.auth import IDENTITY_ENV, Authority
+
+    config = load_config(args.config)
+    run = args.run or config.run
+    state_dir = args.state_dir or config.broker.state_dir
+    authority = Authority(state_dir / "auth", config.broker.account)
+    principals = [Principal(x) for x in args.principal or [x.value for x in Principal]]
+    for principal in principals:
+        path = authority.issue(run, principal)
+        print(f"{principal.value:11s} {path}")
+    conf = state_dir / "nats-server.conf"
+    print(
+        f"connect with: {IDENTITY_ENV}=<file> (Python processes), or the file's seed and "
+        f"inbox_prefix (docs/protocol.md); a `seamlessflow broker` on {state_dir} applies new "
+        f"identities within a second ({conf})"
+    )
+    return 0
 
 
 async def _provision(args: argparse.Namespace) -> int:
@@ -359,12 +400,15 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.run:
         config = override(config, {"run": args.run})
+    if args.insecure:
+        config = override(config, {"broker": {"insecure": True}})
     asyncio.run(run_rl(config, args.nats))
     return 0
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "broker": services.broker,
+    "creds": _creds,
     "provision": lambda args: asyncio.run(_provision(args)),
     "status": lambda args: asyncio.run(_status(args)),
     "submit": _submit,

@@ -2,6 +2,7 @@
 broker URL of a local run, and the status tables."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ from nats.js.errors import KeyNotFoundError
 from prometheus_client import CollectorRegistry
 
 from broker import codec
-from broker.auth import IDENTITY_ENV
+from broker.auth import IDENTITY_ENV, Authority
 from broker.config import EmbeddedBrokerConfig
 from broker.exceptions import InvalidMessageError
 from broker.messages import Message, Role, SchedulerState, TrainerGroup, WorkerRegistered
@@ -99,19 +100,37 @@ async def broker_metrics(monitoring_url: str, port: int) -> AsyncIterator[Metric
 
 async def serve_broker(config: EmbeddedBrokerConfig) -> None:
     """Run the embedded broker until SIGINT/SIGTERM, reporting stream depths on /metrics
-    (``config.metrics_port``)."""
+    (``config.metrics_port``). With authorization on, it applies the identities that
+    ``seamlessflow creds`` issues into its folder within a second (a configuration reload)."""
     stop = stop_on_signals()
     with EmbeddedBroker(config) as broker:
         async with broker_metrics(broker.monitoring_url, config.metrics_port) as metrics:
+            authority = broker.authority
             announce_ready(
                 "broker",
                 metrics.url,
                 nats=broker.url,
                 monitoring=broker.monitoring_url,
                 store=broker.store_dir,
+                identities=authority.folder if authority else "none",
             )
-            await stop.wait()
+            if authority is None:
+                await stop.wait()
+            else:
+                await _reload_on_new_identities(broker, authority, stop)
     print("broker stopped", flush=True)
+
+
+async def _reload_on_new_identities(
+    broker: EmbeddedBroker, authority: Authority, stop: asyncio.Event, interval: float = 1.0
+) -> None:
+    known = authority.fingerprint()
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+        if (now := authority.fingerprint()) != known:
+            await asyncio.to_thread(broker.reload)
+            known = now
 
 
 def print_status(status: RunStatus, out=sys.stdout) -> None:

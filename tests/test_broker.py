@@ -12,7 +12,12 @@ import pytest
 
 from broker import codec
 from broker.client import connect, session
-from broker.exceptions import BrokerNotFoundError, BrokerStartError, BrokerUnavailableError
+from broker.exceptions import (
+    AuthorizationError,
+    BrokerNotFoundError,
+    BrokerStartError,
+    BrokerUnavailableError,
+)
 from broker.messages import TaskSubmitted
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker, find_nats_server
@@ -31,8 +36,10 @@ def _task(i: int) -> TaskSubmitted:
     return TaskSubmitted(task_id=f"task-{i}", messages=[{"role": "user", "content": f"{i}+1?"}])
 
 
-async def _publish_tasks(url: str, names: RunNames, n: int) -> None:
-    async with session(url, "test") as nc:
+async def _publish_tasks(
+    url: str, names: RunNames, n: int, identity_file: Path | None = None
+) -> None:
+    async with session(url, "test", identity_file=identity_file) as nc:
         js = nc.jetstream()
         await provision_run(js, names.run, SMALL_RUN)
         for i in range(n):
@@ -100,6 +107,14 @@ async def test_unreachable_broker_is_a_clear_error():
         await connect(f"nats://127.0.0.1:{port}", "test", give_up_after=1)
 
 
+async def _connects(url: str, identity_file: Path) -> bool:
+    try:
+        async with session(url, "probe", identity_file=identity_file, give_up_after=2):
+            return True
+    except AuthorizationError:
+        return False
+
+
 def _broker_command(state_dir: Path, nats_binary: Path) -> subprocess.Popen:
     """``seamlessflow broker`` as a user starts it."""
     return subprocess.Popen(
@@ -120,7 +135,21 @@ async def test_broker_command_serves_depths_and_stops_cleanly(tmp_path, nats_bin
         assert ready, f"no ready line: {line!r} {proc.stderr.read() if proc.poll() else ''}"
         url, metrics_url = ready[1], ready[2]
         names = RunNames("depths")
-        await _publish_tasks(url, names, 3)
+        creds = subprocess.run(
+            [
+                *(sys.executable, "-m", "seamlessflow.cli", "creds"),
+                *("--state-dir", str(tmp_path), "--run", names.run, "--principal", "admin"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        admin = Path(creds.stdout.split()[1])
+        assert admin.stat().st_mode & 0o777 == 0o600
+        with pytest.raises(AuthorizationError):  # secure by default: no anonymous client
+            await _publish_tasks(url, names, 0)
+        await eventually(lambda: _connects(url, admin), timeout=10)  # applied within a second
+        await _publish_tasks(url, names, 3, admin)
         stream = names.tasks_stream
 
         async def polled() -> bool:
