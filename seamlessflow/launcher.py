@@ -18,8 +18,9 @@ from prometheus_client import CollectorRegistry
 from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig
+from broker.control import SchedulerState, TrainerGroup
 from broker.exceptions import InvalidMessageError
-from broker.messages import Message, Role, SchedulerState, TrainerGroup, WorkerRegistered
+from broker.messages import Message, Role, WorkerRegistered
 from broker.metrics import StreamDepthCollector
 from broker.provision import RunStatus
 from broker.registry import Sighting

@@ -37,10 +37,10 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from broker import codec
 from broker.client import session
 from broker.config import ProvisionConfig
+from broker.control import Fence
 from broker.exceptions import InvalidMessageError, RetryStoppedError
 from broker.messages import (
     Admitted,
-    Fence,
     Role,
     RoleChangeAcked,
     RoleChangeRequested,
