@@ -50,7 +50,8 @@ from trainer.metrics import (
     RENDEZVOUS_SECONDS,
 )
 from trainer.ranks import RankGroup
-from trainer.service import Trainer, wait_first
+from trainer.service import Trainer
+from trainer.waits import wait_first
 
 log = logging.getLogger(__name__)
 
