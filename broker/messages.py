@@ -1,4 +1,5 @@
-"""Every message that crosses the data plane, in one place.
+"""Every message that crosses the data plane, in one place (the control plane's durable state
+records, kept in the run's state bucket, are in ``broker.control``).
 
 Each message is a frozen, strictly typed model named for what happened or is asked. Its comment
 gives the direction and the subject (see ``broker.subjects``). Rules that keep clients in other
@@ -387,29 +388,6 @@ class WorkerRegistered(Message):
     heartbeat_at: Timestamp
 
 
-class TrainerGroup(Message):
-    """The workers that train together, one data-parallel group: rank = index in ``members``,
-    rank 0 takes the samples. # scheduler -> workers holding a trainer, as key
-    ``trainer-group`` of the ``sf-<run>-state`` KV bucket, rewritten when the membership
-    changes (a new ``generation`` each time)."""
-
-    generation: int = Field(ge=1, lt=MAX_SAFE_INT)
-    members: list[Id] = Field(max_length=4096)
-    changed_at: Timestamp
-
-
-class TrainerRendezvous(Message):
-    """Where the members of one formation of the trainer group meet: rank 0's
-    ``torch.distributed`` store. # rank 0 -> the other members, as key ``trainer-rendezvous``
-    of the ``sf-<run>-state`` KV bucket; a new ``attempt`` each time rank 0 forms the group."""
-
-    generation: int = Field(ge=1, lt=MAX_SAFE_INT)
-    attempt: int = Field(ge=1, lt=MAX_SAFE_INT)
-    members: list[Id] = Field(min_length=1, max_length=4096)
-    host: str = Field(min_length=1, max_length=256)
-    port: int = Field(ge=1, lt=65536)
-
-
 class RoleChangeRequested(Message):
     """Take this role. # scheduler -> worker, request on ``sf.<run>.ctl.role.<worker_id>``."""
 
@@ -438,46 +416,6 @@ class RoleChangeAcked(Message):
     error: str | None = Field(default=None, max_length=4096)
 
 
-class Fence(BaseModel):
-    """A worker the scheduler fenced: left out until it shows another registration."""
-
-    model_config = Message.model_config
-
-    worker_id: Id
-    started_at: Timestamp | None = Field(description="the registration fenced")
-    epoch: int = Field(ge=1, lt=MAX_SAFE_INT, description="the request it did not ack in time")
-
-
-class SchedulerState(Message):
-    """The scheduler's durable state. # the leading scheduler -> its successor and the workers,
-    as key ``scheduler`` of the ``sf-<run>-state`` KV bucket, rewritten on every change with a
-    compare-and-set on the revision it last wrote."""
-
-    leader: Id = Field(description="the scheduler that wrote it")
-    epoch: int = Field(
-        default=0,
-        ge=0,
-        lt=MAX_SAFE_INT,
-        description="the highest epoch handed out: stored before a request carries it",
-    )
-    fenced: list[Fence] = Field(default_factory=list, max_length=4096)
-    lend_seconds: list[Seconds] = Field(
-        default_factory=list, max_length=64, description="recent lends' switch times"
-    )
-    reclaim_seconds: list[Seconds] = Field(
-        default_factory=list, max_length=64, description="recent reclaims' switch times"
-    )
-    group_sizes: list[Count] = Field(
-        default_factory=list, max_length=256, description="recent tasks' group sizes"
-    )
-    tickets: Count = Field(
-        default=0, description="the last admission ticket handed out, stored before a task has it"
-    )
-
-    def fence(self, worker_id: str) -> Fence | None:
-        return next((f for f in self.fenced if f.worker_id == worker_id), None)
-
-
 class MessageRejected(Message):
     """A payload refused at an ingress, kept with the reason. # any ingress -> operators,
     on ``sf.<run>.dead.<source>``. In JSON, ``payload`` is base64."""
@@ -492,21 +430,3 @@ class MessageRejected(Message):
     content_type: str = Field(default="", max_length=HEADER_MAX)
     stream_seq: int | None = Field(default=None, ge=0, lt=MAX_SAFE_INT)
     rejected_at: Timestamp
-
-
-WIRE_MESSAGES: tuple[type[Message], ...] = (
-    TaskSubmitted,
-    GenerationRequested,
-    TokensGenerated,
-    GenerationCancelled,
-    CallRecorded,
-    SessionEnded,
-    SampleReady,
-    WeightsPublished,
-    WorkerRegistered,
-    RoleChangeRequested,
-    RoleChangeAcked,
-    SchedulerState,
-    MessageRejected,
-)
-"""Every top-level wire message, in the order ``docs/protocol.md`` describes them."""

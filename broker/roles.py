@@ -47,8 +47,9 @@ from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from broker import codec
+from broker.control import SchedulerState
 from broker.exceptions import InvalidMessageError
-from broker.messages import Role, RoleChangeAcked, RoleChangeRequested, SchedulerState
+from broker.messages import Role, RoleChangeAcked, RoleChangeRequested
 from broker.provision import run_bucket
 from broker.registry import Registration
 from broker.retry import retry

@@ -3,7 +3,40 @@
 import json
 from pathlib import Path
 
-from broker.messages import SCHEMA_VERSION, WIRE_MESSAGES, Message
+from broker.control import SchedulerState
+from broker.messages import (
+    SCHEMA_VERSION,
+    CallRecorded,
+    GenerationCancelled,
+    GenerationRequested,
+    Message,
+    MessageRejected,
+    RoleChangeAcked,
+    RoleChangeRequested,
+    SampleReady,
+    SessionEnded,
+    TaskSubmitted,
+    TokensGenerated,
+    WeightsPublished,
+    WorkerRegistered,
+)
+
+WIRE_MESSAGES: tuple[type[Message], ...] = (
+    TaskSubmitted,
+    GenerationRequested,
+    TokensGenerated,
+    GenerationCancelled,
+    CallRecorded,
+    SessionEnded,
+    SampleReady,
+    WeightsPublished,
+    WorkerRegistered,
+    RoleChangeRequested,
+    RoleChangeAcked,
+    SchedulerState,
+    MessageRejected,
+)
+"""Every top-level wire message, in the order ``docs/protocol.md`` describes them."""
 
 
 def json_schema(message: type[Message]) -> dict[str, object]:

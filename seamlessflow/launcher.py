@@ -21,8 +21,9 @@ from prometheus_client import CollectorRegistry
 from broker import codec
 from broker.auth import IDENTITY_ENV, Authority
 from broker.config import EmbeddedBrokerConfig
+from broker.control import SchedulerState, TrainerGroup
 from broker.exceptions import InvalidMessageError
-from broker.messages import Message, Role, SchedulerState, TrainerGroup, WorkerRegistered
+from broker.messages import Message, Role, WorkerRegistered
 from broker.metrics import StreamDepthCollector
 from broker.permissions import Principal
 from broker.provision import RunStatus

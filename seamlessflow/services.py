@@ -152,7 +152,7 @@ def trainer(args: argparse.Namespace) -> int:
 
 def scheduler(args: argparse.Namespace) -> int:
     from seamlessflow.launcher import serve_until_signalled
-    from tagsched.scheduler import serve_scheduler
+    from tagsched.serve import serve_scheduler
 
     c = settings(args)
     # Only a config that sets [trainer] can disagree with the registered trainer's shape.

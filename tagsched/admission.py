@@ -41,6 +41,7 @@ bound: the scheduler cannot see them (``sf_gateway_calls_total{source="direct"}`
 """
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -54,11 +55,12 @@ from nats.js.api import ConsumerInfo
 from broker import codec
 from broker.config import StreamLimits
 from broker.ingress import Delivery, HandBack, Ingress, tasks_ingress
-from broker.messages import Admitted, TaskSubmitted
+from broker.messages import Admitted, Role, TaskSubmitted, WeightsState, WorkerRegistered
 from broker.subjects import Durable, RunNames
 from common.log import kv
 from tagsched.exceptions import AdmissionError
 from tagsched.metrics import ADMISSION_WAIT, ADMITTED, LIMIT, OUTSTANDING, WAITING
+from tagsched.state import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +178,8 @@ class Admission:
 
     async def run(self, stop: asyncio.Event, stamp: Callable[[], Awaitable[Admitted]]) -> None:
         """Admit client tasks until ``stop``, each with its ``stamp()`` (its ticket, stored before
-        it is handed out); a task waiting for room is handed back then."""
+        it is handed out: the scheduler's ``Stamper``); a task waiting for room is handed back
+        then."""
         self._stop = stop
         self._stamp = stamp
         await self._ingress().run(stop)
@@ -231,3 +234,49 @@ class Admission:
         ADMITTED.inc()
         ADMISSION_WAIT.observe(max(0.0, time.time() - delivery.published_at))
         log.debug(kv("task_admitted", task=task.task_id, group_size=task.group_size, **dict(stamp)))
+
+
+class Stamper:
+    """The scheduler's ``stamp`` for ``Admission.run``, from the run's state (``tagsched.state``:
+    the tickets) and the scheduler's view of the registry: ``live``, its live workers, and
+    ``entry_changed``, set on every registry entry it sees."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        live: Callable[[], dict[str, WorkerRegistered]],
+        entry_changed: asyncio.Event,
+        wave_wait_s: float,
+    ) -> None:
+        self._store = store
+        self._live = live
+        self._entry_changed = entry_changed
+        self._wave_wait_s = wave_wait_s
+
+    async def __call__(self) -> Admitted:
+        """An admitted task's stamp: the next ticket, stored before the task carries it (a
+        successor continues above it; ``LeaseLostError`` once deposed), and the oldest weight
+        version a live rollout worker serves (the newest any worker holds while none serves).
+        While workers load a new version (a step just ended: when admission finds room), the
+        task waits up to ``wave_wait_s`` for them: it then starts on the newest version, and its
+        stamp says so (a stamp below its tokens makes the trainer wait for it a step early:
+        the stamp was 0.73 versions below in ``bench/pipeline.py``'s partial-rollout arm)."""
+        deadline = time.monotonic() + self._wave_wait_s
+        while self._loading() and (left := deadline - time.monotonic()) > 0:
+            self._entry_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._entry_changed.wait(), left)
+        ticket = self._store.state.tickets + 1
+        self._store.change(tickets=ticket)
+        await self._store.flush()
+        live = [w for w in self._live().values() if w.version is not None]
+        serving = [w.version for w in live if w.role is Role.ROLLOUT and not w.quarantined]
+        version = min(serving) if serving else max((w.version for w in live), default=0)
+        return Admitted(ticket=ticket, version=version)
+
+    def _loading(self) -> bool:
+        """Some live rollout worker has a newer weight version to load."""
+        return any(
+            w.role is Role.ROLLOUT and not w.quarantined and w.weights is not WeightsState.READY
+            for w in self._live().values()
+        )

@@ -21,7 +21,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from broker import codec
-from broker.messages import TrainerGroup
+from broker.control import TrainerGroup
 from broker.subjects import RunNames
 from common.log import kv
 from tagsched.exceptions import LeaseLostError

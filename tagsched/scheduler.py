@@ -27,7 +27,6 @@ import contextlib
 import logging
 import time
 from collections import deque
-from functools import partial
 
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
@@ -35,12 +34,9 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from broker import codec
-from broker.client import session
-from broker.config import ProvisionConfig
+from broker.control import Fence
 from broker.exceptions import InvalidMessageError, RetryStoppedError
 from broker.messages import (
-    Admitted,
-    Fence,
     Role,
     RoleChangeAcked,
     RoleChangeRequested,
@@ -48,16 +44,12 @@ from broker.messages import (
     WeightsState,
     WorkerRegistered,
 )
-from broker.metrics import REGISTRY as INGRESS_METRICS
-from broker.provision import durable_info
 from broker.registry import LastSeen, watch_registry
 from broker.retry import BACKOFF, TRANSIENT, retry
-from broker.subjects import Durable, RunNames
+from broker.subjects import RunNames
 from common.log import kv
-from common.metrics import serve_metrics
-from common.ready import announce_ready
-from tagsched.admission import Admission, admission_limit
-from tagsched.config import LayoutConfig, SchedulerConfig
+from tagsched.admission import Admission, Stamper, admission_limit
+from tagsched.config import SchedulerConfig
 from tagsched.exceptions import (
     AdmissionError,
     LeaseLostError,
@@ -78,7 +70,6 @@ from tagsched.metrics import (
     QUARANTINED,
     RECLAIM_SECONDS,
     REFUSED,
-    REGISTRY,
     UNSATISFIED,
     WEIGHTS,
 )
@@ -172,7 +163,8 @@ class Scheduler:
         initial = asyncio.Event()
         watching = asyncio.create_task(self._watch(initial))
         admission_stop = asyncio.Event()
-        admitting = asyncio.create_task(self._admission.run(admission_stop, self._stamp))
+        stamp = Stamper(self._store, self.live, self._entry_changed, self._config.wave_wait_s)
+        admitting = asyncio.create_task(self._admission.run(admission_stop, stamp))
         try:
             await asyncio.wait_for(initial.wait(), self._lease_s)
             # Continue above every epoch handed out: stored, or (a state lost) in the registry.
@@ -198,35 +190,6 @@ class Scheduler:
             admission_stop.set()
             watching.cancel()
             await asyncio.gather(watching, admitting, return_exceptions=True)
-
-    async def _stamp(self) -> Admitted:
-        """An admitted task's stamp: the next ticket, stored before the task carries it (a
-        successor continues above it; ``LeaseLostError`` once deposed), and the oldest weight
-        version a live rollout worker serves (the newest any worker holds while none serves).
-        While workers load a new version (a step just ended: when admission finds room), the
-        task waits up to ``wave_wait_s`` for them: it then starts on the newest version, and its
-        stamp says so (a stamp below its tokens makes the trainer wait for it a step early:
-        the stamp was 0.73 versions below in ``bench/pipeline.py``'s partial-rollout arm)."""
-        assert self._store is not None
-        deadline = time.monotonic() + self._config.wave_wait_s
-        while self._loading() and (left := deadline - time.monotonic()) > 0:
-            self._entry_changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._entry_changed.wait(), left)
-        ticket = self._store.state.tickets + 1
-        self._store.change(tickets=ticket)
-        await self._store.flush()
-        live = [w for w in self.live().values() if w.version is not None]
-        serving = [w.version for w in live if w.role is Role.ROLLOUT and not w.quarantined]
-        version = min(serving) if serving else max((w.version for w in live), default=0)
-        return Admitted(ticket=ticket, version=version)
-
-    def _loading(self) -> bool:
-        """Some live rollout worker has a newer weight version to load."""
-        return any(
-            w.role is Role.ROLLOUT and not w.quarantined and w.weights is not WeightsState.READY
-            for w in self.live().values()
-        )
 
     async def _watch(self, initial: asyncio.Event) -> None:
         """Follow the registry; a watch the broker dropped (a restart) is started again."""
@@ -448,53 +411,6 @@ class Scheduler:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._pending.clear()
-
-
-async def serve_scheduler(
-    url: str,
-    run: str,
-    provision: ProvisionConfig,
-    config: SchedulerConfig,
-    layout: LayoutConfig,
-    shape: TrainerShape | None,
-    metrics_port: int,
-    stop: asyncio.Event,
-) -> None:
-    """Run a scheduler (active once it holds the lease) until ``stop``: /metrics, NATS.
-    ``shape``: the trainer's as this scheduler's config has it, if it has one (its admission
-    limit is checked at once; admission follows the registered trainer's)."""
-    limit = None
-    if shape is not None:
-        limit = admission_limit(
-            steps_ahead=config.steps_ahead,
-            groups_per_step=shape.groups_per_step,
-            max_staleness=shape.max_staleness,
-        )
-    metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
-    try:
-        async with session(url, f"seamlessflow-{config.scheduler_id}") as nc:
-            js = nc.jetstream()
-            names = RunNames(run)
-            await durable_info(js, names, names.tasks_stream, Durable.SCHEDULER)
-            admission = Admission(js, names, provision.tasks)
-            scheduler = Scheduler(
-                nc,
-                names,
-                config,
-                layout.spec(),
-                admission,
-                workers_ttl_s=provision.workers_ttl_s,
-                lease_s=provision.scheduler_lease_s,
-                configured=shape,
-            )
-
-            ready = partial(
-                announce_ready, "scheduler", metrics.url, run=run, layout=layout.kind, limit=limit
-            )
-            await scheduler.run(stop, on_ready=ready)
-    finally:
-        metrics.close()
-    print("scheduler stopped", flush=True)
 
 
 def _describe(shape: TrainerShape) -> str:

@@ -22,8 +22,8 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequen
 from nats.js.kv import KeyValue
 
 from broker import codec
+from broker.control import SchedulerState
 from broker.exceptions import InvalidMessageError
-from broker.messages import SchedulerState
 from broker.provision import run_bucket
 from broker.subjects import RunNames
 from common.log import kv

@@ -15,8 +15,9 @@ import msgpack
 import pytest
 
 from broker import codec
+from broker.control import Fence, SchedulerState, TrainerGroup
 from broker.ingress import tasks_ingress
-from broker.messages import Fence, Role, SchedulerState, TaskSubmitted, TrainerGroup
+from broker.messages import Role, TaskSubmitted
 from broker.registry import Registration, node_name
 from broker.subjects import Durable, RunNames
 from rollout.engines import HFEngineConfig, VLLMEngineConfig

@@ -12,14 +12,13 @@ from hypothesis import strategies as st
 from broker import codec
 from broker.exceptions import InvalidMessageError
 from broker.messages import (
-    WIRE_MESSAGES,
     MessageRejected,
     SampleReady,
     SessionEnded,
     TaskSubmitted,
     TokensGenerated,
 )
-from broker.schema import export_schemas, json_schema
+from broker.schema import WIRE_MESSAGES, export_schemas, json_schema
 from tests.schema_strategy import from_json_schema
 
 # MessageRejected carries raw bytes (base64 in JSON): tested apart with arbitrary bytes.

@@ -10,8 +10,9 @@ import pytest
 
 from broker import codec
 from broker.client import session
+from broker.control import Fence, SchedulerState
 from broker.exceptions import RunNotProvisionedError
-from broker.messages import Fence, Role, SchedulerState, WorkerRegistered
+from broker.messages import Role, WorkerRegistered
 from broker.provision import provision_run
 from broker.registry import Registration
 from broker.roles import REGISTRY as ROLE_METRICS

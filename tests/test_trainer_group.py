@@ -27,7 +27,7 @@ from safetensors.torch import load, save_file
 
 from broker import codec
 from broker.config import ConsumerLimits
-from broker.messages import TrainerGroup
+from broker.control import TrainerGroup
 from broker.provision import provision_run
 from broker.subjects import RunNames
 from seamlessflow.processes import worker_process

@@ -35,8 +35,8 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from broker import codec
+from broker.control import TrainerGroup, TrainerRendezvous
 from broker.exceptions import InvalidMessageError
-from broker.messages import TrainerGroup, TrainerRendezvous
 from broker.subjects import RunNames
 from common.log import kv
 from trainer.exceptions import GroupBrokenError
@@ -50,7 +50,8 @@ from trainer.metrics import (
     RENDEZVOUS_SECONDS,
 )
 from trainer.ranks import RankGroup
-from trainer.service import Trainer, wait_first
+from trainer.service import Trainer
+from trainer.waits import wait_first
 
 log = logging.getLogger(__name__)
 

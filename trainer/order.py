@@ -15,6 +15,8 @@ then the ticket is given up (its task may have failed without samples) and the s
 A trainer that starts the run (at version 0) waits from ticket 1 on; one that resumes (from a
 checkpoint, or as a new rank 0) waits only for tickets above the first one it sees: those below
 may have been trained before it.
+
+The trainer's wait itself, with its metrics: ``trainer.waits.OrderWait``.
 """
 
 from collections.abc import Callable

@@ -28,7 +28,14 @@ from safetensors.torch import save, save_file
 from broker.exceptions import RetryStoppedError
 from broker.retry import retry
 from broker.subjects import RunNames
-from broker.weights import LOCAL_BLOB, announce_local, local_folder, publish_weights
+from broker.weights import (
+    LOCAL_BLOB,
+    announce_local,
+    latest_weights,
+    local_folder,
+    newest_local,
+    publish_weights,
+)
 from common.log import kv
 from trainer.config import TrainerConfig
 
@@ -49,6 +56,19 @@ class WeightPublisher:
         self._pending: tuple[int, Path | bytes, float] | None = None  # newest not yet stored
         self._wake = asyncio.Event()
         self._closing = False
+
+    async def announced(self) -> tuple[int, bool]:
+        """The newest version announced for the run (on the weights stream or, with
+        ``local_weights``, on this host only), and whether the stream's newest announcement is of
+        a host-local copy only."""
+        latest = await retry(lambda: latest_weights(self._js, self._names), what="weights_latest")
+        published = latest.version if latest else 0
+        if self._config.local_weights:  # a newer version may have been announced here only
+            newest = await asyncio.to_thread(
+                newest_local, self._config.local_weights_dir, self._names
+            )
+            published = max(published, newest)
+        return published, latest is not None and latest.host is not None
 
     async def publish(self, version: int, state: StateFn) -> bool:
         """Copy ``version``'s weights out of the model and announce the host-local copy, if any;

@@ -6,8 +6,8 @@ else hold it in the ``Batcher`` and wait, un-acked (the ingress keeps it in prog
 step that used it is committed. Per step (``Trainer.run``):
 
 1. in drop mode, wait (bounded) for an earlier admitted task's group the step would put past the
-   staleness bound (``trainer.order``); take the ``groups_per_step`` complete groups with the
-   oldest tokens; advantages, staleness bound;
+   staleness bound (``trainer.waits.OrderWait``, ``trainer.order``); take the ``groups_per_step``
+   complete groups with the oldest tokens; advantages, staleness bound;
 2. train on every rank (off the event loop);
 3. every ``checkpoint_every`` versions (and at stop): checkpoint (model, optimizer, version
    v+1, the ids of recent steps) atomically and log the steps it holds;
@@ -38,12 +38,9 @@ from broker.exceptions import InvalidMessageError
 from broker.ingress import Delivery, HandBack, Ingress
 from broker.messages import Role, SampleReady
 from broker.provision import durable_info
-from broker.retry import retry
 from broker.roles import RoleHolder
 from broker.subjects import Durable, RunNames
-from broker.weights import latest_weights, newest_local
 from common.log import kv
-from common.staleness import StalenessMode
 from trainer import checkpoint
 from trainer.batcher import DROPPED, Batcher, Outcome, lag, oldest_version, plan_step
 from trainer.checkpoint import Checkpoint, StepRecord
@@ -55,8 +52,6 @@ from trainer.metrics import (
     GROUPS_EXPIRED,
     HELD,
     INVALID,
-    ORDER_GIVEN_UP,
-    ORDER_WAIT,
     PUBLISH_SECONDS,
     SAMPLES,
     STALENESS,
@@ -68,6 +63,7 @@ from trainer.metrics import (
 from trainer.order import AdmissionOrder
 from trainer.publisher import WeightPublisher
 from trainer.ranks import RankGroup
+from trainer.waits import OrderWait, wait_first
 from trainer.watch import ServingWatch
 
 log = logging.getLogger(__name__)
@@ -100,8 +96,8 @@ class Trainer:
         self._trained = start.trained_ids() if start else set()
         self._batcher = self._new_batcher()
         self._waiting: dict[str, asyncio.Future[None]] = {}
-        self._waited_for = 0  # the admission ticket a step last waited for (logged once)
         self._wake = asyncio.Event()
+        self._order_wait = OrderWait(config, self._wake)
         self._stopping = False
         self._may_step = asyncio.Event()  # set while the trainer holds the train role
         self._may_step.set()
@@ -232,7 +228,7 @@ class Trainer:
                 if not self._formed.is_set():  # the trainer group is (re-)forming
                     await wait_first(self._formed.wait(), stop.wait())
                     continue
-                if await self._wait_for_order(stop):
+                if await self._order_wait.wait(self._batcher, self.version, stop):
                     continue
                 groups = self._batcher.take(self._config.groups_per_step)
                 if groups is None:
@@ -252,36 +248,6 @@ class Trainer:
         finally:
             self._stopping = True
             self._release(list(self._waiting), HandBack("trainer stopping"))
-
-    async def _wait_for_order(self, stop: asyncio.Event) -> bool:
-        """With a batch complete, in drop mode: wait (once, until a sample comes or a wait runs
-        out) for the earlier admitted tasks this step would put past the staleness bound
-        (``trainer.order``). Returns whether it waited."""
-        config = self._config
-        if (
-            config.staleness_mode is not StalenessMode.DROP
-            or config.order_wait_s == 0
-            or self._batcher.complete_groups < config.groups_per_step
-        ):
-            return False
-        order = self._batcher.order
-        before = order.given_up
-        blocking = order.blocking(self.version, config.max_staleness, time.monotonic())
-        if gave_up := order.given_up - before:
-            ORDER_GIVEN_UP.inc(gave_up)
-            log.warning(kv("order_given_up", tickets=gave_up, after_s=config.order_wait_s))
-        if not blocking:
-            return False
-        deadline = order.deadline()
-        assert deadline is not None
-        if blocking[0] != self._waited_for:  # once per ticket, not per sample that wakes it
-            self._waited_for = blocking[0]
-            log.info(kv("order_waiting", version=self.version, ticket=blocking[0], n=len(blocking)))
-        self._wake.clear()
-        started = time.monotonic()
-        await wait_first(self._wake.wait(), stop.wait(), timeout=max(0.0, deadline - started))
-        ORDER_WAIT.inc(time.monotonic() - started)
-        return True
 
     async def take(self, role: Role) -> None:
         """``RoleHolder``'s switch: step as ``train``; otherwise finish the step in progress and
@@ -474,13 +440,7 @@ class Trainer:
         """After a restart: publish the checkpoint's version if the weights stream lacks it
         (the process died between the checkpoint and the publication), or as a new version
         after those published since it (``checkpoint_every`` > 1)."""
-        latest = await retry(lambda: latest_weights(self._js, self._names), what="weights_latest")
-        published = latest.version if latest else 0
-        if self._config.local_weights:  # a newer version may have been announced here only
-            newest = await asyncio.to_thread(
-                newest_local, self._config.local_weights_dir, self._names
-            )
-            published = max(published, newest)
+        published, local_only = await self._publisher.announced()
         if 0 < published - self.version < self._config.checkpoint_every:
             # The steps since the last checkpoint died with the process (their samples were
             # acknowledged: they are lost too). Their versions stay taken: a version names one
@@ -495,17 +455,7 @@ class Trainer:
                 f"trainer starts at v{self.version} (checkpoint_dir="
                 f"{self._config.checkpoint_dir}): use the checkpoint that produced it or a new run"
             )
-        if self.version > published or (latest is not None and latest.host is not None):
+        if self.version > published or local_only:
             # unpublished, or announced as a host-local copy only: publish it for every host
             await self._publisher.publish(self.version, self._ranks.backend.hf_state_dict)
         VERSION.set(self.version)
-
-
-async def wait_first(*waits, timeout: float | None = None) -> None:  # noqa: ASYNC109
-    """Wait for the first of ``waits`` (coroutines) to finish, or ``timeout``; cancel the rest."""
-    tasks = [asyncio.ensure_future(w) for w in waits]
-    try:
-        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
