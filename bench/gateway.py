@@ -13,6 +13,9 @@ OpenAI SDK -> gateway -> NATS -> rollout worker subprocess -> engine (b), in one
    (adds the gateway's call: its request, continuation bookkeeping and the ``CallRecorded`` it
    stores before answering), (h) plain HTTP to the gateway with httpx (adds the HTTP server, request
    validation, detokenization and the response), then (b) through the OpenAI SDK.
+   The cost of the gateway's keys (``rollout.gateway.keys``): (h') the plain HTTP call to a
+   second gateway, on the same run, that checks bearer keys, paired with (h); and, without
+   generation's noise, ``GET /v1/models`` on each (m', m).
 2. throughput: N concurrent multi-turn sessions (``X-Session-Id``), each ``--turns`` greedy chat
    calls of up to ``--turn-tokens`` tokens, through the data plane; then the very same calls
    (prompt ids read back from the run's call records) replayed into the in-process engine with
@@ -71,6 +74,7 @@ from common.models import load_tokenizer, resolve_model
 from rollout.engines import ENGINE_CONFIGS, ENGINES, Engine, EngineConfig, start_engine
 from rollout.gateway import Gateway, GatewayConfig, default_stop_token_ids
 from rollout.gateway.calls import Call, CallLimits
+from rollout.gateway.keys import read_key_file, write_run_keys
 from seamlessflow.processes import worker_process
 
 RUN = "bench-gateway"
@@ -113,6 +117,8 @@ BREAKDOWN_ROWS = [
     ("HTTP, validation, detok, JSON (h - c)", "hop_http_ms"),
     ("OpenAI SDK client (b - h)", "hop_sdk_ms"),
     ("all: b - a", "paired_overhead_ms"),
+    ("key check, a call (h' - h)", "auth_call_ms"),
+    ("key check, GET /v1/models (m' - m)", "auth_models_ms"),
 ]
 """The per-hop table (paired by round): label, key in the summary."""
 
@@ -138,6 +144,8 @@ class Plane:
 
     client: openai.AsyncOpenAI
     http: httpx.AsyncClient
+    keyed: httpx.AsyncClient
+    """Plain HTTP to the gateway that checks keys, sending its key."""
     nc: NATS
     js: JetStreamContext
     names: RunNames
@@ -245,6 +253,13 @@ async def http_call(
     return time.perf_counter() - start, response.json()["usage"]["completion_tokens"]
 
 
+async def models_call(http: httpx.AsyncClient) -> tuple[float]:
+    """(seconds,) of ``GET /v1/models``: the HTTP path and the key check, no generation."""
+    start = time.perf_counter()
+    (await http.get("models")).raise_for_status()
+    return (time.perf_counter() - start,)
+
+
 async def plane_call(
     client: openai.AsyncOpenAI, prompt_ids: list[int], max_tokens: int
 ) -> tuple[float, int]:
@@ -317,6 +332,9 @@ async def bench_latency(
         "nats_start_ms": [],
         "core_ms": [],
         "http_ms": [],
+        "http_keyed_ms": [],
+        "models_ms": [],
+        "models_keyed_ms": [],
     }
     variants = [
         lambda: engine_call(engine, prompt_ids, params),
@@ -325,6 +343,9 @@ async def bench_latency(
         lambda: http_call(plane.http, prompt_ids, k),
         lambda: plane_call(plane.client, prompt_ids, k),
         lambda: plane_stream(plane.client, prompt_ids, k),
+        lambda: http_call(plane.keyed, prompt_ids, k),
+        lambda: models_call(plane.http),
+        lambda: models_call(plane.keyed),
     ]
     for i in range(s.warmup + s.calls):
         # Each round starts at the next variant: a call right after another process's torch
@@ -337,6 +358,7 @@ async def bench_latency(
         (e_total, e_first, e_tokens), (n_total, n_start, n_tokens) = results[:2]
         (c_total, c_tokens), (h_total, h_tokens), (p_total, p_tokens) = results[2:5]
         s_total, s_first, s_tokens = results[5]
+        (k_total, k_tokens), (m_total,), (mk_total,) = results[6:9]
         for where, got in (
             ("engine.generate", e_tokens),
             ("the generation protocol", n_tokens),
@@ -344,11 +366,12 @@ async def bench_latency(
             ("the gateway (plain HTTP)", h_tokens),
             ("the data plane", p_tokens),
             ("the data plane (stream)", s_tokens),
+            ("the gateway with keys (plain HTTP)", k_tokens),
         ):
             _check_tokens(where, got, k)
         if i >= s.warmup:
             measured = (e_total, p_total, e_first, s_first, s_total)
-            measured += (n_total, n_start, c_total, h_total)
+            measured += (n_total, n_start, c_total, h_total, k_total, m_total, mk_total)
             for key, seconds in zip(raw, measured, strict=True):
                 raw[key].append(1000 * seconds)
     # Rounds run back to back, so a round's difference is the overhead under the same load.
@@ -361,6 +384,8 @@ async def bench_latency(
         ("sdk", "http_ms", "plane_ms"),
     ):
         raw[f"hop_{hop}_ms"] = _minus(raw[b], raw[a])
+    raw["auth_call_ms"] = _minus(raw["http_keyed_ms"], raw["http_ms"])
+    raw["auth_models_ms"] = _minus(raw["models_keyed_ms"], raw["models_ms"])
     summary = {key: {q: _pct(v, q) for q in QUANTILES} for key, v in raw.items()}
     for name, a, b in (
         ("overhead", "engine_ms", "plane_ms"),
@@ -468,28 +493,34 @@ async def run_bench(nats_url: str, model: Path, s: Settings, scratch: Path) -> d
         try:
             if isinstance(ready, BaseException):
                 raise ready
-            return await measure(nats_url, started, model, s)
+            return await measure(nats_url, started, model, s, scratch)
         finally:
             await started.close()
     finally:
         await asyncio.to_thread(worker.stop)
 
 
-async def measure(nats_url: str, engine: Engine, model: Path, s: Settings) -> dict:
+async def measure(nats_url: str, engine: Engine, model: Path, s: Settings, scratch: Path) -> dict:
     tokenizer = load_tokenizer(model)
     stop_ids = default_stop_token_ids(model, tokenizer)
     prompt_ids = await pick_prompt(engine, tokenizer, stop_ids, s.latency_tokens)
     gateway_config = GatewayConfig(
         model=SERVED, model_path=model, run=RUN, port=0, max_model_len=s.max_model_len
     )
+    keys = write_run_keys(scratch / "keys")
+    keyed_config = gateway_config.model_copy(update={"keys_file": keys.keys_file})
+    auth = {"Authorization": f"Bearer {read_key_file(keys.openai_key_file)}"}
     async with (
         Gateway(gateway_config, nats_url) as gateway,
+        Gateway(keyed_config, nats_url) as keyed_gateway,
         openai.AsyncOpenAI(base_url=gateway.url, api_key="x", max_retries=0) as client,
         httpx.AsyncClient(base_url=gateway.url) as http,
+        httpx.AsyncClient(base_url=keyed_gateway.url, headers=auth) as keyed,
         session(nats_url, "bench-records") as nc,
     ):
         names = RunNames(RUN)
-        plane = Plane(client, http, nc, nc.jetstream(timeout=gateway_config.nats_timeout_s), names)
+        js = nc.jetstream(timeout=gateway_config.nats_timeout_s)
+        plane = Plane(client, http, keyed, nc, js, names)
         latency = await bench_latency(engine, plane, prompt_ids, stop_ids, s)
         records = RecordReader(nc.jetstream(), names)
         throughput = [
@@ -603,7 +634,7 @@ def main() -> None:
     started = time.perf_counter()
     with (
         tempfile.TemporaryDirectory() as state,
-        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state))) as broker,
+        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state), insecure=True)) as broker,
     ):
         try:
             measured = asyncio.run(run_bench(broker.url, model, settings, Path(state)))

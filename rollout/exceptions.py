@@ -53,3 +53,9 @@ class GenerationFailedError(RolloutError):
 
 class ClientDisconnectedError(RolloutError):
     """The client went away before its response was ready."""
+
+
+class PermissionDeniedError(RolloutError):
+    """A valid key used outside its rights (a tenant's key on another tenant's session)."""
+
+    code = "permission_denied"

@@ -57,6 +57,7 @@ from common.exceptions import SeamlessFlowError
 from common.log import kv
 from common.metrics import scrape
 from common.paths import default_state_dir
+from rollout.gateway.keys import RunKeys, write_run_keys
 from seamlessflow.config import RunConfig, override
 from seamlessflow.exceptions import RunFailedError
 from seamlessflow.feed import TaskFeed
@@ -117,6 +118,7 @@ async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
         shutil.rmtree(out / "broker", ignore_errors=True)  # every run starts from a fresh store
     shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)  # and a new run from the model
     shutil.rmtree(out / CONFIGS, ignore_errors=True)
+    keys = _gateway_keys(config, out)
     broker = override(config, {"broker": {"state_dir": str(out / "broker")}}).broker
     names = RunNames(config.run)
     async with (
@@ -138,7 +140,7 @@ async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
         print(f"prometheus targets (file_sd): {targets.path}", flush=True)
         follow = asyncio.create_task(targets.follow(js, names))
         services = Services(
-            url, config, model, out / CHECKPOINTS, out / CONFIGS, embedded.identities
+            url, config, model, out / CHECKPOINTS, out / CONFIGS, keys, embedded.identities
         )
         stats = RunStats()
         started = time.time()
@@ -242,6 +244,23 @@ def _feed(schema: type[Message], handle: Callable) -> Callable:
     return callback
 
 
+def _gateway_keys(config: RunConfig, out: Path) -> RunKeys | None:
+    """A fresh keys file for the run's gateway in ``out`` (``rollout.gateway.keys``), with the
+    agent runner's key and the ``/metrics`` key (``metrics.key``, a Prometheus
+    ``credentials_file``); None when the config names a keys file of its own (then its
+    ``[agents] gateway_key_file`` gives the agents their key)."""
+    if config.gateway.keys_file is not None:
+        if config.agents.gateway_key_file is None:
+            raise RunFailedError(
+                f"[gateway] keys_file is {config.gateway.keys_file}: set [agents] "
+                "gateway_key_file to a file holding one of its openai keys, for the agents"
+            )
+        return None
+    keys = write_run_keys(out)
+    print(f"gateway keys: {keys.keys_file} (/metrics key: {keys.metrics_key_file})", flush=True)
+    return keys
+
+
 @dataclass
 class Services:
     """The run's child processes, started in dependency order and stopped in reverse. Each is
@@ -255,6 +274,8 @@ class Services:
     checkpoint_dir: Path
     """The trainer's, when the config sets none: a restarted trainer resumes from it."""
     configs: Path
+    keys: RunKeys | None = None
+    """The gateway's keys file and the agents' key (``_gateway_keys``); None: the config's."""
     identities: dict[Principal, Path] | None = None
     """Each child connects as its principal's identity file when given (else it inherits this
     process's ``$SEAMLESSFLOW_NATS_IDENTITY``, or none)."""
@@ -305,15 +326,17 @@ class Services:
             self.child("trajectory", "trajectory", {}),
             *self._trainer_and_workers(layout, cpus),
         ]
-        gateway = self.child("gateway", "gateway", {"gateway": {"port": 0}})
+        keyed = {} if self.keys is None else {"keys_file": str(self.keys.keys_file)}
+        gateway = self.child("gateway", "gateway", {"gateway": {"port": 0, **keyed}})
         self.running = [*first, gateway]
         await self._ready(self.running)
         for proc in self.running:
             targets.add(proc.metrics_url, proc.command)
         gateway_url = gateway.metrics_url.removesuffix("/metrics") + "/v1"
         # A restarted gateway must listen where the agents call it.
-        self.resolve("gateway", {"gateway": {"port": urlparse(gateway_url).port}})
-        agents = self.child("agents", "agents", {"agents": {"gateway": gateway_url}})
+        self.resolve("gateway", {"gateway": {"port": urlparse(gateway_url).port, **keyed}})
+        key = {} if self.keys is None else {"gateway_key_file": str(self.keys.openai_key_file)}
+        agents = self.child("agents", "agents", {"agents": {"gateway": gateway_url, **key}})
         self.running.append(agents)
         await self._ready([agents])
         targets.add(agents.metrics_url, agents.command)

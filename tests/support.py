@@ -201,6 +201,8 @@ class GatewayThread:
     def __init__(self, config: GatewayConfig, nats_url: str) -> None:
         self.config, self.nats_url = config, nats_url
         self.url = ""
+        self.app = None
+        """The gateway's HTTP app (``rollout.gateway.app.build_app``)."""
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -211,7 +213,7 @@ class GatewayThread:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         try:
             async with Gateway(self.config, self.nats_url) as gateway:
-                self.url = gateway.url
+                self.url, self.app = gateway.url, gateway.app
                 self._ready.set()
                 await self._stop.wait()
         except BaseException as exc:

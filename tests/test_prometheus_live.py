@@ -77,6 +77,8 @@ class LiveRun:
     proc: subprocess.Popen
     log: Path
     targets: Path
+    metrics_key: Path
+    """The gateway's /metrics key (``rollout.gateway.keys``), as the run wrote it."""
     nats_port: int
     metrics_port: int
 
@@ -119,7 +121,7 @@ def live_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
             stderr=subprocess.STDOUT,
             env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )
-    run = LiveRun(proc, log, out / SCRAPE_TARGETS, nats_port, metrics_port)
+    run = LiveRun(proc, log, out / SCRAPE_TARGETS, out / "metrics.key", nats_port, metrics_port)
     try:
         jobs = {f"seamlessflow-{kind}" for kind in KINDS}
 
@@ -139,9 +141,10 @@ def live_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
     assert run.groups() == []  # the run is over: no targets left
 
 
-def families(url: str) -> dict[str, list]:
-    """``{family name: samples}`` served at ``url`` now."""
-    body = httpx.get(url, timeout=10).raise_for_status().text
+def families(url: str, key: Path | None = None) -> dict[str, list]:
+    """``{family name: samples}`` served at ``url`` now (sending the bearer key in ``key``)."""
+    headers = {"Authorization": f"Bearer {key.read_text().strip()}"} if key else None
+    body = httpx.get(url, timeout=10, headers=headers).raise_for_status().text
     return {f.name: f.samples for f in text_string_to_metric_families(body)}
 
 
@@ -200,8 +203,10 @@ def test_every_process_exports_only_its_own_metrics(live_run: LiveRun, tmp_path:
 
         wait_for(stepped, 180, "two trainer steps", live_run)
         problems = []
+        gateway = next(url for url, kind in processes if kind == "gateway")
+        assert httpx.get(gateway, timeout=10).status_code == 401  # the gateway's takes a key
         for url, kind in processes:
-            exported = families(url)
+            exported = families(url, live_run.metrics_key if kind == "gateway" else None)
             if foreign := foreign_families(kind, exported):
                 problems.append(f"{kind} ({url}) exports {sorted(foreign)}")
             if not any(name.startswith(OWN_PREFIXES[kind][0]) for name in exported):
@@ -224,12 +229,18 @@ def prometheus(live_run: LiveRun, tmp_path_factory: pytest.TempPathFactory) -> I
     home = tmp_path_factory.mktemp("prometheus")
     config = yaml.safe_load((ROOT / "dashboards" / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = "1s"
-    for sd in config["scrape_configs"][0]["file_sd_configs"]:
-        sd["refresh_interval"] = "1s"
-        for pattern in sd["files"]:
-            link = home / pattern.replace("*", RUN)
-            link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(live_run.targets)
+    for job in config["scrape_configs"]:
+        for sd in job["file_sd_configs"]:
+            sd["refresh_interval"] = "1s"
+            for pattern in sd["files"]:
+                link = home / pattern.replace("*", RUN)
+                link.parent.mkdir(parents=True, exist_ok=True)
+                if not link.is_symlink():
+                    link.symlink_to(live_run.targets)
+        if "authorization" in job:  # the gateway's job: the run's /metrics key
+            link = home / job["authorization"]["credentials_file"]
+            if not link.is_symlink():
+                link.symlink_to(live_run.metrics_key)
     (home / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = (home / "prometheus.log").open("w")

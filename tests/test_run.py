@@ -92,6 +92,10 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
     assert children["gateway"].gateway.port > 0  # the port it bound: a restart listens there
     gateway = f"http://127.0.0.1:{children['gateway'].gateway.port}/v1"
     assert children["agents"].agents.gateway == gateway
+    # The gateway checked keys (a fresh keys file of the run); the agents called with theirs.
+    assert children["gateway"].gateway.keys_file == out / "gateway_keys.toml"
+    assert children["agents"].agents.gateway_key_file == out / "agents.key"
+    assert all((out / f).stat().st_mode & 0o777 == 0o600 for f in ("agents.key", "metrics.key"))
     if layout != "disaggregated":
         assert children["trainer"].worker.tags == ["train", "rollout"]
 

@@ -46,7 +46,7 @@ def calculator(expression: str) -> str:
 async def agent(ctx: AgentContext) -> AgentResult:
     client = AsyncOpenAI(
         base_url=ctx.gateway_url,
-        api_key="unused",
+        api_key=ctx.api_key,
         default_headers=ctx.headers,
         max_retries=0,
     )

@@ -38,7 +38,7 @@ async def agent(ctx: AgentContext) -> AgentResult:
     llm = ChatOpenAI(
         model=ctx.model,
         base_url=ctx.gateway_url,
-        api_key="unused",
+        api_key=ctx.api_key,
         default_headers=ctx.headers,
         temperature=ctx.temperature,
         max_tokens=ctx.max_tokens,

@@ -5,10 +5,10 @@
 //   command = ["examples/typescript/node_modules/.bin/tsx", "examples/typescript/calculator_agent.ts"]
 //
 // (`npm ci --prefix examples/typescript` first; `make test` does). The runner's contract
-// (docs/agents.md): the task as JSON on stdin; SF_GATEWAY_URL, SF_SESSION_ID, SF_MODEL,
-// SF_TEMPERATURE, SF_MAX_TOKENS in the environment; the answer is the last line of stdout; exit 75
-// when the gateway is down (the task is retried). The only changes from an agent written against
-// OpenAI are the base URL and the header naming the session.
+// (docs/agents.md): the task as JSON on stdin; SF_GATEWAY_URL, SF_GATEWAY_KEY, SF_SESSION_ID,
+// SF_MODEL, SF_TEMPERATURE, SF_MAX_TOKENS in the environment; the answer is the last line of
+// stdout; exit 75 when the gateway is down (the task is retried). The only changes from an agent
+// written against OpenAI are the base URL, the key and the header naming the session.
 //
 // It offers the `calculator` function, runs each call the model makes, sends the result back as
 // a `tool` message and lets the model go on, for at most the task's max_turns model calls.
@@ -106,7 +106,7 @@ async function main(): Promise<void> {
   const task: Task = JSON.parse(await readStdin());
   const client = new OpenAI({
     baseURL: process.env.SF_GATEWAY_URL,
-    apiKey: "unused",
+    apiKey: process.env.SF_GATEWAY_KEY ?? "unused",
     defaultHeaders: { "X-Session-Id": process.env.SF_SESSION_ID ?? "" },
     maxRetries: 0,
   });

@@ -7,7 +7,8 @@ returns its final answer, which the runner then verifies. Two kinds:
 - a Python coroutine function, named in config as ``module:function`` (``load_agent``), or one
   of the built-in agents of an env (``chat_agent`` here, ``rollout.agents.arithmetic``);
 - an external command in any language (``CommandAgent``), run once per attempt: env
-  ``SF_GATEWAY_URL`` (base URL with ``/v1``), ``SF_SESSION_ID``, ``SF_MODEL``, and the runner's
+  ``SF_GATEWAY_URL`` (base URL with ``/v1``), ``SF_GATEWAY_KEY`` (its bearer key, the SDKs'
+  ``api_key``), ``SF_SESSION_ID``, ``SF_MODEL``, and the runner's
   sampling settings ``SF_TEMPERATURE`` and ``SF_MAX_TOKENS``; the task as JSON
   on stdin; the last line of stdout is the answer, except lines ``SF_REWARD=<number>``: the last
   of those is the attempt's own reward (``AgentResult.reward``). Exit 0: done; exit 75
@@ -66,6 +67,9 @@ class AgentContext:
     max_tokens: int
     verify: Callable[[str], bool]
     """The task's verifier with its reference: environment feedback for multi-turn agents."""
+    api_key: str = "unused"
+    """The gateway key ``client`` calls with (``"unused"`` for a gateway without keys): the
+    ``api_key`` of a client of one's own."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -205,6 +209,7 @@ class CommandAgent:
         env = {
             **os.environ,
             "SF_GATEWAY_URL": ctx.gateway_url,
+            "SF_GATEWAY_KEY": ctx.api_key,
             "SF_SESSION_ID": ctx.session_id,
             "SF_MODEL": ctx.model,
             "SF_TEMPERATURE": repr(ctx.temperature),

@@ -1,5 +1,6 @@
 """The agent runner's settings: the ``[agents]`` section of the run TOML."""
 
+from pathlib import Path
 from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -31,6 +32,11 @@ class AgentsConfig(BaseModel):
         max_length=2048,
         description="the gateway's URL (with or without /v1); required to run agents",
         json_schema_extra={"flag": "gateway"},
+    )
+    gateway_key_file: Path | None = Field(
+        default=None,
+        description="a file (mode 0600) holding the gateway key (scope openai) agents call "
+        "with, the key alone; unset: no key (a gateway without keys)",
     )
     model: str | None = Field(
         default=None,

@@ -65,12 +65,14 @@ from rollout.agents.exceptions import (
 from rollout.agents.once import OncePerTask
 from rollout.agents.rewards import CallLog, Scoring, Transcript, ended, scoring_for
 from rollout.agents.sessions import gateway_base, gateway_headers, group_id, session_id
+from rollout.gateway.keys import read_key_file
 
 log = logging.getLogger(__name__)
 
-GATEWAY_DOWN_STATUS = frozenset({502, 503, 504})
-"""Gateway answers that mean it (or the rollout behind it) cannot serve now: the attempt waits
-for it. Any other error status fails the attempt (a 500 is a worker's error on this prompt)."""
+GATEWAY_DOWN_STATUS = frozenset({401, 502, 503, 504})
+"""Gateway answers that mean it (or the rollout behind it) cannot serve now, or not us (401: it
+refused the runner's key, ``gateway_key_file``): the attempt waits for it, unscored. Any other
+error status fails the attempt (a 500 is a worker's error on this prompt)."""
 
 REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
@@ -142,6 +144,9 @@ class AgentRunner:
         self._config = config
         self.gateway_url = gateway_base(gateway_url)
         self._health_url = self.gateway_url.removesuffix("/v1") + "/health"
+        self._api_key = "unused"  # a gateway without keys takes any
+        if config.gateway_key_file is not None:
+            self._api_key = read_key_file(config.gateway_key_file)
         self._agent: Agent | None = None
         if config.agent is not None:
             self._agent = load_agent(config.agent)
@@ -152,7 +157,7 @@ class AgentRunner:
             timeout=config.request_timeout_s, event_hooks={"request": [self._calls.on_request]}
         )
         self._client = openai.AsyncOpenAI(
-            base_url=self.gateway_url, api_key="unused", max_retries=0, http_client=self._http
+            base_url=self.gateway_url, api_key=self._api_key, max_retries=0, http_client=self._http
         )
         self._model = config.model
         self._stop = asyncio.Event()
@@ -341,6 +346,7 @@ class AgentRunner:
             task=task,
             session_id=sid,
             gateway_url=self.gateway_url,
+            api_key=self._api_key,
             client=self._client.with_options(default_headers=gateway_headers(sid, task.task_id)),
             model=model,
             temperature=self._config.temperature,

@@ -16,6 +16,11 @@ class GatewaySettings(CallLimits):
 
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port; 0: a free port")
+    keys_file: Path | None = Field(
+        default=None,
+        description="bearer keys file (TOML, mode 0600; docs/protocol.md 'Gateway keys'); "
+        "unset: no keys (open, allowed on a loopback host only, with a warning)",
+    )
     stop_token_ids: list[int] | None = Field(
         default=None, description="tokens that end generation; default: the model's eos ids"
     )

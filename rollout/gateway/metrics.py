@@ -40,3 +40,13 @@ TOOL_CALLS_MALFORMED = Counter(
     "tool_choice asked for): returned as content",
     registry=REGISTRY,
 )
+AUTH_REFUSED = Counter(
+    "sf_gateway_auth_refused",
+    "Requests refused by the key check, by reason: missing (no or an empty bearer key), invalid "
+    "(no such key: 401), scope (a key for other routes: 403), tenant (a tenant's key on another "
+    "tenant's session: 403)",
+    ["reason"],
+    registry=REGISTRY,
+)
+for _reason in ("missing", "invalid", "scope", "tenant"):  # exported at 0
+    AUTH_REFUSED.labels(_reason)

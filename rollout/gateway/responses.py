@@ -17,6 +17,7 @@ from rollout.exceptions import (
     GenerationUnavailableError,
     InvalidRequestError,
     ModelNotFoundError,
+    PermissionDeniedError,
     RecordUnavailableError,
 )
 from rollout.gateway.calls import ERRORS
@@ -28,6 +29,7 @@ ERROR_KINDS: list[tuple[type[Exception], int, str, str]] = [
     # (exception, HTTP status, OpenAI error type, metric label)
     (ContextLengthError, 400, "invalid_request_error", "context_length_exceeded"),
     (InvalidRequestError, 400, "invalid_request_error", "invalid_request"),
+    (PermissionDeniedError, 403, "permission_error", "permission_denied"),
     (ModelNotFoundError, 404, "invalid_request_error", "model_not_found"),
     (ClientDisconnectedError, 499, "client_disconnected", "client_disconnected"),
     (RecordUnavailableError, 503, "service_unavailable", "record_failed"),

@@ -21,6 +21,7 @@ from common.ready import announce_ready
 from rollout.exceptions import GenerationUnavailableError, RolloutError
 from rollout.gateway.app import build_app
 from rollout.gateway.config import GatewayConfig
+from rollout.gateway.keys import gateway_keys
 from rollout.gateway.service import OpenAIService
 from rollout.gateway.tools import tool_support
 
@@ -51,6 +52,7 @@ class Gateway:
         self._server: _Server | None = None
         self._serving: asyncio.Task | None = None
         self._socket: socket.socket | None = None
+        self.app: Any = None
 
     @property
     def port(self) -> int:
@@ -64,6 +66,16 @@ class Gateway:
 
     async def __aenter__(self) -> "Gateway":
         config = self.config
+        keys = gateway_keys(config.keys_file, config.host)  # before anything slow: a bad file
+        if keys is None:
+            log.warning(
+                kv(
+                    "gateway_unauthenticated",
+                    host=config.host,
+                    note="no keys_file: every local process can call this gateway and read its "
+                    "/metrics; for a throwaway local run only",
+                )
+            )
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_path)
         tools = await asyncio.to_thread(
             tool_support, tokenizer, config.tool_parser, config.tool_template
@@ -83,10 +95,11 @@ class Gateway:
             js = nc.jetstream(timeout=config.nats_timeout_s)
             await _check_provisioned(js, RunNames(config.run))
             self.service = OpenAIService(config, tokenizer, tools, nc, js, max_model_len, stop_ids)
+            self.app = build_app(self.service, keys)
             self._socket = _listen(config.host, config.port)
             self._server = _Server(
                 uvicorn.Config(
-                    build_app(self.service),
+                    self.app,
                     log_level="warning",
                     lifespan="off",
                     timeout_graceful_shutdown=5,
@@ -104,7 +117,15 @@ class Gateway:
             finally:
                 await disconnect(nc)
             raise
-        log.info(kv("gateway_started", url=self.url, model=config.model, run=config.run))
+        log.info(
+            kv(
+                "gateway_started",
+                url=self.url,
+                model=config.model,
+                run=config.run,
+                keys=keys.source if keys else "none (open)",
+            )
+        )
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:

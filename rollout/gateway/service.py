@@ -39,6 +39,7 @@ from rollout.exceptions import (
     GenerationFailedError,
     InvalidRequestError,
     ModelNotFoundError,
+    PermissionDeniedError,
     RecordUnavailableError,
     RolloutError,
 )
@@ -47,7 +48,8 @@ from rollout.gateway.choices import ChoiceSpec, Event, Run
 from rollout.gateway.config import GatewayConfig
 from rollout.gateway.detok import Detokenizer
 from rollout.gateway.formats import ChatFormat, CompletionFormat, Format, usage
-from rollout.gateway.metrics import CALLS, PROMPT_TOKENS, TOKENS_OUT
+from rollout.gateway.keys import KEY_SCOPE, Key, SessionTenants
+from rollout.gateway.metrics import AUTH_REFUSED, CALLS, PROMPT_TOKENS, TOKENS_OUT
 from rollout.gateway.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -94,6 +96,8 @@ class OpenAIService:
         self.end_markers = {tokenizer.decode([i]): i for i in stop_token_ids}
         """How each stop token reads in rendered text (a chat turn's end)."""
         self.sessions = SessionStore(config.session_cache_sessions, config.session_cache_tokens)
+        self.tenants = SessionTenants(config.session_cache_sessions)
+        """Which tenant each session started under (with keys: ``rollout.gateway.keys``)."""
         self.tool_support = tools
         if not (tools.template or tools.model_renders_tools):
             log.warning(kv("gateway_tools_not_rendered", model=config.model_path))
@@ -144,6 +148,8 @@ class OpenAIService:
                 f"{self.config.model!r}"
             )
         session_id = _session_id(request, body.user)
+        if SESSION_HEADER in request.headers or body.user is not None:  # not a fresh one
+            self._check_tenant(request, session_id)
         prompt = await self._prompt(session_id, format_)
         max_tokens = self._max_tokens(
             len(prompt.ids), format_.requested_max_tokens, format_.prompt_param
@@ -156,6 +162,16 @@ class OpenAIService:
         events = await _unless_disconnected(request, run.collect())
         completion_tokens = sum(parts[-1].completion_tokens for parts in events)
         return json_response(format_.reply(events, usage(len(prompt.ids), completion_tokens)))
+
+    def _check_tenant(self, request: Request, session_id: str) -> None:
+        """A tenant's key calls only for its tenant's sessions (the first call claims one)."""
+        key: Key | None = request.scope.get(KEY_SCOPE)  # None: the gateway runs without keys
+        if key is None or self.tenants.allows(session_id, key):
+            return
+        AUTH_REFUSED.labels("tenant").inc()
+        raise PermissionDeniedError(
+            f"session {session_id!r} belongs to another tenant than key {key.name!r}'s"
+        )
 
     async def _off_loop(self, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)`` on the tokenizer thread."""
