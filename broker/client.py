@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -12,8 +13,14 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
 from broker.auth import IDENTITY_ENV, Identity
-from broker.exceptions import AuthorizationError, BrokerUnavailableError
+from broker.exceptions import (
+    AuthorizationError,
+    BrokerError,
+    BrokerTlsError,
+    BrokerUnavailableError,
+)
 from broker.metrics import REFUSED
+from broker.tls import CA_ENV, client_context
 from common.log import kv
 
 log = logging.getLogger(__name__)
@@ -38,17 +45,32 @@ async def connect(
     It connects as ``identity_file``, else the file named by ``$SEAMLESSFLOW_NATS_IDENTITY``
     (``broker.auth``), else anonymously, which only a broker started ``--insecure`` lets in. A
     refused identity raises ``AuthorizationError`` at once: waiting would not change the
-    answer."""
+    answer. With ``$SEAMLESSFLOW_NATS_CA`` set it speaks TLS and trusts only that CA; a server
+    it cannot verify raises ``BrokerTlsError`` at once (fails closed)."""
     if identity_file is None and os.environ.get(IDENTITY_ENV):
         identity_file = Path(os.environ[IDENTITY_ENV])
     identity = Identity.load(identity_file) if identity_file else None
-
+    ca = os.environ.get(CA_ENV)
+    options = identity.connect_options() if identity else {}
+    if ca:
+        options["tls"] = client_context(Path(ca))
+    fatal: list[BrokerError] = []
     refused = asyncio.Event()
 
     async def error_cb(exc: Exception) -> None:
         text = str(exc).lower()
         if "authorization violation" in text or "authentication" in text:
             REFUSED.labels("authorization").inc()
+            fatal.append(_refused(url, identity_file, identity))
+            refused.set()
+        elif isinstance(exc, ssl.SSLError):
+            REFUSED.labels("tls").inc()
+            fatal.append(
+                BrokerTlsError(
+                    f"TLS with NATS at {url} failed ({exc}); the broker's CA is given by "
+                    f"${CA_ENV} (now {ca or 'unset'})"
+                )
+            )
             refused.set()
         elif "permissions violation" in text:
             REFUSED.labels("permissions").inc()
@@ -78,7 +100,7 @@ async def connect(
             disconnected_cb=disconnected_cb,
             reconnected_cb=reconnected_cb,
             closed_cb=closed_cb,
-            **(identity.connect_options() if identity else {}),
+            **options,
         )
     )
     waiting = asyncio.ensure_future(refused.wait())
@@ -91,15 +113,15 @@ async def connect(
         with contextlib.suppress(asyncio.CancelledError, NatsError, OSError):
             await connecting
         await nc.close()
-        if refused.is_set():
-            raise _refused(url, identity_file, identity)
+        if fatal:
+            raise fatal[0]
         raise _unavailable(url, give_up_after, TimeoutError("no answer"))
     try:
         connecting.result()
     except (NatsError, OSError) as exc:
         await nc.close()
-        if "authorization violation" in str(exc).lower():
-            raise _refused(url, identity_file, identity) from exc
+        if fatal:
+            raise fatal[0] from exc
         raise _unavailable(url, give_up_after, exc) from exc
     return nc
 

@@ -85,7 +85,33 @@ class EmbeddedBrokerConfig(_Config):
     account: AccountLimits = Field(
         default_factory=AccountLimits, description="JetStream limits of each run's account"
     )
+    monitor_host: str = Field(
+        default="127.0.0.1",
+        description="address of the HTTP monitoring port (it answers anyone: loopback unless "
+        "you mean it)",
+    )
+    tls_generate: bool = Field(
+        default=False,
+        description="TLS with a throwaway CA and server certificate made in state_dir/tls "
+        "(broker.tls); clients trust it through $SEAMLESSFLOW_NATS_CA",
+        json_schema_extra={"flag": "tls"},
+    )
+    tls_cert: Path | None = Field(default=None, description="your server certificate (PEM)")
+    tls_key: Path | None = Field(default=None, description="its private key (PEM)")
+    tls_ca: Path | None = Field(
+        default=None, description="the CA that signed it, which clients are given"
+    )
     startup_timeout_s: float = Field(default=30.0, gt=0)
+
+
+    @model_validator(mode="after")
+    def _one_tls(self) -> "EmbeddedBrokerConfig":
+        given = [self.tls_cert, self.tls_key, self.tls_ca]
+        if self.tls_generate and any(given):
+            raise ValueError("tls_generate makes its own certificates: give no tls_cert/key/ca")
+        if any(given) and not all(given):
+            raise ValueError("TLS with your own certificates needs tls_cert, tls_key and tls_ca")
+        return self
 
 
 class StreamLimits(_Config):

@@ -61,3 +61,7 @@ class IdentityError(BrokerError):
 
 class AuthorizationError(BrokerError):
     """The broker refused the identity (unknown, another run's, or none on a secured broker)."""
+
+
+class BrokerTlsError(BrokerError):
+    """TLS with the broker failed: its certificate is not signed by the CA this client trusts."""

@@ -44,8 +44,9 @@ NATS_RETRIES = Counter(
 REFUSED = Counter(
     "sf_nats_refused",
     "What the broker refused this process, by reason: authorization (its identity is unknown, "
-    "of another run, or missing on a secured broker) or permissions (a subject its role may "
-    "not use: a bug or an attack; docs/security.md)",
+    "of another run, or missing on a secured broker), tls (the broker's certificate is not "
+    "signed by the CA this process trusts) or permissions (a subject its role may not use: a "
+    "bug or an attack; docs/security.md)",
     ["reason"],
     registry=REGISTRY,
 )

@@ -24,6 +24,7 @@ import nkeys
 from broker.auth import Authority
 from broker.config import EmbeddedBrokerConfig
 from broker.exceptions import BrokerNotFoundError, BrokerStartError
+from broker.tls import ServerFiles, throwaway_pki
 from common.log import kv
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class EmbeddedBroker:
         self._proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.monitoring_url = ""
+        self.tls: ServerFiles | None = None
         self.authority = (
             None
             if self.config.insecure
@@ -115,6 +117,10 @@ class EmbeddedBroker:
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
         self._ports_dir = ports_dir
+        if cfg.tls_generate:
+            self.tls = throwaway_pki(cfg.state_dir / "tls")
+        elif cfg.tls_cert and cfg.tls_key and cfg.tls_ca:
+            self.tls = ServerFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
         if self.authority is None:
             log.warning(
                 kv(
@@ -211,11 +217,18 @@ class EmbeddedBroker:
         cfg = self.config
         conf: dict = {
             "listen": f"{cfg.host}:{cfg.port or -1}",
-            "http": f"{cfg.host}:{cfg.monitor_port or -1}",
+            "http": f"{cfg.monitor_host}:{cfg.monitor_port or -1}",
             "ports_file_dir": str(self._ports_dir),
             "max_payload": cfg.max_payload,
             "jetstream": {"store_dir": str(self.store_dir)},
         }
+        if self.tls is not None:
+            conf["tls"] = {
+                "cert_file": str(self.tls.cert),
+                "key_file": str(self.tls.key),
+                "ca_file": str(self.tls.ca),
+                "timeout": 2,
+            }
         if self.authority is not None:
             # A user whose seed nobody keeps turns authorization on before the first run's
             # identities exist: until then every connection is refused.

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="embedded broker without authorization (anyone who reaches it may do anything): a "
         "throwaway local run only ([broker] insecure)",
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="embedded broker speaking TLS with a throwaway CA ([broker] tls_generate)",
+    )
     return parser
 
 
@@ -402,6 +407,8 @@ def _run(args: argparse.Namespace) -> int:
         config = override(config, {"run": args.run})
     if args.insecure:
         config = override(config, {"broker": {"insecure": True}})
+    if args.tls:
+        config = override(config, {"broker": {"tls_generate": True}})
     asyncio.run(run_rl(config, args.nats))
     return 0
 

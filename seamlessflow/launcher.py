@@ -31,6 +31,7 @@ from broker.registry import Sighting
 from broker.roles import ROLE_LEASE_SHARE
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
+from broker.tls import CA_ENV
 from common.metrics import MetricsEndpoint, metric_sum, scrape, serve_metrics
 from common.ready import announce_ready
 
@@ -74,6 +75,8 @@ async def local_broker(
     identities = embedded.authority.issue_run(run) if embedded.authority else None
     if identities:
         os.environ[IDENTITY_ENV] = str(identities[Principal.ADMIN])
+    if config.tls_generate or config.tls_ca:  # this process and its children trust its CA
+        os.environ[CA_ENV] = str(config.tls_ca or config.state_dir / "tls" / "ca.pem")
     # Started from this (main) thread: the server is tied to it and dies with it.
     with embedded:
         async with broker_metrics(embedded.monitoring_url, config.metrics_port) as metrics:
