@@ -20,7 +20,14 @@ from broker.client import session
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
-from tests.support import NATS_BINARIES, SMALL_RUN, Stack, broker_config, gateway_stack
+from tests.support import (
+    NATS_BINARIES,
+    SECURE_LIMITS,
+    SMALL_RUN,
+    Stack,
+    broker_config,
+    gateway_stack,
+)
 from trainer.warmstart import WarmStartConfig, warm_start
 
 NEWEST_NATS = max(NATS_BINARIES, key=lambda name: tuple(map(int, name[5:].split("."))))
@@ -67,6 +74,19 @@ def nats_binary(request: pytest.FixtureRequest) -> Path:
 def broker(nats_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
     """One server per binary for the session; tests isolate themselves by run name."""
     with EmbeddedBroker(broker_config(tmp_path_factory.mktemp("broker"), nats_binary)) as b:
+        yield b
+
+
+@pytest.fixture(scope="session")
+def secure_broker(
+    nats_binary: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EmbeddedBroker]:
+    """A server with authorization on (every run an account, every process an identity), for
+    the tests about it; runs join it with ``tests.support.secure_run``."""
+    config = broker_config(
+        tmp_path_factory.mktemp("secure"), nats_binary, insecure=False, account=SECURE_LIMITS
+    )
+    with EmbeddedBroker(config) as b:
         yield b
 
 

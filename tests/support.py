@@ -24,7 +24,13 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 
 from broker import codec
 from broker.client import session
-from broker.config import EmbeddedBrokerConfig, MiB, ProvisionConfig, StreamLimits
+from broker.config import (
+    AccountLimits,
+    EmbeddedBrokerConfig,
+    MiB,
+    ProvisionConfig,
+    StreamLimits,
+)
 from broker.messages import (
     Admitted,
     CallRecorded,
@@ -35,8 +41,9 @@ from broker.messages import (
     TokensGenerated,
     WorkerRegistered,
 )
+from broker.permissions import Principal
 from broker.provision import provision_run
-from broker.server import find_nats_server, server_version
+from broker.server import EmbeddedBroker, find_nats_server, server_version
 from broker.subjects import Durable, RunNames
 from common.metrics import metric_sum, scrape
 from rollout.gateway import Gateway, GatewayConfig
@@ -89,6 +96,23 @@ def broker_config(
     return EmbeddedBrokerConfig(
         state_dir=state_dir, binary=binary, max_payload=2 << 20, insecure=insecure, **settings
     )
+
+
+SECURE_LIMITS = AccountLimits(
+    max_file=96 * MiB, max_memory=16 * MiB, max_streams=32, max_consumers=64
+)
+"""Each run's account on the secured test broker: SMALL_RUN fits, a runaway stream does not."""
+
+
+async def secure_run(broker: EmbeddedBroker, run: str) -> RunNames:
+    """Issue ``run``'s identities on a secured ``broker``, have it apply them, and provision the
+    run as its admin."""
+    broker.authority.issue_run(run)
+    await asyncio.to_thread(broker.reload)
+    admin = broker.authority.path(run, Principal.ADMIN)
+    async with session(broker.url, "test-admin", identity_file=admin) as nc:
+        await provision_run(nc.jetstream(), run, SMALL_RUN)
+    return RunNames(run)
 
 
 async def stream_messages(

@@ -10,8 +10,9 @@ import pytest
 
 from broker.ingress import tasks_ingress
 from broker.messages import MessageRejected, TaskSubmitted
+from broker.permissions import Principal
 from broker.subjects import Durable
-from tests.support import SMALL_RUN, eventually, stream_messages
+from tests.support import SMALL_RUN, eventually, secure_run, stream_messages
 
 CLIENT_DIR = Path(__file__).parent / "clients" / "node"
 
@@ -21,19 +22,39 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-async def _node_submit(url: str, subject: str, task: dict) -> dict:
+async def _node(url: str, subject: str, task: dict, *identity: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         "node",
         str(CLIENT_DIR / "submit_task.mjs"),
         url,
         subject,
         json.dumps(task),
+        *identity,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def _node_submit(url: str, subject: str, task: dict, *identity: str) -> dict:
+    code, out, err = await _node(url, subject, task, *identity)
+    assert code == 0, err
     return json.loads(out)
+
+
+async def test_node_client_connects_with_an_issued_identity(secure_broker, run_name):
+    """On a secured broker the Node client submits with the run's ``client`` identity; without
+    one it is refused, and the ``client`` identity may not publish anything but tasks."""
+    names = await secure_run(secure_broker, run_name)
+    client = str(secure_broker.authority.path(run_name, Principal.CLIENT))
+    task = {"task_id": "n1", "messages": [{"role": "user", "content": "1+1"}]}
+    ack = await _node_submit(secure_broker.url, names.tasks, task, client)
+    assert ack == {"stream": names.tasks_stream, "seq": 1, "duplicate": False}
+    code, _, err = await _node(secure_broker.url, names.tasks, task)
+    assert code != 0 and "authorization" in err.lower()
+    code, _, err = await _node(secure_broker.url, names.samples, task, client)
+    assert code != 0  # the client may not publish samples: no PubAck ever comes
 
 
 async def test_node_client_task_is_received_and_validated(broker, js, names):

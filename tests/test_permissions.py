@@ -4,7 +4,6 @@
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,35 +12,22 @@ from nats.js.errors import BadRequestError
 
 from broker.auth import Identity
 from broker.client import session
-from broker.config import AccountLimits, MiB
+from broker.config import MiB
 from broker.exceptions import AuthorizationError, IdentityError
-from broker.permissions import Principal, inbox_prefix, rows
-from broker.provision import provision_run
+from broker.permissions import Principal, inbox_prefix, matrix_markdown, rows
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
-from tests.support import SMALL_RUN, broker_config
+from tests.support import SECURE_LIMITS, secure_run
 
 RUN, OTHER = "permA", "permB"
-LIMITS = AccountLimits(max_file=96 * MiB, max_memory=16 * MiB, max_streams=32, max_consumers=64)
 PROBE_WAIT_S = 0.5
 
 
 @pytest.fixture(scope="module")
-def secure(nats_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
-    """A broker with authorization on and run ``RUN`` provisioned by its admin."""
-    config = broker_config(
-        tmp_path_factory.mktemp("secure"), nats_binary, insecure=False, account=LIMITS
-    )
-    broker = EmbeddedBroker(config)
-    broker.authority.issue_run(RUN)
-    with broker:
-
-        async def provision() -> None:
-            async with as_(broker, RUN, Principal.ADMIN) as nc:
-                await provision_run(nc.jetstream(), RUN, SMALL_RUN)
-
-        asyncio.run(provision())
-        yield broker
+def secure(secure_broker: EmbeddedBroker) -> EmbeddedBroker:
+    """The secured broker with run ``RUN`` provisioned by its admin."""
+    asyncio.run(secure_run(secure_broker, RUN))
+    return secure_broker
 
 
 def as_(broker: EmbeddedBroker, run: str, principal: Principal, **kwargs):
@@ -250,7 +236,7 @@ async def test_runs_are_tenants_with_their_own_limits(secure: EmbeddedBroker):
             except BadRequestError as exc:  # the account is full
                 refused = (i, exc)
                 break
-        assert refused is not None and refused[0] * MiB <= LIMITS.max_file
+        assert refused is not None and refused[0] * MiB <= SECURE_LIMITS.max_file
         ack = await js_a.publish(a.tasks, b"{}")
         assert ack.stream == a.tasks_stream
         await js_b.delete_stream("RUNAWAY")
@@ -269,3 +255,8 @@ async def test_a_worker_holds_only_its_principals_rights(secure: EmbeddedBroker)
         await worker.flush()
         await asyncio.sleep(PROBE_WAIT_S)
         assert len(violations(probe.errors, "publish")) == 2
+
+
+def test_the_protocol_document_prints_the_matrix_in_force():
+    protocol = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
+    assert matrix_markdown(RunNames("quickstart")) in protocol

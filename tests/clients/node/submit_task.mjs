@@ -1,10 +1,22 @@
 // A SeamlessFlow client in another language: publish one task, as JSON, to a run's task stream.
-// Usage: node submit_task.mjs NATS_URL SUBJECT TASK_JSON
+// Usage: node submit_task.mjs NATS_URL SUBJECT TASK_JSON [IDENTITY_FILE]
+// IDENTITY_FILE: an identity from `seamlessflow creds` (docs/protocol.md section 14); without
+// one the client connects anonymously, which only an --insecure broker accepts.
 // Prints the JetStream acknowledgement as JSON: {"stream": ..., "seq": ..., "duplicate": ...}.
-import { connect, headers } from "nats";
+import { readFileSync } from "node:fs";
+import { connect, headers, nkeyAuthenticator } from "nats";
 
-const [url, subject, taskJson] = process.argv.slice(2);
-const nc = await connect({ servers: url });
+const [url, subject, taskJson, identityFile] = process.argv.slice(2);
+const options = { servers: url };
+if (identityFile) {
+  // The identity file is flat TOML: key = "value" lines.
+  const ident = Object.fromEntries(
+    [...readFileSync(identityFile, "utf8").matchAll(/^(\w+)\s*=\s*"([^"]*)"/gm)].map((m) => [m[1], m[2]]),
+  );
+  options.authenticator = nkeyAuthenticator(new TextEncoder().encode(ident.seed));
+  options.inboxPrefix = ident.inbox_prefix;
+}
+const nc = await connect(options);
 const js = nc.jetstream();
 const h = headers();
 h.set("Content-Type", "application/json");
