@@ -30,6 +30,10 @@ from broker.subjects import RunNames, check_name
 IDENTITY_ENV = "SEAMLESSFLOW_NATS_IDENTITY"
 """The identity file a process connects with (``broker.client.connect``); unset: anonymous, for
 a broker running without authorization (``--insecure``)."""
+IDENTITIES_ENV = "SEAMLESSFLOW_NATS_IDENTITIES"
+"""A folder of one run's identity files, ``<principal>.toml`` (``seamlessflow creds`` writes
+``<broker folder>/auth/<run>/``): ``seamlessflow run --nats URL`` hands each child its own and
+connects as the admin."""
 
 
 def account_name(run: str) -> str:
@@ -103,6 +107,17 @@ class Identity:
     def connect_options(self) -> dict:
         """nats-py ``connect`` keyword arguments."""
         return {"nkeys_seed_str": self.seed, "inbox_prefix": self.inbox_prefix}
+
+
+def run_identities(folder: Path) -> dict[Principal, Path]:
+    """Every principal's identity file in ``folder``; ``IdentityError`` naming a missing one."""
+    identities = {p: folder / f"{p.value}.toml" for p in Principal}
+    if missing := [p.value for p, path in identities.items() if not path.is_file()]:
+        raise IdentityError(
+            f"{folder} lacks the identities of {', '.join(missing)}: issue them with "
+            "`seamlessflow creds --run RUN --state-dir BROKER_FOLDER`"
+        )
+    return identities
 
 
 class Authority:

@@ -35,7 +35,12 @@ cluster after about (``MAX_OUTSTANDING_PINGS`` + 1) * ``PING_INTERVAL_S``; nats.
 
 
 async def connect(
-    url: str, name: str, *, give_up_after: float = 5.0, identity_file: Path | None = None
+    url: str,
+    name: str,
+    *,
+    give_up_after: float = 5.0,
+    identity_file: Path | None = None,
+    ca_file: Path | None = None,
 ) -> NATS:
     """Connect to ``url`` as client ``name`` within ``give_up_after`` seconds; once connected, the
     client reconnects forever. ``url`` may list several servers of a cluster, comma-separated
@@ -45,15 +50,15 @@ async def connect(
     It connects as ``identity_file``, else the file named by ``$SEAMLESSFLOW_NATS_IDENTITY``
     (``broker.auth``), else anonymously, which only a broker started ``--insecure`` lets in. A
     refused identity raises ``AuthorizationError`` at once: waiting would not change the
-    answer. With ``$SEAMLESSFLOW_NATS_CA`` set it speaks TLS and trusts only that CA; a server
-    it cannot verify raises ``BrokerTlsError`` at once (fails closed)."""
+    answer. With ``ca_file``, else ``$SEAMLESSFLOW_NATS_CA``, it speaks TLS and trusts only that
+    CA; a server it cannot verify raises ``BrokerTlsError`` at once (fails closed)."""
     if identity_file is None and os.environ.get(IDENTITY_ENV):
         identity_file = Path(os.environ[IDENTITY_ENV])
     identity = Identity.load(identity_file) if identity_file else None
-    ca = os.environ.get(CA_ENV)
+    ca = ca_file or (Path(os.environ[CA_ENV]) if os.environ.get(CA_ENV) else None)
     options = identity.connect_options() if identity else {}
     if ca:
-        options["tls"] = client_context(Path(ca))
+        options["tls"] = client_context(ca)
     fatal: list[BrokerError] = []
     refused = asyncio.Event()
 
@@ -160,10 +165,17 @@ async def disconnect(nc: NATS, *, drain_within: float = 10.0) -> None:
 
 @asynccontextmanager
 async def session(
-    url: str, name: str, *, give_up_after: float = 5.0, identity_file: Path | None = None
+    url: str,
+    name: str,
+    *,
+    give_up_after: float = 5.0,
+    identity_file: Path | None = None,
+    ca_file: Path | None = None,
 ) -> AsyncIterator[NATS]:
     """``connect`` for the duration of a block, then ``disconnect``."""
-    nc = await connect(url, name, give_up_after=give_up_after, identity_file=identity_file)
+    nc = await connect(
+        url, name, give_up_after=give_up_after, identity_file=identity_file, ca_file=ca_file
+    )
     try:
         yield nc
     finally:

@@ -103,7 +103,6 @@ class EmbeddedBrokerConfig(_Config):
     )
     startup_timeout_s: float = Field(default=30.0, gt=0)
 
-
     @model_validator(mode="after")
     def _one_tls(self) -> "EmbeddedBrokerConfig":
         given = [self.tls_cert, self.tls_key, self.tls_ca]

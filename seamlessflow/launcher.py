@@ -19,7 +19,7 @@ from nats.js.errors import KeyNotFoundError
 from prometheus_client import CollectorRegistry
 
 from broker import codec
-from broker.auth import IDENTITY_ENV, Authority
+from broker.auth import IDENTITIES_ENV, IDENTITY_ENV, Authority, run_identities
 from broker.config import EmbeddedBrokerConfig
 from broker.control import SchedulerState, TrainerGroup
 from broker.exceptions import InvalidMessageError
@@ -64,12 +64,17 @@ class Broker:
 async def local_broker(
     explicit: str | None, config: EmbeddedBrokerConfig, run: str
 ) -> AsyncIterator[Broker]:
-    """The broker at ``explicit`` when given (the user's, with its own metrics and identities:
-    this process and its children connect as ``$SEAMLESSFLOW_NATS_IDENTITY``); otherwise an
+    """The broker at ``explicit`` when given (the user's, with its own metrics; with
+    ``$SEAMLESSFLOW_NATS_IDENTITIES`` each child connects as its principal from that folder and
+    this process as the admin, else all as ``$SEAMLESSFLOW_NATS_IDENTITY``); otherwise an
     embedded broker serving ``/metrics`` like ``seamlessflow broker``, for the duration, with
     ``run``'s identities issued and this process connecting as its admin."""
     if explicit:
-        yield Broker(explicit, None)
+        folder = os.environ.get(IDENTITIES_ENV)
+        identities = run_identities(Path(folder)) if folder else None
+        if identities:
+            os.environ[IDENTITY_ENV] = str(identities[Principal.ADMIN])
+        yield Broker(explicit, None, identities)
         return
     embedded = EmbeddedBroker(config)
     identities = embedded.authority.issue_run(run) if embedded.authority else None

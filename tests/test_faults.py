@@ -31,8 +31,10 @@ from pathlib import Path
 
 import pytest
 
+from broker.auth import IDENTITIES_ENV, IDENTITY_ENV
 from broker.client import session
 from broker.messages import MessageRejected, SampleReady, SessionEnded
+from broker.permissions import Principal
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
@@ -90,12 +92,17 @@ class RunProcess:
 
 
 class Broker:
-    """The run's nats-server, stopped and started again on the same port and store."""
+    """The run's nats-server, stopped and started again on the same port and store, with
+    authorization on: the run's identities are issued first, and the run hands each of its
+    processes its own (``$SEAMLESSFLOW_NATS_IDENTITIES``)."""
 
-    def __init__(self, state_dir: Path, binary: Path) -> None:
-        config = broker_config(state_dir, binary)
+    def __init__(self, state_dir: Path, binary: Path, run: str = "faults") -> None:
+        config = broker_config(state_dir, binary, insecure=False)
         self.config = config.model_copy(update={"port": free_port()})
-        self.server = EmbeddedBroker(self.config).start()
+        server = EmbeddedBroker(self.config)
+        server.authority.issue_run(run)
+        self.identities = server.authority.path(run, Principal.ADMIN).parent
+        self.server = server.start()
         self.url = self.server.url
 
     def restart(self, down_s: float) -> None:
@@ -125,9 +132,14 @@ async def _until(condition, timeout: float, run: RunProcess, what: str) -> None:
 
 
 def _start_run(
-    tmp_path: Path, url: str, run_toml: Callable[..., Path], replicas: int = 1
+    tmp_path: Path,
+    url: str,
+    run_toml: Callable[..., Path],
+    replicas: int = 1,
+    identities: Path | None = None,
 ) -> tuple[RunProcess, Path]:
-    """``seamlessflow run`` (run name ``faults``) on ``url``; returns it and its checkpoints."""
+    """``seamlessflow run`` (run name ``faults``) on ``url``, each process with its own identity
+    from ``identities`` when given; returns it and its checkpoints."""
     config = run_toml(
         "faults",
         warm_start_steps=10,
@@ -138,6 +150,8 @@ def _start_run(
         provision={"replicas": replicas},
     )
     env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}
+    if identities is not None:
+        env[IDENTITIES_ENV] = str(identities)
     return RunProcess(config, url, env), tmp_path / "out" / "checkpoints"
 
 
@@ -158,7 +172,7 @@ async def test_run_survives_kills_and_broker_restarts_losing_nothing(
     nats_binary, tmp_path, run_toml
 ):
     broker = Broker(tmp_path / "broker", nats_binary)
-    run, ckpt = _start_run(tmp_path, broker.url, run_toml)
+    run, ckpt = _start_run(tmp_path, broker.url, run_toml, identities=broker.identities)
     table: list[tuple[str, float, int]] = []
     try:
         await _until(lambda: _version(ckpt) >= 2, 300, run, "version 2")
@@ -218,7 +232,7 @@ async def test_run_survives_kills_and_broker_restarts_losing_nothing(
 
 @pytest.mark.newest_nats
 async def test_a_step_taken_while_the_broker_is_down_is_published_when_it_is_back(
-    nats_binary, tiny_model_dir, tmp_path, caplog
+    nats_binary, tiny_model_dir, tmp_path, caplog, monkeypatch
 ):
     """The trainer (in process) holds one session of a group of two; the broker stops; the group
     times out and is trained while the broker is down. The trainer does not die: its acks and
@@ -227,8 +241,9 @@ async def test_a_step_taken_while_the_broker_is_down_is_published_when_it_is_bac
     from trainer.serve import serve_trainer
 
     caplog.set_level(logging.INFO, logger="broker.retry")
-    broker = Broker(tmp_path / "broker", nats_binary)
+    broker = Broker(tmp_path / "broker", nats_binary, run="stepdown")
     names = RunNames("stepdown")
+    monkeypatch.setenv(IDENTITY_ENV, str(broker.identities / "trainer.toml"))  # the trainer's
     config = TrainerConfig(
         lr=1e-3,
         groups_per_step=1,
@@ -240,7 +255,8 @@ async def test_a_step_taken_while_the_broker_is_down_is_published_when_it_is_bac
     )
     stop = asyncio.Event()
     try:
-        async with session(broker.url, "pytest") as nc:
+        admin = broker.identities / "admin.toml"
+        async with session(broker.url, "pytest", identity_file=admin) as nc:
             js = nc.jetstream()
             await provision_run(js, names.run, SMALL_RUN)
             serving = asyncio.create_task(
