@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 
 from broker import codec
+from broker.auth import Authority
 from broker.client import session
 from broker.config import (
     AccountLimits,
@@ -45,6 +46,7 @@ from broker.permissions import Principal
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker, find_nats_server, server_version
 from broker.subjects import Durable, RunNames
+from broker.tls import throwaway_pki
 from common.metrics import metric_sum, scrape
 from rollout.gateway import Gateway, GatewayConfig
 from seamlessflow.processes import ServiceProcess, worker_process
@@ -431,14 +433,37 @@ async def building(js, names: RunNames) -> AsyncIterator[asyncio.Task]:
 
 class NatsCluster:
     """``size`` real nats-servers with JetStream, clustered on loopback ports (each with its own
-    store), for tests of replicated streams. ``kill(i)`` SIGKILLs node ``i``."""
+    store), for tests of replicated streams. ``kill(i)`` SIGKILLs node ``i``. With ``run``, the
+    cluster is secured as ``seamlessflow broker`` secures one server: authorization on (the
+    run's identities in ``identities``) and TLS on client connections and routes (a throwaway
+    CA, ``ca``)."""
 
-    def __init__(self, binary: Path, state_dir: Path, size: int = 3) -> None:
+    def __init__(self, binary: Path, state_dir: Path, size: int = 3, run: str | None = None):
         self.binary, self.state_dir = binary, state_dir
         self.ports = [free_port() for _ in range(size)]
         self.routes = [free_port() for _ in range(size)]
         self.procs: list[subprocess.Popen | None] = [None] * size
         self.url = ",".join(f"nats://127.0.0.1:{p}" for p in self.ports)
+        self.identities: Path | None = None
+        self.ca: Path | None = None
+        self._secured: dict = {}
+        if run is not None:
+            authority = Authority(state_dir / "auth", AccountLimits())
+            self.identities = authority.issue(run, Principal.ADMIN).parent
+            authority.issue_run(run)
+            tls = throwaway_pki(state_dir / "tls")
+            self.ca = tls.ca
+            files = {"cert_file": str(tls.cert), "key_file": str(tls.key), "ca_file": str(tls.ca)}
+            self._secured = {
+                "accounts": authority.accounts(),
+                "tls": {**files, "timeout": 2},
+                "routes_tls": {**files, "timeout": 2},
+            }
+
+    def session(self, name: str, **kwargs):
+        """A client session as the run's admin (when secured)."""
+        admin = self.identities / "admin.toml" if self.identities else None
+        return session(self.url, name, identity_file=admin, ca_file=self.ca, **kwargs)
 
     async def start(self) -> "NatsCluster":
         """Start every node; return once the cluster's JetStream answers."""
@@ -456,6 +481,10 @@ class NatsCluster:
                     "routes": [f"nats-route://127.0.0.1:{r}" for r in self.routes],
                 },
             }
+            if self._secured:
+                conf["accounts"] = self._secured["accounts"]
+                conf["tls"] = self._secured["tls"]
+                conf["cluster"]["tls"] = self._secured["routes_tls"]
             (node / "nats.conf").write_text(json.dumps(conf))
             with open(node / "nats.log", "ab") as log_file:
                 self.procs[i] = subprocess.Popen(
@@ -474,7 +503,7 @@ class NatsCluster:
 
     async def _wait_jetstream(self, timeout: float = 60.0) -> None:
         """Until the cluster has a JetStream meta leader: account info answers."""
-        async with session(self.url, "pytest-cluster", give_up_after=timeout) as nc:
+        async with self.session("pytest-cluster", give_up_after=timeout) as nc:
             js = nc.jetstream()
             async with asyncio.timeout(timeout):
                 while True:

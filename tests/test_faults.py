@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client as NATS
 
 from broker.auth import IDENTITIES_ENV, IDENTITY_ENV
 from broker.client import session
@@ -38,6 +39,7 @@ from broker.permissions import Principal
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
+from broker.tls import CA_ENV
 from broker.weights import latest_weights
 from common.metrics import scrape
 from tests.support import (
@@ -137,6 +139,7 @@ def _start_run(
     run_toml: Callable[..., Path],
     replicas: int = 1,
     identities: Path | None = None,
+    ca: Path | None = None,
 ) -> tuple[RunProcess, Path]:
     """``seamlessflow run`` (run name ``faults``) on ``url``, each process with its own identity
     from ``identities`` when given; returns it and its checkpoints."""
@@ -152,6 +155,8 @@ def _start_run(
     env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}
     if identities is not None:
         env[IDENTITIES_ENV] = str(identities)
+    if ca is not None:
+        env[CA_ENV] = str(ca)
     return RunProcess(config, url, env), tmp_path / "out" / "checkpoints"
 
 
@@ -221,7 +226,9 @@ async def test_run_survives_kills_and_broker_restarts_losing_nothing(
             run.proc.kill()
 
     try:
-        lost, twice = await _check_the_data(broker.url, RunNames("faults"), ckpt)
+        admin = broker.identities / "admin.toml"
+        async with session(broker.url, "pytest-faults", identity_file=admin) as nc:
+            lost, twice = await _check_the_data(nc, RunNames("faults"), ckpt)
     finally:
         broker.server.stop()
     print("\nfault | seconds to 2 new versions | lost | twice | dropped")
@@ -307,9 +314,11 @@ async def test_a_step_taken_while_the_broker_is_down_is_published_when_it_is_bac
 async def test_a_run_on_a_3_node_cluster_loses_a_node_and_goes_on(nats_binary, tmp_path, run_toml):
     """Streams and buckets with 3 replicas (from ``[provision] replicas``); the processes are
     given all three servers; one server is killed mid-run."""
-    cluster = await NatsCluster(nats_binary, tmp_path / "cluster").start()
+    cluster = await NatsCluster(nats_binary, tmp_path / "cluster", run="faults").start()
     try:
-        run, ckpt = _start_run(tmp_path, cluster.url, run_toml, replicas=3)
+        run, ckpt = _start_run(
+            tmp_path, cluster.url, run_toml, 3, identities=cluster.identities, ca=cluster.ca
+        )
         try:
             await _until(lambda: _version(ckpt) >= 2, 300, run, "version 2")
             before, started = _version(ckpt), time.monotonic()
@@ -320,10 +329,10 @@ async def test_a_run_on_a_3_node_cluster_loses_a_node_and_goes_on(nats_binary, t
         finally:
             if run.proc.poll() is None:
                 run.proc.kill()
-        async with session(cluster.url, "pytest-faults") as nc:
+        async with cluster.session("pytest-faults") as nc:
             info = await nc.jetstream().stream_info(RunNames("faults").samples_stream)
             assert info.config.num_replicas == 3
-        lost, twice = await _check_the_data(cluster.url, RunNames("faults"), ckpt)
+            lost, twice = await _check_the_data(nc, RunNames("faults"), ckpt)
     finally:
         cluster.stop()
     dropped = _dropped(ckpt)
@@ -331,34 +340,33 @@ async def test_a_run_on_a_3_node_cluster_loses_a_node_and_goes_on(nats_binary, t
     assert (lost, twice) == (0, 0)
 
 
-async def _check_the_data(url: str, names: RunNames, ckpt: Path) -> tuple[int, int]:
-    """Assert the invariants of the module docstring on what the run left; return (lost,
-    twice) samples."""
-    async with session(url, "pytest-faults") as nc:
-        js = nc.jetstream()
-        ended = await stream_messages(js, names.traj_stream, SessionEnded, subject=names.traj_end)
-        samples = await stream_messages(js, names.samples_stream, SampleReady)
-        dead = await stream_messages(js, names.dead_stream, MessageRejected)
+async def _check_the_data(nc: NATS, names: RunNames, ckpt: Path) -> tuple[int, int]:
+    """Assert the invariants of the module docstring on what the run left (read through
+    ``nc``, the run's admin); return (lost, twice) samples."""
+    js = nc.jetstream()
+    ended = await stream_messages(js, names.traj_stream, SessionEnded, subject=names.traj_end)
+    samples = await stream_messages(js, names.samples_stream, SampleReady)
+    dead = await stream_messages(js, names.dead_stream, MessageRejected)
 
-        # What the trainer has not settled (the run was stopped): take it all back, unacked,
-        # until every message delivered and not acked is in hand: a pull the stopped trainer
-        # left open may have been answered after it stopped reading, and those messages come
-        # back only once ack_wait runs out.
-        sub = await js.pull_subscribe_bind(Durable.TRAINER, names.samples_stream)
-        unsettled: set[str] = set()
-        held = 0
-        async with asyncio.timeout(60):
-            while True:
-                try:
-                    msgs = await sub.fetch(256, timeout=3)
-                except TimeoutError:
-                    info = await js.consumer_info(names.samples_stream, Durable.TRAINER)
-                    if info.num_ack_pending <= held:
-                        break
-                    continue
-                held += len(msgs)
-                unsettled |= {m.headers.get("Nats-Msg-Id", "") for m in msgs if m.headers}
-        await sub.unsubscribe()
+    # What the trainer has not settled (the run was stopped): take it all back, unacked,
+    # until every message delivered and not acked is in hand: a pull the stopped trainer
+    # left open may have been answered after it stopped reading, and those messages come
+    # back only once ack_wait runs out.
+    sub = await js.pull_subscribe_bind(Durable.TRAINER, names.samples_stream)
+    unsettled: set[str] = set()
+    held = 0
+    async with asyncio.timeout(60):
+        while True:
+            try:
+                msgs = await sub.fetch(256, timeout=3)
+            except TimeoutError:
+                info = await js.consumer_info(names.samples_stream, Durable.TRAINER)
+                if info.num_ack_pending <= held:
+                    break
+                continue
+            held += len(msgs)
+            unsettled |= {m.headers.get("Nats-Msg-Id", "") for m in msgs if m.headers}
+    await sub.unsubscribe()
     assert dead == [], [d.reason for d in dead]
     # Groups are whole, sessions have all their samples.
     sessions = defaultdict(set)
