@@ -15,6 +15,7 @@ identities in one folder (``<folder>/<run>/<principal>.toml``) and renders them 
 ``accounts`` block; adding a run is a configuration reload (``EmbeddedBroker.reload``).
 """
 
+import json
 import os
 import tomllib
 from dataclasses import dataclass
@@ -169,3 +170,23 @@ class Authority:
                 users.append(user)
             accounts[account_name(run)] = {"jetstream": self.limits.nats(), "users": users}
         return accounts
+
+    def server_accounts(self) -> dict:
+        """``accounts`` plus ``SF_NOBODY``, an account whose one user's seed nobody keeps: it
+        turns authorization on even before the first run's identities exist (until then every
+        connection is refused). What a server's config holds (public keys only)."""
+        nobody = nkeys.from_seed(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+        return {**self.accounts(), "SF_NOBODY": {"users": [{"nkey": nobody.public_key.decode()}]}}
+
+    def write_accounts(self, path: Path) -> Path:
+        """``server_accounts`` as a nats-server config file of its own, ``accounts: <JSON>``
+        (the config format accepts JSON values), for a server config that ``include``s it."""
+        text = (
+            "# Every run's account, written by `seamlessflow creds --accounts`: public keys and\n"
+            "# rights only.\n"
+            f"accounts: {json.dumps(self.server_accounts(), indent=2)}\n"
+        )
+        tmp = path.with_name(f".{path.name}.partial")
+        tmp.write_text(text)
+        tmp.replace(path)
+        return path

@@ -19,8 +19,6 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-import nkeys
-
 from broker.auth import Authority
 from broker.config import EmbeddedBrokerConfig
 from broker.exceptions import BrokerNotFoundError, BrokerStartError
@@ -230,13 +228,7 @@ class EmbeddedBroker:
                 "timeout": 2,
             }
         if self.authority is not None:
-            # A user whose seed nobody keeps turns authorization on before the first run's
-            # identities exist: until then every connection is refused.
-            nobody = nkeys.from_seed(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
-            conf["accounts"] = {
-                **self.authority.accounts(),
-                "SF_NOBODY": {"users": [{"nkey": nobody.public_key.decode()}]},
-            }
+            conf["accounts"] = self.authority.server_accounts()
         # nats-server's config format accepts JSON; it holds public keys only.
         self.conf_path.write_text(json.dumps(conf, indent=2))
 

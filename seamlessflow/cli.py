@@ -108,6 +108,21 @@ def _add_tools(sub) -> None:
     )
     _add_config(p, "[broker] section: its state_dir")
     p.add_argument("--state-dir", type=Path, help="the broker's folder (default: the config's)")
+    p.add_argument(
+        "--accounts",
+        type=Path,
+        metavar="FILE",
+        help="also write the nats-server `accounts` block of every run in the state dir to FILE "
+        "(`accounts: <JSON>`, public keys only), for a server config of your own to `include`",
+    )
+    p.add_argument(
+        "--gateway-keys",
+        type=Path,
+        metavar="DIR",
+        help="also write fresh gateway keys to DIR (mode 0600): gateway_keys.toml (the "
+        "gateway's --keys-file), agents.key (the agents' --gateway-key-file), metrics.key (a "
+        "Prometheus credentials_file); given without --principal or --accounts: the keys only",
+    )
     p = sub.add_parser("provision", help="create a run's streams, consumers and buckets")
     _add_nats(p)
     _add_run(p)
@@ -213,15 +228,32 @@ def _services() -> list[tuple[str, str, str, list[Flag], bool]]:
 
 def _creds(args: argparse.Namespace) -> int:
     from broker.auth import IDENTITY_ENV, Authority
+    from rollout.gateway.keys import write_run_keys
 
     config = load_config(args.config)
     run = args.run or config.run
     state_dir = args.state_dir or config.broker.state_dir
+    if args.gateway_keys:
+        keys = write_run_keys(args.gateway_keys)
+        print(
+            f"gateway keys: {keys.keys_file} (agents: {keys.openai_key_file}, /metrics: "
+            f"{keys.metrics_key_file})"
+        )
+        if not (args.principal or args.accounts):
+            return 0
     authority = Authority(state_dir / "auth", config.broker.account)
     principals = [Principal(x) for x in args.principal or [x.value for x in Principal]]
     for principal in principals:
         path = authority.issue(run, principal)
         print(f"{principal.value:11s} {path}")
+    if args.accounts:
+        authority.write_accounts(args.accounts)
+        print(f"accounts of runs {', '.join(authority.runs())}: {args.accounts}")
+        print(
+            f"connect with: {IDENTITY_ENV}=<file>; a nats-server whose config includes "
+            f"{args.accounts} applies new identities at its next reload"
+        )
+        return 0
     conf = state_dir / "nats-server.conf"
     print(
         f"connect with: {IDENTITY_ENV}=<file> (Python processes), or the file's seed and "

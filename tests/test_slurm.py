@@ -20,7 +20,10 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from broker.auth import Identity
+from broker.permissions import Principal
 from broker.server import find_nats_server
+from rollout.gateway.keys import load_keys, read_key_file
 from seamlessflow import cli
 from seamlessflow.cli import build_parser
 from seamlessflow.config import RunConfig, load_config, override
@@ -313,3 +316,54 @@ def test_a_part_stopped_by_sigterm_ends_cleanly_and_is_not_restarted(tmp_path, f
     proc.terminate()  # what Slurm does to the step's processes: supervise.sh passes it on
     assert proc.wait(10) == 0
     assert proc.stdout.read() == "stopped\n"  # once: not started again
+
+
+def test_creds_writes_the_accounts_a_server_config_includes_and_the_gateway_keys(
+    tmp_path, nats_binary
+):
+    """``seamlessflow creds --accounts --gateway-keys``, as the job runs it before NATS: the
+    identities (0600), an ``accounts`` file that a config of its own ``include``s (authorization
+    on: SF_NOBODY), and the gateway's keys (0600)."""
+    creds = [sys.executable, "-m", "seamlessflow.cli", "creds", "--state-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    accounts = tmp_path / "accounts.conf"
+    for run in ("exp-1", "exp-2"):  # a second run adds its account beside the first's
+        subprocess.run(
+            [*creds, "--run", run, "--accounts", str(accounts)],
+            check=True,
+            capture_output=True,
+            env=env,
+        )
+    for run in ("exp-1", "exp-2"):
+        files = sorted((tmp_path / "auth" / run).iterdir())
+        assert [f.stem for f in files] == sorted(p.value for p in Principal)
+        assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+    text = accounts.read_text()
+    block = json.loads(text[text.index("accounts:") + len("accounts:") :])
+    assert sorted(block) == ["SF_NOBODY", "SF_exp-1", "SF_exp-2"]
+    assert len(block["SF_exp-1"]["users"]) == len(Principal)
+    admin = Identity.load(tmp_path / "auth" / "exp-1" / "admin.toml")
+    assert admin.public_key in text and admin.seed not in text  # public keys only
+    conf = tmp_path / "nats.conf"
+    conf.write_text(
+        f"listen: 127.0.0.1:4222\njetstream {{ store_dir: {tmp_path / 'js'} }}\n"
+        "include accounts.conf\n"  # relative to the including file
+    )
+    check = subprocess.run(
+        [str(nats_binary), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    keys_dir = tmp_path / "keys"
+    done = subprocess.run(
+        [*creds, "--run", "exp-3", "--gateway-keys", str(keys_dir)],
+        check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert "gateway keys:" in done.stdout
+    assert not (tmp_path / "auth" / "exp-3").exists()  # the keys alone
+    keys = load_keys(keys_dir / "gateway_keys.toml")
+    agents, metrics = (read_key_file(keys_dir / f) for f in ("agents.key", "metrics.key"))
+    assert keys.check(agents).scope == "openai" and keys.check(metrics).scope == "metrics"
