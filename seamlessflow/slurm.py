@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from broker.auth import IDENTITIES_ENV, IDENTITY_ENV
+from broker.permissions import Principal
 from seamlessflow.config import RunConfig, SlurmConfig, SlurmNodeKind
 from seamlessflow.exceptions import ConfigError, InputError
 from tagsched.spec import Layout
@@ -47,6 +49,12 @@ REPORT_S = 60
 WORKER_METRICS_PORT = 9410
 """A node's rollout workers serve /metrics on this port plus their local task id."""
 _SAFE_TAG = re.compile(r"^[\w.=:/+@-]+$")
+ACCOUNTS_FILE = "accounts.conf"
+"""The NATS servers' accounts (``seamlessflow creds --accounts``), in the job's folder beside the
+``nats.conf`` that includes it."""
+KEYS = {"keys_file": "gateway_keys.toml", "agents": "agents.key", "metrics": "metrics.key"}
+"""The gateway's keys (``seamlessflow creds --gateway-keys``: ``write_run_keys``' names), in
+the job's folder."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,11 @@ def plan(config: RunConfig) -> Plan:
         raise ConfigError(
             f"slurm.nats_servers = {count} needs as many nodes; the job has {len(nodes)}"
         )
+    if config.gateway.keys_file is not None and config.agents.gateway_key_file is None:
+        raise ConfigError(
+            f"gateway.keys_file is {config.gateway.keys_file}: set agents.gateway_key_file to a "
+            "file holding one of its openai keys, for the agents"
+        )
     if config.provision.replicas > count:
         raise ConfigError(
             f"provision.replicas = {config.provision.replicas} needs as many NATS servers; the "
@@ -141,7 +154,8 @@ def render(config: RunConfig, table: dict[str, Any], source: str) -> str:
         "set -euo pipefail\n",
         *(f"{line}\n" for line in slurm.setup),
         _nodes(p, log_dir, table),
-        _stopper(),
+        _stopper(config),
+        _credentials(config),
         _nats(p, config),
         _supervisor(config),
         _targets(p, config),
@@ -210,7 +224,50 @@ def _nodes(p: Plan, log_dir: Path, table: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _stopper() -> str:
+def _secure(config: RunConfig) -> bool:
+    """Whether the job's NATS has authorization on (each part connects as its principal): all
+    but a config with ``[broker] insecure``."""
+    return not config.broker.insecure
+
+
+def _identity(config: RunConfig, principal: Principal) -> str:
+    """The identity file of ``principal`` in the job's folder, as a bash word."""
+    return f'"$SF_JOB_DIR/auth/{config.run}/{principal.value}.toml"'
+
+
+def _as(config: RunConfig, principal: Principal, command: str) -> str:
+    """``command`` (bash) connecting to NATS as ``principal``; as is without authorization."""
+    if not _secure(config):
+        return command
+    return f"export {IDENTITY_ENV}={_identity(config, principal)}; {command}"
+
+
+def _own_keys(config: RunConfig) -> bool:
+    """Whether the job makes the gateway's keys (the config names no keys file of its own)."""
+    return config.gateway.keys_file is None
+
+
+def _credentials(config: RunConfig) -> str:
+    """Before NATS starts, on the job's folder (shared by the nodes): the run's identities
+    (``auth/<run>/<principal>.toml``, 0600), the servers' accounts (``accounts.conf``, public
+    keys only) and the gateway's keys (0600): it listens on every address, so it takes keys
+    even without authorization on NATS."""
+    # not the submitting shell's identity (sbatch passes its environment on): each part's own
+    lines = [f"unset {IDENTITY_ENV} {IDENTITIES_ENV}"]
+    args = []
+    if _secure(config):
+        args += ['--state-dir "$SF_JOB_DIR"', f'--accounts "$SF_JOB_DIR/{ACCOUNTS_FILE}"']
+    if _own_keys(config):
+        args.append('--gateway-keys "$SF_JOB_DIR"')
+    if args:
+        what = ["NATS identities (auth/), accounts"] * _secure(config)
+        what += ["gateway keys"] * _own_keys(config)
+        lines.append(f"# In the job's folder, before NATS starts: the run's {', '.join(what)}.")
+        lines.append(f'{_sf("creds", *args)} > "$SF_JOB_DIR/creds.log"')
+    return "\n".join(lines) + "\n"
+
+
+def _stopper(config: RunConfig) -> str:
     """The ordered stop, set up before the first step starts."""
     lines = [
         "# The background steps' sruns: NATS_PIDS the NATS servers', PART_PIDS the parts'.",
@@ -237,7 +294,8 @@ def _stopper() -> str:
         "stop() {",
         "  trap '' TERM INT",
         "  # The run report (summary.json: reward curve, which node ran what) while all is up.",
-        f'  timeout {REPORT_S} seamlessflow report --config "$SF_CONFIG" --targets '
+        f"  {_report_identity(config)}timeout {REPORT_S} seamlessflow report --config "
+        '"$SF_CONFIG" --targets '
         '"$SF_JOB_DIR/scrape_targets.json" \\',
         '    --started "$SF_STARTED" --stopped-by "SIGTERM to the job" "$SF_JOB_DIR" \\',
         '    > "$SF_JOB_DIR/report.log" 2>&1 || echo "no run report: see report.log" >&2',
@@ -252,6 +310,12 @@ def _stopper() -> str:
         "trap stop TERM INT",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _report_identity(config: RunConfig) -> str:
+    if not _secure(config):
+        return ""
+    return f"{IDENTITY_ENV}={_identity(config, Principal.ADMIN)} "
 
 
 def _nats(p: Plan, config: RunConfig) -> str:
@@ -273,6 +337,10 @@ def _nats(p: Plan, config: RunConfig) -> str:
         routes = [f"    nats://{host}:{NATS_CLUSTER_PORT}" for host in hosts]
         conf += ["cluster {", "  name: seamlessflow", f"  listen: 0.0.0.0:{NATS_CLUSTER_PORT}"]
         conf += ["  routes: [", *routes, "  ]", "}"]
+    if _secure(config):
+        # every run an account, every part an nkey with its rights (broker.auth); relative to
+        # this file
+        conf.append(f"include {ACCOUNTS_FILE}")
     urls = ",".join(f"nats://{host}:{NATS_PORT}" for host in hosts)
     lines = [
         f"# NATS: {len(hosts)} server(s) with JetStream" + (", a route cluster" * (len(hosts) > 1)),
@@ -390,7 +458,9 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
     first = _on(*p.first)
     gateway = f"http://{p.first[0].host(0)}:{GATEWAY_PORT}/v1"
     provision = f"for try in $(seq 60); do {_sf('provision')} && exit 0; sleep 2; done; exit 1"
+    provision = _as(config, Principal.ADMIN, provision)
     ports = METRICS_PORTS
+    own_keys = _own_keys(config)
     steps = [
         "# The run's streams, consumers and buckets, once NATS answers.",
         _step("provision", first, provision, pids=None),
@@ -398,12 +468,13 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
     ]
     for name in ("trajectory", "scheduler"):
         command = _sf(name, f"--metrics-port {ports[name]}")
-        steps.append(_step(name, first, _supervised(command)))
+        steps.append(_step(name, first, _as(config, Principal(name), _supervised(command))))
     first_host = p.first[0].host(0)
     steps += [f'echo "{part} on {first_host}"' for part in ("trajectory", "scheduler")]
     if standby := p.standby:
         command = _sf("scheduler", f"--metrics-port {ports['scheduler']}")
-        steps.append(_step("scheduler-standby", _on(standby, 0), _supervised(command)))
+        command = _as(config, Principal.SCHEDULER, _supervised(command))
+        steps.append(_step("scheduler-standby", _on(standby, 0), command))
         steps.append(f'echo "scheduler (standby) on {standby.host(0)}"')
     steps.append(_trainer_step(p, config, log_dir))
     trainer = p.group("trainer")
@@ -413,10 +484,19 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
         steps.append(_rollout_step(rollout, config))
         per_node = config.slurm.rollout.workers_per_node
         steps.append(f'echo "rollout workers ({per_node} a node) on $ROLLOUT_LIST"')
-    gateway_cmd = _sf("gateway", f"--host 0.0.0.0 --port {GATEWAY_PORT}")
-    steps.append(_step("gateway", first, _supervised(gateway_cmd)))
-    agents = _sf("agents", '--gateway "$SF_GATEWAY"', f"--metrics-port {ports['agents']}")
-    steps.append(_step("agents", first, _supervised(agents)))
+    # The gateway listens on every address: always with keys, the job's own unless the config
+    # names a keys file (and the agents' key file) of its own.
+    keys = f'--keys-file "$SF_JOB_DIR/{KEYS["keys_file"]}"'
+    gateway_cmd = _sf("gateway", f"--host 0.0.0.0 --port {GATEWAY_PORT}", *[keys] * own_keys)
+    steps.append(_step("gateway", first, _as(config, Principal.GATEWAY, _supervised(gateway_cmd))))
+    key = f'--gateway-key-file "$SF_JOB_DIR/{KEYS["agents"]}"'
+    agents = _sf(
+        "agents",
+        '--gateway "$SF_GATEWAY"',
+        f"--metrics-port {ports['agents']}",
+        *[key] * own_keys,
+    )
+    steps.append(_step("agents", first, _as(config, Principal.AGENTS, _supervised(agents))))
     steps += [f'echo "{part} on {first_host}"' for part in ("gateway", "agents")]
     steps += [
         "# Until a step fails (a part gave up, a NATS server died), the time limit or scancel:",
@@ -453,7 +533,8 @@ def _trainer_step(p: Plan, config: RunConfig, log_dir: Path) -> str:
             *args,
         )
     where = _on(group, 0, group.kind.gpus_per_node)
-    return _step("trainer", where, _supervised(command))
+    # the trainer's rights, a worker tagged train too (it holds the trainer)
+    return _step("trainer", where, _as(config, Principal.TRAINER, _supervised(command)))
 
 
 def _rollout_step(group: Group, config: RunConfig) -> str:
@@ -472,7 +553,7 @@ def _rollout_step(group: Group, config: RunConfig) -> str:
         '--worker-id "rollout-$SLURMD_NODENAME-$SLURM_LOCALID"',
         f"--metrics-port $(({WORKER_METRICS_PORT} + SLURM_LOCALID))",
     )
-    return _step("rollout-%N-%t", where, _supervised(command))
+    return _step("rollout-%N-%t", where, _as(config, Principal.WORKER, _supervised(command)))
 
 
 def submit(script: str, log_dir: Path) -> str:

@@ -65,10 +65,14 @@ FAKE_RECORDER = """
 import json, os, sys
 name = os.path.basename(sys.argv[0])
 keep = ("SEAMLESSFLOW_NATS_URL", "SEAMLESSFLOW_METRICS_HOST", "SLURMD_NODENAME", "NATS_NAME",
-        "NATS_STORE", "SF_CONFIG", "SF_JOB_DIR")
+        "NATS_STORE", "SF_CONFIG", "SF_JOB_DIR", "SEAMLESSFLOW_NATS_IDENTITY")
 with open(os.environ["FAKE_LOG"], "a") as log:
     env = {k: os.environ[k] for k in keep if k in os.environ}
     log.write(json.dumps({name: sys.argv[1:], "env": env}) + "\\n")
+if name == "seamlessflow" and sys.argv[1:2] == ["creds"]:  # the real one: its files are used
+    sys.path.insert(0, os.environ["FAKE_ROOT"])
+    from seamlessflow import cli
+    sys.exit(cli.main(sys.argv[1:]))
 failing = os.environ.get("FAKE_FAIL")
 sys.exit(1 if failing and failing in sys.argv[1:2] else 0)
 """
@@ -125,7 +129,13 @@ class Job:
         self.done = subprocess.run(
             ["bash", str(path)],
             cwd=tmp_path,
-            env={**os.environ, **slurm_env, "PATH": path_with(fakes), "FAKE_LOG": str(self.log)},
+            env={
+                **os.environ,
+                **slurm_env,
+                "PATH": path_with(fakes),
+                "FAKE_LOG": str(self.log),
+                "FAKE_ROOT": str(ROOT),
+            },
             capture_output=True,
             text=True,
             timeout=120,
@@ -168,12 +178,41 @@ def check_common(job: Job, monkeypatch, nats: int) -> list:
     servers = job.calls("nats-server")
     assert sorted(r["env"]["NATS_NAME"] for r in servers) == [f"nats-{i}" for i in range(nats)]
     parsed = job.seamlessflow(monkeypatch)
+    check_secrets(job, parsed)
+    parsed = [(a, c, e) for a, c, e in parsed if a.command != "creds"]
     urls = {env["SEAMLESSFLOW_NATS_URL"] for _, _, env in parsed}
     assert len(urls) == 1 and len(urls.pop().split(",")) == nats
     assert json.loads((job.job_dir / "run.json").read_text())["run"] == "exp-42"
     targets = json.loads((job.job_dir / "scrape_targets.json").read_text())
     assert all("$" not in t["targets"][0] for t in targets)
     return parsed
+
+
+def check_secrets(job: Job, parsed: list) -> None:
+    """``seamlessflow creds`` once, before NATS; the servers include its accounts and every part
+    connects as its principal (unless ``[broker] insecure``); the gateway takes keys either way."""
+    (creds,) = [r for r in job.records if r.get("seamlessflow", [""])[0] == "creds"]
+    assert job.records.index(creds) < job.records.index(job.calls("nats-server")[0])
+    secure = not parsed[0][1].broker.insecure
+    conf = (job.job_dir / "nats.conf").read_text()
+    assert ("include accounts.conf" in conf) is secure
+    assert (job.job_dir / "accounts.conf").is_file() is secure
+    for args, config, env in parsed:
+        if args.command == "creds":
+            assert "SEAMLESSFLOW_NATS_IDENTITY" not in env
+            continue
+        if not secure:
+            assert "SEAMLESSFLOW_NATS_IDENTITY" not in env
+            continue
+        principal = "trainer" if "train" in getattr(config.worker, "tags", []) else args.command
+        principal = {"provision": "admin", "worker": "worker"}.get(principal, principal)
+        identity = Identity.load(Path(env["SEAMLESSFLOW_NATS_IDENTITY"]))
+        assert (identity.run, identity.principal.value) == ("exp-42", principal), args.command
+    keys = [c.gateway.keys_file for a, c, _ in parsed if a.command == "gateway"]
+    (agent_key,) = [c.agents.gateway_key_file for a, c, _ in parsed if a.command == "agents"]
+    gateway_keys = load_keys(keys[0])  # 0600, or refused
+    assert gateway_keys.check(read_key_file(agent_key)).scope == "openai"
+    assert read_key_file(job.job_dir / "metrics.key")
 
 
 def check_nats_conf(job: Job, tmp_path: Path, routes: int) -> None:
@@ -245,6 +284,9 @@ def test_multiplexed_and_colocated_trainers_are_workers(tmp_path, fakes, monkeyp
     parsed = check_common(job, monkeypatch, nats=3)
     roles = sorted(c.worker.role.value for a, c, _ in parsed if a.command == "worker")
     assert roles == ["rollout", "rollout", "train"]
+    identities = [e["SEAMLESSFLOW_NATS_IDENTITY"] for a, _, e in parsed if a.command == "worker"]
+    principals = sorted(Identity.load(Path(i)).principal.value for i in identities)
+    assert principals == ["trainer", "worker", "worker"]  # the worker tagged train: trainer's
     assert "trainer" not in {a.command for a, _, _ in parsed}
 
     table = base_table(rollout={"nodes": 0})
@@ -255,6 +297,30 @@ def test_multiplexed_and_colocated_trainers_are_workers(tmp_path, fakes, monkeyp
     parsed = check_common(job, monkeypatch, nats=1)
     (worker,) = [c.worker for a, c, _ in parsed if a.command == "worker"]
     assert worker.tags == ["train", "rollout", "node=n1"] and worker.role.value == "idle"
+
+
+def test_an_insecure_run_has_an_open_nats_and_a_gateway_with_keys(tmp_path, fakes, monkeypatch):
+    table = base_table()
+    table["broker"] = {"insecure": True}
+    script = render(tmp_path, table)
+    assert "include" not in script and "SEAMLESSFLOW_NATS_IDENTITY=" not in script
+    job = Job(script, tmp_path, fakes, [["n1", "n2"]], SEAMLESSFLOW_NATS_IDENTITY="/not/mine")
+    check_common(job, monkeypatch, nats=1)  # no identity: not even the submitter's
+    (creds,) = [
+        r["seamlessflow"] for r in job.calls("seamlessflow") if r["seamlessflow"][0] == "creds"
+    ]
+    assert "--gateway-keys" in creds and "--accounts" not in creds
+    assert not (job.job_dir / "auth").exists()
+    check_nats_conf(job, tmp_path, routes=0)
+
+
+def test_a_gateway_keys_file_of_the_config_is_used(tmp_path, fakes, monkeypatch):
+    table = base_table()
+    table["gateway"] = {"keys_file": "/secrets/keys.toml"}
+    table["agents"] = {"gateway_key_file": "/secrets/agents.key"}
+    script = render(tmp_path, table)
+    assert "--gateway-keys" not in script and "--keys-file" not in script
+    assert "--gateway-key-file" not in script  # the config's, read by the parts
 
 
 def test_a_part_that_keeps_failing_ends_the_job(tmp_path, fakes):
@@ -274,6 +340,7 @@ def test_a_part_that_keeps_failing_ends_the_job(tmp_path, fakes):
         ({"slurm": {"nats_servers": 3}}, "needs as many nodes"),
         ({"slurm": {"rollout": {"gpus_per_node": 3, "workers_per_node": 2}}}, "evenly"),
         ({"slurm": {"rollout": {"tags": ["a$b"]}}}, "letters, digits"),
+        ({"gateway": {"keys_file": "/keys.toml"}}, "agents.gateway_key_file"),
     ],
 )
 def test_configs_it_cannot_run_are_refused(changes, error):
