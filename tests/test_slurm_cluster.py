@@ -45,9 +45,12 @@ from collections import Counter
 from itertools import accumulate
 from pathlib import Path
 
+import httpx
 import pytest
 from nats.errors import Error as NatsError
+from prometheus_client.parser import text_string_to_metric_families
 
+from broker.auth import IDENTITY_ENV
 from broker.client import session
 from broker.exceptions import BrokerError
 from broker.messages import SampleReady, SessionEnded, TaskSubmitted
@@ -55,6 +58,7 @@ from broker.server import find_nats_server
 from broker.subjects import Durable, RunNames
 from common.metrics import metric_sum, scrape
 from rollout.agents.arithmetic import arithmetic_tasks
+from rollout.gateway.keys import read_key_file
 from seamlessflow.config import load_config
 from seamlessflow.submit import submit_tasks
 from seamlessflow.warm_start import prepare_model
@@ -242,7 +246,10 @@ async def _watch(cluster, slurm, job: str, job_dir: Path, checkpoints: Path, con
     components = slurm.command("squeue", "-h", "-j", job, "-o", "%P %D %T").splitlines()
     assert sorted(components) == ["big 1 RUNNING", f"cpu {len(ROLLOUT)} RUNNING"], components
     names = RunNames(RUN)
-    async with session(_url(cluster), "pytest-slurm", give_up_after=120) as nc:
+    # the job issues its run's identities before NATS starts (seamlessflow creds): the admin's
+    admin = job_dir / "auth" / RUN / "admin.toml"
+    slurm.wait(admin.is_file, 60, f"identity {admin}")
+    async with session(_url(cluster), "pytest-slurm", give_up_after=120, identity_file=admin) as nc:
         js = nc.jetstream()
 
         async def provisioned() -> bool:
@@ -266,7 +273,7 @@ async def _watch(cluster, slurm, job: str, job_dir: Path, checkpoints: Path, con
 
         await eventually(lambda: _at_least(version, FAULTS_AT), timeout=240, watch=feeding)
         print(f"\nversion {FAULTS_AT} after {time.monotonic() - started:.0f} s")
-        joined = await _faults(cluster, js, names, version, config, feeding)
+        joined = await _faults(cluster, js, names, version, config, feeding, job_dir)
         await eventually(lambda: _at_least(version, STEPS), timeout=240, watch=feeding)
         feed.stop.set()
         await feeding
@@ -341,11 +348,13 @@ async def _following(version, workers: list[str]) -> bool:
     return all([await version(w) >= trainer - 1 for w in workers])
 
 
-async def _faults(cluster: Cluster, js, names: RunNames, version, config: Path, feeding):
+async def _faults(
+    cluster: Cluster, js, names: RunNames, version, config: Path, feeding, job_dir: Path
+):
     """Node 3 (a worker alone) and node 1 (nats-1 and a worker) cut off for ``CUT_S``; then
     node 5 joins with a worker. Returns that worker's process."""
     gateway = f"http://{cluster[0].address}:8000/metrics"
-    stalls = metric_sum(await scrape(gateway), "sf_gateway_continuations_total")
+    stalls = metric_sum(await _scrape_gateway(gateway, job_dir), "sf_gateway_continuations_total")
     lone, server = cluster[3], cluster[1]
 
     async def busy() -> bool:  # the lone worker has attempts in flight: they will stall
@@ -389,12 +398,21 @@ async def _faults(cluster: Cluster, js, names: RunNames, version, config: Path, 
     # Their attempts in flight went on on other workers, when the cut caught any (printed, not
     # asserted: one run in five saw none, its attempts done before the link went; the tasks'
     # whole groups below are what must hold).
-    after = metric_sum(await scrape(gateway), "sf_gateway_continuations_total")
+    after = metric_sum(await _scrape_gateway(gateway, job_dir), "sf_gateway_continuations_total")
     print(f"{after - stalls:.0f} attempts continued elsewhere; back at v{current}+: {back}")
-    return await _join(cluster, js, names, config, feeding)
+    return await _join(cluster, js, names, config, feeding, job_dir)
 
 
-async def _join(cluster: Cluster, js, names: RunNames, config: Path, feeding):
+async def _scrape_gateway(url: str, job_dir: Path) -> list:
+    """The gateway's /metrics, with the job's /metrics key (``seamlessflow creds
+    --gateway-keys``)."""
+    key = read_key_file(job_dir / "metrics.key")
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        body = (await http.get(url, headers={"Authorization": f"Bearer {key}"})).text
+    return [s for family in text_string_to_metric_families(body) for s in family.samples]
+
+
+async def _join(cluster: Cluster, js, names: RunNames, config: Path, feeding, job_dir: Path):
     """A new node, a worker on it: the seconds from its registration to its first finished
     attempt are within ``JOIN_S``."""
     node: Node = cluster.add()
@@ -409,6 +427,8 @@ async def _join(cluster: Cluster, js, names: RunNames, config: Path, feeding):
             "HF_HUB_OFFLINE": "1",
             "PYTHONPATH": str(ROOT),
             "SEAMLESSFLOW_METRICS_HOST": "0.0.0.0",  # /metrics reachable over the bridge
+            # a rollout worker's identity, issued by the job (the shared job folder)
+            IDENTITY_ENV: str(job_dir / "auth" / RUN / "worker.toml"),
         },
         stdout=log,
         stderr=subprocess.STDOUT,
