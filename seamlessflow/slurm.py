@@ -2,7 +2,10 @@
 
 The job's nodes are the rollout workers' (``[slurm.rollout]``, the first ones) and the
 trainer's (``[slurm.trainer]``, one node); when the two kinds differ (partition, constraint,
-GPUs, memory) the job is heterogeneous, a het-group each. NATS servers with JetStream run on the
+GPUs, memory) the job is heterogeneous, a het-group each. First ``seamlessflow creds`` issues,
+in the job's folder, the run's identities, the servers' accounts and the gateway's keys
+(``_credentials``; all but the keys skipped with ``[broker] insecure``), and each part connects
+as its principal (``_as``). NATS servers with JetStream run on the
 first nodes (a route cluster of 3 when the job has 3 nodes or more), then the run is
 provisioned, then every part is one ``srun`` step with its log in ``<log_dir>/<job id>/``: the
 trajectory manager, scheduler, gateway and agent runner on the first node, the trainer on its
