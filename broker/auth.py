@@ -6,7 +6,10 @@ An identity file (TOML, mode 0600) holds what a client in any language needs to 
     run = "quickstart"
     principal = "trainer"
     inbox_prefix = "_INBOX.quickstart.trainer"
-    seed = "SUA..."
+    public_key = "UAB..."
+
+and ``seed``, a TOML multi-line string holding the seed (``SUA...``) on a line of its own: so
+nats.c and the nats CLI read the same file as a seed file.
 
 The seed signs the server's challenge (nkey authentication, nats-server 2.0+); the server knows
 only the public key. Every run is its own NATS account (``account_name``) with its own JetStream
@@ -78,7 +81,7 @@ class Identity:
             )
         try:
             identity = cls(
-                check_name("run", data["run"]), Principal(data["principal"]), data["seed"]
+                check_name("run", data["run"]), Principal(data["principal"]), data["seed"].strip()
             )
             identity.public_key  # noqa: B018 - the seed must decode
         except (KeyError, ValueError, TypeError, nkeys.ErrInvalidSeed) as exc:
@@ -96,7 +99,9 @@ class Identity:
             f'run = "{self.run}"\n'
             f'principal = "{self.principal.value}"\n'
             f'inbox_prefix = "{self.inbox_prefix}"\n'
-            f'seed = "{self.seed}"\n'
+            f'public_key = "{self.public_key}"\n'
+            "# on a line of its own: nats.c and the nats CLI read this file as a seed file\n"
+            f'seed = """\n{self.seed}\n"""\n'
         )
         tmp = path.with_suffix(".partial")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

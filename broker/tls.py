@@ -71,7 +71,13 @@ def throwaway_pki(folder: Path, hosts: list[str] | None = None) -> ServerFiles:
     cert = (
         _builder(server_name, ca_name, key.public_key(), now)
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            # client too: a cluster's servers present it to each other on routes
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
         .sign(ca_key, hashes.SHA256())
     )
     files = ServerFiles(folder / "server.pem", folder / "server-key.pem", folder / "ca.pem")

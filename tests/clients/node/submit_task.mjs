@@ -9,10 +9,10 @@ import { connect, headers, nkeyAuthenticator } from "nats";
 const [url, subject, taskJson, identityFile] = process.argv.slice(2);
 const options = { servers: url };
 if (identityFile) {
-  // The identity file is flat TOML: key = "value" lines.
-  const ident = Object.fromEntries(
-    [...readFileSync(identityFile, "utf8").matchAll(/^(\w+)\s*=\s*"([^"]*)"/gm)].map((m) => [m[1], m[2]]),
-  );
+  // The identity file is flat TOML: key = "value" lines, and the seed on a line of its own.
+  const text = readFileSync(identityFile, "utf8");
+  const ident = Object.fromEntries([...text.matchAll(/^(\w+) = "([^"]*)"$/gm)].map((m) => [m[1], m[2]]));
+  ident.seed = text.match(/^(SU[A-Z2-7]+)$/m)[1];
   options.authenticator = nkeyAuthenticator(new TextEncoder().encode(ident.seed));
   options.inboxPrefix = ident.inbox_prefix;
 }
