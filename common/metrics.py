@@ -63,10 +63,12 @@ def serve_metrics(
     return MetricsEndpoint(server=server, thread=thread)
 
 
-async def scrape(url: str) -> list[Sample]:
-    """Every sample a ``/metrics`` endpoint serves now."""
+async def scrape(url: str, key: str | None = None) -> list[Sample]:
+    """Every sample a ``/metrics`` endpoint serves now; ``key``: the bearer key one that checks
+    keys wants (the gateway's ``metrics`` key)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else None
     async with httpx.AsyncClient(timeout=5.0) as http:
-        body = (await http.get(url)).raise_for_status().text
+        body = (await http.get(url, headers=headers)).raise_for_status().text
     return [sample for family in text_string_to_metric_families(body) for sample in family.samples]
 
 

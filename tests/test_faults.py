@@ -42,6 +42,7 @@ from broker.subjects import Durable, RunNames
 from broker.tls import CA_ENV
 from broker.weights import latest_weights
 from common.metrics import scrape
+from rollout.gateway.keys import read_key_file
 from tests.support import (
     SMALL_RUN,
     NatsCluster,
@@ -212,10 +213,11 @@ async def test_run_survives_kills_and_broker_restarts_losing_nothing(
 
         await fault("broker stopped as a step commits", broker_down_mid_step)
         # What each process tried again across the two broker outages (since its last start).
+        metrics_key = read_key_file(tmp_path / "out" / "metrics.key")  # the gateway's
         for child in CHILDREN:
             retried = [
                 f"{x.labels['what']}={x.value:g}"
-                for x in await scrape(run.metrics[child])
+                for x in await scrape(run.metrics[child], metrics_key)
                 if x.name == "sf_nats_retries_total"
             ]
             print(f"\n{child} NATS retries: {', '.join(retried) or 'none'}")

@@ -45,10 +45,8 @@ from collections import Counter
 from itertools import accumulate
 from pathlib import Path
 
-import httpx
 import pytest
 from nats.errors import Error as NatsError
-from prometheus_client.parser import text_string_to_metric_families
 
 from broker.auth import IDENTITY_ENV
 from broker.client import session
@@ -406,10 +404,7 @@ async def _faults(
 async def _scrape_gateway(url: str, job_dir: Path) -> list:
     """The gateway's /metrics, with the job's /metrics key (``seamlessflow creds
     --gateway-keys``)."""
-    key = read_key_file(job_dir / "metrics.key")
-    async with httpx.AsyncClient(timeout=5.0) as http:
-        body = (await http.get(url, headers={"Authorization": f"Bearer {key}"})).text
-    return [s for family in text_string_to_metric_families(body) for s in family.samples]
+    return await scrape(url, read_key_file(job_dir / "metrics.key"))
 
 
 async def _join(cluster: Cluster, js, names: RunNames, config: Path, feeding, job_dir: Path):
