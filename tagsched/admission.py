@@ -58,7 +58,7 @@ from broker.ingress import Delivery, HandBack, Ingress, tasks_ingress
 from broker.messages import Admitted, Role, TaskSubmitted, WeightsState, WorkerRegistered
 from broker.subjects import Durable, RunNames
 from common.log import kv
-from tagsched.exceptions import AdmissionError
+from tagsched.exceptions import AdmissionError, LeaseLostError
 from tagsched.metrics import ADMISSION_WAIT, ADMITTED, LIMIT, OUTSTANDING, WAITING
 from tagsched.state import StateStore
 
@@ -225,7 +225,10 @@ class Admission:
                 await asyncio.sleep(self._poll_s)
         finally:
             WAITING.set(0)
-        stamp = await self._stamp()
+        try:
+            stamp = await self._stamp()
+        except LeaseLostError as exc:  # deposed: the task is the next leader's to admit
+            raise HandBack(f"scheduler deposed ({exc})") from exc
         await self._js.publish(
             self._names.tasks_admitted,
             codec.encode(task.model_copy(update={"admitted": stamp})),
