@@ -59,26 +59,24 @@ async def connect(
     options = identity.connect_options() if identity else {}
     if ca:
         options["tls"] = client_context(ca)
-    fatal: list[BrokerError] = []
-    refused = asyncio.Event()
+    refused: asyncio.Future[BrokerError] = asyncio.get_running_loop().create_future()
 
     async def error_cb(exc: Exception) -> None:
         text = str(exc).lower()
-        if "authorization violation" in text or "authentication" in text:
+        fatal: BrokerError | None = None
+        if "authorization violation" in text:
             REFUSED.labels("authorization").inc()
-            fatal.append(_refused(url, identity_file, identity))
-            refused.set()
+            fatal = _refused(url, identity_file, identity)
         elif isinstance(exc, ssl.SSLError):
             REFUSED.labels("tls").inc()
-            fatal.append(
-                BrokerTlsError(
-                    f"TLS with NATS at {url} failed ({exc}); the broker's CA is given by "
-                    f"${CA_ENV} (now {ca or 'unset'})"
-                )
+            fatal = BrokerTlsError(
+                f"TLS with NATS at {url} failed ({exc}); the broker's CA is given by "
+                f"${CA_ENV} (now {ca or 'unset'})"
             )
-            refused.set()
         elif "permissions violation" in text:
             REFUSED.labels("permissions").inc()
+        if fatal is not None and not refused.done():  # the first refusal is the answer
+            refused.set_result(fatal)
         log.warning(kv("nats_error", client=name, error=f"{type(exc).__name__}: {exc}"))
 
     async def disconnected_cb() -> None:
@@ -108,25 +106,19 @@ async def connect(
             **options,
         )
     )
-    waiting = asyncio.ensure_future(refused.wait())
-    try:
-        await asyncio.wait({connecting, waiting}, timeout=give_up_after, return_when=FIRST)
-    finally:
-        waiting.cancel()
-    if not connecting.done() or refused.is_set():
+    await asyncio.wait({connecting, refused}, timeout=give_up_after, return_when=FIRST)
+    if not connecting.done() or refused.done():
         connecting.cancel()
         with contextlib.suppress(asyncio.CancelledError, NatsError, OSError):
             await connecting
         await nc.close()
-        if fatal:
-            raise fatal[0]
+        if refused.done():
+            raise refused.result()
         raise _unavailable(url, give_up_after, TimeoutError("no answer"))
     try:
         connecting.result()
     except (NatsError, OSError) as exc:
         await nc.close()
-        if fatal:
-            raise fatal[0] from exc
         raise _unavailable(url, give_up_after, exc) from exc
     return nc
 

@@ -19,7 +19,7 @@ from nats.js.errors import KeyNotFoundError
 from prometheus_client import CollectorRegistry
 
 from broker import codec
-from broker.auth import IDENTITIES_ENV, IDENTITY_ENV, Authority, run_identities
+from broker.auth import IDENTITIES_ENV, Authority, run_identities
 from broker.config import EmbeddedBrokerConfig
 from broker.control import SchedulerState, TrainerGroup
 from broker.exceptions import InvalidMessageError
@@ -31,7 +31,6 @@ from broker.registry import Sighting
 from broker.roles import ROLE_LEASE_SHARE
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
-from broker.tls import CA_ENV
 from common.metrics import MetricsEndpoint, metric_sum, scrape, serve_metrics
 from common.ready import announce_ready
 
@@ -52,12 +51,20 @@ async def serve_until_signalled(serve, *args) -> None:
 
 @dataclass(frozen=True)
 class Broker:
-    """The broker a local run uses: its client URL, its ``/metrics`` when embedded, and the
-    run's identity files when it issued them (embedded and not ``insecure``)."""
+    """The broker a local run uses: its client URL, its ``/metrics`` when embedded, the run's
+    identity files when it issued them (embedded and not ``insecure``) or found them
+    (``$SEAMLESSFLOW_NATS_IDENTITIES``), and the CA it is verified with when it speaks TLS.
+    Nothing is put in this process's environment: each connection is given its files."""
 
     url: str
     metrics_url: str | None
     identities: dict[Principal, Path] | None = None
+    ca: Path | None = None
+
+    @property
+    def admin(self) -> Path | None:
+        """The identity the launcher connects as (None: ``$SEAMLESSFLOW_NATS_IDENTITY``)."""
+        return self.identities[Principal.ADMIN] if self.identities else None
 
 
 @asynccontextmanager
@@ -65,27 +72,23 @@ async def local_broker(
     explicit: str | None, config: EmbeddedBrokerConfig, run: str
 ) -> AsyncIterator[Broker]:
     """The broker at ``explicit`` when given (the user's, with its own metrics; with
-    ``$SEAMLESSFLOW_NATS_IDENTITIES`` each child connects as its principal from that folder and
-    this process as the admin, else all as ``$SEAMLESSFLOW_NATS_IDENTITY``); otherwise an
-    embedded broker serving ``/metrics`` like ``seamlessflow broker``, for the duration, with
-    ``run``'s identities issued and this process connecting as its admin."""
+    ``$SEAMLESSFLOW_NATS_IDENTITIES`` the run's identities from that folder, else everyone
+    connects as ``$SEAMLESSFLOW_NATS_IDENTITY``); otherwise an embedded broker serving
+    ``/metrics`` like ``seamlessflow broker``, for the duration, with ``run``'s identities
+    issued."""
     if explicit:
         folder = os.environ.get(IDENTITIES_ENV)
-        identities = run_identities(Path(folder)) if folder else None
-        if identities:
-            os.environ[IDENTITY_ENV] = str(identities[Principal.ADMIN])
-        yield Broker(explicit, None, identities)
+        yield Broker(explicit, None, run_identities(Path(folder)) if folder else None)
         return
     embedded = EmbeddedBroker(config)
     identities = embedded.authority.issue_run(run) if embedded.authority else None
-    if identities:
-        os.environ[IDENTITY_ENV] = str(identities[Principal.ADMIN])
-    if config.tls_generate or config.tls_ca:  # this process and its children trust its CA
-        os.environ[CA_ENV] = str(config.tls_ca or config.state_dir / "tls" / "ca.pem")
+    ca = None
+    if config.tls_generate or config.tls_ca:
+        ca = config.tls_ca or config.state_dir / "tls" / "ca.pem"
     # Started from this (main) thread: the server is tied to it and dies with it.
     with embedded:
         async with broker_metrics(embedded.monitoring_url, config.metrics_port) as metrics:
-            yield Broker(embedded.url, metrics.url, identities)
+            yield Broker(embedded.url, metrics.url, identities, ca)
 
 
 @asynccontextmanager

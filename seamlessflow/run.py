@@ -52,6 +52,7 @@ from broker.provision import provision_run
 from broker.registry import node_name, read_registry
 from broker.retry import TRANSIENT, Backoff
 from broker.subjects import RunNames
+from broker.tls import CA_ENV
 from broker.weights import latest_weights
 from common.exceptions import SeamlessFlowError
 from common.log import kv
@@ -61,7 +62,7 @@ from rollout.gateway.keys import RunKeys, write_run_keys
 from seamlessflow.config import RunConfig, override
 from seamlessflow.exceptions import RunFailedError
 from seamlessflow.feed import TaskFeed
-from seamlessflow.launcher import local_broker, stop_on_signals
+from seamlessflow.launcher import Broker, local_broker, stop_on_signals
 from seamlessflow.placement import CpuPlan, CpuSet, place
 from seamlessflow.processes import ServiceProcess, SuperviseConfig
 from seamlessflow.progress import RunStats
@@ -81,15 +82,6 @@ from tagsched.spec import Layout
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0
-PRINCIPALS = {
-    "scheduler": Principal.SCHEDULER,
-    "trajectory": Principal.TRAJECTORY,
-    "trainer": Principal.TRAINER,
-    "worker": Principal.WORKER,
-    "gateway": Principal.GATEWAY,
-    "agents": Principal.AGENTS,
-}
-"""The identity each child command connects as."""
 PLAIN_LINE_EVERY_S = 10.0
 """Without a terminal the progress line is printed as a new line this often."""
 SCRAPE_TARGETS = "scrape_targets.json"
@@ -123,7 +115,9 @@ async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
     names = RunNames(config.run)
     async with (
         local_broker(nats, broker, config.run) as embedded,
-        session(embedded.url, "seamlessflow-run") as nc,
+        session(
+            embedded.url, "seamlessflow-run", identity_file=embedded.admin, ca_file=embedded.ca
+        ) as nc,
     ):
         url = embedded.url
         js = nc.jetstream()
@@ -139,9 +133,7 @@ async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
         print(f"broker {url}, model {model}, output {out}", flush=True)
         print(f"prometheus targets (file_sd): {targets.path}", flush=True)
         follow = asyncio.create_task(targets.follow(js, names))
-        services = Services(
-            url, config, model, out / CHECKPOINTS, out / CONFIGS, keys, embedded.identities
-        )
+        services = Services(embedded, config, model, out / CHECKPOINTS, out / CONFIGS, keys)
         stats = RunStats()
         started = time.time()
         try:
@@ -268,7 +260,9 @@ class Services:
     child's own (its model folder, worker id, tags, role, CPUs' threads, ports) resolved and the
     whole validated, so a child never sees a setting its parent did not check."""
 
-    url: str
+    broker: Broker
+    """Each child connects to its URL as its principal's identity file when it has them (else
+    it inherits this process's ``$SEAMLESSFLOW_NATS_IDENTITY``, or none), with its CA."""
     config: RunConfig
     model: Path
     checkpoint_dir: Path
@@ -276,9 +270,6 @@ class Services:
     configs: Path
     keys: RunKeys | None = None
     """The gateway's keys file and the agents' key (``_gateway_keys``); None: the config's."""
-    identities: dict[Principal, Path] | None = None
-    """Each child connects as its principal's identity file when given (else it inherits this
-    process's ``$SEAMLESSFLOW_NATS_IDENTITY``, or none)."""
 
     def __post_init__(self) -> None:
         self.running: list[ServiceProcess] = []
@@ -299,12 +290,16 @@ class Services:
     ) -> ServiceProcess:
         """``seamlessflow <command> --config <its resolved config>``, on ``where``'s CPUs."""
         threads, cpus = (1, None) if where is None else (where.threads, where.cpus)
-        env = {"SEAMLESSFLOW_NATS_URL": self.url, "SEAMLESSFLOW_RUN": self.config.run}
-        if self.identities:
-            # a worker tagged train may hold a trainer: the trainer's rights cover rollout's
+        broker = self.broker
+        env = {"SEAMLESSFLOW_NATS_URL": broker.url, "SEAMLESSFLOW_RUN": self.config.run}
+        if broker.ca:
+            env[CA_ENV] = str(broker.ca)
+        if broker.identities:
+            # each command connects as its namesake principal; a worker tagged train may hold a
+            # trainer: the trainer's rights cover rollout's
             tags = changes.get("worker", {}).get("tags", [])
-            principal = Principal.TRAINER if "train" in tags else PRINCIPALS[command]
-            env[IDENTITY_ENV] = str(self.identities[principal])
+            principal = Principal.TRAINER if "train" in tags else Principal(command)
+            env[IDENTITY_ENV] = str(broker.identities[principal])
         path = self.resolve(name, changes)
         return ServiceProcess(
             name, command, "--config", str(path), threads=threads, cpus=cpus, env=env

@@ -4,9 +4,9 @@ The job's nodes are the rollout workers' (``[slurm.rollout]``, the first ones) a
 trainer's (``[slurm.trainer]``, one node); when the two kinds differ (partition, constraint,
 GPUs, memory) the job is heterogeneous, a het-group each. First ``seamlessflow creds`` issues,
 in the job's folder, the run's identities, the servers' accounts and the gateway's keys
-(``_credentials``; all but the keys skipped with ``[broker] insecure``), and each part connects
-as its principal (``_as``). NATS servers with JetStream run on the
-first nodes (a route cluster of 3 when the job has 3 nodes or more), then the run is
+(``slurm_job.credentials``; all but the keys skipped with ``[broker] insecure``), and each
+part connects as its principal (``slurm_job.as_principal``). NATS servers with JetStream run on
+the first nodes (a route cluster of 3 when the job has 3 nodes or more), then the run is
 provisioned, then every part is one ``srun`` step with its log in ``<log_dir>/<job id>/``: the
 trajectory manager, scheduler, gateway and agent runner on the first node, the trainer on its
 node with a standby scheduler beside it (``tagsched.lease``: it leads once the first node's is
@@ -18,7 +18,7 @@ up. The script also writes the run config it was rendered from and ``scrape_targ
 SIGTERM to the batch script (``scancel --batch --signal=TERM``, or the time limit's
 ``--signal``) stops the run in order: ``seamlessflow report`` writes the run report
 (``summary.json``, ``reward_curve.png``: ``seamlessflow.report``) beside the logs while every
-part is up, then the parts' steps stop, then NATS (``_stopper``).
+part is up, then the parts' steps stop, then NATS (``slurm_job.stopper``).
 
 The script needs nothing but bash, awk, ``scontrol``, ``srun`` (``squeue`` and ``scancel`` to
 stop) and the ``seamlessflow`` and ``nats-server`` commands on the nodes (``[slurm] setup``
@@ -35,10 +35,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.auth import IDENTITIES_ENV, IDENTITY_ENV
 from broker.permissions import Principal
 from seamlessflow.config import RunConfig, SlurmConfig, SlurmNodeKind
 from seamlessflow.exceptions import ConfigError, InputError
+from seamlessflow.slurm_job import (
+    ACCOUNTS_FILE,
+    KEYS,
+    as_principal,
+    credentials,
+    own_keys,
+    secure,
+    sf,
+    stopper,
+    supervised,
+    supervisor,
+)
 from tagsched.spec import Layout
 
 NATS_PORT, NATS_CLUSTER_PORT, NATS_MONITOR_PORT = 4222, 6222, 8222
@@ -47,17 +58,9 @@ METRICS_PORTS = {"trajectory": 9401, "scheduler": 9402, "agents": 9403, "trainer
 STOP_GRACE_S = 120
 """The batch script is sent SIGTERM this long before the time limit (``--signal``): time for
 the parts to stop, then NATS."""
-REPORT_S = 60
-"""At SIGTERM the script gives ``seamlessflow report`` this long, then stops the parts."""
 WORKER_METRICS_PORT = 9410
 """A node's rollout workers serve /metrics on this port plus their local task id."""
 _SAFE_TAG = re.compile(r"^[\w.=:/+@-]+$")
-ACCOUNTS_FILE = "accounts.conf"
-"""The NATS servers' accounts (``seamlessflow creds --accounts``), in the job's folder beside the
-``nats.conf`` that includes it."""
-KEYS = {"keys_file": "gateway_keys.toml", "agents": "agents.key", "metrics": "metrics.key"}
-"""The gateway's keys (``seamlessflow creds --gateway-keys``: ``write_run_keys``' names), in
-the job's folder."""
 
 
 @dataclass(frozen=True)
@@ -157,10 +160,10 @@ def render(config: RunConfig, table: dict[str, Any], source: str) -> str:
         "set -euo pipefail\n",
         *(f"{line}\n" for line in slurm.setup),
         _nodes(p, log_dir, table),
-        _stopper(config),
-        _credentials(config),
+        stopper(config),
+        credentials(config),
         _nats(p, config),
-        _supervisor(config),
+        supervisor(config),
         _targets(p, config),
         _parts(p, config, log_dir),
     ]
@@ -227,100 +230,6 @@ def _nodes(p: Plan, log_dir: Path, table: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _secure(config: RunConfig) -> bool:
-    """Whether the job's NATS has authorization on (each part connects as its principal): all
-    but a config with ``[broker] insecure``."""
-    return not config.broker.insecure
-
-
-def _identity(config: RunConfig, principal: Principal) -> str:
-    """The identity file of ``principal`` in the job's folder, as a bash word."""
-    return f'"$SF_JOB_DIR/auth/{config.run}/{principal.value}.toml"'
-
-
-def _as(config: RunConfig, principal: Principal, command: str) -> str:
-    """``command`` (bash) connecting to NATS as ``principal``; as is without authorization."""
-    if not _secure(config):
-        return command
-    return f"export {IDENTITY_ENV}={_identity(config, principal)}; {command}"
-
-
-def _own_keys(config: RunConfig) -> bool:
-    """Whether the job makes the gateway's keys (the config names no keys file of its own)."""
-    return config.gateway.keys_file is None
-
-
-def _credentials(config: RunConfig) -> str:
-    """Before NATS starts, on the job's folder (shared by the nodes): the run's identities
-    (``auth/<run>/<principal>.toml``, 0600), the servers' accounts (``accounts.conf``, public
-    keys only) and the gateway's keys (0600): it listens on every address, so it takes keys
-    even without authorization on NATS."""
-    # not the submitting shell's identity (sbatch passes its environment on): each part's own
-    lines = [f"unset {IDENTITY_ENV} {IDENTITIES_ENV}"]
-    args = []
-    if _secure(config):
-        args += ['--state-dir "$SF_JOB_DIR"', f'--accounts "$SF_JOB_DIR/{ACCOUNTS_FILE}"']
-    if _own_keys(config):
-        args.append('--gateway-keys "$SF_JOB_DIR"')
-    if args:
-        what = ["NATS identities (auth/), accounts"] * _secure(config)
-        what += ["gateway keys"] * _own_keys(config)
-        lines.append(f"# In the job's folder, before NATS starts: the run's {', '.join(what)}.")
-        lines.append(f'{_sf("creds", *args)} > "$SF_JOB_DIR/creds.log"')
-    return "\n".join(lines) + "\n"
-
-
-def _stopper(config: RunConfig) -> str:
-    """The ordered stop, set up before the first step starts."""
-    lines = [
-        "# The background steps' sruns: NATS_PIDS the NATS servers', PART_PIDS the parts'.",
-        "NATS_PIDS=() PART_PIDS=()",
-        "# SIGTERM to this script (the time limit's --signal, `scancel --batch --signal=TERM`):",
-        "# SIGTERM to the parts' steps first, to the NATS steps once they are gone, so their last",
-        "# acks and publishes reach NATS. (Not a signal to srun: srun kills its step at SIGTERM.)",
-        "job_ids() {  # this job's ids: a heterogeneous job's steps are under each component's",
-        '  if [ -z "${SLURM_HET_SIZE:-}" ]; then echo "$SLURM_JOB_ID"; return; fi',
-        "  local n var ids=()",
-        "  for ((n = 0; n < SLURM_HET_SIZE; n++)); do",
-        '    var="SLURM_JOB_ID_HET_GROUP_$n"; ids+=("${!var}")',
-        "  done",
-        '  (IFS=,; echo "${ids[*]}")',
-        "}",
-        "signal_steps() {  # SIGTERM to this job's steps whose name starts with $1",
-        "  local ids",
-        '  ids=$(squeue -h -s -j "$(job_ids)" -o "%i %j" | awk -v p="$1" \'index($2, p) == 1 '
-        "{print $1}') || true",
-        '  [ -z "$ids" ] || echo "SIGTERM to steps" $ids >&2',
-        "  # (Slurm 22.05's scancel signals a step, then reports 'Invalid job id': not shown)",
-        '  [ -z "$ids" ] || scancel --signal=TERM $ids 2>/dev/null || true',
-        "}",
-        "stop() {",
-        "  trap '' TERM INT",
-        "  # The run report (summary.json: reward curve, which node ran what) while all is up.",
-        f"  {_report_identity(config)}timeout {REPORT_S} seamlessflow report --config "
-        '"$SF_CONFIG" --targets '
-        '"$SF_JOB_DIR/scrape_targets.json" \\',
-        '    --started "$SF_STARTED" --stopped-by "SIGTERM to the job" "$SF_JOB_DIR" \\',
-        '    > "$SF_JOB_DIR/report.log" 2>&1 || echo "no run report: see report.log" >&2',
-        '  echo "stopping: the parts, then NATS" >&2',
-        "  signal_steps sf-",
-        '  if [ "${#PART_PIDS[@]}" -gt 0 ]; then wait "${PART_PIDS[@]}" 2>/dev/null || true; fi',
-        "  signal_steps nats-",
-        "  wait || true",
-        '  echo "stopped" >&2',
-        "  exit 0",
-        "}",
-        "trap stop TERM INT",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _report_identity(config: RunConfig) -> str:
-    if not _secure(config):
-        return ""
-    return f"{IDENTITY_ENV}={_identity(config, Principal.ADMIN)} "
-
-
 def _nats(p: Plan, config: RunConfig) -> str:
     """The NATS servers' config (one file; each server's name and store from its environment)
     and one step each."""
@@ -340,7 +249,7 @@ def _nats(p: Plan, config: RunConfig) -> str:
         routes = [f"    nats://{host}:{NATS_CLUSTER_PORT}" for host in hosts]
         conf += ["cluster {", "  name: seamlessflow", f"  listen: 0.0.0.0:{NATS_CLUSTER_PORT}"]
         conf += ["  routes: [", *routes, "  ]", "}"]
-    if _secure(config):
+    if secure(config):
         # every run an account, every part an nkey with its rights (broker.auth); relative to
         # this file
         conf.append(f"include {ACCOUNTS_FILE}")
@@ -390,43 +299,6 @@ def _step(name: str, where: list[str], command: str, *, pids: str | None = "PART
     return step if pids is None else f"{step} &\n{pids}+=($!)"
 
 
-def _supervisor(config: RunConfig) -> str:
-    """``$SF_JOB_DIR/supervise.sh CMD...``: CMD restarted when it fails, up to ``[supervise]
-    max_restarts`` times in a row, ``backoff_s`` apart. At SIGTERM (its step signalled) it
-    passes the signal on, waits for CMD and exits with CMD's status: a part that stops cleanly
-    ends its step cleanly, and is not restarted."""
-    s = config.supervise
-    body = (
-        "child= stopping=0\n"
-        'trap \'stopping=1; [ -z "$child" ] || kill -TERM "$child" 2>/dev/null\' TERM INT\n'
-        "n=0\n"
-        "while :; do\n"
-        '  "$@" &\n'
-        "  child=$!\n"
-        '  wait "$child" || true\n'
-        '  while kill -0 "$child" 2>/dev/null; do wait "$child" || true; done\n'
-        '  status=0; wait "$child" || status=$?\n'
-        '  if [ "$status" -eq 0 ] || [ "$stopping" -eq 1 ]; then exit "$status"; fi\n'
-        "  n=$((n + 1))\n"
-        f'  if [ "$n" -gt {s.max_restarts} ]; then echo "$1 $2: gave up after '
-        f'{s.max_restarts} restarts" >&2; exit 1; fi\n'
-        f'  echo "$1 $2 exited: restart $n in {s.backoff_s} s" >&2\n'
-        f"  sleep {s.backoff_s} & wait $! || true\n"
-        '  if [ "$stopping" -eq 1 ]; then exit "$status"; fi\n'
-        "done\n"
-    )
-    return f"cat > \"$SF_JOB_DIR/supervise.sh\" <<'SUPERVISE_EOF'\n{body}SUPERVISE_EOF\n"
-
-
-def _supervised(command: str) -> str:
-    return f'exec bash "$SF_JOB_DIR/supervise.sh" {command}'
-
-
-def _sf(command: str, *args: str) -> str:
-    """A ``seamlessflow`` command line in bash (``args`` already bash words)."""
-    return " ".join(("seamlessflow", command, '--config "$SF_CONFIG"', *args))
-
-
 def _targets(p: Plan, config: RunConfig) -> str:
     """Prometheus ``file_sd`` targets of every part (``seamlessflow.targets``' shape)."""
     first = p.first[0].host(0)
@@ -460,23 +332,23 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
     """Provisioning (retried until NATS answers), then one step per part, then wait."""
     first = _on(*p.first)
     gateway = f"http://{p.first[0].host(0)}:{GATEWAY_PORT}/v1"
-    provision = f"for try in $(seq 60); do {_sf('provision')} && exit 0; sleep 2; done; exit 1"
-    provision = _as(config, Principal.ADMIN, provision)
+    provision = f"for try in $(seq 60); do {sf('provision')} && exit 0; sleep 2; done; exit 1"
+    provision = as_principal(config, Principal.ADMIN, provision)
     ports = METRICS_PORTS
-    own_keys = _own_keys(config)
+    keyed = own_keys(config)
     steps = [
         "# The run's streams, consumers and buckets, once NATS answers.",
         _step("provision", first, provision, pids=None),
         f'export SF_GATEWAY="{gateway}"',
     ]
     for name in ("trajectory", "scheduler"):
-        command = _sf(name, f"--metrics-port {ports[name]}")
-        steps.append(_step(name, first, _as(config, Principal(name), _supervised(command))))
+        command = sf(name, f"--metrics-port {ports[name]}")
+        steps.append(_step(name, first, as_principal(config, Principal(name), supervised(command))))
     first_host = p.first[0].host(0)
     steps += [f'echo "{part} on {first_host}"' for part in ("trajectory", "scheduler")]
     if standby := p.standby:
-        command = _sf("scheduler", f"--metrics-port {ports['scheduler']}")
-        command = _as(config, Principal.SCHEDULER, _supervised(command))
+        command = sf("scheduler", f"--metrics-port {ports['scheduler']}")
+        command = as_principal(config, Principal.SCHEDULER, supervised(command))
         steps.append(_step("scheduler-standby", _on(standby, 0), command))
         steps.append(f'echo "scheduler (standby) on {standby.host(0)}"')
     steps.append(_trainer_step(p, config, log_dir))
@@ -490,16 +362,18 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
     # The gateway listens on every address: always with keys, the job's own unless the config
     # names a keys file (and the agents' key file) of its own.
     keys = f'--keys-file "$SF_JOB_DIR/{KEYS["keys_file"]}"'
-    gateway_cmd = _sf("gateway", f"--host 0.0.0.0 --port {GATEWAY_PORT}", *[keys] * own_keys)
-    steps.append(_step("gateway", first, _as(config, Principal.GATEWAY, _supervised(gateway_cmd))))
+    gateway_cmd = sf("gateway", f"--host 0.0.0.0 --port {GATEWAY_PORT}", *[keys] * keyed)
+    steps.append(
+        _step("gateway", first, as_principal(config, Principal.GATEWAY, supervised(gateway_cmd)))
+    )
     key = f'--gateway-key-file "$SF_JOB_DIR/{KEYS["agents"]}"'
-    agents = _sf(
+    agents = sf(
         "agents",
         '--gateway "$SF_GATEWAY"',
         f"--metrics-port {ports['agents']}",
-        *[key] * own_keys,
+        *[key] * keyed,
     )
-    steps.append(_step("agents", first, _as(config, Principal.AGENTS, _supervised(agents))))
+    steps.append(_step("agents", first, as_principal(config, Principal.AGENTS, supervised(agents))))
     steps += [f'echo "{part} on {first_host}"' for part in ("gateway", "agents")]
     steps += [
         "# Until a step fails (a part gave up, a NATS server died), the time limit or scancel:",
@@ -524,11 +398,11 @@ def _trainer_step(p: Plan, config: RunConfig, log_dir: Path) -> str:
     args = [f"--checkpoint-dir {shlex.quote(str(checkpoints))}"]
     args.append(f"--metrics-port {METRICS_PORTS['trainer']}")
     if config.layout.kind is Layout.DISAGGREGATED:
-        command = _sf("trainer", *args)
+        command = sf("trainer", *args)
     else:
         role = "train" if config.layout.kind is Layout.MULTIPLEXED else "idle"
         tags = ",".join(["train", "rollout", *group.kind.tags, "node=$SLURMD_NODENAME"])
-        command = _sf(
+        command = sf(
             "worker",
             f'--tags "{tags}"',
             f"--role {role}",
@@ -537,7 +411,7 @@ def _trainer_step(p: Plan, config: RunConfig, log_dir: Path) -> str:
         )
     where = _on(group, 0, group.kind.gpus_per_node)
     # the trainer's rights, a worker tagged train too (it holds the trainer)
-    return _step("trainer", where, _as(config, Principal.TRAINER, _supervised(command)))
+    return _step("trainer", where, as_principal(config, Principal.TRAINER, supervised(command)))
 
 
 def _rollout_step(group: Group, config: RunConfig) -> str:
@@ -549,14 +423,16 @@ def _rollout_step(group: Group, config: RunConfig) -> str:
     where.append(f"--ntasks-per-node={kind.workers_per_node}")
     where += _gpus(kind, kind.gpus_per_node // kind.workers_per_node)
     tags = ",".join(["rollout", *kind.tags, "node=$SLURMD_NODENAME"])
-    command = _sf(
+    command = sf(
         "worker",
         f'--tags "{tags}"',
         "--role rollout",
         '--worker-id "rollout-$SLURMD_NODENAME-$SLURM_LOCALID"',
         f"--metrics-port $(({WORKER_METRICS_PORT} + SLURM_LOCALID))",
     )
-    return _step("rollout-%N-%t", where, _as(config, Principal.WORKER, _supervised(command)))
+    return _step(
+        "rollout-%N-%t", where, as_principal(config, Principal.WORKER, supervised(command))
+    )
 
 
 def submit(script: str, log_dir: Path) -> str:

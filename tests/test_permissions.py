@@ -6,6 +6,7 @@ import contextlib
 import os
 from pathlib import Path
 
+import nats
 import pytest
 from nats.js.api import ConsumerConfig, StreamConfig
 from nats.js.errors import BadRequestError
@@ -58,13 +59,28 @@ def violations(errors: list[str], kind: str) -> set[str]:
 
 
 class Probe:
-    """A connection that records the server's errors."""
+    """The server's errors to one connection (``probing``)."""
 
     def __init__(self) -> None:
         self.errors: list[str] = []
 
     async def error_cb(self, exc: Exception) -> None:
         self.errors.append(str(exc))
+
+
+@contextlib.asynccontextmanager
+async def probing(broker: EmbeddedBroker, run: str, principal: Principal):
+    """A plain nats-py connection as ``principal`` of ``run`` whose server errors (permission
+    violations) are recorded in the ``Probe`` it yields with it."""
+    probe = Probe()
+    identity = Identity.load(broker.authority.path(run, principal))
+    nc = await nats.connect(
+        broker.url, error_cb=probe.error_cb, allow_reconnect=False, **identity.connect_options()
+    )
+    try:
+        yield nc, probe
+    finally:
+        await nc.close()
 
 
 async def test_every_cell_of_the_matrix_is_enforced_by_the_server(secure: EmbeddedBroker):
@@ -87,13 +103,7 @@ async def test_every_cell_of_the_matrix_is_enforced_by_the_server(secure: Embedd
             pub_ok = [r.subject for r in table if principal in r.pub]
             sub_ok = [r.subject for r in table if principal in r.sub]
             sub_ok.append(f"{inbox_prefix(RUN, principal)}.>")
-            probe = Probe()
-            async with session(
-                secure.url,
-                f"probe-{principal}",
-                identity_file=secure.authority.path(RUN, principal),
-            ) as nc:
-                nc._error_cb = probe.error_cb
+            async with probing(secure, RUN, principal) as (nc, probe):
                 # publish: every subject of the matrix
                 seen.clear()
                 for subject in subjects:
@@ -135,10 +145,8 @@ async def test_every_cell_of_the_matrix_is_enforced_by_the_server(secure: Embedd
 
 async def test_jetstream_least_privilege(secure: EmbeddedBroker):
     names = RunNames(RUN)
-    async with as_(secure, RUN, Principal.WORKER) as worker:
+    async with probing(secure, RUN, Principal.WORKER) as (worker, probe):
         js = worker.jetstream(timeout=1.0)
-        probe = Probe()
-        worker._error_cb = probe.error_cb
         for config in (
             ConsumerConfig(durable_name="mine"),
             ConsumerConfig(deliver_subject=f"{inbox_prefix(RUN, Principal.WORKER)}.push"),
@@ -175,9 +183,7 @@ async def test_jetstream_least_privilege(secure: EmbeddedBroker):
         store = await trainer.jetstream(timeout=5.0).object_store(names.weights_store)
         assert (await store.put("probe", b"x" * 10)).size == 10
     # a task client submits and does nothing else
-    async with as_(secure, RUN, Principal.CLIENT) as client:
-        probe = Probe()
-        client._error_cb = probe.error_cb
+    async with probing(secure, RUN, Principal.CLIENT) as (client, probe):
         ack = await client.jetstream(timeout=2.0).publish(names.tasks, b"{}")
         assert ack.stream == names.tasks_stream
         for subject in (names.traj_end, names.traj_calls("s1"), names.gen_req):
@@ -247,9 +253,7 @@ async def test_a_worker_holds_only_its_principals_rights(secure: EmbeddedBroker)
     (``seamlessflow.run``): as ``worker`` it can never publish weights, whatever role the
     scheduler gives it."""
     names = RunNames(RUN)
-    async with as_(secure, RUN, Principal.WORKER) as worker:
-        probe = Probe()
-        worker._error_cb = probe.error_cb
+    async with probing(secure, RUN, Principal.WORKER) as (worker, probe):
         await worker.publish(names.weights, b"v999")
         await worker.publish(f"$O.{names.weights_store}.M.x", b"meta")
         await worker.flush()
