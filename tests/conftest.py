@@ -7,6 +7,7 @@ the newest one only.
 """
 
 import json
+import os
 import random
 import shutil
 import uuid
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import tomli_w
+from filelock import FileLock
 
 from broker.client import session
 from broker.provision import provision_run
@@ -155,14 +157,25 @@ def tool_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     result with the number. Greedy, it calls the tool on its own (``tool_choice`` auto) and
     completes a forced call's prefill (``tool_choice`` required or named)."""
     from common.models import load_tokenizer
-    from rollout.agents.calculator import calculate, call_text
-    from rollout.gateway.tools import TEMPLATES, chatml_tools_system
+    from rollout.gateway.tools import TEMPLATES
 
-    base = tmp_path_factory.mktemp("models") / "tiny-hermes"
-    shutil.copytree(tiny_model_dir, base)
-    tok = load_tokenizer(tiny_model_dir)
-    tok.chat_template = (TEMPLATES / "hermes_tools.jinja").read_text()
-    tok.save_pretrained(base)
+    shared = shared_tmp(tmp_path_factory)
+    base = shared / "tiny-hermes"
+    with FileLock(shared / "tiny-hermes.lock"):  # built once for all of the session's workers
+        if not base.is_dir():
+            shutil.copytree(tiny_model_dir, base)
+            tok = load_tokenizer(tiny_model_dir)
+            tok.chat_template = (TEMPLATES / "hermes_tools.jinja").read_text()
+            tok.save_pretrained(base)
+        return _warm_tool_model(base)
+
+
+def _warm_tool_model(base: Path) -> Path:
+    from common.models import load_tokenizer
+    from rollout.agents.calculator import calculate, call_text
+    from rollout.gateway.tools import chatml_tools_system
+
+    tok = load_tokenizer(base)
     systems = [chatml_tools_system(tok, [schema], None) for schema in tool_schemas()]
     result = calculate(TOOL_EXPRESSION)
 
@@ -186,6 +199,13 @@ def tool_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
         return messages, result
 
     return warm_start(base, TOOL_WARM, demonstration, "tool-calculator", cache=base.parent)
+
+
+def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder all of this test session's xdist workers share (the session's own without
+    xdist): what is costly to build is built there once, under a lock."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="module")
