@@ -86,11 +86,16 @@ class EmbeddedBroker:
         self._proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.monitoring_url = ""
+        cfg = self.config
         self.tls: ServerFiles | None = None
+        if cfg.tls_generate:  # before any identity is issued: it may get a certificate of it
+            self.tls = throwaway_pki(cfg.state_dir / "tls")
+        elif cfg.tls_cert and cfg.tls_key and cfg.tls_ca:
+            self.tls = ServerFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
         self.authority = (
             None
-            if self.config.insecure
-            else Authority(self.config.state_dir / "auth", self.config.account)
+            if cfg.insecure
+            else Authority(cfg.state_dir / "auth", cfg.account, map_certs=cfg.tls_map, ca=self.tls)
         )
 
     @property
@@ -115,10 +120,6 @@ class EmbeddedBroker:
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
         self._ports_dir = ports_dir
-        if cfg.tls_generate:
-            self.tls = throwaway_pki(cfg.state_dir / "tls")
-        elif cfg.tls_cert and cfg.tls_key and cfg.tls_ca:
-            self.tls = ServerFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
         if self.authority is None:
             log.warning(
                 kv(
@@ -226,6 +227,7 @@ class EmbeddedBroker:
                 "key_file": str(self.tls.key),
                 "ca_file": str(self.tls.ca),
                 "timeout": 2,
+                **({"verify_and_map": True} if cfg.tls_map else {}),
             }
         if self.authority is not None:
             conf["accounts"] = self.authority.server_accounts()
