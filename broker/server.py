@@ -76,6 +76,23 @@ def server_version(binary: Path) -> tuple[int, int, int]:
     return version
 
 
+def tls_files(cfg: EmbeddedBrokerConfig) -> ServerFiles | None:
+    """The broker's certificates: the throwaway CA's (made once in its folder), yours, or none."""
+    if cfg.tls_generate:
+        return throwaway_pki(cfg.state_dir / "tls")
+    if cfg.tls_cert and cfg.tls_key and cfg.tls_ca:
+        return ServerFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    return None
+
+
+def authority(cfg: EmbeddedBrokerConfig, tls: ServerFiles | None) -> Authority | None:
+    """The broker's identities (None: ``insecure``); with ``tls_map`` and a CA of its own,
+    each issued identity gets its client certificate."""
+    if cfg.insecure:
+        return None
+    return Authority(cfg.state_dir / "auth", cfg.account, map_certs=cfg.tls_map, ca=tls)
+
+
 class EmbeddedBroker:
     """Start, health-check and stop one ``nats-server``; a context manager too."""
 
@@ -86,17 +103,9 @@ class EmbeddedBroker:
         self._proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.monitoring_url = ""
-        cfg = self.config
-        self.tls: ServerFiles | None = None
-        if cfg.tls_generate:  # before any identity is issued: it may get a certificate of it
-            self.tls = throwaway_pki(cfg.state_dir / "tls")
-        elif cfg.tls_cert and cfg.tls_key and cfg.tls_ca:
-            self.tls = ServerFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
-        self.authority = (
-            None
-            if cfg.insecure
-            else Authority(cfg.state_dir / "auth", cfg.account, map_certs=cfg.tls_map, ca=self.tls)
-        )
+        # before any identity is issued: it may get a certificate of this CA
+        self.tls = tls_files(self.config)
+        self.authority = authority(self.config, self.tls)
 
     @property
     def pid(self) -> int | None:
