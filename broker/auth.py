@@ -16,12 +16,18 @@ only the public key. Every run is its own NATS account (``account_name``) with i
 limits, so one run's identities see nothing of another's. ``Authority`` keeps a broker's
 identities in one folder (``<folder>/<run>/<principal>.toml``) and renders them as the server's
 ``accounts`` block; adding a run is a configuration reload (``EmbeddedBroker.reload``).
+
+With mutual TLS mapped to users (``[broker] tls_map``: nats-server's ``verify_and_map``) a
+principal is also the user named ``cert_user(run, principal)``: a client certificate with that
+email address connects with the principal's rights and no nkey. The authority of a broker that
+made its own CA issues one beside each identity file (``<principal>.pem``, named by the file's
+``cert``), which ``connect`` presents.
 """
 
 import json
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import nkeys
@@ -30,6 +36,7 @@ from broker.config import AccountLimits
 from broker.exceptions import IdentityError
 from broker.permissions import Principal, inbox_prefix, rights
 from broker.subjects import RunNames, check_name
+from broker.tls import ServerFiles, client_certificate
 
 IDENTITY_ENV = "SEAMLESSFLOW_NATS_IDENTITY"
 """The identity file a process connects with (``broker.client.connect``); unset: anonymous, for
@@ -44,13 +51,20 @@ def account_name(run: str) -> str:
     return f"SF_{check_name('run', run)}"
 
 
+def cert_user(run: str, principal: Principal) -> str:
+    """The email address (SAN) of a client certificate that is ``principal`` of ``run``."""
+    return f"{principal.value}@{check_name('run', run)}.seamlessflow"
+
+
 @dataclass(frozen=True)
 class Identity:
-    """Who a process is on the broker: its run, principal, inbox prefix and nkey seed."""
+    """Who a process is on the broker: its run, principal, inbox prefix and nkey seed, and
+    the client certificate it presents under mutual TLS, if it has one."""
 
     run: str
     principal: Principal
     seed: str
+    cert: Path | None = None
 
     @property
     def inbox_prefix(self) -> str:
@@ -80,8 +94,12 @@ class Identity:
                 f"identity file {path} is readable by others (mode {mode:o}): `chmod 600 {path}`"
             )
         try:
+            cert = path.parent / data["cert"] if "cert" in data else None
             identity = cls(
-                check_name("run", data["run"]), Principal(data["principal"]), data["seed"].strip()
+                check_name("run", data["run"]),
+                Principal(data["principal"]),
+                data["seed"].strip(),
+                cert,
             )
             identity.public_key  # noqa: B018 - the seed must decode
         except (KeyError, ValueError, TypeError, nkeys.ErrInvalidSeed) as exc:
@@ -100,7 +118,8 @@ class Identity:
             f'principal = "{self.principal.value}"\n'
             f'inbox_prefix = "{self.inbox_prefix}"\n'
             f'public_key = "{self.public_key}"\n'
-            "# on a line of its own: nats.c and the nats CLI read this file as a seed file\n"
+            + (f'cert = "{self.cert.name}"  # beside this file\n' if self.cert else "")
+            + "# on a line of its own: nats.c and the nats CLI read this file as a seed file\n"
             f'seed = """\n{self.seed}\n"""\n'
         )
         tmp = path.with_suffix(".partial")
@@ -127,11 +146,22 @@ def run_identities(folder: Path) -> dict[Principal, Path]:
 
 
 class Authority:
-    """A broker's identities, one folder per run, and the accounts they make."""
+    """A broker's identities, one folder per run, and the accounts they make. With
+    ``map_certs`` each principal is also its ``cert_user``; with ``ca`` (a CA this broker
+    made) each identity gets its client certificate."""
 
-    def __init__(self, folder: Path, limits: AccountLimits) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        limits: AccountLimits,
+        *,
+        map_certs: bool = False,
+        ca: ServerFiles | None = None,
+    ) -> None:
         self.folder = folder
         self.limits = limits
+        self.map_certs = map_certs
+        self.ca = ca
 
     def path(self, run: str, principal: Principal) -> Path:
         return self.folder / check_name("run", run) / f"{principal.value}.toml"
@@ -140,7 +170,13 @@ class Authority:
         """The identity file of ``principal`` in ``run``, made on first use."""
         path = self.path(run, principal)
         if not path.exists():
-            Identity.new(run, principal).save(path)
+            identity = Identity.new(run, principal)
+            if self.map_certs and self.ca is not None and self.ca.ca_key is not None:
+                cert = client_certificate(
+                    self.ca, cert_user(run, principal), path.with_suffix(".pem")
+                )
+                identity = replace(identity, cert=cert)
+            identity.save(path)
         return path
 
     def issue_run(self, run: str) -> dict[Principal, Path]:
@@ -168,11 +204,11 @@ class Authority:
                 path = self.path(run, principal)
                 if not path.exists():
                     continue
-                user: dict = {"nkey": Identity.load(path).public_key}
                 granted = rights(names, principal)
-                if granted is not None:
-                    user["permissions"] = granted.nats()
-                users.append(user)
+                allowed = {} if granted is None else {"permissions": granted.nats()}
+                users.append({"nkey": Identity.load(path).public_key, **allowed})
+                if self.map_certs:
+                    users.append({"user": cert_user(run, principal), **allowed})
             accounts[account_name(run)] = {"jetstream": self.limits.nats(), "users": users}
         return accounts
 

@@ -58,7 +58,7 @@ async def connect(
     ca = ca_file or (Path(os.environ[CA_ENV]) if os.environ.get(CA_ENV) else None)
     options = identity.connect_options() if identity else {}
     if ca:
-        options["tls"] = client_context(ca)
+        options["tls"] = client_context(ca, identity.cert if identity else None)
     refused: asyncio.Future[BrokerError] = asyncio.get_running_loop().create_future()
 
     async def error_cb(exc: Exception) -> None:

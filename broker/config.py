@@ -101,6 +101,14 @@ class EmbeddedBrokerConfig(_Config):
     tls_ca: Path | None = Field(
         default=None, description="the CA that signed it, which clients are given"
     )
+    tls_map: bool = Field(
+        default=False,
+        description="mutual TLS: every client presents a certificate of the CA, and one whose "
+        "email address is <principal>@<run>.seamlessflow is that principal without an nkey "
+        "(nats-server verify_and_map; broker.auth.cert_user); with tls_generate each issued "
+        "identity gets its certificate",
+        json_schema_extra={"flag": "tls-map"},
+    )
     startup_timeout_s: float = Field(default=30.0, gt=0)
 
     @model_validator(mode="after")
@@ -110,6 +118,10 @@ class EmbeddedBrokerConfig(_Config):
             raise ValueError("tls_generate makes its own certificates: give no tls_cert/key/ca")
         if any(given) and not all(given):
             raise ValueError("TLS with your own certificates needs tls_cert, tls_key and tls_ca")
+        if self.tls_map and not (self.tls_generate or all(given)):
+            raise ValueError("tls_map needs TLS: tls_generate, or tls_cert, tls_key and tls_ca")
+        if self.tls_map and self.insecure:
+            raise ValueError("tls_map maps certificates to identities: not with insecure")
         return self
 
 

@@ -76,6 +76,23 @@ def server_version(binary: Path) -> tuple[int, int, int]:
     return version
 
 
+def tls_files(cfg: EmbeddedBrokerConfig) -> ServerFiles | None:
+    """The broker's certificates: the throwaway CA's (made once in its folder), yours, or none."""
+    if cfg.tls_generate:
+        return throwaway_pki(cfg.state_dir / "tls")
+    if cfg.tls_cert and cfg.tls_key and cfg.tls_ca:
+        return ServerFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    return None
+
+
+def authority(cfg: EmbeddedBrokerConfig, tls: ServerFiles | None) -> Authority | None:
+    """The broker's identities (None: ``insecure``); with ``tls_map`` and a CA of its own,
+    each issued identity gets its client certificate."""
+    if cfg.insecure:
+        return None
+    return Authority(cfg.state_dir / "auth", cfg.account, map_certs=cfg.tls_map, ca=tls)
+
+
 class EmbeddedBroker:
     """Start, health-check and stop one ``nats-server``; a context manager too."""
 
@@ -86,12 +103,9 @@ class EmbeddedBroker:
         self._proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.monitoring_url = ""
-        self.tls: ServerFiles | None = None
-        self.authority = (
-            None
-            if self.config.insecure
-            else Authority(self.config.state_dir / "auth", self.config.account)
-        )
+        # before any identity is issued: it may get a certificate of this CA
+        self.tls = tls_files(self.config)
+        self.authority = authority(self.config, self.tls)
 
     @property
     def pid(self) -> int | None:
@@ -115,10 +129,6 @@ class EmbeddedBroker:
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
         self._ports_dir = ports_dir
-        if cfg.tls_generate:
-            self.tls = throwaway_pki(cfg.state_dir / "tls")
-        elif cfg.tls_cert and cfg.tls_key and cfg.tls_ca:
-            self.tls = ServerFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
         if self.authority is None:
             log.warning(
                 kv(
@@ -226,6 +236,7 @@ class EmbeddedBroker:
                 "key_file": str(self.tls.key),
                 "ca_file": str(self.tls.ca),
                 "timeout": 2,
+                **({"verify_and_map": True} if cfg.tls_map else {}),
             }
         if self.authority is not None:
             conf["accounts"] = self.authority.server_accounts()

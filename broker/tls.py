@@ -1,9 +1,15 @@
 """TLS for the broker: a throwaway certificate authority for a local run, and the client side.
 
-``seamlessflow broker --tls`` (``[broker.tls] generate``) makes a CA and a server certificate
-for loopback and this host in ``<state_dir>/tls`` (private keys mode 0600); bring your own with
-``cert``, ``key`` and ``ca`` instead. Clients verify the server against the CA named by
-``$SEAMLESSFLOW_NATS_CA`` and refuse a server it did not sign (``connect``: fails closed).
+``seamlessflow broker --tls`` (``[broker] tls_generate``) makes a CA and a server certificate
+for loopback and this host in ``<state_dir>/tls`` (private keys mode 0600), once: a restart
+keeps them; bring your own with ``tls_cert``, ``tls_key`` and ``tls_ca`` instead. Clients verify
+the server against the CA named by ``$SEAMLESSFLOW_NATS_CA`` and refuse a server it did not sign
+(``connect``: fails closed).
+
+Mutual TLS (``--tls-map``, nats-server's ``verify_and_map``): every client presents a
+certificate of that CA, and one whose email address (SAN) names a user of the broker is that
+user, without an nkey (``broker.auth.cert_user``). ``client_certificate`` issues one from the
+throwaway CA.
 """
 
 import datetime
@@ -29,19 +35,30 @@ class ServerFiles:
     cert: Path
     key: Path
     ca: Path
+    ca_key: Path | None = None
+    """The CA's private key when the broker made the CA (it may issue client certificates)."""
 
 
-def client_context(ca: Path) -> ssl.SSLContext:
-    """Verify the server against ``ca`` only (not the system's CAs), hostname included."""
+def client_context(ca: Path, cert: Path | None = None) -> ssl.SSLContext:
+    """Verify the server against ``ca`` only (not the system's CAs), hostname included; present
+    ``cert`` (certificate and private key in one PEM file) for mutual TLS."""
     context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca))
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert is not None:
+        context.load_cert_chain(cert)
     return context
 
 
 def throwaway_pki(folder: Path, hosts: list[str] | None = None) -> ServerFiles:
-    """A new CA and a server certificate signed by it, for ``hosts`` (default: localhost,
-    127.0.0.1, ::1 and this host's name), valid ``VALID_DAYS`` days."""
+    """A CA and a server certificate signed by it, for ``hosts`` (default: localhost,
+    127.0.0.1, ::1 and this host's name), valid ``VALID_DAYS`` days; those already in
+    ``folder`` when they are all there (the client certificates issued stay valid)."""
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    files = ServerFiles(
+        folder / "server.pem", folder / "server-key.pem", folder / "ca.pem", folder / "ca-key.pem"
+    )
+    if all(path.is_file() for path in (files.cert, files.key, files.ca, files.ca_key)):
+        return files
     hosts = hosts or ["localhost", "127.0.0.1", "::1", socket.gethostname()]
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -80,11 +97,34 @@ def throwaway_pki(folder: Path, hosts: list[str] | None = None) -> ServerFiles:
         )
         .sign(ca_key, hashes.SHA256())
     )
-    files = ServerFiles(folder / "server.pem", folder / "server-key.pem", folder / "ca.pem")
     _write(files.ca, ca.public_bytes(serialization.Encoding.PEM), 0o644)
     _write(files.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     _write(files.key, _pem_key(key), 0o600)
+    _write(files.ca_key, _pem_key(ca_key), 0o600)
     return files
+
+
+def client_certificate(ca: ServerFiles, email: str, path: Path) -> Path:
+    """A client certificate signed by ``ca`` (made by ``throwaway_pki``) whose email address is
+    ``email``, with its private key, as one PEM file at ``path``, mode 0600."""
+    if ca.ca_key is None:
+        raise ValueError(
+            f"the CA {ca.ca} has no private key here: issue client certificates with your own PKI"
+        )
+    ca_cert = x509.load_pem_x509_certificate(ca.ca.read_bytes())
+    ca_key = serialization.load_pem_private_key(ca.ca_key.read_bytes(), password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, email)])
+    cert = (
+        _builder(name, ca_cert.subject, key.public_key(), now)
+        .add_extension(x509.SubjectAlternativeName([x509.RFC822Name(email)]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _write(path, cert.public_bytes(serialization.Encoding.PEM) + _pem_key(key), 0o600)
+    return path
 
 
 def _builder(subject, issuer, public_key, now: datetime.datetime) -> x509.CertificateBuilder:

@@ -227,7 +227,9 @@ def _services() -> list[tuple[str, str, str, list[Flag], bool]]:
 
 
 def _creds(args: argparse.Namespace) -> int:
-    from broker.auth import IDENTITY_ENV, Authority
+    from broker.auth import IDENTITY_ENV
+    from broker.server import authority as broker_authority
+    from broker.server import tls_files
     from rollout.gateway.keys import write_run_keys
 
     config = load_config(args.config)
@@ -241,7 +243,9 @@ def _creds(args: argparse.Namespace) -> int:
         )
         if not (args.principal or args.accounts):
             return 0
-    authority = Authority(state_dir / "auth", config.broker.account)
+    broker = override(config, {"broker": {"state_dir": str(state_dir), "insecure": False}}).broker
+    authority = broker_authority(broker, tls_files(broker))
+    assert authority is not None
     principals = [Principal(x) for x in args.principal or [x.value for x in Principal]]
     for principal in principals:
         path = authority.issue(run, principal)
