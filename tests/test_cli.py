@@ -348,6 +348,7 @@ sys.meta_path.insert(0, Absent())
 '''
 
 
+@pytest.mark.newest_nats  # about the install, not the server
 def test_base_commands_run_without_torch(broker, js, run_name, tmp_path):
     """``pip install seamlessflow`` without torch, simulated: this venv's Python with a
     ``sitecustomize`` on PYTHONPATH that makes ``import torch`` / ``transformers`` / ``vllm``

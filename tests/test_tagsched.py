@@ -517,6 +517,7 @@ async def test_membership_takes_the_role_serves_requests_and_leaves_in_order(nc,
         await nc.request(names.ctl_role("m1"), b"", timeout=5)
 
 
+@pytest.mark.newest_nats  # starts worker processes: slow, and not about the server
 async def test_a_worker_changes_role_by_epoch_and_refuses_stale_ones(
     broker, nc, js, names, tiny_model_dir
 ):
@@ -554,6 +555,7 @@ async def test_a_worker_changes_role_by_epoch_and_refuses_stale_ones(
         w.stop()
 
 
+@pytest.mark.newest_nats  # starts worker processes: slow, and not about the server
 async def test_role_changes_under_load_lose_and_duplicate_no_generation(
     broker, nc, js, names, tiny_model_dir
 ):
@@ -621,6 +623,7 @@ def fenced() -> float:
     return REGISTRY.get_sample_value("sf_scheduler_fenced_total") or 0.0
 
 
+@pytest.mark.newest_nats  # starts worker processes: slow, and not about the server
 async def test_a_worker_frozen_mid_work_is_fenced_its_call_continues_and_it_is_readmitted(
     broker, nc, js, names, tiny_model_dir
 ):
