@@ -106,6 +106,8 @@ def rows(names: RunNames) -> list[Row]:
         Row(_api("STREAM.NAMES"), "list streams", pub=frozenset({T, V})),
         Row(_api("STREAM.LIST"), "list streams with info", pub=frozenset({V})),
         Row(_api("STREAM.INFO.*"), "a stream's info", pub=everyone - {C}),
+        # seamlessflow submit checks that the run is provisioned before it publishes
+        Row(_api(f"STREAM.INFO.{n.tasks_stream}"), "the tasks stream's info", pub=frozenset({C})),
         Row(_api("CONSUMER.INFO.*.*"), "any consumer's info", pub=frozenset({V})),
         Row(_api("CONSUMER.LIST.*"), "list consumers", pub=frozenset({V})),
         Row(_api(f"STREAM.MSG.GET.{n.dead_stream}"), "read a dead letter", pub=frozenset({V})),

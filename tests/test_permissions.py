@@ -15,9 +15,11 @@ from broker.auth import Identity
 from broker.client import session
 from broker.config import MiB
 from broker.exceptions import AuthorizationError, IdentityError
+from broker.messages import TaskSubmitted
 from broker.permissions import Principal, inbox_prefix, matrix_markdown, rows
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
+from seamlessflow.submit import submit_tasks
 from tests.support import SECURE_LIMITS, secure_run
 
 RUN, OTHER = "permA", "permB"
@@ -182,10 +184,11 @@ async def test_jetstream_least_privilege(secure: EmbeddedBroker):
     async with as_(secure, RUN, Principal.TRAINER) as trainer:
         store = await trainer.jetstream(timeout=5.0).object_store(names.weights_store)
         assert (await store.put("probe", b"x" * 10)).size == 10
-    # a task client submits and does nothing else
+    # a task client submits (as `seamlessflow submit` does) and does nothing else
     async with probing(secure, RUN, Principal.CLIENT) as (client, probe):
-        ack = await client.jetstream(timeout=2.0).publish(names.tasks, b"{}")
-        assert ack.stream == names.tasks_stream
+        task = TaskSubmitted(task_id="probe", messages=[{"role": "user", "content": "1+1?"}])
+        report = await submit_tasks(client.jetstream(timeout=2.0), names, [task], progress=False)
+        assert report.published == 1, report
         for subject in (names.traj_end, names.traj_calls("s1"), names.gen_req):
             await client.publish(subject, b"forged")
         await client.flush()
