@@ -45,14 +45,15 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# Two pytest workers (pytest-xdist), a test file each at a time (its module fixtures built once):
-# most tests wait on subprocesses and the broker, and one worker left a core idle 43% of the time.
+# Two pytest workers (pytest-xdist), a test file each at a time (its module fixtures built once),
+# the longest files first (tests/conftest.py LONGEST_FIRST): one worker left a core idle 43% of
+# the time, waiting on subprocesses and the broker.
 test: lint $(NODE_MODULES)
-	$(BIN)/pytest -n 2 --dist loadfile
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # The fault suite: kills, broker restarts, outages (tests/test_faults.py and tests marked faults).
 test-faults: setup
-	$(BIN)/pytest -m faults
+	$(BIN)/pytest -m faults -n 2 --dist load
 
 # Several hosts as network namespaces on this machine (tests/nodes.py; root, iproute2, util-linux).
 test-cluster: setup

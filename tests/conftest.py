@@ -39,6 +39,21 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "newest_nats: run on the newest nats-server found only")
 
 
+LONGEST_FIRST = (
+    "test_tagsched.py",
+    "test_run.py",
+    "test_tool_agents.py",  # it warm-starts the tool model (tool_model_dir) for the session
+    "test_gateway.py",
+    "test_worker.py",
+    "test_trainer_group.py",
+    "test_cli.py",
+    "test_engines.py",
+)
+"""The files of 2 minutes or more, which ``make test``'s workers take first (in this order,
+then the rest as collected; pytest-xdist ``--dist loadfile --no-loadscope-reorder``), so that
+the run does not end with one worker busy on a long file and the other idle."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     keep, drop = [], []
     for item in items:
@@ -48,7 +63,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (drop if older and item.get_closest_marker("newest_nats") else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    first = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+    items[:] = sorted(keep, key=lambda item: first.get(item.path.name, len(first)))
 
 
 @pytest.fixture(scope="session")
