@@ -199,7 +199,8 @@ def test_each_part_connects_as_its_principal_with_that_identity_only(
                 if path.relative_to(mount["mountPath"]) == Path(i["path"])
             ]
             assert item["key"] == f"{expected.value}.toml", where
-            assert item.get("mode", secret.get("defaultMode")) == 0o400, where
+            mode = item.get("mode", secret.get("defaultMode"))
+            assert mode == 0o400, f"{where}: {item['key']} mode {mode:o}"
             used.add(item["key"])
             principals.add(expected)
         assert mounted == used, f"{where} mounts {sorted(mounted - used)} it does not connect as"
