@@ -2,7 +2,9 @@
 schemas (offline, kubernetes-validate's bundled ones), and the deployment's invariants hold:
 each container runs a real ``seamlessflow`` subcommand whose flags parse and whose settings are
 valid with the mounted run config, each part has a readiness probe and scrape annotations,
-workers carry their node's tag, NATS is a 3-server cluster on the GPU cluster.
+workers carry their node's tag, NATS is a 3-server cluster on the GPU cluster. NATS runs with
+authorization on (a real nats-server on each overlay's config refuses anonymous clients), and
+each part connects as its own principal with that identity file only.
 """
 
 import os
@@ -10,17 +12,25 @@ import re
 import shutil
 import subprocess
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from broker.auth import IDENTITY_ENV, Authority, Identity
+from broker.client import session
+from broker.exceptions import AuthorizationError
+from broker.permissions import Principal
+from broker.provision import provision_run
 from broker.server import find_nats_server
 from seamlessflow.cli import build_parser
-from seamlessflow.config import load_config
+from seamlessflow.config import RunConfig, load_config
 from seamlessflow.flags import apply_flags
 from seamlessflow.targets import job_name
+from tests.support import free_port
 
 ROOT = Path(__file__).parents[1]
 OVERLAYS = ("single-node", "gpu-cluster")
@@ -28,6 +38,10 @@ K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests are checked agains
 PARTS = {"trajectory", "scheduler", "gateway", "agents", "trainer", "rollout"}
 # What the downward API and the cluster put in $(VAR) references, for parsing the args.
 ENV_EXAMPLES = {"NODE_NAME": "gpu-node-7", "POD_NAME": "rollout-6d5f9c7b8-x2k4q"}
+# The Secrets made once per run (deploy/k8s/base/kustomization.yaml): the NATS servers' accounts
+# (`seamlessflow creds --accounts`) and every principal's identity (auth/RUN/ of its --state-dir).
+ACCOUNTS = "seamlessflow-nats-accounts"
+IDENTITIES = "seamlessflow-nats-identities"
 
 pytestmark = pytest.mark.skipif(
     shutil.which("kubectl") is None,
@@ -83,46 +97,116 @@ def expand(arg: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], arg)
 
 
+def environment(objects: list[dict], container: dict) -> dict[str, str]:
+    """The container's environment: its envFrom ConfigMaps, then its env values."""
+    env = {}
+    for source in container.get("envFrom", []):
+        env |= named(objects, "ConfigMap", source["configMapRef"]["name"])["data"]
+    return env | {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
 def parse(objects: list[dict], container: dict, monkeypatch):
-    """The container's args parsed as the pod parses them: in its environment (the envFrom
-    ConfigMaps, e.g. SEAMLESSFLOW_NATS_URL, which --nats defaults to), $(VAR)s expanded."""
+    """The container's args parsed as the pod parses them: in its environment (e.g.
+    SEAMLESSFLOW_NATS_URL, which --nats defaults to), $(VAR)s expanded."""
     for name in [n for n in os.environ if n.startswith("SEAMLESSFLOW_")]:
         monkeypatch.delenv(name)
-    for source in container.get("envFrom", []):
-        for key, value in named(objects, "ConfigMap", source["configMapRef"]["name"])[
-            "data"
-        ].items():
-            monkeypatch.setenv(key, value)
+    for key, value in environment(objects, container).items():
+        monkeypatch.setenv(key, value)
     return build_parser().parse_args([expand(a, ENV_EXAMPLES) for a in container["args"]])
+
+
+def seamlessflow_containers(objects: list[dict]):
+    """(workload, pod spec, container) of every container running the SeamlessFlow image."""
+    for obj in workloads(objects):
+        pod = obj["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            if container["image"].startswith("ghcr.io/seamlessflow/seamlessflow:"):
+                yield obj, pod, container
+
+
+def settings(objects: list[dict], pod: dict, args, path: Path) -> RunConfig:
+    """What the part runs with, as it checks at start: the run config its pod mounts (written to
+    ``path``) with its flags applied."""
+    volume = next(v for v in pod["volumes"] if v["name"] == "config")
+    path.write_text(config_map(objects, volume)["data"]["run.toml"])
+    config = load_config(path)
+    return apply_flags(config, args, args.flags) if hasattr(args, "flags") else config
 
 
 def test_every_container_runs_a_seamlessflow_command_that_parses(rendered, tmp_path, monkeypatch):
     overlay, objects = rendered
     commands = set()
-    for obj in workloads(objects):
-        pod = obj["spec"]["template"]["spec"]
-        for container in pod["containers"]:
-            if not container["image"].startswith("ghcr.io/seamlessflow/seamlessflow:"):
-                continue
-            assert container["command"] == ["seamlessflow"], container["name"]
-            defined = {e["name"] for e in container.get("env", [])}
-            used = set(re.findall(r"\$\((\w+)\)", " ".join(container["args"])))
-            assert used <= defined, f"{container['name']} uses undefined {used - defined}"
-            args = parse(objects, container, monkeypatch)
-            assert args.nats == "nats://nats:4222"
-            commands.add(args.command)
-            # The --config it names is the run config ConfigMap's file, and with the flags
-            # applied the settings validate together, as the part itself checks at start.
-            assert args.config == Path("/etc/seamlessflow/run.toml")
-            volume = next(v for v in pod["volumes"] if v["name"] == "config")
-            path = tmp_path / f"{obj['metadata']['name']}.toml"
-            path.write_text(config_map(objects, volume)["data"]["run.toml"])
-            if hasattr(args, "flags"):
-                apply_flags(load_config(path), args, args.flags)
-            else:
-                load_config(path)
+    for obj, pod, container in seamlessflow_containers(objects):
+        assert container["command"] == ["seamlessflow"], container["name"]
+        defined = {e["name"] for e in container.get("env", [])}
+        used = set(re.findall(r"\$\((\w+)\)", " ".join(container["args"])))
+        assert used <= defined, f"{container['name']} uses undefined {used - defined}"
+        args = parse(objects, container, monkeypatch)
+        assert args.nats == "nats://nats:4222"
+        commands.add(args.command)
+        # The --config it names is the run config ConfigMap's file, and with the flags applied
+        # the settings validate together, as the part itself checks at start.
+        assert args.config == Path("/etc/seamlessflow/run.toml")
+        settings(objects, pod, args, tmp_path / f"{obj['metadata']['name']}.toml")
     assert commands == {
         "provision", "trajectory", "scheduler", "gateway", "agents", "trainer", "worker"
+    }, overlay  # fmt: skip
+
+
+def principal(args, config: RunConfig) -> Principal:
+    """Whom a command connects to NATS as, by the launchers' rule (seamlessflow/run.py,
+    seamlessflow/slurm.py): provisioning as the admin, a worker tagged train as the trainer (it
+    may train), every other command as its namesake."""
+    if args.command == "provision":
+        return Principal.ADMIN
+    if args.command == "worker" and "train" in config.worker.tags:
+        return Principal.TRAINER
+    return Principal(args.command)
+
+
+def test_each_part_connects_as_its_principal_with_that_identity_only(
+    rendered, tmp_path, monkeypatch
+):
+    """Every container that connects to NATS has $SEAMLESSFLOW_NATS_IDENTITY at a file of the
+    identities Secret whose key is its principal's, mode 0400 (a part refuses an identity others
+    may read); no pod mounts a key it does not connect with (the NATS pods: none)."""
+    overlay, objects = rendered
+    principals = set()
+    for obj in workloads(objects):
+        pod = obj["spec"]["template"]["spec"]
+        where = f"{overlay}: {obj['metadata']['name']}"
+        secrets = {
+            v["name"]: v["secret"]
+            for v in pod["volumes"]
+            if v.get("secret", {}).get("secretName") == IDENTITIES
+        }
+        projected = [s for v in pod["volumes"] for s in v.get("projected", {}).get("sources", [])]
+        assert all(s.get("secret", {}).get("name") != IDENTITIES for s in projected), where
+        assert all("items" in s for s in secrets.values()), f"{where} mounts every identity"
+        mounted = {i["key"] for s in secrets.values() for i in s["items"]}
+        used = set()
+        for _, _, container in seamlessflow_containers([obj]):
+            args = parse(objects, container, monkeypatch)
+            if not hasattr(args, "nats"):
+                continue
+            expected = principal(args, settings(objects, pod, args, tmp_path / "run.toml"))
+            path = Path(environment(objects, container)[IDENTITY_ENV])
+            (mount,) = [m for m in container["volumeMounts"] if path.is_relative_to(m["mountPath"])]
+            secret = secrets[mount["name"]]
+            (item,) = [
+                i
+                for i in secret["items"]
+                if path.relative_to(mount["mountPath"]) == Path(i["path"])
+            ]
+            assert item["key"] == f"{expected.value}.toml", where
+            mode = item.get("mode", secret.get("defaultMode"))
+            assert mode == 0o400, f"{where}: {item['key']} mode {mode:o}"
+            used.add(item["key"])
+            principals.add(expected)
+        assert mounted == used, f"{where} mounts {sorted(mounted - used)} it does not connect as"
+    assert principals == {
+        Principal.ADMIN, Principal.SCHEDULER, Principal.TRAJECTORY, Principal.TRAINER,
+        Principal.WORKER, Principal.GATEWAY, Principal.AGENTS,
     }, overlay  # fmt: skip
 
 
@@ -185,10 +269,65 @@ def test_rollout_workers_are_tagged_with_their_node(rendered, monkeypatch):
     assert "node=gpu-node-7" in tags and "rollout" in tags, overlay
 
 
-def nats_conf(objects: list[dict]) -> str:
+def nats_files(objects: list[dict], folder: Path) -> tuple[Path, dict[Principal, Path]]:
+    """The NATS pods' config volume written to ``folder/nats`` as it is mounted: the ConfigMap's
+    nats.conf and, beside it, the accounts Secret's accounts.conf as ``seamlessflow creds
+    --config <run.toml> --accounts`` writes it (the run config in ``folder``, the run's identities
+    issued in ``folder/auth``). Returns the file the server's ``-c`` names and the identities."""
     pod = named(objects, "StatefulSet", "nats")["spec"]["template"]["spec"]
+    (server,) = [c for c in pod["containers"] if c["name"] == "nats"]
+    (mount,) = [m for m in server["volumeMounts"] if m["name"] == "config"]
     volume = next(v for v in pod["volumes"] if v["name"] == "config")
-    return config_map(objects, volume)["data"]["nats.conf"]
+    (folder / "run.toml").write_text(named_config(objects))
+    config = load_config(folder / "run.toml")
+    authority = Authority(folder / "auth", config.broker.account)
+    identities = authority.issue_run(config.run)
+    (folder / "nats").mkdir()
+    for source in volume["projected"]["sources"]:
+        if "configMap" in source:
+            for key, text in config_map(objects, source)["data"].items():
+                (folder / "nats" / key).write_text(text)
+        else:
+            (item,) = source["secret"]["items"]
+            assert (source["secret"]["name"], item["key"]) == (ACCOUNTS, "accounts.conf")
+            authority.write_accounts(folder / "nats" / item["path"])
+    assert server["args"][0] == "-c"
+    return folder / "nats" / Path(server["args"][1]).relative_to(mount["mountPath"]), identities
+
+
+@contextmanager
+def nats_here(conf: Path, binary: Path) -> Iterator[str]:
+    """A real nats-server on the pods' config ``conf``, run here: clients on a free loopback
+    port, no monitor port, no routes (its peers are pods), the store and pid file beside
+    ``conf``. Yields its URL."""
+    port = free_port()
+    text = re.sub(r"\ncluster \{.*?\n\}\n", "\n", conf.read_text(), flags=re.S)
+    for pods, here in (
+        ("0.0.0.0:4222", f"127.0.0.1:{port}"),
+        ("http: 0.0.0.0:8222", ""),
+        ("/data", str(conf.parent / "data")),
+        ("/var/run/nats", str(conf.parent)),
+    ):
+        assert pods in text, conf
+        text = text.replace(pods, here)
+    conf.write_text(text)
+    log = conf.parent / "nats.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [str(binary), "-c", str(conf)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "POD_NAME": "nats-0"},
+        )
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    except BaseException:
+        if server.poll() is not None:
+            pytest.fail(f"nats-server exited {server.returncode}: {log.read_text()[-2000:]}")
+        raise
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def test_nats_is_a_jetstream_statefulset_with_storage(rendered, tmp_path):
@@ -199,13 +338,14 @@ def test_nats_is_a_jetstream_statefulset_with_storage(rendered, tmp_path):
     assert nats["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     headless = named(objects, "Service", nats["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
-    conf = nats_conf(objects)
+    path, _ = nats_files(objects, tmp_path)
+    conf = path.read_text()
     routes = re.findall(r"nats://(nats-\d+)\.nats-headless:6222", conf)
     assert routes == ([f"nats-{i}" for i in range(replicas)] if replicas > 1 else [])
     run = tomllib.loads(named_config(objects))
     assert run["provision"]["replicas"] == replicas  # streams replicated on every server
-    # The server accepts the config (nats-server -t), with $POD_NAME as the pod gives it.
-    path = tmp_path / "nats.conf"
+    # The server accepts the config (nats-server -t), with $POD_NAME as the pod gives it and
+    # the accounts it includes.
     path.write_text(conf.replace("/data", str(tmp_path / "data")))
     check = subprocess.run(
         [str(find_nats_server()), "-t", "-c", str(path)],
@@ -215,6 +355,40 @@ def test_nats_is_a_jetstream_statefulset_with_storage(rendered, tmp_path):
         env={**os.environ, "POD_NAME": "nats-0"},
     )
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+async def test_nats_refuses_anonymous_clients_and_admits_the_runs_identities(
+    rendered, tmp_path, nats_binary, monkeypatch
+):
+    """A real nats-server on the overlay's config, with the accounts issued for real beside it:
+    an anonymous client and an identity of another run are refused, every identity of the run
+    connects."""
+    _, objects = rendered
+    conf, identities = nats_files(objects, tmp_path)
+    stranger = Identity.new("stranger", Principal.ADMIN).save(tmp_path / "stranger.toml")
+    monkeypatch.delenv(IDENTITY_ENV, raising=False)  # anonymous: no identity at all
+    with nats_here(conf, nats_binary) as url:
+        for who, identity in identities.items():  # the first waits for the server to listen
+            async with session(url, f"k8s-{who}", give_up_after=10, identity_file=identity) as nc:
+                assert nc.is_connected
+        for identity in (None, stranger):
+            with pytest.raises(AuthorizationError):
+                async with session(url, "k8s-refused", identity_file=identity):
+                    pass
+
+
+async def test_the_single_node_run_is_provisioned_within_its_account(tmp_path):
+    """What the provision Job does, as the admin, on the single-node NATS: the run's streams fit
+    the account its run config gives it, which fits the server's store (or the server would not
+    start). (The GPU cluster's replicated streams need its three servers.)"""
+    objects = render("single-node")
+    conf, identities = nats_files(objects, tmp_path)
+    config = load_config(tmp_path / "run.toml")
+    with nats_here(conf, find_nats_server()) as url:
+        admin = identities[Principal.ADMIN]
+        async with session(url, "k8s-provision", give_up_after=10, identity_file=admin) as nc:
+            report = await provision_run(nc.jetstream(), config.run, config.provision)
+    assert report.created and not report.unchanged
 
 
 def named_config(objects: list[dict]) -> str:
