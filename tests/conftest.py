@@ -6,8 +6,15 @@ marked ``newest_nats`` (rollout tests that start engines: slow, and not about th
 the newest one only.
 """
 
-import json
 import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One torch thread per pytest worker (set before torch is imported), like the services it
+    # starts: two workers on two cores with two threads each thrashed (the tool model's warm
+    # start took 4x its time alone).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import json
 import random
 import shutil
 import uuid
