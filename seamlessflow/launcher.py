@@ -82,9 +82,7 @@ async def local_broker(
         return
     embedded = EmbeddedBroker(config)
     identities = embedded.authority.issue_run(run) if embedded.authority else None
-    ca = None
-    if config.tls_generate or config.tls_ca:
-        ca = config.tls_ca or config.state_dir / "tls" / "ca.pem"
+    ca = embedded.tls.ca if embedded.tls else None
     # Started from this (main) thread: the server is tied to it and dies with it.
     with embedded:
         async with broker_metrics(embedded.monitoring_url, config.metrics_port) as metrics:

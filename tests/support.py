@@ -112,7 +112,8 @@ async def secure_run(broker: EmbeddedBroker, run: str) -> RunNames:
     broker.authority.issue_run(run)
     await asyncio.to_thread(broker.reload)
     admin = broker.authority.path(run, Principal.ADMIN)
-    async with session(broker.url, "test-admin", identity_file=admin) as nc:
+    ca = broker.tls.ca if broker.tls else None
+    async with session(broker.url, "test-admin", identity_file=admin, ca_file=ca) as nc:
         await provision_run(nc.jetstream(), run, SMALL_RUN)
     return RunNames(run)
 

@@ -17,11 +17,10 @@ from broker.auth import cert_user
 from broker.client import session
 from broker.exceptions import BrokerTlsError
 from broker.permissions import Principal, inbox_prefix
-from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from broker.tls import CA_ENV, client_certificate, client_context, throwaway_pki
-from tests.support import SMALL_RUN, broker_config
+from tests.support import broker_config, secure_run
 
 RUN = "tlsrun"
 
@@ -95,17 +94,8 @@ def mapped_broker(
         tls_map=True,
     )
     with EmbeddedBroker(config) as broker:
-        asyncio.run(_provisioned(broker))
+        asyncio.run(secure_run(broker, RUN))
         yield broker
-
-
-async def _provisioned(broker: EmbeddedBroker) -> None:
-    broker.authority.issue_run(RUN)
-    await asyncio.to_thread(broker.reload)
-    async with session(
-        broker.url, "mtls-admin", identity_file=_admin(broker), ca_file=broker.tls.ca
-    ) as nc:
-        await provision_run(nc.jetstream(), RUN, SMALL_RUN)
 
 
 async def _cert_only(broker: EmbeddedBroker, cert: Path | None, errors: list[str]):
