@@ -85,7 +85,7 @@ async def start(config: EngineConfig) -> "VLLMEngine":
     if settings.max_num_seqs is not None:
         options["max_num_seqs"] = settings.max_num_seqs
     layout = await asyncio.to_thread(WeightLayout.of_model, model)
-    rpc_dir = Path(tempfile.mkdtemp(prefix="sf-vllm-rpc-"))
+    rpc_dir = _rpc_dir()
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     os.environ["VLLM_RPC_BASE_PATH"] = str(rpc_dir)
     args = AsyncEngineArgs(
@@ -248,6 +248,19 @@ def split_by_version(
 @dataclass
 class _Stream:
     aborted: bool = False
+
+
+IPC_PATH_MAX = 107
+"""The longest unix socket path (``sizeof(sockaddr_un.sun_path)`` less its NUL)."""
+
+
+def _rpc_dir() -> Path:
+    """A fresh folder for vLLM's IPC sockets (``<folder>/<uuid4>``), in the temp folder unless
+    that is too deep for a socket path there (a long ``$TMPDIR``: pytest-xdist's), else /tmp."""
+    base = tempfile.gettempdir()
+    if len(base) + len("/sf-vllm-rpc-12345678/") + 36 > IPC_PATH_MAX:
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix="sf-vllm-rpc-", dir=base))
 
 
 class VLLMEngine:
