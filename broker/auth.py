@@ -39,12 +39,13 @@ from broker.subjects import RunNames, check_name
 from broker.tls import ServerFiles, client_certificate
 
 IDENTITY_ENV = "SEAMLESSFLOW_NATS_IDENTITY"
-"""The identity file a process connects with (``broker.client.connect``); unset: anonymous, for
-a broker running without authorization (``--insecure``)."""
+"""The identity file a process connects with (``broker.client.connect``), whatever its role."""
 IDENTITIES_ENV = "SEAMLESSFLOW_NATS_IDENTITIES"
 """A folder of one run's identity files, ``<principal>.toml`` (``seamlessflow creds`` writes
-``<broker folder>/auth/<run>/``): ``seamlessflow run --nats URL`` hands each child its own and
-connects as the admin."""
+``<broker folder>/auth/<run>/``): each process connects as its own principal's file (a worker
+as ``worker.toml``, ``seamlessflow submit`` as ``client.toml``), and ``seamlessflow run --nats
+URL`` hands each child its own and connects as the admin. Neither set: anonymous, for a broker
+running without authorization (``--insecure``)."""
 
 
 def account_name(run: str) -> str:
@@ -134,6 +135,19 @@ class Identity:
         return {"nkeys_seed_str": self.seed, "inbox_prefix": self.inbox_prefix}
 
 
+def identity_path(explicit: Path | None, principal: Principal | None) -> Path | None:
+    """The identity file a process of ``principal`` connects with: ``explicit``, else
+    ``$SEAMLESSFLOW_NATS_IDENTITY``, else its own in ``$SEAMLESSFLOW_NATS_IDENTITIES``; None:
+    anonymous."""
+    if explicit is not None:
+        return explicit
+    if os.environ.get(IDENTITY_ENV):
+        return Path(os.environ[IDENTITY_ENV])
+    if principal is not None and os.environ.get(IDENTITIES_ENV):
+        return Path(os.environ[IDENTITIES_ENV]) / f"{principal.value}.toml"
+    return None
+
+
 def run_identities(folder: Path) -> dict[Principal, Path]:
     """Every principal's identity file in ``folder``; ``IdentityError`` naming a missing one."""
     identities = {p: folder / f"{p.value}.toml" for p in Principal}
@@ -190,14 +204,33 @@ class Authority:
         return frozenset((str(p), p.stat().st_mtime) for p in self.folder.glob("*/*.toml"))
 
     def runs(self) -> list[str]:
+        """Its runs, the first issued first."""
         if not self.folder.is_dir():
             return []
-        return sorted(d.name for d in self.folder.iterdir() if d.is_dir())
+        issued = {
+            d.name: min((f.stat().st_mtime for f in d.glob("*.toml")), default=float("inf"))
+            for d in self.folder.iterdir()
+            if d.is_dir()
+        }
+        return sorted(issued, key=lambda run: (issued[run], run))
 
-    def accounts(self) -> dict:
-        """nats-server's ``accounts`` block: one account per run, its users with their rights."""
+    def fitting(self, storage: int, memory: int) -> tuple[list[str], list[str]]:
+        """The runs whose accounts fit a server of ``storage`` and ``memory`` bytes of
+        JetStream, the first issued first, and the rest. nats-server reserves each account's
+        limits, and an account that does not fit turns JetStream off for every account."""
+        runs = self.runs()
+        fit = len(runs)
+        if self.limits.max_file:
+            fit = min(fit, storage // self.limits.max_file)
+        if self.limits.max_memory:
+            fit = min(fit, memory // self.limits.max_memory)
+        return runs[:fit], runs[fit:]
+
+    def accounts(self, runs: list[str] | None = None) -> dict:
+        """nats-server's ``accounts`` block: one account per run (of ``runs``; default: every
+        run), its users with their rights."""
         accounts = {}
-        for run in self.runs():
+        for run in self.runs() if runs is None else runs:
             names = RunNames(run)
             users = []
             for principal in Principal:
@@ -212,12 +245,13 @@ class Authority:
             accounts[account_name(run)] = {"jetstream": self.limits.nats(), "users": users}
         return accounts
 
-    def server_accounts(self) -> dict:
+    def server_accounts(self, runs: list[str] | None = None) -> dict:
         """``accounts`` plus ``SF_NOBODY``, an account whose one user's seed nobody keeps: it
         turns authorization on even before the first run's identities exist (until then every
         connection is refused). What a server's config holds (public keys only)."""
         nobody = nkeys.from_seed(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
-        return {**self.accounts(), "SF_NOBODY": {"users": [{"nkey": nobody.public_key.decode()}]}}
+        nobody_account = {"users": [{"nkey": nobody.public_key.decode()}]}
+        return {**self.accounts(runs), "SF_NOBODY": nobody_account}
 
     def write_accounts(self, path: Path) -> Path:
         """``server_accounts`` as a nats-server config file of its own, ``accounts: <JSON>``

@@ -12,7 +12,7 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
-from broker.auth import IDENTITY_ENV, Identity
+from broker.auth import IDENTITIES_ENV, IDENTITY_ENV, Identity, identity_path
 from broker.exceptions import (
     AuthorizationError,
     BrokerError,
@@ -20,6 +20,7 @@ from broker.exceptions import (
     BrokerUnavailableError,
 )
 from broker.metrics import REFUSED
+from broker.permissions import Principal
 from broker.tls import CA_ENV, client_context
 from common.log import kv
 
@@ -39,6 +40,7 @@ async def connect(
     name: str,
     *,
     give_up_after: float = 5.0,
+    principal: Principal | None = None,
     identity_file: Path | None = None,
     ca_file: Path | None = None,
 ) -> NATS:
@@ -47,13 +49,13 @@ async def connect(
     (``nats://a:4222,nats://b:4222``): the client connects to any and moves to another when its
     server goes away (it also learns the cluster's other servers from the one it reaches).
 
-    It connects as ``identity_file``, else the file named by ``$SEAMLESSFLOW_NATS_IDENTITY``
-    (``broker.auth``), else anonymously, which only a broker started ``--insecure`` lets in. A
+    It connects as ``identity_file``, else the file named by ``$SEAMLESSFLOW_NATS_IDENTITY``,
+    else ``principal``'s file in ``$SEAMLESSFLOW_NATS_IDENTITIES`` (``broker.auth``), else
+    anonymously, which only a broker started ``--insecure`` lets in. A
     refused identity raises ``AuthorizationError`` at once: waiting would not change the
     answer. With ``ca_file``, else ``$SEAMLESSFLOW_NATS_CA``, it speaks TLS and trusts only that
     CA; a server it cannot verify raises ``BrokerTlsError`` at once (fails closed)."""
-    if identity_file is None and os.environ.get(IDENTITY_ENV):
-        identity_file = Path(os.environ[IDENTITY_ENV])
+    identity_file = identity_path(identity_file, principal)
     identity = Identity.load(identity_file) if identity_file else None
     ca = ca_file or (Path(os.environ[CA_ENV]) if os.environ.get(CA_ENV) else None)
     options = identity.connect_options() if identity else {}
@@ -127,7 +129,7 @@ def _refused(url: str, path: Path | None, identity: Identity | None) -> Authoriz
     who = (
         f"identity {path} (run {identity.run}, {identity.principal})"
         if identity
-        else f"no identity (${IDENTITY_ENV} is unset)"
+        else f"no identity (${IDENTITY_ENV} and ${IDENTITIES_ENV} are unset)"
     )
     return AuthorizationError(
         f"NATS at {url} refused {who}: it is unknown there, of another run, or the broker wants "
@@ -161,12 +163,18 @@ async def session(
     name: str,
     *,
     give_up_after: float = 5.0,
+    principal: Principal | None = None,
     identity_file: Path | None = None,
     ca_file: Path | None = None,
 ) -> AsyncIterator[NATS]:
     """``connect`` for the duration of a block, then ``disconnect``."""
     nc = await connect(
-        url, name, give_up_after=give_up_after, identity_file=identity_file, ca_file=ca_file
+        url,
+        name,
+        give_up_after=give_up_after,
+        principal=principal,
+        identity_file=identity_file,
+        ca_file=ca_file,
     )
     try:
         yield nc

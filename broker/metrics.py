@@ -50,6 +50,15 @@ REFUSED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+SERVER_REGISTRY = CollectorRegistry()
+"""The embedded broker's own (``seamlessflow broker``, and the broker of ``seamlessflow run``)."""
+RUNS_REFUSED = Gauge(
+    "sf_broker_runs_refused",
+    "Runs with identities issued that an embedded broker does not serve (they are refused "
+    "like strangers): their accounts' JetStream limits ([broker.account]) do not fit the "
+    "server's JetStream storage or memory beside the runs issued before them",
+    registry=SERVER_REGISTRY,
+)
 
 
 class StreamDepthCollector(Collector):

@@ -22,6 +22,7 @@ from types import TracebackType
 from broker.auth import Authority
 from broker.config import EmbeddedBrokerConfig
 from broker.exceptions import BrokerNotFoundError, BrokerStartError
+from broker.metrics import RUNS_REFUSED
 from broker.tls import ServerFiles, throwaway_pki
 from common.log import kv
 
@@ -106,6 +107,8 @@ class EmbeddedBroker:
         # before any identity is issued: it may get a certificate of this CA
         self.tls = tls_files(self.config)
         self.authority = authority(self.config, self.tls)
+        self._jetstream: tuple[int, int] | None = None
+        """JetStream's storage and memory, set when it starts: the run accounts that fit."""
 
     @property
     def pid(self) -> int | None:
@@ -138,6 +141,12 @@ class EmbeddedBroker:
                     "local run only",
                 )
             )
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        # nats-server's own defaults, made explicit: 75% of the free disk and of the memory
+        self._jetstream = (
+            shutil.disk_usage(self.store_dir).free * 3 // 4,
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4,
+        )
         self._write_conf()
         with self.log_path.open("ab") as log_file:
             self._proc = subprocess.Popen(
@@ -230,6 +239,9 @@ class EmbeddedBroker:
             "max_payload": cfg.max_payload,
             "jetstream": {"store_dir": str(self.store_dir)},
         }
+        if self._jetstream is not None:
+            storage, memory = self._jetstream
+            conf["jetstream"] |= {"max_file_store": storage, "max_memory_store": memory}
         if self.tls is not None:
             conf["tls"] = {
                 "cert_file": str(self.tls.cert),
@@ -239,9 +251,28 @@ class EmbeddedBroker:
                 **({"verify_and_map": True} if cfg.tls_map else {}),
             }
         if self.authority is not None:
-            conf["accounts"] = self.authority.server_accounts()
+            conf["accounts"] = self.authority.server_accounts(self._served_runs())
         # nats-server's config format accepts JSON; it holds public keys only.
         self.conf_path.write_text(json.dumps(conf, indent=2))
+
+    def _served_runs(self) -> list[str]:
+        """The runs whose accounts fit the server's JetStream."""
+        assert self.authority is not None and self._jetstream is not None
+        served, refused = self.authority.fitting(*self._jetstream)
+        RUNS_REFUSED.set(len(refused))
+        if refused:
+            storage, memory = self._jetstream
+            log.error(
+                kv(
+                    "broker_runs_refused",
+                    runs=",".join(refused),
+                    served=len(served),
+                    reason=f"each run's account reserves {self.config.account.max_file} bytes "
+                    f"of storage and {self.config.account.max_memory} of memory "
+                    f"([broker.account]); this server has {storage} and {memory} for JetStream",
+                )
+            )
+        return served
 
     def _wait_healthy(self, ports_dir: Path) -> None:
         assert self._proc is not None

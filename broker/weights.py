@@ -33,6 +33,7 @@ from broker import codec
 from broker.client import session
 from broker.exceptions import WeightsIntegrityError
 from broker.messages import WeightsPublished
+from broker.permissions import Principal
 from broker.retry import TRANSIENT
 from broker.subjects import RunNames
 
@@ -235,7 +236,7 @@ async def fetch_weights_apart(url: str, event: WeightsPublished) -> bytes:
     """
 
     async def fetch() -> bytes:
-        async with session(url, "seamlessflow-weights") as nc:
+        async with session(url, "seamlessflow-weights", principal=Principal.WORKER) as nc:
             return await fetch_weights(nc.jetstream(), event)
 
     return await asyncio.to_thread(asyncio.run, fetch())

@@ -15,6 +15,7 @@ from nats.aio.client import Client as NATS
 from broker.client import session
 from broker.config import ProvisionConfig
 from broker.messages import Role
+from broker.permissions import Principal
 from broker.registry import node_name
 from broker.roles import membership
 from broker.subjects import RunNames
@@ -51,7 +52,9 @@ async def serve_colocated(c: Colocated, stop: asyncio.Event) -> None:
     metrics = serve_metrics(*METRICS, TRAINER_METRICS, port=c.metrics_port)
     engine = await start_engine(c.engine)
     try:
-        async with session(c.url, f"seamlessflow-worker-{c.worker.worker_id}") as nc:
+        async with session(
+            c.url, f"seamlessflow-worker-{c.worker.worker_id}", principal=Principal.TRAINER
+        ) as nc:
             await _serve(nc, c, engine, metrics.url, stop)
     finally:
         await engine.close()

@@ -9,6 +9,7 @@ from broker.client import session
 from broker.config import ProvisionConfig
 from broker.messages import TrainerShape
 from broker.metrics import REGISTRY as INGRESS_METRICS
+from broker.permissions import Principal
 from broker.registry import Registration
 from broker.roles import REGISTRY as ROLE_METRICS
 from broker.roles import membership
@@ -77,7 +78,9 @@ async def serve_worker(
     metrics = serve_metrics(*METRICS, port=metrics_port)
     engine = await start_engine(engine_config)
     try:
-        async with session(url, f"seamlessflow-worker-{config.worker_id}") as nc:
+        async with session(
+            url, f"seamlessflow-worker-{config.worker_id}", principal=Principal.WORKER
+        ) as nc:
             names = RunNames(run)
             worker = RolloutWorker(nc, names, engine, config, provision.gen, nats_url=url)
             await worker.load_latest()

@@ -273,7 +273,7 @@ async def _provision(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     run = args.run or config.run
-    async with session(args.nats, "seamlessflow-provision") as nc:
+    async with session(args.nats, "seamlessflow-provision", principal=Principal.ADMIN) as nc:
         report = await provision_run(nc.jetstream(), run, config.provision)
     print(f"run {run!r}: {len(report.created)} created, {len(report.unchanged)} unchanged")
     for name in report.created:
@@ -294,7 +294,7 @@ async def _status(args: argparse.Namespace) -> int:
     )
     from tagsched.lease import lease_holder
 
-    async with session(args.nats, "seamlessflow-status") as nc:
+    async with session(args.nats, "seamlessflow-status", principal=Principal.OBSERVER) as nc:
         js = nc.jetstream()
         run = args.run or DEFAULT_RUN
         status = await run_status(js, run)
@@ -329,7 +329,7 @@ def _submit(args: argparse.Namespace) -> int:
     names = RunNames(args.run or DEFAULT_RUN)
 
     async def publish():
-        async with session(args.nats, "seamlessflow-submit") as nc:
+        async with session(args.nats, "seamlessflow-submit", principal=Principal.CLIENT) as nc:
             return await submit_tasks(nc.jetstream(), names, tasks)
 
     report = asyncio.run(publish())
@@ -346,7 +346,7 @@ async def _dead_letters(args: argparse.Namespace) -> int:
     from broker.subjects import RunNames
 
     names = RunNames(args.run or DEFAULT_RUN)
-    async with session(args.nats, "seamlessflow-dead-letters") as nc:
+    async with session(args.nats, "seamlessflow-dead-letters", principal=Principal.OBSERVER) as nc:
         letters = await read_dead_letters(nc.jetstream(), names, args.source)
     if args.json:
         print(json.dumps([letter.as_dict() for letter in letters], indent=2))

@@ -355,12 +355,13 @@ async def export_run(request: ExportRequest) -> Collected:
     that fails writes nothing. With ``follow`` it rewrites them every ``FLUSH_S`` and once more
     when it ends (cancelled: Ctrl-C)."""
     from broker.client import session
+    from broker.permissions import Principal
 
     _pyarrow()  # fail before reading anything
     decode = tokenizer_decoder(request.tokenizer) if request.tokenizer else None
     names = RunNames(request.run)
     collected = Collected()
-    async with session(request.url, "seamlessflow-export") as nc:
+    async with session(request.url, "seamlessflow-export", principal=Principal.ADMIN) as nc:
         js = nc.jetstream()
         await _check_streams(js, names)
         with tqdm(unit="msg", desc="export", disable=not request.progress) as bar:

@@ -24,7 +24,7 @@ from broker.config import EmbeddedBrokerConfig
 from broker.control import SchedulerState, TrainerGroup
 from broker.exceptions import InvalidMessageError
 from broker.messages import Message, Role, WorkerRegistered
-from broker.metrics import StreamDepthCollector
+from broker.metrics import SERVER_REGISTRY, StreamDepthCollector
 from broker.permissions import Principal
 from broker.provision import RunStatus
 from broker.registry import Sighting
@@ -93,11 +93,11 @@ async def local_broker(
 async def broker_metrics(monitoring_url: str, port: int) -> AsyncIterator[MetricsEndpoint]:
     """``/metrics`` on ``port`` (0: a free one) with the depth of every stream and consumer of
     the broker monitored at ``monitoring_url``, polled in the background while the context is
-    open."""
+    open, and the broker's own (``broker.metrics``: runs it refuses)."""
     collector = StreamDepthCollector()
     depths = CollectorRegistry()
     depths.register(collector)
-    metrics = serve_metrics(depths, port=port)
+    metrics = serve_metrics(depths, SERVER_REGISTRY, port=port)
     done = asyncio.Event()
     poll = asyncio.create_task(collector.poll(monitoring_url, done))
     try:

@@ -18,6 +18,7 @@ import httpx
 from prometheus_client.samples import Sample
 
 from broker.client import session
+from broker.permissions import Principal
 from broker.registry import Sighting, node_name, read_registry
 from broker.subjects import RunNames
 from broker.weights import latest_weights
@@ -166,7 +167,7 @@ async def report_run(
     ``started``: when it started (Unix time)."""
     names = RunNames(config.run)
     collected = Collected()
-    async with session(url, "seamlessflow-report") as nc:
+    async with session(url, "seamlessflow-report", principal=Principal.ADMIN) as nc:
         js = nc.jetstream()
         for source in sources(names):
             if source.table != "sessions":

@@ -8,6 +8,7 @@ from broker.client import session
 from broker.config import ProvisionConfig
 from broker.messages import TrainerShape
 from broker.metrics import REGISTRY as INGRESS_METRICS
+from broker.permissions import Principal
 from broker.provision import durable_info
 from broker.subjects import Durable, RunNames
 from common.metrics import serve_metrics
@@ -40,7 +41,9 @@ async def serve_scheduler(
         )
     metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
     try:
-        async with session(url, f"seamlessflow-{config.scheduler_id}") as nc:
+        async with session(
+            url, f"seamlessflow-{config.scheduler_id}", principal=Principal.SCHEDULER
+        ) as nc:
             js = nc.jetstream()
             names = RunNames(run)
             await durable_info(js, names, names.tasks_stream, Durable.SCHEDULER)

@@ -17,7 +17,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import json
 import random
 import shutil
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -25,14 +24,15 @@ import pytest
 import tomli_w
 from filelock import FileLock
 
+from broker.auth import IDENTITIES_ENV
 from broker.client import session
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from tests.support import (
     NATS_BINARIES,
-    SECURE_LIMITS,
     SMALL_RUN,
+    RunPool,
     Stack,
     broker_config,
     gateway_stack,
@@ -97,38 +97,41 @@ def nats_binary(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="session")
 def broker(nats_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
-    """One server per binary for the session; tests isolate themselves by run name."""
+    """One server per binary for the session, with authorization on: every run is an account
+    of its own, every process connects as its identity. Tests take their runs from ``runs``."""
     with EmbeddedBroker(broker_config(tmp_path_factory.mktemp("broker"), nats_binary)) as b:
         yield b
 
 
 @pytest.fixture(scope="session")
-def secure_broker(
-    nats_binary: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EmbeddedBroker]:
-    """A server with authorization on (every run an account, every process an identity), for
-    the tests about it; runs join it with ``tests.support.secure_run``."""
-    config = broker_config(
-        tmp_path_factory.mktemp("secure"), nats_binary, insecure=False, account=SECURE_LIMITS
-    )
-    with EmbeddedBroker(config) as b:
-        yield b
+def runs(broker: EmbeddedBroker) -> RunPool:
+    return RunPool(broker)
+
+
+STACKS = ("stack", "tool_stack")
 
 
 @pytest.fixture
-async def nc(broker: EmbeddedBroker) -> AsyncIterator:
-    async with session(broker.url, "pytest") as client:
+def run_name(request: pytest.FixtureRequest, runs: RunPool, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test's run on ``broker``: its stack's when it uses one (``STACKS``), else its own;
+    what the test starts (a gateway in a thread, a worker process, a CLI command) connects as
+    its own principal of it (``$SEAMLESSFLOW_NATS_IDENTITIES``)."""
+    stacks = [request.getfixturevalue(name) for name in STACKS if name in request.fixturenames]
+    run = stacks[0].names.run if stacks else runs.take()
+    monkeypatch.setenv(IDENTITIES_ENV, str(runs.identities(run)))
+    return run
+
+
+@pytest.fixture
+async def nc(broker: EmbeddedBroker, runs: RunPool, run_name: str) -> AsyncIterator:
+    """The test's own connection, as its run's admin (everything in the run's account)."""
+    async with session(broker.url, "pytest", identity_file=runs.admin(run_name)) as client:
         yield client
 
 
 @pytest.fixture
 def js(nc):
     return nc.jetstream()
-
-
-@pytest.fixture
-def run_name() -> str:
-    return "t" + uuid.uuid4().hex[:12]
 
 
 @pytest.fixture
@@ -139,9 +142,9 @@ async def names(js, run_name: str) -> RunNames:
 
 
 @pytest.fixture(scope="module")
-def stack(broker: EmbeddedBroker, tiny_model_dir: Path) -> Iterator[Stack]:
+def stack(runs: RunPool, tiny_model_dir: Path) -> Iterator[Stack]:
     """A provisioned run with one rollout worker (hf, tiny model) and a gateway, per module."""
-    with gateway_stack(broker.url, tiny_model_dir) as stack:
+    with gateway_stack(runs, tiny_model_dir) as stack:
         yield stack
 
 
@@ -232,9 +235,9 @@ def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tool_stack(broker: EmbeddedBroker, tool_model_dir: Path) -> Iterator[Stack]:
+def tool_stack(runs: RunPool, tool_model_dir: Path) -> Iterator[Stack]:
     """A provisioned run with a gateway and an hf worker serving the tool model, per module."""
-    with gateway_stack(broker.url, tool_model_dir, "--max-model-len", "1024") as stack:
+    with gateway_stack(runs, tool_model_dir, "--max-model-len", "1024") as stack:
         yield stack
 
 

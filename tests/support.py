@@ -12,18 +12,19 @@ import subprocess
 import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import openai
+import pytest
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 
 from broker import codec
-from broker.auth import Authority
+from broker.auth import IDENTITIES_ENV, Authority
 from broker.client import session
 from broker.config import (
     AccountLimits,
@@ -90,25 +91,65 @@ SMALL_RUN = ProvisionConfig(
 )
 
 
-def broker_config(
-    state_dir: Path, binary: Path, *, insecure: bool = True, **settings
-) -> EmbeddedBrokerConfig:
-    """A test broker; open (``insecure``) unless a test is about authorization
-    (tests/test_permissions.py)."""
-    return EmbeddedBrokerConfig(
-        state_dir=state_dir, binary=binary, max_payload=2 << 20, insecure=insecure, **settings
-    )
-
-
 SECURE_LIMITS = AccountLimits(
     max_file=96 * MiB, max_memory=16 * MiB, max_streams=32, max_consumers=64
 )
-"""Each run's account on the secured test broker: SMALL_RUN fits, a runaway stream does not."""
+"""Each run's account on a test broker: SMALL_RUN fits, a runaway stream does not. Small, as
+nats-server reserves each account's limits from its own (75% of the free disk and memory)."""
+
+
+def broker_config(state_dir: Path, binary: Path, **settings) -> EmbeddedBrokerConfig:
+    """A test broker, with authorization on (every run an account with ``SECURE_LIMITS``, every
+    process an identity) unless ``insecure=True``."""
+    settings = {"account": SECURE_LIMITS, "max_payload": 2 << 20, **settings}
+    return EmbeddedBrokerConfig(state_dir=state_dir, binary=binary, **settings)
+
+
+class RunPool:
+    """Runs whose identities a test broker has loaded, issued a batch at a time (a configuration
+    reload per batch, not per test: a reload takes about a second with 300 runs)."""
+
+    def __init__(self, broker: EmbeddedBroker, batch: int = 32) -> None:
+        self.broker, self.batch = broker, batch
+        self._free: list[str] = []
+
+    def take(self) -> str:
+        if not self._free:
+            fresh = ["t" + uuid.uuid4().hex[:12] for _ in range(self.batch)]
+            for run in fresh:
+                self.broker.authority.issue_run(run)
+            self.broker.reload()
+            self._free = fresh
+        return self._free.pop()
+
+    def identities(self, run: str) -> Path:
+        """The folder of ``run``'s identity files (``$SEAMLESSFLOW_NATS_IDENTITIES``)."""
+        return self.admin(run).parent
+
+    def admin(self, run: str) -> Path:
+        return self.broker.authority.path(run, Principal.ADMIN)
+
+    @contextmanager
+    def joined(self, run: str) -> Iterator[None]:
+        """While open, what this process starts (a service in a thread, a child process)
+        connects as its own principal of ``run``."""
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(IDENTITIES_ENV, str(self.identities(run)))
+            yield
+
+
+def own_run(broker: EmbeddedBroker, run: str, env: pytest.MonkeyPatch | None = None) -> Path:
+    """Issue ``run``'s identities on a test's own ``broker`` (before it starts: no reload); with
+    ``env``, what the test starts connects as its principals of ``run``. The admin's file."""
+    admin = broker.authority.issue_run(run)[Principal.ADMIN]
+    if env is not None:
+        env.setenv(IDENTITIES_ENV, str(admin.parent))
+    return admin
 
 
 async def secure_run(broker: EmbeddedBroker, run: str) -> RunNames:
-    """Issue ``run``'s identities on a secured ``broker``, have it apply them, and provision the
-    run as its admin."""
+    """Issue ``run``'s identities on ``broker``, have it apply them, and provision the run as
+    its admin (for a run of a fixed name; the others come from ``RunPool``)."""
     broker.authority.issue_run(run)
     await asyncio.to_thread(broker.reload)
     admin = broker.authority.path(run, Principal.ADMIN)
@@ -275,24 +316,25 @@ class Stack:
 
 
 @contextmanager
-def gateway_stack(nats_url: str, model_dir: Path, *worker_args: str) -> Iterator[Stack]:
+def gateway_stack(runs: RunPool, model_dir: Path, *worker_args: str) -> Iterator[Stack]:
     """A fresh run, one ``seamlessflow worker`` on ``model_dir`` (extra command-line
-    ``worker_args``: ``--max-model-len 1024``) and a ``GatewayThread``."""
-    names = RunNames("st" + uuid.uuid4().hex[:12])
+    ``worker_args``: ``--max-model-len 1024``) and a ``GatewayThread``, each with its identity."""
+    names = RunNames(runs.take())
+    url = runs.broker.url
 
     async def provision() -> None:
-        async with session(nats_url, "pytest-provision") as nc:
+        async with session(url, "pytest-provision", identity_file=runs.admin(names.run)) as nc:
             await provision_run(nc.jetstream(), names.run, SMALL_RUN)
 
     asyncio.run(provision())
-    worker = worker_process(
-        nats_url, names.run, model_dir, f"{names.run}-w1", *worker_args
-    ).wait_ready()
-    try:
-        with GatewayThread(gateway_config(model_dir, names.run), nats_url) as gateway:
-            yield Stack(names, gateway.url, worker)
-    finally:
-        worker.stop()
+    with ExitStack() as started:
+        with runs.joined(names.run):
+            worker = worker_process(url, names.run, model_dir, f"{names.run}-w1", *worker_args)
+            started.callback(worker.stop)
+            worker.wait_ready()
+            config = gateway_config(model_dir, names.run)
+            gateway = started.enter_context(GatewayThread(config, url))
+        yield Stack(names, gateway.url, worker)
 
 
 # -- token ids by hand -----------------------------------------------------------------------

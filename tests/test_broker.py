@@ -1,11 +1,13 @@
 """The embedded broker: start, stop, restart with data kept, and clear errors."""
 
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,10 +21,19 @@ from broker.exceptions import (
     BrokerUnavailableError,
 )
 from broker.messages import TaskSubmitted
+from broker.metrics import SERVER_REGISTRY
+from broker.permissions import Principal
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker, find_nats_server
 from broker.subjects import RunNames
-from tests.support import SMALL_RUN, broker_config, eventually, metric, stream_messages
+from tests.support import (
+    SECURE_LIMITS,
+    SMALL_RUN,
+    broker_config,
+    eventually,
+    metric,
+    stream_messages,
+)
 
 
 def _port_open(url: str) -> bool:
@@ -49,21 +60,49 @@ async def _publish_tasks(
 async def test_restart_keeps_the_file_store(tmp_path: Path, nats_binary: Path):
     names = RunNames("restart")
     cfg = broker_config(tmp_path, nats_binary)
-    with EmbeddedBroker(cfg) as broker:
+    first = EmbeddedBroker(cfg)
+    admin = first.authority.issue(names.run, Principal.ADMIN)
+    with first as broker:
         first_url = broker.url
-        await _publish_tasks(broker.url, names, 5)
+        await _publish_tasks(broker.url, names, 5, admin)
         assert _port_open(first_url)
     assert not broker.running()
     assert not _port_open(first_url)
 
     with EmbeddedBroker(cfg) as broker:
-        async with session(broker.url, "test") as nc:
+        async with session(broker.url, "test", identity_file=admin) as nc:
             tasks = await stream_messages(nc.jetstream(), names.tasks_stream, TaskSubmitted)
             # Re-provisioning the surviving run with the same config is a no-op.
             report = await provision_run(nc.jetstream(), names.run, SMALL_RUN)
     assert [t.task_id for t in tasks] == [f"task-{i}" for i in range(5)]
     assert tasks[3] == _task(3)
     assert report.created == []
+
+
+async def test_a_run_that_does_not_fit_is_refused_and_the_others_keep_jetstream(
+    tmp_path: Path, nats_binary: Path
+):
+    """nats-server reserves each account's JetStream limits, and one account too many turned
+    JetStream off for every account on a reload. The broker serves the runs that fit, first
+    issued first, and refuses the rest like strangers, counted and logged."""
+    with EmbeddedBroker(broker_config(tmp_path / "probe", nats_binary)) as probe:
+        varz = urllib.request.urlopen(f"{probe.monitoring_url}/varz").read()
+    storage = json.loads(varz)["jetstream"]["config"]["max_storage"]
+    # two accounts fit, a third does not (with room for the free disk to move a little)
+    limits = SECURE_LIMITS.model_copy(update={"max_file": int(storage / 2.5)})
+    with EmbeddedBroker(broker_config(tmp_path / "b", nats_binary, account=limits)) as broker:
+        admins = {}
+        for order, run in enumerate(("fitA", "fitB", "late"), start=1):
+            admins[run] = broker.authority.issue_run(run)[Principal.ADMIN]
+            os.utime(admins[run], (order, order))  # issued in this order
+        broker.reload()
+        assert SERVER_REGISTRY.get_sample_value("sf_broker_runs_refused") == 1
+        for run in ("fitA", "fitB"):
+            await _publish_tasks(broker.url, RunNames(run), 1, admins[run])
+        with pytest.raises(AuthorizationError):
+            await connect(broker.url, "late", identity_file=admins["late"], give_up_after=2)
+    log = broker.log_path.read_text()
+    assert "insufficient storage resources" not in log, log[-2000:]
 
 
 def test_fixed_port_in_use_fails_with_the_server_log(tmp_path: Path, nats_binary: Path):

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from broker.permissions import Principal
-from tests.support import secure_run
 
 SOURCE = Path(__file__).parent / "clients" / "c" / "submit_task.c"
 
@@ -35,14 +34,13 @@ def _submit(binary: Path, url: str, subject: str, task: dict, *identity: Path):
     )
 
 
-async def test_c_client_connects_with_an_issued_identity(c_client, secure_broker, run_name):
-    names = await secure_run(secure_broker, run_name)
-    client = secure_broker.authority.path(run_name, Principal.CLIENT)
+async def test_c_client_connects_with_an_issued_identity(c_client, broker, names):
+    client = broker.authority.path(names.run, Principal.CLIENT)
     task = {"task_id": "c1", "messages": [{"role": "user", "content": "1+1"}]}
-    done = _submit(c_client, secure_broker.url, names.tasks, task, client)
+    done = _submit(c_client, broker.url, names.tasks, task, client)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"stream": names.tasks_stream, "seq": 1, "duplicate": False}
-    anonymous = _submit(c_client, secure_broker.url, names.tasks, task)
+    anonymous = _submit(c_client, broker.url, names.tasks, task)
     assert anonymous.returncode == 1 and "Authorization Violation" in anonymous.stderr
-    forged = _submit(c_client, secure_broker.url, names.samples, task, client)
+    forged = _submit(c_client, broker.url, names.samples, task, client)
     assert forged.returncode == 1  # the client may not publish samples: no ack ever comes

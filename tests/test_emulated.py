@@ -237,6 +237,14 @@ kind = "multiplexed"
 [stop]
 max_steps = 3
 max_seconds = 60
+[provision]
+weights_store_max_bytes = 50331648
+tasks = {{ max_bytes = 4194304, max_age_s = 3600.0 }}
+gen = {{ max_bytes = 4194304, max_age_s = 3600.0 }}
+traj = {{ max_bytes = 4194304, max_age_s = 3600.0 }}
+samples = {{ max_bytes = 4194304, max_age_s = 3600.0 }}
+weights = {{ max_bytes = 4194304, max_age_s = 3600.0 }}
+dead = {{ max_bytes = 4194304, max_age_s = 3600.0 }}
 """
 
 

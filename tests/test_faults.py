@@ -100,7 +100,7 @@ class Broker:
     processes its own (``$SEAMLESSFLOW_NATS_IDENTITIES``)."""
 
     def __init__(self, state_dir: Path, binary: Path, run: str = "faults") -> None:
-        config = broker_config(state_dir, binary, insecure=False)
+        config = broker_config(state_dir, binary)
         self.config = config.model_copy(update={"port": free_port()})
         server = EmbeddedBroker(self.config)
         server.authority.issue_run(run)

@@ -39,6 +39,7 @@ from tests.support import (
     eventually,
     greedy,
     metric,
+    own_run,
     perturbed_weights,
     stream_messages,
 )
@@ -400,10 +401,10 @@ async def test_call_survives_its_worker_being_killed(broker, js, names, tiny_mod
     assert text == again.choices[0].message.content  # the agent cannot tell
 
 
-async def test_a_call_whose_record_cannot_be_stored_is_503(broker, js, tiny_model_dir):
+async def test_a_call_whose_record_cannot_be_stored_is_503(broker, js, run_name, tiny_model_dir):
     """The traj stream refuses records over 512 bytes (a real server-side refusal): the
     response is withheld rather than handed out with its tokens unrecorded."""
-    names = RunNames("rec" + uuid.uuid4().hex[:12])
+    names = RunNames(run_name)
     traj = SMALL_RUN.traj.model_copy(update={"max_msg_size": 512, "max_payload": 512})
     await provision_run(js, names.run, SMALL_RUN.model_copy(update={"traj": traj}))
     worker = worker_process(broker.url, names.run, tiny_model_dir, "rec-w1")
@@ -555,17 +556,19 @@ async def test_serve_gateway_runs_until_stopped(broker, names, tiny_model_dir, c
             await http.get(url + "/models")
 
 
-async def test_unprovisioned_run_is_refused(broker, tiny_model_dir):
-    expected = "run 'never_provisioned' is not provisioned: no stream SF_never_provisioned_GEN"
+async def test_unprovisioned_run_is_refused(broker, run_name, tiny_model_dir):
+    expected = f"run '{run_name}' is not provisioned: no stream SF_{run_name}_GEN"
     with pytest.raises(RunNotProvisionedError, match=expected):
-        async with Gateway(config(tiny_model_dir, "never_provisioned"), broker.url):
+        async with Gateway(config(tiny_model_dir, run_name), broker.url):
             pass
 
 
-async def test_broker_gone_is_503_fast(nats_binary, tmp_path, tiny_model_dir):
+async def test_broker_gone_is_503_fast(nats_binary, tmp_path, tiny_model_dir, monkeypatch):
     """A request waiting for a worker and a new request both get 503 within seconds."""
-    with EmbeddedBroker(broker_config(tmp_path / "broker", nats_binary)) as own:
-        async with session(own.url, "pytest") as nc:
+    own = EmbeddedBroker(broker_config(tmp_path / "broker", nats_binary))
+    admin = own_run(own, "down", monkeypatch)
+    with own:
+        async with session(own.url, "pytest", identity_file=admin) as nc:
             await provision_run(nc.jetstream(), "down", SMALL_RUN)
         async with (
             Gateway(config(tiny_model_dir, "down", nats_timeout_s=1.0), own.url) as gw,

@@ -5,6 +5,7 @@ the official ``openai`` SDK (and plain HTTP for what the SDK does not send: an e
 import asyncio
 import os
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -12,7 +13,6 @@ import openai
 import pytest
 from starlette.routing import Route
 
-from broker.server import EmbeddedBroker
 from broker.subjects import SESSION_HEADER
 from rollout.gateway import Gateway
 from rollout.gateway.app import OPEN_PATHS, KeyCheck
@@ -29,7 +29,7 @@ from rollout.gateway.keys import (
     write_private,
     write_run_keys,
 )
-from tests.support import MODEL, GatewayThread, Stack, gateway_config
+from tests.support import MODEL, GatewayThread, RunPool, Stack, gateway_config
 
 pytestmark = pytest.mark.newest_nats
 
@@ -69,10 +69,12 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gw(stack: Stack, broker: EmbeddedBroker, tiny_model_dir: Path, keys_file: Path) -> Iterator:
+def gw(stack: Stack, runs: RunPool, tiny_model_dir: Path, keys_file: Path) -> Iterator:
     """A gateway with keys on the stack's run (the stack's worker serves its calls)."""
     config = gateway_config(tiny_model_dir, stack.names.run, keys_file=keys_file)
-    with GatewayThread(config, broker.url) as gateway:
+    with ExitStack() as started:
+        with runs.joined(stack.names.run):
+            gateway = started.enter_context(GatewayThread(config, runs.broker.url))
         yield gateway
 
 

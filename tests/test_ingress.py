@@ -25,6 +25,7 @@ from tests.support import (
     consumer_settled,
     eventually,
     free_port,
+    own_run,
     stream_messages,
 )
 
@@ -238,9 +239,11 @@ async def test_ingress_survives_a_broker_restart(tmp_path, nats_binary, caplog):
     names = RunNames("restart")
     handler = Collector()
     stop = asyncio.Event()
-    server = EmbeddedBroker(cfg).start()
+    server = EmbeddedBroker(cfg)
+    admin = own_run(server, names.run)
+    server.start()
     try:
-        async with session(server.url, "test") as nc:
+        async with session(server.url, "test", identity_file=admin) as nc:
             js = nc.jetstream()
             await provision_run(js, names.run, SMALL_RUN)
             run = asyncio.create_task(_ingress(js, names, handler).run(stop))
@@ -282,7 +285,9 @@ async def test_a_task_done_as_the_broker_stops_is_acked_and_not_run_again(tmp_pa
         update={"scheduler": SMALL_RUN.scheduler.model_copy(update={"ack_wait_s": 1.0})}
     )
     seen: list[str] = []
-    server = EmbeddedBroker(cfg).start()
+    server = EmbeddedBroker(cfg)
+    admin = own_run(server, names.run)
+    server.start()
     stopping: list[asyncio.Task] = []
 
     async def handler(task: TaskSubmitted, delivery: Delivery) -> None:
@@ -292,7 +297,7 @@ async def test_a_task_done_as_the_broker_stops_is_acked_and_not_run_again(tmp_pa
 
     stop = asyncio.Event()
     try:
-        async with session(server.url, "test") as nc:
+        async with session(server.url, "test", identity_file=admin) as nc:
             js = nc.jetstream()
             await provision_run(js, names.run, quick)
             await js.publish(names.tasks, msgpack.packb(_task_dict(0)))

@@ -12,7 +12,7 @@ from broker.ingress import tasks_ingress
 from broker.messages import MessageRejected, TaskSubmitted
 from broker.permissions import Principal
 from broker.subjects import Durable
-from tests.support import SMALL_RUN, eventually, secure_run, stream_messages
+from tests.support import SMALL_RUN, eventually, stream_messages
 
 CLIENT_DIR = Path(__file__).parent / "clients" / "node"
 
@@ -43,17 +43,16 @@ async def _node_submit(url: str, subject: str, task: dict, *identity: str) -> di
     return json.loads(out)
 
 
-async def test_node_client_connects_with_an_issued_identity(secure_broker, run_name):
+async def test_node_client_connects_with_an_issued_identity(broker, names):
     """On a secured broker the Node client submits with the run's ``client`` identity; without
     one it is refused, and the ``client`` identity may not publish anything but tasks."""
-    names = await secure_run(secure_broker, run_name)
-    client = str(secure_broker.authority.path(run_name, Principal.CLIENT))
+    client = str(broker.authority.path(names.run, Principal.CLIENT))
     task = {"task_id": "n1", "messages": [{"role": "user", "content": "1+1"}]}
-    ack = await _node_submit(secure_broker.url, names.tasks, task, client)
+    ack = await _node_submit(broker.url, names.tasks, task, client)
     assert ack == {"stream": names.tasks_stream, "seq": 1, "duplicate": False}
-    code, _, err = await _node(secure_broker.url, names.tasks, task)
+    code, _, err = await _node(broker.url, names.tasks, task)
     assert code != 0 and "authorization" in err.lower()
-    code, _, err = await _node(secure_broker.url, names.samples, task, client)
+    code, _, err = await _node(broker.url, names.samples, task, client)
     assert code != 0  # the client may not publish samples: no PubAck ever comes
 
 

@@ -27,10 +27,10 @@ PROBE_WAIT_S = 0.5
 
 
 @pytest.fixture(scope="module")
-def secure(secure_broker: EmbeddedBroker) -> EmbeddedBroker:
+def secure(broker: EmbeddedBroker) -> EmbeddedBroker:
     """The secured broker with run ``RUN`` provisioned by its admin."""
-    asyncio.run(secure_run(secure_broker, RUN))
-    return secure_broker
+    asyncio.run(secure_run(broker, RUN))
+    return broker
 
 
 def as_(broker: EmbeddedBroker, run: str, principal: Principal, **kwargs):

@@ -23,7 +23,14 @@ from seamlessflow.processes import worker_process
 from tagsched.exceptions import LeaseLostError
 from tagsched.spec import Demand, PlacementSpec
 from tagsched.state import StateStore
-from tests.support import SMALL_RUN, broker_config, eventually, metric, registered
+from tests.support import (
+    SMALL_RUN,
+    broker_config,
+    eventually,
+    metric,
+    own_run,
+    registered,
+)
 from tests.test_tagsched import fenced, scheduler
 
 
@@ -179,7 +186,7 @@ async def test_a_worker_frozen_during_a_request_and_continued_late_does_not_take
 
 @pytest.mark.newest_nats
 async def test_a_worker_cut_off_from_the_broker_goes_idle_within_its_lease(
-    nats_binary, tmp_path, tiny_model_dir
+    nats_binary, tmp_path, tiny_model_dir, monkeypatch
 ):
     """A broker of its own, registry TTL 3 s (so a role lease of 2 s), paused with SIGSTOP: the
     connection stays up and nothing answers, as on a cut link. The serving worker goes idle by
@@ -188,8 +195,10 @@ async def test_a_worker_cut_off_from_the_broker_goes_idle_within_its_lease(
     registration (which re-admits it). The old worker kept serving."""
     provision = SMALL_RUN.model_copy(update={"workers_ttl_s": 3.0})
     names = RunNames("cut")
-    with EmbeddedBroker(broker_config(tmp_path / "broker", nats_binary)) as own:
-        async with session(own.url, "pytest-cut") as nc:
+    own = EmbeddedBroker(broker_config(tmp_path / "broker", nats_binary))
+    admin = own_run(own, names.run, monkeypatch)
+    with own:
+        async with session(own.url, "pytest-cut", identity_file=admin) as nc:
             js = nc.jetstream()
             await provision_run(js, names.run, provision)
             w = worker_process(

@@ -32,7 +32,6 @@ def tls_broker(
     config = broker_config(
         tmp_path_factory.mktemp("tls"),
         nats_binary,
-        insecure=False,
         tls_generate=True,
         host="0.0.0.0",
     )
@@ -89,7 +88,6 @@ def mapped_broker(
     config = broker_config(
         tmp_path_factory.mktemp("mtls"),
         nats_binary,
-        insecure=False,
         tls_generate=True,
         tls_map=True,
     )

@@ -9,6 +9,7 @@ from broker.client import session
 from broker.config import ProvisionConfig
 from broker.messages import Role
 from broker.metrics import REGISTRY as INGRESS_METRICS
+from broker.permissions import Principal
 from broker.registry import Registration
 from broker.roles import REGISTRY as ROLE_METRICS
 from broker.roles import membership
@@ -67,7 +68,9 @@ async def serve_trainer(
     metrics = serve_metrics(REGISTRY, INGRESS_METRICS, ROLE_METRICS, port=metrics_port)
     ranks, start = await open_ranks(model, config)
     try:
-        async with session(url, f"seamlessflow-{config.worker_id}") as nc:
+        async with session(
+            url, f"seamlessflow-{config.worker_id}", principal=Principal.TRAINER
+        ) as nc:
             js = nc.jetstream()
             names = RunNames(run)
             watch = ServingWatch(provision.workers_ttl_s)

@@ -38,6 +38,7 @@ from broker.exceptions import InvalidMessageError
 from broker.ingress import Delivery, Ingress, dead_letter
 from broker.messages import CallRecorded, SessionEnded
 from broker.metrics import REGISTRY as INGRESS_METRICS
+from broker.permissions import Principal
 from broker.provision import durable_info
 from broker.subjects import Durable, RunNames
 from common.exceptions import UnusableRewardError
@@ -284,7 +285,9 @@ async def serve_trajectory(
     """Run the trajectory manager of ``run`` on the broker at ``url`` until ``stop`` is set."""
     metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
     try:
-        async with session(url, f"seamlessflow-trajectory-{run}") as nc:
+        async with session(
+            url, f"seamlessflow-trajectory-{run}", principal=Principal.TRAJECTORY
+        ) as nc:
             manager = TrajectoryManager(
                 nc.jetstream(), RunNames(run), provision.traj, config, rewards
             )

@@ -46,6 +46,7 @@ from broker.exceptions import InvalidMessageError
 from broker.ingress import Delivery, tasks_ingress
 from broker.messages import SessionEnded, TaskSubmitted
 from broker.metrics import REGISTRY as INGRESS_METRICS
+from broker.permissions import Principal
 from broker.provision import durable_info
 from broker.retry import retry
 from broker.subjects import Durable, RunNames
@@ -476,7 +477,7 @@ async def serve_agents(
     """Run the agent runner of ``run`` until ``stop`` is set, serving /metrics."""
     metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
     try:
-        async with session(url, "seamlessflow-agents") as nc:
+        async with session(url, "seamlessflow-agents", principal=Principal.AGENTS) as nc:
             runner = AgentRunner(
                 nc.jetstream(), RunNames(run), provision.tasks, config, gateway_url, rewards
             )

@@ -12,6 +12,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from broker.client import connect, disconnect
+from broker.permissions import Principal
 from broker.provision import run_stream_info
 from broker.subjects import RunNames
 from common.exceptions import ModelError
@@ -90,7 +91,7 @@ class Gateway:
         stop_ids = config.stop_token_ids
         if stop_ids is None:
             stop_ids = default_stop_token_ids(config.model_path, tokenizer)
-        nc = await connect(self.nats_url, "seamlessflow-gateway")
+        nc = await connect(self.nats_url, "seamlessflow-gateway", principal=Principal.GATEWAY)
         try:
             js = nc.jetstream(timeout=config.nats_timeout_s)
             await _check_provisioned(js, RunNames(config.run))
