@@ -24,6 +24,7 @@ made its own CA issues one beside each identity file (``<principal>.pem``, named
 ``cert``), which ``connect`` presents.
 """
 
+import datetime
 import json
 import os
 import tomllib
@@ -59,13 +60,18 @@ def cert_user(run: str, principal: Principal) -> str:
 
 @dataclass(frozen=True)
 class Identity:
-    """Who a process is on the broker: its run, principal, inbox prefix and nkey seed, and
-    the client certificate it presents under mutual TLS, if it has one."""
+    """Who a process is on the broker: its run, principal, inbox prefix and nkey seed, the
+    client certificate it presents under mutual TLS, if it has one, and when it expires, if it
+    does (the broker leaves it out of its configuration from then on)."""
 
     run: str
     principal: Principal
     seed: str
     cert: Path | None = None
+    expires: datetime.datetime | None = None
+
+    def expired(self, now: datetime.datetime | None = None) -> bool:
+        return self.expires is not None and self.expires <= (now or _now())
 
     @property
     def inbox_prefix(self) -> str:
@@ -76,9 +82,12 @@ class Identity:
         return nkeys.from_seed(self.seed.encode()).public_key.decode()
 
     @classmethod
-    def new(cls, run: str, principal: Principal) -> "Identity":
+    def new(
+        cls, run: str, principal: Principal, valid_for: datetime.timedelta | None = None
+    ) -> "Identity":
         seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
-        return cls(check_name("run", run), principal, seed)
+        expires = (_now() + valid_for).replace(microsecond=0) if valid_for else None
+        return cls(check_name("run", run), principal, seed, expires=expires)
 
     @classmethod
     def load(cls, path: Path) -> "Identity":
@@ -96,11 +105,17 @@ class Identity:
             )
         try:
             cert = path.parent / data["cert"] if "cert" in data else None
+            expires = data.get("expires")
+            if expires is not None and not (
+                isinstance(expires, datetime.datetime) and expires.tzinfo is not None
+            ):
+                raise ValueError(f"expires must be a date-time with its offset, not {expires!r}")
             identity = cls(
                 check_name("run", data["run"]),
                 Principal(data["principal"]),
                 data["seed"].strip(),
                 cert,
+                expires,
             )
             identity.public_key  # noqa: B018 - the seed must decode
         except (KeyError, ValueError, TypeError, nkeys.ErrInvalidSeed) as exc:
@@ -120,6 +135,7 @@ class Identity:
             f'inbox_prefix = "{self.inbox_prefix}"\n'
             f'public_key = "{self.public_key}"\n'
             + (f'cert = "{self.cert.name}"  # beside this file\n' if self.cert else "")
+            + (f"expires = {self.expires.isoformat()}\n" if self.expires else "")
             + "# on a line of its own: nats.c and the nats CLI read this file as a seed file\n"
             f'seed = """\n{self.seed}\n"""\n'
         )
@@ -180,14 +196,19 @@ class Authority:
     def path(self, run: str, principal: Principal) -> Path:
         return self.folder / check_name("run", run) / f"{principal.value}.toml"
 
-    def issue(self, run: str, principal: Principal) -> Path:
-        """The identity file of ``principal`` in ``run``, made on first use."""
+    def issue(
+        self, run: str, principal: Principal, valid_for: datetime.timedelta | None = None
+    ) -> Path:
+        """The identity file of ``principal`` in ``run``, made on first use; with ``valid_for``,
+        a new one (a new key: the one it replaces is refused from the broker's next reload)
+        that expires then."""
         path = self.path(run, principal)
-        if not path.exists():
-            identity = Identity.new(run, principal)
+        if valid_for is not None or not path.exists():
+            identity = Identity.new(run, principal, valid_for)
             if self.map_certs and self.ca is not None and self.ca.ca_key is not None:
+                email = cert_user(run, principal)
                 cert = client_certificate(
-                    self.ca, cert_user(run, principal), path.with_suffix(".pem")
+                    self.ca, email, path.with_suffix(".pem"), identity.expires
                 )
                 identity = replace(identity, cert=cert)
             identity.save(path)
@@ -196,6 +217,18 @@ class Authority:
     def issue_run(self, run: str) -> dict[Principal, Path]:
         """Every principal's identity file of ``run``."""
         return {p: self.issue(run, p) for p in Principal}
+
+    def next_expiry(self) -> datetime.datetime | None:
+        """When the first identity still valid expires (the broker reloads then)."""
+        ahead = [
+            identity.expires
+            for identity in self._identities()
+            if identity.expires is not None and not identity.expired()
+        ]
+        return min(ahead, default=None)
+
+    def _identities(self) -> list[Identity]:
+        return [Identity.load(p) for p in sorted(self.folder.glob("*/*.toml"))]
 
     def fingerprint(self) -> frozenset[tuple[str, float]]:
         """Changes when an identity file is added, replaced or removed."""
@@ -235,11 +268,11 @@ class Authority:
             users = []
             for principal in Principal:
                 path = self.path(run, principal)
-                if not path.exists():
+                if not path.exists() or (identity := Identity.load(path)).expired():
                     continue
                 granted = rights(names, principal)
                 allowed = {} if granted is None else {"permissions": granted.nats()}
-                users.append({"nkey": Identity.load(path).public_key, **allowed})
+                users.append({"nkey": identity.public_key, **allowed})
                 if self.map_certs:
                     users.append({"user": cert_user(run, principal), **allowed})
             accounts[account_name(run)] = {"jetstream": self.limits.nats(), "users": users}
@@ -265,3 +298,7 @@ class Authority:
         tmp.write_text(text)
         tmp.replace(path)
         return path
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)

@@ -57,6 +57,14 @@ async def connect(
     CA; a server it cannot verify raises ``BrokerTlsError`` at once (fails closed)."""
     identity_file = identity_path(identity_file, principal)
     identity = Identity.load(identity_file) if identity_file else None
+    if identity is not None and identity.expired():
+        REFUSED.labels("expired").inc()
+        raise AuthorizationError(
+            f"identity {identity_file} (run {identity.run}, {identity.principal}) expired at "
+            f"{identity.expires:%Y-%m-%d %H:%M:%S %Z}: the broker refuses it; issue a new one "
+            f"with `seamlessflow creds --run {identity.run} --principal {identity.principal} "
+            "--valid-for DURATION`"
+        )
     ca = ca_file or (Path(os.environ[CA_ENV]) if os.environ.get(CA_ENV) else None)
     options = identity.connect_options() if identity else {}
     if ca:

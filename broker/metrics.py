@@ -44,7 +44,8 @@ NATS_RETRIES = Counter(
 REFUSED = Counter(
     "sf_nats_refused",
     "What the broker refused this process, by reason: authorization (its identity is unknown, "
-    "of another run, or missing on a secured broker), tls (the broker's certificate is not "
+    "of another run, or missing on a secured broker), expired (its identity expired: not "
+    "tried), tls (the broker's certificate is not "
     "signed by the CA this process trusts) or permissions (a subject its role may not use: a "
     "bug or an attack; docs/security.md)",
     ["reason"],

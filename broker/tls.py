@@ -104,9 +104,12 @@ def throwaway_pki(folder: Path, hosts: list[str] | None = None) -> ServerFiles:
     return files
 
 
-def client_certificate(ca: ServerFiles, email: str, path: Path) -> Path:
+def client_certificate(
+    ca: ServerFiles, email: str, path: Path, expires: datetime.datetime | None = None
+) -> Path:
     """A client certificate signed by ``ca`` (made by ``throwaway_pki``) whose email address is
-    ``email``, with its private key, as one PEM file at ``path``, mode 0600."""
+    ``email``, with its private key, as one PEM file at ``path``, mode 0600; valid until
+    ``expires`` (default: ``VALID_DAYS``)."""
     if ca.ca_key is None:
         raise ValueError(
             f"the CA {ca.ca} has no private key here: issue client certificates with your own PKI"
@@ -117,7 +120,7 @@ def client_certificate(ca: ServerFiles, email: str, path: Path) -> Path:
     now = datetime.datetime.now(datetime.UTC)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, email)])
     cert = (
-        _builder(name, ca_cert.subject, key.public_key(), now)
+        _builder(name, ca_cert.subject, key.public_key(), now, expires)
         .add_extension(x509.SubjectAlternativeName([x509.RFC822Name(email)]), critical=False)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())
@@ -127,7 +130,9 @@ def client_certificate(ca: ServerFiles, email: str, path: Path) -> Path:
     return path
 
 
-def _builder(subject, issuer, public_key, now: datetime.datetime) -> x509.CertificateBuilder:
+def _builder(
+    subject, issuer, public_key, now: datetime.datetime, expires: datetime.datetime | None = None
+) -> x509.CertificateBuilder:
     return (
         x509.CertificateBuilder()
         .subject_name(subject)
@@ -135,7 +140,7 @@ def _builder(subject, issuer, public_key, now: datetime.datetime) -> x509.Certif
         .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        .not_valid_after(expires or now + datetime.timedelta(days=VALID_DAYS))
     )
 
 

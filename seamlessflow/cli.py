@@ -106,6 +106,13 @@ def _add_tools(sub) -> None:
         choices=[x.value for x in Principal],
         help="whose identity (repeatable; default: every principal of the run)",
     )
+    p.add_argument(
+        "--valid-for",
+        metavar="DURATION",
+        help="issue new identities (new keys: the ones they replace are refused from the "
+        "broker's next reload) that the broker refuses after DURATION (90s, 30m, 12h, 7d); "
+        "default: keep an existing identity, a new one never expires",
+    )
     _add_config(p, "[broker] section: its state_dir")
     p.add_argument("--state-dir", type=Path, help="the broker's folder (default: the config's)")
     p.add_argument(
@@ -227,14 +234,18 @@ def _services() -> list[tuple[str, str, str, list[Flag], bool]]:
 
 
 def _creds(args: argparse.Namespace) -> int:
-    from broker.auth import IDENTITY_ENV
+    from broker.auth import IDENTITY_ENV, Identity
     from broker.server import authority as broker_authority
     from broker.server import tls_files
+    from common.durations import parse_duration
     from rollout.gateway.keys import write_run_keys
 
     config = load_config(args.config)
     run = args.run or config.run
     state_dir = args.state_dir or config.broker.state_dir
+    valid_for = parse_duration(args.valid_for) if args.valid_for else None
+    if args.valid_for and not valid_for:
+        raise InputError(f"--valid-for {args.valid_for!r} is not a duration like 12h or 7d")
     if args.gateway_keys:
         keys = write_run_keys(args.gateway_keys)
         print(
@@ -248,8 +259,9 @@ def _creds(args: argparse.Namespace) -> int:
     assert authority is not None
     principals = [Principal(x) for x in args.principal or [x.value for x in Principal]]
     for principal in principals:
-        path = authority.issue(run, principal)
-        print(f"{principal.value:11s} {path}")
+        path = authority.issue(run, principal, valid_for)
+        expires = Identity.load(path).expires
+        print(f"{principal.value:11s} {path}" + (f" (expires {expires})" if expires else ""))
     if args.accounts:
         authority.write_accounts(args.accounts)
         print(f"accounts of runs {', '.join(authority.runs())}: {args.accounts}")

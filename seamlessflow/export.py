@@ -23,11 +23,10 @@ import contextlib
 import json
 import logging
 import os
-import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from broker import codec
 from broker.exceptions import InvalidMessageError
 from broker.messages import CallRecorded, Message, SampleReady, SessionEnded
 from broker.subjects import RunNames
+from common.durations import parse_duration
 from common.log import kv
 from seamlessflow.exceptions import InputError
 
@@ -122,11 +122,8 @@ class Collected:
 def parse_since(text: str, now: datetime | None = None) -> datetime:
     """``--since``: an ISO 8601 time (UTC unless it says otherwise) or a duration ago such as
     ``90s``, ``30m``, ``2h``, ``1d``."""
-    now = now or datetime.now(UTC)
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
-    if match:
-        unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[match[2]]
-        return now - timedelta(**{unit: float(match[1])})
+    if (ago := parse_duration(text)) is not None:
+        return (now or datetime.now(UTC)) - ago
     try:
         when = datetime.fromisoformat(text)
     except ValueError as exc:

@@ -3,6 +3,8 @@ broker URL of a local run, and the status tables."""
 
 import asyncio
 import contextlib
+import datetime
+import logging
 import os
 import signal
 import sys
@@ -31,8 +33,11 @@ from broker.registry import Sighting
 from broker.roles import ROLE_LEASE_SHARE
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
+from common.log import kv
 from common.metrics import MetricsEndpoint, metric_sum, scrape, serve_metrics
 from common.ready import announce_ready
+
+log = logging.getLogger(__name__)
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -134,13 +139,18 @@ async def serve_broker(config: EmbeddedBrokerConfig) -> None:
 async def _reload_on_new_identities(
     broker: EmbeddedBroker, authority: Authority, stop: asyncio.Event, interval: float = 1.0
 ) -> None:
-    known = authority.fingerprint()
+    """Reload when an identity is issued, replaced or removed, or when one expires."""
+    known, expiry = authority.fingerprint(), authority.next_expiry()
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
-        if (now := authority.fingerprint()) != known:
+        now = authority.fingerprint()
+        expired = expiry is not None and expiry <= datetime.datetime.now(datetime.UTC)
+        if now != known or expired:
+            if expired:
+                log.info(kv("broker_identities_expired", at=expiry.isoformat()))
             await asyncio.to_thread(broker.reload)
-            known = now
+            known, expiry = now, authority.next_expiry()
 
 
 def print_status(status: RunStatus, out=sys.stdout) -> None:

@@ -10,9 +10,12 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import nats
 import pytest
+from nats.errors import Error as NatsError
 
 from broker import codec
+from broker.auth import Identity
 from broker.client import connect, session
 from broker.exceptions import (
     AuthorizationError,
@@ -21,7 +24,7 @@ from broker.exceptions import (
     BrokerUnavailableError,
 )
 from broker.messages import TaskSubmitted
-from broker.metrics import SERVER_REGISTRY
+from broker.metrics import REGISTRY, SERVER_REGISTRY
 from broker.permissions import Principal
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker, find_nats_server
@@ -209,6 +212,56 @@ async def test_broker_command_serves_depths_and_stops_cleanly(tmp_path, nats_bin
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _creds(state_dir: Path, run: str, principal: str, *args: str) -> Path:
+    """``seamlessflow creds`` for one principal; the identity file it printed."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "seamlessflow.cli", "creds", "--state-dir", str(state_dir)),
+            *("--run", run, "--principal", principal, *args),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(done.stdout.split()[1])
+
+
+async def test_an_expired_identity_is_cut_off_by_the_broker_and_named_by_the_client(
+    tmp_path, nats_binary
+):
+    """``creds --valid-for 4s``: the identity works, then ``seamlessflow broker`` reloads
+    without it as it expires. The server closes the connection that was open and refuses the
+    seed (a plain nats-py client, which checks nothing itself); SeamlessFlow's client does not
+    try: one error naming the file and how to renew, counted."""
+    proc = _broker_command(tmp_path, nats_binary)
+    try:
+        line = proc.stdout.readline()
+        ready = re.search(r"nats=(\S+) ", line)
+        assert ready, line
+        url = ready[1]
+        admin = _creds(tmp_path, "expiring", "admin", "--valid-for", "4s")
+        identity = Identity.load(admin)
+        assert identity.expires is not None and "expires = " in admin.read_text()
+        await eventually(lambda: _connects(url, admin), timeout=10)
+        plain = {"allow_reconnect": False, **identity.connect_options()}
+        opened = await nats.connect(url, **plain)
+        await eventually(lambda: opened.is_closed, timeout=15)  # the server closed it
+        with pytest.raises(NatsError, match=r"(?i)authorization"):
+            await nats.connect(url, **plain)
+        expired = {"reason": "expired"}
+        refused = REGISTRY.get_sample_value("sf_nats_refused_total", expired) or 0
+        renew = "seamlessflow creds --run expiring --principal admin"
+        with pytest.raises(AuthorizationError, match=f"expired at .*{renew}"):
+            await connect(url, "expired", identity_file=admin)
+        assert REGISTRY.get_sample_value("sf_nats_refused_total", expired) == refused + 1
+        # a new identity for the principal works again
+        renewed = _creds(tmp_path, "expiring", "admin", "--valid-for", "1h")
+        await eventually(lambda: _connects(url, renewed), timeout=10)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
 
 
 async def test_server_dies_with_a_killed_launcher(tmp_path, nats_binary):
