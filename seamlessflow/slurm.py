@@ -245,18 +245,25 @@ def _nats(p: Plan, config: RunConfig) -> str:
         f"  max_file_store: {slurm.nats_max_file_store}",
         "}",
     ]
+    lines = [
+        f"# NATS: {len(hosts)} server(s) with JetStream" + (", a route cluster" * (len(hosts) > 1))
+    ]
     if len(hosts) > 1:
-        routes = [f"    nats://{host}:{NATS_CLUSTER_PORT}" for host in hosts]
+        # With authorization on, only a server that knows the job's route secret joins.
+        login = "route:${SF_ROUTE_SECRET}@" if secure(config) else ""
+        routes = [f"    nats://{login}{host}:{NATS_CLUSTER_PORT}" for host in hosts]
         conf += ["cluster {", "  name: seamlessflow", f"  listen: 0.0.0.0:{NATS_CLUSTER_PORT}"]
+        if secure(config):
+            lines.append("SF_ROUTE_SECRET=$(head -c 18 /dev/urandom | base64 | tr '+/' '-_')")
+            conf.append('  authorization { user: route, password: "${SF_ROUTE_SECRET}" }')
         conf += ["  routes: [", *routes, "  ]", "}"]
     if secure(config):
         # every run an account, every part an nkey with its rights (broker.auth); relative to
         # this file
         conf.append(f"include {ACCOUNTS_FILE}")
     urls = ",".join(f"nats://{host}:{NATS_PORT}" for host in hosts)
-    lines = [
-        f"# NATS: {len(hosts)} server(s) with JetStream" + (", a route cluster" * (len(hosts) > 1)),
-        'cat > "$SF_JOB_DIR/nats.conf" <<NATS_EOF',
+    lines += [
+        '(umask 077; cat > "$SF_JOB_DIR/nats.conf") <<NATS_EOF  # mode 0600: it holds the secret',
         *conf,
         "NATS_EOF",
         f'export SEAMLESSFLOW_NATS_URL="{urls}"',

@@ -11,6 +11,7 @@ harness can ``sbatch`` it).
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -216,8 +217,15 @@ def check_secrets(job: Job, parsed: list) -> None:
 
 
 def check_nats_conf(job: Job, tmp_path: Path, routes: int) -> None:
-    conf = (job.job_dir / "nats.conf").read_text()
+    """The servers' config is valid (``nats-server -t``), mode 0600, and has ``routes``, each
+    with the job's route secret that the cluster wants."""
+    path = job.job_dir / "nats.conf"
+    conf = path.read_text()
+    assert path.stat().st_mode & 0o777 == 0o600
     assert conf.count("nats://") == routes
+    if routes:
+        (password,) = re.findall(r'authorization \{ user: route, password: "([\w-]{24})" \}', conf)
+        assert conf.count(f"nats://route:{password}@") == routes
     env = {**os.environ, "NATS_NAME": "nats-0", "NATS_STORE": str(tmp_path / "store")}
     check = subprocess.run(
         [str(find_nats_server()), "-t", "-c", str(job.job_dir / "nats.conf")],
