@@ -27,6 +27,7 @@ made its own CA issues one beside each identity file (``<principal>.pem``, named
 import datetime
 import json
 import os
+import secrets
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,6 +39,7 @@ from broker.exceptions import IdentityError
 from broker.permissions import Principal, inbox_prefix, rights
 from broker.subjects import RunNames, check_name
 from broker.tls import ServerFiles, client_certificate
+from common.paths import write_private
 
 IDENTITY_ENV = "SEAMLESSFLOW_NATS_IDENTITY"
 """The identity file a process connects with (``broker.client.connect``), whatever its role."""
@@ -126,7 +128,6 @@ class Identity:
 
     def save(self, path: Path) -> Path:
         """Write it, mode 0600 from the start (never readable by others, even briefly)."""
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         text = (
             f"# SeamlessFlow broker identity: run {self.run}, principal {self.principal}.\n"
             "# Secret: whoever holds this file has these rights. Keep it mode 0600.\n"
@@ -139,12 +140,7 @@ class Identity:
             + "# on a line of its own: nats.c and the nats CLI read this file as a seed file\n"
             f'seed = """\n{self.seed}\n"""\n'
         )
-        tmp = path.with_suffix(".partial")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        tmp.replace(path)
-        return path
+        return write_private(path, text)
 
     def connect_options(self) -> dict:
         """nats-py ``connect`` keyword arguments."""
@@ -302,3 +298,18 @@ class Authority:
 
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
+
+
+def write_routes(path: Path, routes: list[str]) -> Path:
+    """A route cluster's credentials, as the contents of nats-server's ``cluster`` block (which
+    ``include``s the file): a fresh random secret that a server must present to join, and
+    ``routes`` (``host:port`` each) that present it. Mode 0600."""
+    secret = secrets.token_urlsafe(24)
+    urls = "".join(f"  nats://route:{secret}@{route}\n" for route in routes)
+    return write_private(
+        path,
+        "# The route cluster's secret (seamlessflow creds --routes): only a server that knows\n"
+        "# it joins. Keep this file as private as the identities.\n"
+        f'authorization {{ user: route, password: "{secret}", timeout: 2 }}\n'
+        f"routes: [\n{urls}]\n",
+    )

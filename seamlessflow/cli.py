@@ -123,12 +123,28 @@ def _add_tools(sub) -> None:
         "(`accounts: <JSON>`, public keys only), for a server config of your own to `include`",
     )
     p.add_argument(
+        "--routes",
+        type=Path,
+        metavar="FILE",
+        help="also write a NATS route cluster's credentials to FILE (mode 0600), for the "
+        "servers' `cluster` block to `include`: a fresh random secret a server must present to "
+        "join, and the routes (--route) that present it",
+    )
+    p.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a server's route address (repeatable), for --routes",
+    )
+    p.add_argument(
         "--gateway-keys",
         type=Path,
         metavar="DIR",
         help="also write fresh gateway keys to DIR (mode 0600): gateway_keys.toml (the "
         "gateway's --keys-file), agents.key (the agents' --gateway-key-file), metrics.key (a "
-        "Prometheus credentials_file); given without --principal or --accounts: the keys only",
+        "Prometheus credentials_file); it and --routes without --principal or --accounts: "
+        "only what they write",
     )
     p = sub.add_parser("provision", help="create a run's streams, consumers and buckets")
     _add_nats(p)
@@ -234,7 +250,7 @@ def _services() -> list[tuple[str, str, str, list[Flag], bool]]:
 
 
 def _creds(args: argparse.Namespace) -> int:
-    from broker.auth import IDENTITY_ENV, Identity
+    from broker.auth import IDENTITY_ENV, Identity, write_routes
     from broker.server import authority as broker_authority
     from broker.server import tls_files
     from common.durations import parse_duration
@@ -246,14 +262,19 @@ def _creds(args: argparse.Namespace) -> int:
     valid_for = parse_duration(args.valid_for) if args.valid_for else None
     if args.valid_for and not valid_for:
         raise InputError(f"--valid-for {args.valid_for!r} is not a duration like 12h or 7d")
+    if bool(args.routes) != bool(args.route):
+        raise InputError("--routes FILE and --route HOST:PORT go together")
+    if args.routes:
+        write_routes(args.routes, args.route)
+        print(f"route credentials of {len(args.route)} servers: {args.routes}")
     if args.gateway_keys:
         keys = write_run_keys(args.gateway_keys)
         print(
             f"gateway keys: {keys.keys_file} (agents: {keys.openai_key_file}, /metrics: "
             f"{keys.metrics_key_file})"
         )
-        if not (args.principal or args.accounts):
-            return 0
+    if (args.gateway_keys or args.routes) and not (args.principal or args.accounts):
+        return 0
     broker = override(config, {"broker": {"state_dir": str(state_dir), "insecure": False}}).broker
     authority = broker_authority(broker, tls_files(broker))
     assert authority is not None

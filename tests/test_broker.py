@@ -1,8 +1,11 @@
 """The embedded broker: start, stop, restart with data kept, and clear errors."""
 
+import asyncio
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,6 +37,7 @@ from tests.support import (
     SMALL_RUN,
     broker_config,
     eventually,
+    free_port,
     metric,
     stream_messages,
 )
@@ -262,6 +266,65 @@ async def test_an_expired_identity_is_cut_off_by_the_broker_and_named_by_the_cli
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+async def test_only_servers_with_the_route_secret_join_the_cluster(tmp_path, nats_binary):
+    """``creds --routes``: two servers with its file form a route cluster; a third with another
+    secret solicits one of them and is refused, however long it tries."""
+    route, client, monitor = ([free_port() for _ in range(3)] for _ in range(3))
+    ours = [f"127.0.0.1:{route[0]}", f"127.0.0.1:{route[1]}"]
+    args = (sys.executable, "-m", "seamlessflow.cli", "creds")
+    for name, routes in (("ours", ours), ("stranger", ours[:1])):
+        flags = [a for r in routes for a in ("--route", r)]
+        done = subprocess.run(
+            [*args, "--routes", str(tmp_path / f"{name}.conf"), *flags], capture_output=True
+        )
+        assert done.returncode == 0, done.stderr
+    assert (tmp_path / "ours.conf").stat().st_mode & 0o777 == 0o600
+    servers = []
+    try:
+        for i, secret in enumerate(("ours", "ours", "stranger")):
+            folder = tmp_path / f"s{i}"
+            folder.mkdir()
+            shutil.copy(tmp_path / f"{secret}.conf", folder / "routes.conf")
+            conf = (
+                f"server_name: s{i}\nlisten: 127.0.0.1:{client[i]}\n"
+                f"http: 127.0.0.1:{monitor[i]}\n"
+                f"cluster {{\n  name: c\n  listen: 127.0.0.1:{route[i]}\n"
+                "  include routes.conf\n}\n"
+            )
+            (folder / "nats.conf").write_text(conf)
+            log = (folder / "log").open("wb")
+            servers.append(
+                subprocess.Popen([nats_binary, "-c", folder / "nats.conf"], stdout=log, stderr=log)
+            )
+
+        def peers(i: int) -> set[str]:
+            url = f"http://127.0.0.1:{monitor[i]}/routez"
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                return {r.get("remote_name") or r["remote_id"] for r in json.load(answer)["routes"]}
+
+        def ids(i: int) -> set[str]:
+            url = f"http://127.0.0.1:{monitor[i]}/varz"
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                varz = json.load(answer)
+            return {varz["server_name"], varz["server_id"]}
+
+        async def joined() -> bool:
+            with contextlib.suppress(OSError):
+                return bool(peers(0)) and peers(0) <= ids(1)
+            return False
+
+        await eventually(joined, timeout=20)
+        await asyncio.sleep(3)  # the stranger tries every second
+        assert peers(0) <= ids(1) and peers(1) <= ids(0)
+        assert not peers(2)
+        log = (tmp_path / "s0" / "log").read_text().lower()
+        assert "authentication error" in log, log[-2000:]  # the stranger's route
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait(10)
 
 
 async def test_server_dies_with_a_killed_launcher(tmp_path, nats_binary):

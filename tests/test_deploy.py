@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from broker.auth import IDENTITY_ENV, Authority, Identity
+from broker.auth import IDENTITY_ENV, Authority, Identity, write_routes
 from broker.client import session
 from broker.exceptions import AuthorizationError
 from broker.permissions import Principal
@@ -41,6 +41,7 @@ ENV_EXAMPLES = {"NODE_NAME": "gpu-node-7", "POD_NAME": "rollout-6d5f9c7b8-x2k4q"
 # The Secrets made once per run (deploy/k8s/base/kustomization.yaml): the NATS servers' accounts
 # (`seamlessflow creds --accounts`) and every principal's identity (auth/RUN/ of its --state-dir).
 ACCOUNTS = "seamlessflow-nats-accounts"
+ROUTES = "seamlessflow-nats-routes"
 IDENTITIES = "seamlessflow-nats-identities"
 
 pytestmark = pytest.mark.skipif(
@@ -287,10 +288,17 @@ def nats_files(objects: list[dict], folder: Path) -> tuple[Path, dict[Principal,
         if "configMap" in source:
             for key, text in config_map(objects, source)["data"].items():
                 (folder / "nats" / key).write_text(text)
-        else:
+        elif source["secret"]["name"] == ACCOUNTS:
             (item,) = source["secret"]["items"]
-            assert (source["secret"]["name"], item["key"]) == (ACCOUNTS, "accounts.conf")
+            assert item["key"] == "accounts.conf"
             authority.write_accounts(folder / "nats" / item["path"])
+        else:  # as `seamlessflow creds --routes` writes it, for the StatefulSet's pods
+            (item,) = source["secret"]["items"]
+            assert (source["secret"]["name"], item["key"]) == (ROUTES, "routes.conf")
+            assert source["secret"]["optional"]  # a lone server has no routes
+            stateful = named(objects, "StatefulSet", "nats")["spec"]
+            hosts = [f"nats-{i}.{stateful['serviceName']}:6222" for i in range(3)]
+            write_routes(folder / "nats" / item["path"], hosts)
     assert server["args"][0] == "-c"
     return folder / "nats" / Path(server["args"][1]).relative_to(mount["mountPath"]), identities
 
@@ -340,8 +348,9 @@ def test_nats_is_a_jetstream_statefulset_with_storage(rendered, tmp_path):
     assert headless["spec"]["clusterIP"] == "None"
     path, _ = nats_files(objects, tmp_path)
     conf = path.read_text()
-    routes = re.findall(r"nats://(nats-\d+)\.nats-headless:6222", conf)
-    assert routes == ([f"nats-{i}" for i in range(replicas)] if replicas > 1 else [])
+    # a cluster takes only routes with the secret of routes.conf (the Secret, beside nats.conf)
+    clustered = re.search(r"\ncluster \{[^}]*\n  include routes.conf\n\}", conf)
+    assert bool(clustered) == (replicas > 1), conf
     run = tomllib.loads(named_config(objects))
     assert run["provision"]["replicas"] == replicas  # streams replicated on every server
     # The server accepts the config (nats-server -t), with $POD_NAME as the pod gives it and

@@ -14,6 +14,7 @@ import pytest
 from starlette.routing import Route
 
 from broker.subjects import SESSION_HEADER
+from common.paths import write_private
 from rollout.gateway import Gateway
 from rollout.gateway.app import OPEN_PATHS, KeyCheck
 from rollout.gateway.keys import (
@@ -26,7 +27,6 @@ from rollout.gateway.keys import (
     is_loopback,
     load_keys,
     read_key_file,
-    write_private,
     write_run_keys,
 )
 from tests.support import MODEL, GatewayThread, RunPool, Stack, gateway_config

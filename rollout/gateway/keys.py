@@ -23,7 +23,6 @@ used first forgotten): a tenant-bound key calls only for its tenant's sessions.
 import hashlib
 import hmac
 import ipaddress
-import os
 import secrets
 import stat
 import tomllib
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from common.paths import write_private
 from rollout.exceptions import RolloutError
 
 KEY_MIN_CHARS = 16
@@ -150,20 +150,6 @@ def gateway_keys(keys_file: Path | None, host: str) -> Keys | None:
             )
         return None
     return load_keys(keys_file)
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path``, created 0600 and replaced atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def new_key() -> str:
