@@ -36,7 +36,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from broker import codec
-from broker.auth import IDENTITY_ENV
+from broker.auth import IDENTITIES_ENV, IDENTITY_ENV
 from broker.client import session
 from broker.exceptions import InvalidMessageError
 from broker.messages import (
@@ -295,11 +295,10 @@ class Services:
         if broker.ca:
             env[CA_ENV] = str(broker.ca)
         if broker.identities:
-            # each command connects as its namesake principal; a worker tagged train may hold a
-            # trainer: the trainer's rights cover rollout's
-            tags = changes.get("worker", {}).get("tags", [])
-            principal = Principal.TRAINER if "train" in tags else Principal(command)
-            env[IDENTITY_ENV] = str(broker.identities[principal])
+            # each child connects as its own principal's file there (a worker tagged train as
+            # the trainer: it holds one, and the trainer's rights cover rollout's)
+            env[IDENTITIES_ENV] = str(broker.identities[Principal.ADMIN].parent)
+            env[IDENTITY_ENV] = ""  # not one inherited from this shell
         path = self.resolve(name, changes)
         return ServiceProcess(
             name, command, "--config", str(path), threads=threads, cpus=cpus, env=env

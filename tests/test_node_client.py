@@ -68,14 +68,15 @@ async def test_node_client_task_is_received_and_validated(broker, js, names):
         "group_size": 4,
         "metadata": {"lang": "javascript"},
     }
-    ack = await _node_submit(broker.url, names.tasks, task)
+    client = str(broker.authority.path(names.run, Principal.CLIENT))
+    ack = await _node_submit(broker.url, names.tasks, task, client)
     assert ack == {"stream": names.tasks_stream, "seq": 1, "duplicate": False}
     # Same task id again: JetStream de-duplicates it.
-    again = await _node_submit(broker.url, names.tasks, task)
+    again = await _node_submit(broker.url, names.tasks, task, client)
     assert again["duplicate"] is True
     # A malformed task from the same client is dead-lettered, not fatal.
     bad = {"task_id": "from-node-2", "messages": "7*6?"}
-    await _node_submit(broker.url, names.tasks, bad)
+    await _node_submit(broker.url, names.tasks, bad, client)
 
     received: list[TaskSubmitted] = []
 
