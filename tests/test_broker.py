@@ -310,9 +310,9 @@ async def test_only_servers_with_the_route_secret_join_the_cluster(tmp_path, nat
                 varz = json.load(answer)
             return {varz["server_name"], varz["server_id"]}
 
-        async def joined() -> bool:
+        async def joined() -> bool:  # and the stranger is up, soliciting
             with contextlib.suppress(OSError):
-                return bool(peers(0)) and peers(0) <= ids(1)
+                return bool(peers(0)) and peers(0) <= ids(1) and bool(ids(2))
             return False
 
         await eventually(joined, timeout=20)
