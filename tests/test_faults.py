@@ -164,7 +164,10 @@ def _start_run(
 async def _stop_run(run: RunProcess) -> None:
     """Check every child is alive, then stop the run (Ctrl-C) and check it ends cleanly."""
     for child in CHILDREN:
-        os.kill(run.pids[child], 0)
+        try:
+            os.kill(run.pids[child], 0)
+        except ProcessLookupError:
+            pytest.fail(f"{child} (pid {run.pids[child]}) is gone, not restarted:\n{run.tail()}")
     assert " down" not in run.tail(5), run.tail()
     run.proc.send_signal(signal.SIGINT)
     code = await asyncio.to_thread(run.proc.wait, 180)
