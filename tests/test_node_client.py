@@ -43,10 +43,15 @@ async def _node_submit(url: str, subject: str, task: dict, *identity: str) -> di
     return json.loads(out)
 
 
-async def test_node_client_connects_with_an_issued_identity(broker, names):
+@pytest.fixture
+def client(broker, names) -> str:
+    """The run's ``client`` identity file, what a submitting program is given."""
+    return str(broker.authority.path(names.run, Principal.CLIENT))
+
+
+async def test_node_client_connects_with_an_issued_identity(broker, names, client):
     """On a secured broker the Node client submits with the run's ``client`` identity; without
     one it is refused, and the ``client`` identity may not publish anything but tasks."""
-    client = str(broker.authority.path(names.run, Principal.CLIENT))
     task = {"task_id": "n1", "messages": [{"role": "user", "content": "1+1"}]}
     ack = await _node_submit(broker.url, names.tasks, task, client)
     assert ack == {"stream": names.tasks_stream, "seq": 1, "duplicate": False}
@@ -56,7 +61,7 @@ async def test_node_client_connects_with_an_issued_identity(broker, names):
     assert code != 0  # the client may not publish samples: no PubAck ever comes
 
 
-async def test_node_client_task_is_received_and_validated(broker, js, names):
+async def test_node_client_task_is_received_and_validated(broker, js, names, client):
     task = {
         "task_id": "from-node-1",
         "messages": [
@@ -68,7 +73,6 @@ async def test_node_client_task_is_received_and_validated(broker, js, names):
         "group_size": 4,
         "metadata": {"lang": "javascript"},
     }
-    client = str(broker.authority.path(names.run, Principal.CLIENT))
     ack = await _node_submit(broker.url, names.tasks, task, client)
     assert ack == {"stream": names.tasks_stream, "seq": 1, "duplicate": False}
     # Same task id again: JetStream de-duplicates it.
