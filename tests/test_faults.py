@@ -7,7 +7,9 @@ and started again on its store, once at an arbitrary moment and once as a traine
 - every group that ended has exactly ``group_size`` sessions, each with all its samples;
 - every sample was trained exactly once or dropped with a reason (``steps.jsonl``), or is still
   unsettled on the trainer's consumer (the run was stopped): none lost, none twice;
-- no message was dead-lettered; every process was alive at the end; versions are consecutive.
+- no message was dead-lettered; every process was alive at the end; versions are consecutive
+  but where a killed trainer's checkpoint write was cut after its version was announced (that
+  version stays taken: the next is at most 3 on, ``checkpoint_every = 1``).
 
 A table (fault, seconds until two new versions, lost, twice, dropped) is printed. A trainer
 step taken while the broker is down is checked on its own (deterministically: its group times
@@ -387,11 +389,12 @@ async def _check_the_data(nc: NATS, names: RunNames, ckpt: Path) -> tuple[int, i
     twice = len(consumed) - len(set(consumed))
     assert all(reason == "stale" for step in steps for _, reason in step.dropped)
     lost = len({s.sample_id for s in samples} - set(consumed) - unsettled)
-    # Versions are consecutive; a step that trained nothing made none.
+    # Versions are consecutive (but after a cut checkpoint write); a step that trained nothing
+    # made none.
     version = 0
     for step in steps:
         if step.trained:
-            assert step.version == version + 1
+            assert version < step.version <= version + 3, (version, step.version)
             version = step.version
         else:
             assert step.version == version

@@ -4,6 +4,7 @@ following it), and resume after ``kill -9`` of the ``seamlessflow trainer`` proc
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import signal
 import time
@@ -174,6 +175,8 @@ async def test_service_trains_groups_and_settles_every_sample(
         assert [(s.version, sorted(s.sample_ids)) for s in steps] == [
             (1, sorted(s.sample_id for s in a + b))
         ]
+        # Acked only once the step's checkpoint (written in the background) was durable.
+        assert checkpoint.load_file(checkpoint.latest_path(config.checkpoint_dir)).version == 1
         # The rollout worker loads v1; the trainer sees it serve it.
         await eventually(
             lambda: metric(url, "sf_trainer_weights_serving_seconds_count"), timeout=60
@@ -272,8 +275,13 @@ async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
     trained = [sid for s in steps for sid in s.sample_ids]
     assert sorted(trained) == sorted(everything)  # none twice, none lost
     versions = [s.version for s in steps]
-    assert versions == list(range(1, len(steps) + 1))
     assert len(steps) == len(first) + len(second)
+    # Consecutive, except where the kill cut a checkpoint's write after its version was
+    # announced: that version is taken, its samples come back and are trained under a new one.
+    gaps = [b - a for a, b in itertools.pairwise([0, *versions])]
+    assert all(g == 1 for g in gaps) or (
+        sorted(gaps)[-2] == 1 and any("versions_lost" in line for line in restarted.output)
+    ), gaps
     # Every version was announced as a host-local copy; the store got the newest (older ones
     # may be skipped as superseded), and a version stored twice carries the same content.
     await eventually(lambda: published and published[-1].version == versions[-1])

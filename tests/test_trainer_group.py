@@ -14,6 +14,7 @@
 """
 
 import asyncio
+import itertools
 import os
 import signal
 import time
@@ -208,12 +209,14 @@ def _trained(ckpt: Path) -> list[str]:
 
 
 def _check_once(ckpt: Path, everything: set[str]) -> None:
-    """Every sample trained exactly once; versions one after another."""
+    """Every sample trained exactly once; versions one after another (but where a killed rank 0's
+    checkpoint write was cut after its version was announced: at most 3 on)."""
     steps = checkpoint.read_steps(ckpt)
     trained = _trained(ckpt)
     assert len(trained) == len(set(trained)), "a sample was trained twice"
     assert set(trained) == everything, f"lost: {sorted(everything - set(trained))}"
-    assert [s.version for s in steps] == list(range(1, len(steps) + 1))
+    versions = [0, *(s.version for s in steps)]
+    assert all(0 < b - a <= 3 for a, b in itertools.pairwise(versions)), versions
 
 
 def _stop(procs) -> None:

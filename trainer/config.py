@@ -143,10 +143,12 @@ class TrainerConfig(BaseModel):
     checkpoint_every: int = Field(
         default=1,
         ge=1,
-        description="checkpoint every this many versions (and at stop); a crash loses the steps "
-        "since the last one (their samples were acknowledged) and training goes on from it under "
-        "new versions. A checkpoint (model and AdamW state, 1.6 GB for SmolLM2) took 1.9 s of a "
-        "10 s step on 2 cores",
+        description="checkpoint every this many versions (and at stop): model and AdamW state "
+        "copied into memory in the step, written in the background (one write at a time); "
+        "that step's samples are acked once it is durable, the steps between at once. A crash "
+        "loses the steps since the last durable one, under 2 x this many versions (the samples "
+        "of the steps between checkpoints with them: they were acked; those of a checkpoint's "
+        "own step are trained again) and training goes on from it under new versions",
     )
     keep_trained_steps: int = Field(
         default=64, ge=1, description="steps whose sample ids a checkpoint remembers (dedup)"

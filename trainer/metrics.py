@@ -82,7 +82,17 @@ STEP_SECONDS = Histogram(
     "sf_trainer_step_seconds", "Training (all ranks) per step", buckets=_SECONDS, registry=REGISTRY
 )
 CHECKPOINT_SECONDS = Histogram(
-    "sf_trainer_checkpoint_seconds", "Writing one checkpoint", buckets=_SECONDS, registry=REGISTRY
+    "sf_trainer_checkpoint_seconds",
+    "Writing one checkpoint (in the background, off the training path)",
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)
+CHECKPOINT_STALL_SECONDS = Histogram(
+    "sf_trainer_checkpoint_stall_seconds",
+    "What one checkpoint took from the training path: waiting for the previous one's write, "
+    "if still going, and copying model and optimizer state into memory",
+    buckets=_SECONDS,
+    registry=REGISTRY,
 )
 PUBLISH_SECONDS = Histogram(
     "sf_trainer_weight_publish_seconds",

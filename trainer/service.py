@@ -9,12 +9,19 @@ step that used it is committed. Per step (``Trainer.run``):
    staleness bound (``trainer.waits.OrderWait``, ``trainer.order``); take the ``groups_per_step``
    complete groups with the oldest tokens; advantages, staleness bound;
 2. train on every rank (off the event loop);
-3. every ``checkpoint_every`` versions (and at stop): checkpoint (model, optimizer, version
-   v+1, the ids of recent steps) atomically and log the steps it holds;
-4. release the samples' handlers: the ingress acks them (rollout is paced by unsettled samples,
-   so they are not held until a checkpoint: a crash loses the steps since the last one);
-5. publish version v+1 (``trainer.publisher``: a host-local copy in the step, the object store
-   in the background) and time how long until every rollout worker serves it.
+3. every ``checkpoint_every`` versions (and at stop): copy model and optimizer into memory
+   (once the previous checkpoint is written: one write in flight) for the background writer
+   (``checkpoint.CheckpointWriter``): the checkpoint, atomically, then the steps log lines of
+   the steps it holds; this step's samples are released (the ingress acks them) once both
+   are durable, while training goes on. Steps between checkpoints are released at once
+   (rollout is paced by unsettled samples): a crash loses them, their samples acknowledged;
+4. publish version v+1 (``trainer.publisher``: a host-local copy in the step, the object store
+   in the background), not waiting for its checkpoint; time until every worker serves it.
+
+So: checkpoint durable -> its steps log lines -> its step's acks. A version may be announced
+before its checkpoint is durable: after a crash the stream is ahead of the checkpoint (by less
+than ``2 * checkpoint_every`` versions) and the restart goes on after it (``publish_if_missing``),
+the lost step's samples redelivered (never acked) and trained again under a new version.
 
 NATS errors on the way are a broker outage, not a failed step: the weights of a version are
 kept and published, tried again until the broker is back (de-duplicated per version); a trainer
@@ -29,6 +36,7 @@ and holding samples, until it is ``train`` again. The process around it: ``train
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -43,11 +51,12 @@ from broker.subjects import Durable, RunNames
 from common.log import kv
 from trainer import checkpoint
 from trainer.batcher import DROPPED, Batcher, Outcome, lag, oldest_version, plan_step
-from trainer.checkpoint import Checkpoint, StepRecord
+from trainer.checkpoint import Checkpoint, CheckpointWriter, StepRecord
 from trainer.config import TrainerConfig
 from trainer.exceptions import BatchError, GroupBrokenError, TrainerError
 from trainer.metrics import (
     CHECKPOINT_SECONDS,
+    CHECKPOINT_STALL_SECONDS,
     DROPPED_SAMPLES,
     GROUPS_EXPIRED,
     HELD,
@@ -105,6 +114,8 @@ class Trainer:
         self._roles: RoleHolder | None = None  # set by serve: busy time, the entry's version
         self._publisher = WeightPublisher(js, names, config, PUBLISH_SECONDS)
         self._uncommitted: list[StepRecord] = []  # steps since the last checkpoint
+        self._writer = CheckpointWriter(config.checkpoint_dir, CHECKPOINT_SECONDS)
+        self._write_failed: BaseException | None = None  # a background write's error, raised
         # The trainer group (``trainer.group``): only its rank 0 takes samples (``_leading``),
         # steps only while the group is formed (``_formed``), and tells a failed collective
         # (``broken``). A trainer outside any group leads and is formed.
@@ -127,13 +138,14 @@ class Trainer:
             raise HandBack("trainer stopping")
         if not self._leading.is_set():  # another member of the trainer group takes samples
             raise HandBack("not the trainer group's rank 0")
-        # 1. Trained before this (re)delivery: acknowledge it again, train nothing.
-        if sample.sample_id in self._trained:
+        # 1. Trained and settled before this (re)delivery: acknowledge it again, train nothing.
+        future = self._waiting.get(sample.sample_id)
+        if future is None and sample.sample_id in self._trained:
             SAMPLES.labels(Outcome.DUPLICATE.value).inc()
             log.info(kv("sample_duplicate", sample=sample.sample_id, seq=delivery.stream_seq))
             return
-        # 2. Held already (a second delivery while its group fills): share the first's outcome.
-        future = self._waiting.get(sample.sample_id)
+        # 2. Held already (while its group fills or its checkpoint is written): share the first
+        # delivery's outcome.
         if future is None:
             try:
                 self._batcher.add(sample)
@@ -169,6 +181,7 @@ class Trainer:
             return
         self._leading.clear()
         async with self._stepping:  # a step in progress commits what it took
+            await self._writer.drain()  # its checkpoint durable: the next rank 0 resumes from it
             self._release(list(self._waiting), HandBack("not the trainer group's rank 0"))
             self._batcher = self._new_batcher()
         self._ingress_stop.set()
@@ -219,6 +232,8 @@ class Trainer:
         self._publisher.stop = stop
         try:
             while not stop.is_set():
+                if self._write_failed is not None:
+                    raise self._write_failed
                 if expired := self._batcher.expire(timeout):
                     GROUPS_EXPIRED.inc(expired)
                     log.warning(kv("groups_expired", groups=expired, after_s=timeout))
@@ -247,7 +262,10 @@ class Trainer:
             await self._commit()  # stopped: the steps since the last checkpoint are kept
         finally:
             self._stopping = True
+            await self._writer.drain()  # writes in flight are finished, never cut (``_committed``)
             self._release(list(self._waiting), HandBack("trainer stopping"))
+        if self._write_failed is not None:
+            raise self._write_failed
 
     async def take(self, role: Role) -> None:
         """``RoleHolder``'s switch: step as ``train``; otherwise finish the step in progress and
@@ -279,8 +297,9 @@ class Trainer:
             self._trained.update(consumed)
             self._uncommitted.append(record)
             if len(self._uncommitted) == 1:  # no trained step waits for a checkpoint: log it
-                await self._commit(checkpointed=False)
-            self._release(consumed)
+                await self._commit(consumed, checkpointed=False)
+            else:
+                self._release(consumed)
             log.warning(kv("step_skipped", samples=len(consumed), reason="all dropped"))
             return
         # 2. Train on every rank.
@@ -302,15 +321,17 @@ class Trainer:
         stepped = time.monotonic()
         STEP_SECONDS.observe(stepped - started)
         version = self.version + 1
-        # 3. Commit (every checkpoint_every versions): the checkpoint, the steps log; the acks.
+        # 3. Commit (every checkpoint_every versions): snapshot, written in the background with
+        # the steps log; this step's samples acked once both are durable. Else acked now.
         record = StepRecord(version, tuple(consumed), dropped)
         self._recent = [*self._recent, record][-self._config.keep_trained_steps :]
         self.version = version
         self._trained = {sid for r in self._recent for sid in r.sample_ids}
         self._uncommitted.append(record)
         if version % self._config.checkpoint_every == 0:
-            await self._commit()
-        self._release(consumed)
+            await self._commit(consumed)
+        else:
+            self._release(consumed)
         # 4. Publish the new version; metrics.
         await self._publisher.publish(version, self._ranks.backend.hf_state_dict)
         VERSION.set(version)
@@ -348,28 +369,44 @@ class Trainer:
                 )
         return tuple(dropped)
 
-    async def _commit(self, checkpointed: bool = True) -> None:
-        """Make the steps since the last commit durable: checkpoint the current version (unless
-        ``checkpointed`` is False: only dropped samples since), then append them to the steps
-        log."""
+    async def _commit(self, release: Sequence[str] = (), checkpointed: bool = True) -> None:
+        """Make the steps since the last commit durable in the background: a checkpoint of the
+        current version (unless ``checkpointed`` is False: only dropped samples since), then
+        their steps log lines; ``release`` those samples once both are (at once without a
+        ``checkpoint_dir``)."""
         records, self._uncommitted = self._uncommitted, []
-        if not records:
+        if self._config.checkpoint_dir is None or not records:
+            self._release(list(release))
             return
-        directory = self._config.checkpoint_dir
-        if checkpointed:
-            await self._checkpoint(self.version)
-        if directory is not None:
-            await asyncio.to_thread(checkpoint.append_steps, directory, records)
+        ckpt = await self._checkpoint(self.version) if checkpointed else None
+        done = self._writer.submit(ckpt, tuple(records))
+        done.add_done_callback(lambda f: self._committed(list(release), f))
 
-    async def _checkpoint(self, version: int) -> None:
-        directory = self._config.checkpoint_dir
-        if directory is None:
-            return
+    async def _checkpoint(self, version: int) -> Checkpoint:
+        """The state of ``version`` copied into memory, once the previous checkpoint's write is
+        over (at most one in flight; its memory is reused)."""
+        writer = self._writer
         started = time.monotonic()
-        state = await asyncio.to_thread(self._ranks.backend.state)
-        ckpt = Checkpoint(version, state, tuple(self._recent))
-        await asyncio.to_thread(checkpoint.save, directory, ckpt)
-        CHECKPOINT_SECONDS.observe(time.monotonic() - started)
+        await writer.checkpoint_idle()
+        state = await asyncio.to_thread(
+            lambda: checkpoint.snapshot(self._ranks.backend.state(), writer.spare)
+        )
+        CHECKPOINT_STALL_SECONDS.observe(time.monotonic() - started)
+        return Checkpoint(version, state, tuple(self._recent))
+
+    def _committed(self, release: list[str], done: asyncio.Future[None]) -> None:
+        """A commit is durable: its samples are acked. Or it failed: they are handed back (nak:
+        redelivered, trained again from the last durable checkpoint) and the loop raises."""
+        if done.cancelled() or done.exception() is None:
+            self._release(release)
+            return
+        error = TrainerError(f"checkpoint failed: {done.exception()}")
+        self._stopping = True  # take no sample again (it would count as trained)
+        if self._write_failed is None:
+            self._write_failed = error
+            log.error(kv("checkpoint_failed", version=self.version, error=done.exception()))
+        self._release(release, HandBack(str(error)))
+        self._wake.set()
 
     # -- serving ----------------------------------------------------------------------------
     async def serve(
@@ -405,6 +442,7 @@ class Trainer:
             # stopped whatever the others raise, and the first error is the one told.
             stop.set()
             await asyncio.gather(stepping, return_exceptions=True)
+            self._writer.close()  # idle: the loop finished every write it submitted
             self._publisher.close()  # the last version's upload ends first
             await asyncio.gather(uploading, return_exceptions=True)
             self._ingress_stop.set()
@@ -439,16 +477,17 @@ class Trainer:
     async def publish_if_missing(self) -> None:
         """After a restart: publish the checkpoint's version if the weights stream lacks it
         (the process died between the checkpoint and the publication), or as a new version
-        after those published since it (``checkpoint_every`` > 1)."""
+        after those published since it (its checkpoint's write was cut)."""
         published, local_only = await self._publisher.announced()
-        if 0 < published - self.version < self._config.checkpoint_every:
-            # The steps since the last checkpoint died with the process (their samples were
-            # acknowledged: they are lost too). Their versions stay taken: a version names one
-            # set of weights, so these weights go on after them, checkpointed at once (a second
-            # crash resumes here).
+        if 0 < published - self.version < 2 * self._config.checkpoint_every:
+            # The steps since the last durable checkpoint died with the process (those between
+            # checkpoints had their samples acknowledged: lost too; a checkpoint's own step's
+            # come back). Their versions stay taken: a version names one set of weights, so
+            # these weights go on after them, checkpointed at once (a second crash resumes here).
             log.warning(kv("versions_lost", checkpoint=self.version, published=published))
             self.version = published + 1
-            await self._checkpoint(self.version)
+            if self._config.checkpoint_dir is not None:
+                await self._writer.submit(await self._checkpoint(self.version), ())
         if published > self.version:
             raise TrainerError(
                 f"the weights stream of run {self._names.run} already has v{published} but this "

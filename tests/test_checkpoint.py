@@ -1,0 +1,136 @@
+"""Checkpoints off the training path (``trainer.checkpoint``): the in-memory snapshot of a real
+model's state and AdamW state, written by the background writer while training goes on, loads
+back equal to the state it copied; the writer keeps the order it was given (checkpoint, then
+its steps log lines); and a trainer whose checkpoint cannot be written stops with that error,
+handing its samples back unacknowledged. The kill -9 resume is in ``test_trainer``."""
+
+import asyncio
+import copy
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, Histogram
+
+from broker.config import ProvisionConfig
+from broker.subjects import Durable
+from tests.support import eventually, registered
+from tests.test_trainer import _consumer_settled, dp_items, group, publish
+from trainer import checkpoint
+from trainer.checkpoint import Checkpoint, CheckpointWriter, StepRecord
+from trainer.config import TrainerConfig
+from trainer.exceptions import TrainerError
+
+CONFIG = TrainerConfig(lr=1e-2, max_staleness=100)
+
+
+def _seconds() -> Histogram:
+    return Histogram("t_checkpoint_seconds", "test", registry=CollectorRegistry())
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    """Every tensor of a nested state, in a fixed order."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for k in sorted(state, key=str) for t in _tensors(state[k])]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
+
+
+def _equal(a, b) -> bool:
+    ta, tb = _tensors(a), _tensors(b)
+    return len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb, strict=True))
+
+
+def _step(backend) -> None:
+    from trainer.step import train_step
+
+    train_step(backend, dp_items(), 0, CONFIG)
+
+
+async def test_a_background_checkpoint_equals_its_snapshot_though_training_went_on(
+    tiny_model_dir, tmp_path
+):
+    from trainer.backends import build_backend
+
+    backend = build_backend(tiny_model_dir, CONFIG)
+    _step(backend)  # AdamW has state now: moments and step counts
+    taken = copy.deepcopy(backend.state())
+    shot = checkpoint.snapshot(backend.state())
+    assert _equal(shot, taken)
+    writer = CheckpointWriter(tmp_path, _seconds())
+    record = StepRecord(1, ("a", "b"))
+    written = writer.submit(Checkpoint(1, shot, (record,)), (record,))
+    _step(backend)  # training goes on while (or before) the writer writes
+    _step(backend)
+    await written
+    assert not _equal(backend.state(), taken)  # the steps moved the live state
+    loaded = checkpoint.load_file(checkpoint.latest_path(tmp_path))
+    assert loaded.version == 1 and _equal(loaded.backend, taken)
+    assert [(r.version, r.sample_ids) for r in checkpoint.read_steps(tmp_path)] == [(1, ("a", "b"))]
+    # The next snapshot reuses the written one's memory; what is on disk does not change.
+    assert writer.spare is shot
+    now = copy.deepcopy(backend.state())
+    again = checkpoint.snapshot(backend.state(), writer.spare)
+    assert again["model"] is not backend.state()["model"]
+    first = next(iter(shot["model"].values()))
+    assert next(iter(again["model"].values())).data_ptr() == first.data_ptr()  # reused
+    assert _equal(again, now)
+    # Loaded into a fresh backend, the file resumes it exactly where the snapshot was.
+    fresh = build_backend(tiny_model_dir, CONFIG)
+    fresh.load_state(checkpoint.load_file(tmp_path / "v1.pt").backend)
+    assert _equal(fresh.state(), taken)
+    writer.close()
+
+
+async def test_the_writer_keeps_the_order_it_was_given(tiny_model_dir, tmp_path):
+    """Log-only commits queued behind a checkpoint land after it, and lines in submit order."""
+    from trainer.backends import build_backend
+
+    backend = build_backend(tiny_model_dir, CONFIG)
+    writer = CheckpointWriter(tmp_path, _seconds())
+    steps = [StepRecord(v, (f"s{v}",)) for v in (1, 2, 3)]
+    shot = checkpoint.snapshot(backend.state())
+    done = [
+        writer.submit(Checkpoint(1, shot, tuple(steps[:1])), tuple(steps[:1])),
+        writer.submit(None, (StepRecord(1, ("d1",), (("d1", "stale"),)),)),
+        writer.submit(None, tuple(steps[1:])),
+    ]
+    await writer.drain()
+    assert all(d.done() and d.exception() is None for d in done)
+    assert [r.sample_ids for r in checkpoint.read_steps(tmp_path)] == [
+        ("s1",), ("d1",), ("s2",), ("s3",)
+    ]  # fmt: skip
+    writer.close()
+
+
+@pytest.mark.newest_nats
+async def test_a_checkpoint_that_cannot_be_written_stops_the_trainer_and_acks_nothing(
+    broker, js, names, tiny_model_dir, tmp_path
+):
+    """The checkpoint folder's parent is a file: the background write fails; the trainer stops
+    with that error and the step's samples are handed back, not acknowledged."""
+    from trainer.serve import serve_trainer
+
+    (tmp_path / "file").write_text("not a folder")
+    config = TrainerConfig(
+        lr=1e-3,
+        groups_per_step=1,
+        max_staleness=100,
+        checkpoint_dir=tmp_path / "file" / "ckpt",
+        worker_id="trainer-f",
+        local_weights_dir=tmp_path / "shm",
+    )
+    stop = asyncio.Event()
+    serving = asyncio.create_task(
+        serve_trainer(broker.url, names.run, ProvisionConfig(), config, tiny_model_dir, 0, stop)
+    )
+    await eventually(lambda: registered(js, names, "trainer-f"), watch=serving, timeout=60)
+    await publish(js, names, *group("a", 2))
+    with pytest.raises(TrainerError, match="checkpoint failed"):
+        await asyncio.wait_for(serving, 60)
+    info = await js.consumer_info(names.samples_stream, Durable.TRAINER)
+    assert info.delivered.stream_seq == 2  # both were delivered ...
+    assert info.ack_floor.stream_seq == 0  # ... and neither acknowledged
+    assert not await _consumer_settled(js, names)
