@@ -143,7 +143,7 @@ async def test_service_trains_groups_and_settles_every_sample(
     before = {o: await metric(url, "sf_trainer_samples_total", outcome=o) for o in
               ("trained", "stale_dropped", "duplicate")}  # fmt: skip
     dropped_before = await metric(url, "sf_trainer_samples_dropped_total", reason="stale")
-    worker = worker_process(broker.url, names.run, tiny_model_dir, "w1").wait_ready()
+    worker = None
     try:
         a, b = group("a", 2), group("b", 3)
         # A fourth session in a group of three (refused), and garbage.
@@ -152,23 +152,13 @@ async def test_service_trains_groups_and_settles_every_sample(
         await js.publish(names.samples, b"\x93not a sample")
         await eventually(lambda: _consumer_settled(js, names), watch=serving, timeout=60)
         await eventually(lambda: metric(url, "sf_trainer_version"), watch=serving)  # published
-        # The host-local copy is announced first; the object store's announcement follows.
-        await eventually(lambda: _stored(js, names), watch=serving)
+        # The host-local copy is announced; no rollout worker needs the store: not stored.
+        await asyncio.sleep(1.5)  # the upload task looks again every second
         events = await stream_messages(js, names.weights_stream, WeightsPublished)
-        assert [(e.version, e.host) for e in events] == [(1, None)]
-        for path in ("local", "store"):  # announced on both paths, once
-            assert await metric(url, "sf_trainer_weight_publish_seconds_count", path=path) == 1
+        assert [(e.version, e.host) for e in events] == [(1, host_id())]
+        assert await metric(url, "sf_trainer_weight_publish_seconds_count", path="local") == 1
+        assert await metric(url, "sf_trainer_weight_publish_seconds_count", path="store") == 0
         assert (config.local_weights_dir / names.run / "v1" / "model.safetensors").exists()
-        blob = await fetch_weights(js, events[0])
-        original = (tiny_model_dir / "model.safetensors").read_bytes()
-        assert (
-            load(blob)["model.embed_tokens.weight"].shape
-            == load(original)["model.embed_tokens.weight"].shape
-        )
-        assert "lm_head.weight" not in load(blob)  # tied: the engines tie it themselves
-        assert not torch.equal(
-            load(blob)["model.embed_tokens.weight"], load(original)["model.embed_tokens.weight"]
-        )
         dead = await stream_messages(js, names.dead_stream, MessageRejected)
         assert len(dead) == 2 and any("sample b-x" in d.reason for d in dead)
         steps = checkpoint.read_steps(config.checkpoint_dir)
@@ -177,7 +167,8 @@ async def test_service_trains_groups_and_settles_every_sample(
         ]
         # Acked only once the step's checkpoint (written in the background) was durable.
         assert checkpoint.load_file(checkpoint.latest_path(config.checkpoint_dir)).version == 1
-        # The rollout worker loads v1; the trainer sees it serve it.
+        # A rollout worker on this node loads v1 in place; the trainer sees it serve it.
+        worker = worker_process(broker.url, names.run, tiny_model_dir, "w1").wait_ready()
         await eventually(
             lambda: metric(url, "sf_trainer_weights_serving_seconds_count"), timeout=60
         )
@@ -204,11 +195,26 @@ async def test_service_trains_groups_and_settles_every_sample(
         assert (await registered(js, names, "trainer-t")).version == 1
         assert await metric(url, "sf_trainer_version") == 1
     finally:
-        worker.stop()
+        if worker is not None:
+            worker.stop()
         stop.set()
         await serving
     assert await registered(js, names, "trainer-t") is None
     assert not (config.local_weights_dir / names.run).exists()  # stopped: its copies are freed
+    # Stopping stored the last version for every host (whoever starts next).
+    assert await _stored(js, names)
+    events = await stream_messages(js, names.weights_stream, WeightsPublished)
+    assert [(e.version, e.host) for e in events] == [(1, None)]
+    blob = await fetch_weights(js, events[0])
+    original = (tiny_model_dir / "model.safetensors").read_bytes()
+    assert (
+        load(blob)["model.embed_tokens.weight"].shape
+        == load(original)["model.embed_tokens.weight"].shape
+    )
+    assert "lm_head.weight" not in load(blob)  # tied: the engines tie it themselves
+    assert not torch.equal(
+        load(blob)["model.embed_tokens.weight"], load(original)["model.embed_tokens.weight"]
+    )
 
 
 # -- kill -9 and resume -------------------------------------------------------------------------
@@ -350,8 +356,8 @@ async def test_a_crash_loses_the_steps_since_the_checkpoint_and_training_goes_on
     broker, nc, js, run_name, tiny_model_dir, tmp_path
 ):
     names, ckpt, config, published = await _killable_run(
-        nc, js, run_name, tmp_path, "trainer-c", "checkpoint_every = 3\n"
-    )
+        nc, js, run_name, tmp_path, "trainer-c", "checkpoint_every = 3\nlocal_weights = false\n"
+    )  # every version stored: its content (sha256) is announced
     groups = [group(f"g{i}", 2, base=i) for i in range(5)]
     proc = await asyncio.to_thread(
         _trainer_process(broker.url, names.run, tiny_model_dir, config).wait_ready

@@ -98,3 +98,31 @@ def test_the_newest_local_copy_is_read_off_the_version_folders(names, tmp_path):
     for name in ("v1", "v3", "v10.partial", "vx", "other"):
         (run / name).mkdir(parents=True)
     assert newest_local(tmp_path, names) == 3
+
+
+def test_a_version_is_stored_once_a_live_worker_cannot_load_the_host_local_copy():
+    """``trainer.publisher.store_needed``: workers on this node load the host-local copy (no
+    upload); one on another node, or one here still behind after the grace, needs the store,
+    and the latter is then treated as elsewhere at once."""
+    import time
+
+    from broker.messages import Role, WorkerRegistered
+    from trainer.publisher import LOCAL_GRACE_S, store_needed
+
+    def worker(wid: str, host: str, version: int | None) -> WorkerRegistered:
+        return WorkerRegistered(
+            worker_id=wid, host=host, pid=1, role=Role.ROLLOUT, version=version,
+            heartbeat_at=time.time(),
+        )  # fmt: skip
+
+    elsewhere: set[str] = set()
+    here = [worker("a", "n1", 2), worker("b", "n1", 1)]
+    assert not store_needed(2, [], "n1", 0.0, elsewhere)  # nobody to serve
+    assert not store_needed(2, here, "n1", 0.0, elsewhere)  # b is loading the copy
+    assert not store_needed(2, [worker("a", "n1", 2)], "n1", 60.0, elsewhere)  # all serve it
+    assert store_needed(2, [*here, worker("c", "n2", 1)], "n1", 0.0, elsewhere)  # c: elsewhere
+    assert not store_needed(2, [worker("c", "n2", 2)], "n1", 0.0, elsewhere)  # c has it
+    assert not store_needed(2, [worker("d", "n1", None)], "n1", 0.0, elsewhere)
+    assert store_needed(2, here, "n1", LOCAL_GRACE_S, elsewhere)  # b never loaded it
+    assert elsewhere == {"b"}
+    assert store_needed(3, [worker("b", "n1", 2)], "n1", 0.0, elsewhere)  # at once from now on

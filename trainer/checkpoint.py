@@ -213,10 +213,12 @@ class CheckpointWriter:
             self._checkpoint = done
         return done
 
-    async def checkpoint_idle(self) -> None:
-        """Until the checkpoint in flight, if any, is written (its error is its future's)."""
+    async def checkpoint_idle(self) -> Any:
+        """Until the checkpoint in flight, if any, is written (its error is its future's); then
+        the state of the last one written, free for ``snapshot(into=)``."""
         if self._checkpoint is not None:
             await asyncio.wait([self._checkpoint])
+        return self.spare
 
     async def drain(self) -> None:
         """Until everything submitted is durable or has failed."""

@@ -11,14 +11,21 @@ changes them):
 Off the training path, a background task (``run``) then stores the newest version not yet stored
 in the object store (or ``weights_dir``) and announces it for every host
 (``broker.weights.publish_weights``), trying again through a broker outage. A version superseded
-before its upload started is skipped: workers elsewhere only ever need the newest one.
+before its upload started is skipped: workers elsewhere only ever need the newest one. With a
+host-local copy, a version is stored only once some live rollout worker needs it
+(``store_needed``): one on another node, one on this node still without it ``LOCAL_GRACE_S``
+after its announcement (it cannot see the copy; from then on it counts as elsewhere), or the
+trainer stopping (the last version is stored for whoever starts next). On one host every worker
+loads the copy in place and nothing is stored meanwhile: storing SmolLM2's 540 MB (read, hashed,
+sent through the broker, written by it) took two shared cores from every step and rollout.
 """
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -26,6 +33,8 @@ from prometheus_client import Histogram
 from safetensors.torch import save, save_file
 
 from broker.exceptions import RetryStoppedError
+from broker.messages import WorkerRegistered
+from broker.registry import node_name
 from broker.retry import retry
 from broker.subjects import RunNames
 from broker.weights import (
@@ -42,15 +51,40 @@ from trainer.config import TrainerConfig
 log = logging.getLogger(__name__)
 
 StateFn = Callable[[], dict[str, torch.Tensor]]
+Workers = Callable[[], Iterable[WorkerRegistered]]
+LOCAL_GRACE_S = 10.0
+"""How long a rollout worker on this node may take to load a host-local copy before the version
+is stored for it."""
+
+
+def store_needed(
+    version: int,
+    workers: Iterable[WorkerRegistered],
+    node: str,
+    waited_s: float,
+    elsewhere: set[str],
+) -> bool:
+    """Whether a live rollout worker in ``workers`` needs ``version`` from the store: one behind
+    it on another node than ``node``, or in ``elsewhere`` (seen not to read this node's copies),
+    or still behind ``LOCAL_GRACE_S`` after the announcement (added to ``elsewhere``)."""
+    behind = [w for w in workers if w.version is None or w.version < version]
+    if waited_s >= LOCAL_GRACE_S:
+        elsewhere.update(w.worker_id for w in behind)
+    return any(w.host != node or w.worker_id in elsewhere for w in behind)
 
 
 class WeightPublisher:
     """See the module docstring. ``publish`` from the step; ``run`` as a task until ``close``."""
 
-    def __init__(self, js, names: RunNames, config: TrainerConfig, seconds: Histogram) -> None:
+    def __init__(
+        self, js, names: RunNames, config: TrainerConfig, seconds: Histogram, workers: Workers
+    ) -> None:
+        """``workers``: the live rollout workers (``trainer.watch.ServingWatch.live``)."""
         self._js = js
         self._names = names
         self._config = config
+        self._workers = workers
+        self._elsewhere: set[str] = set()  # workers on this node that did not load its copies
         self.stop = asyncio.Event()  # once set, retries through an outage give up
         self._seconds = seconds  # labelled by path: local | store
         self._pending: tuple[int, Path | bytes, float] | None = None  # newest not yet stored
@@ -96,8 +130,9 @@ class WeightPublisher:
         return True
 
     async def run(self) -> None:
-        """Upload the newest queued version, one at a time, until ``close`` has been called and
-        nothing is queued."""
+        """Upload the newest queued version once it is needed, one at a time, until ``close``
+        has been called and nothing is queued."""
+        node = node_name()
         while True:
             if self._pending is None:
                 if self._closing:
@@ -106,7 +141,15 @@ class WeightPublisher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            (version, payload, started), self._pending = self._pending, None
+            version, payload, started = self._pending
+            if isinstance(payload, Path) and not self._closing:  # a host-local copy
+                waited = time.monotonic() - started
+                if not store_needed(version, self._workers(), node, waited, self._elsewhere):
+                    self._wake.clear()  # a newer version, close, or a second on: look again
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), 1.0)
+                    continue
+            self._pending = None
             await self._upload(version, payload, started)
 
     def close(self) -> None:

@@ -112,7 +112,9 @@ class Trainer:
         self._may_step.set()
         self._stepping = asyncio.Lock()
         self._roles: RoleHolder | None = None  # set by serve: busy time, the entry's version
-        self._publisher = WeightPublisher(js, names, config, PUBLISH_SECONDS)
+        self._publisher = WeightPublisher(
+            js, names, config, PUBLISH_SECONDS, lambda: watch.live().values()
+        )
         self._uncommitted: list[StepRecord] = []  # steps since the last checkpoint
         self._writer = CheckpointWriter(config.checkpoint_dir, CHECKPOINT_SECONDS)
         self._write_failed: BaseException | None = None  # a background write's error, raised
@@ -385,12 +387,9 @@ class Trainer:
     async def _checkpoint(self, version: int) -> Checkpoint:
         """The state of ``version`` copied into memory, once the previous checkpoint's write is
         over (at most one in flight; its memory is reused)."""
-        writer = self._writer
-        started = time.monotonic()
-        await writer.checkpoint_idle()
-        state = await asyncio.to_thread(
-            lambda: checkpoint.snapshot(self._ranks.backend.state(), writer.spare)
-        )
+        started, spare = time.monotonic(), await self._writer.checkpoint_idle()
+        backend = self._ranks.backend  # its state() may copy (off the loop, like the snapshot)
+        state = await asyncio.to_thread(lambda: checkpoint.snapshot(backend.state(), spare))
         CHECKPOINT_STALL_SECONDS.observe(time.monotonic() - started)
         return Checkpoint(version, state, tuple(self._recent))
 
