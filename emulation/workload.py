@@ -12,11 +12,14 @@ Assumptions, all stated where they are used:
   over training);
 - one engine ("device") decodes its resident sequences together: a decode iteration costs
   ``a + b * batch`` seconds and yields one token per resident sequence (continuous batching), up
-  to ``max_batch`` resident sequences (the KV limit); a prompt or a retained prefix costs
-  ``prefill_s_per_token`` per token to (re-)prefill;
+  to ``max_batch`` resident sequences and, with a KV budget, while they hold under
+  ``kv_tokens`` tokens (longer generations, smaller batches); a prompt or a retained prefix
+  costs ``prefill_s_per_token`` per token to (re-)prefill;
 - a trainer step costs a fixed part plus a part linear in the tokens it trains on;
 - an agent episode has ``turns`` generations with a lognormal environment latency (sigma 0.5)
   between them;
+- a run may come in phases: from a given policy version on, admitted groups take their agent
+  and length models from the phase (``Phase``; ``Workload.at``);
 - lending a device to the other role, or taking it back, costs ``warm_s`` with the engine kept
   warm and ``cold_s`` without; an aborted generation keeps its prefix and is continued
   elsewhere after a re-prefill of that prefix (``reprefill``), or starts over.
@@ -90,15 +93,19 @@ class EngineCost:
     """One engine ("device") decoding a batch (continuous batching).
 
     A decode iteration over ``batch`` resident sequences costs ``a_s + b_s * batch`` seconds and
-    adds one token to each; at most ``max_batch`` sequences are resident (the KV limit), the
-    rest wait. Prefill (the prompt, or a retained prefix after an abort) costs
-    ``prefill_s_per_token`` per token, serialised with decoding.
+    adds one token to each; at most ``max_batch`` sequences are resident, the rest wait. With
+    ``kv_tokens`` (0: no limit) a resident sequence holds its whole length of KV and no more
+    are placed while the residents hold ``kv_tokens`` or more (the cluster simulator; the
+    emulated engine holds ``max_batch`` only). Prefill (the prompt, or a
+    retained prefix after an abort) costs ``prefill_s_per_token`` per token, serialised with
+    decoding.
     """
 
     a_s: float = 0.02
     b_s: float = 0.0005
     prefill_s_per_token: float = 2e-5
     max_batch: int = 64
+    kv_tokens: int = 0
 
     def __post_init__(self) -> None:
         _require(self.a_s > 0, "engine.a_s must be > 0", self.a_s)
@@ -109,6 +116,7 @@ class EngineCost:
             self.prefill_s_per_token,
         )
         _require(self.max_batch >= 1, "engine.max_batch must be >= 1", self.max_batch)
+        _require(self.kv_tokens >= 0, "engine.kv_tokens must be >= 0", self.kv_tokens)
 
     def iteration_s(self, batch: int) -> float:
         """Seconds of one decode iteration over ``batch`` resident sequences."""
@@ -182,11 +190,26 @@ class SwitchCost:
 
 
 @dataclass(frozen=True)
+class Phase:
+    """From policy version ``from_step`` on, admitted groups are ``agent`` episodes with
+    ``lengths``: tasks that change during a run (single-turn, then agentic)."""
+
+    from_step: int = 0
+    agent: AgentModel = field(default_factory=AgentModel)
+    lengths: LengthModel = field(default_factory=LengthModel)
+
+    def __post_init__(self) -> None:
+        _require(self.from_step >= 0, "phase.from_step must be >= 0", self.from_step)
+
+
+@dataclass(frozen=True)
 class Workload:
     """Everything that sets lengths and durations, plus the step shape and the seed.
 
     A training step consumes ``groups_per_step`` prompt groups of ``group_size`` samples. A
-    weight update costs ``weight_sync_s`` on each device that loads it.
+    weight update costs ``weight_sync_s`` on each device that loads it. ``phases`` (by
+    ``from_step``, increasing) replace ``agent`` and ``lengths`` from their step on (the
+    cluster simulator; the emulated backends use ``agent`` and ``lengths``).
     """
 
     lengths: LengthModel = field(default_factory=LengthModel)
@@ -198,11 +221,23 @@ class Workload:
     group_size: int = 8
     groups_per_step: int = 4
     seed: int = 0
+    phases: tuple[Phase, ...] = ()
 
     def __post_init__(self) -> None:
         _require(self.weight_sync_s >= 0, "weight_sync_s must be >= 0", self.weight_sync_s)
         _require(self.group_size >= 1, "group_size must be >= 1", self.group_size)
         _require(self.groups_per_step >= 1, "groups_per_step must be >= 1", self.groups_per_step)
+        starts = [p.from_step for p in self.phases]
+        _require(starts == sorted(set(starts)), "phases must be by increasing from_step", starts)
+
+    def at(self, version: int) -> Workload:
+        """The workload groups admitted at policy ``version`` follow: the agent and lengths of
+        the last phase begun by then (this workload's own before any), without phases."""
+        agent, lengths = self.agent, self.lengths
+        for p in self.phases:
+            if p.from_step <= version:
+                agent, lengths = p.agent, p.lengths
+        return dataclasses.replace(self, agent=agent, lengths=lengths, phases=())
 
     @property
     def samples_per_step(self) -> int:
@@ -242,7 +277,14 @@ def _build(cls: type, d: Any, where: str) -> Any:
     kwargs = {}
     for name, value in d.items():
         sub = _NESTED.get((cls, name))
-        kwargs[name] = _build(sub, value, f"{where}{name}.") if sub else value
+        if (cls, name) == (Workload, "phases"):
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"{where}phases must be a list, got {type(value).__name__}")
+            kwargs[name] = tuple(
+                _build(Phase, p, f"{where}phases[{i}].") for i, p in enumerate(value)
+            )
+        else:
+            kwargs[name] = _build(sub, value, f"{where}{name}.") if sub else value
     return cls(**kwargs)
 
 
@@ -252,4 +294,6 @@ _NESTED: dict[tuple[type, str], type] = {
     (Workload, "trainer"): TrainerCost,
     (Workload, "agent"): AgentModel,
     (Workload, "switch"): SwitchCost,
+    (Phase, "agent"): AgentModel,
+    (Phase, "lengths"): LengthModel,
 }

@@ -1,5 +1,6 @@
 """The shared workload model: sampler statistics, costs, and the dict round-trip."""
 
+import json
 import math
 import random
 import statistics
@@ -10,6 +11,7 @@ from emulation.workload import (
     AgentModel,
     EngineCost,
     LengthModel,
+    Phase,
     SwitchCost,
     TrainerCost,
     Workload,
@@ -109,3 +111,38 @@ def test_bad_values_are_refused():
         LengthModel(group_corr=1.5)
     with pytest.raises(ValueError, match="max_batch"):
         Workload.from_dict({"engine": {"max_batch": 0}})
+
+
+def test_phases_replace_the_agent_and_lengths_from_their_step_on():
+    agentic = Phase(from_step=3, agent=AgentModel(turns=4, env_latency_s=8.0))
+    single = Phase(from_step=6, lengths=LengthModel(median=1024))
+    w = Workload(lengths=LengthModel(median=128), phases=(agentic, single))
+    assert w.at(0) == Workload(lengths=LengthModel(median=128))
+    assert w.at(2) == w.at(0)
+    assert (w.at(3).agent, w.at(5).agent) == (agentic.agent, agentic.agent)
+    assert w.at(3).lengths == LengthModel()
+    assert w.at(6).agent == AgentModel() and w.at(99).lengths.median == 1024
+    assert w.at(4).phases == ()
+
+
+def test_phases_and_the_kv_budget_round_trip_through_json():
+    w = Workload(
+        engine=EngineCost(max_batch=64, kv_tokens=16384),
+        phases=(Phase(from_step=2, agent=AgentModel(turns=3), lengths=LengthModel(cap=512)),),
+    )
+    assert Workload.from_dict(json.loads(json.dumps(w.to_dict()))) == w
+    with pytest.raises(ValueError, match=r"phases\[0\]\.agent\.turnz"):
+        Workload.from_dict({"phases": [{"agent": {"turnz": 2}}]})
+    with pytest.raises(ValueError, match="phases must be a list"):
+        Workload.from_dict({"phases": {"from_step": 1}})
+
+
+def test_bad_phases_and_kv_budgets_are_refused():
+    with pytest.raises(ValueError, match="increasing from_step"):
+        Workload(phases=(Phase(from_step=4), Phase(from_step=2)))
+    with pytest.raises(ValueError, match="increasing from_step"):
+        Workload(phases=(Phase(from_step=2), Phase(from_step=2)))
+    with pytest.raises(ValueError, match="from_step"):
+        Phase(from_step=-1)
+    with pytest.raises(ValueError, match="kv_tokens"):
+        Workload.from_dict({"engine": {"kv_tokens": -1}})

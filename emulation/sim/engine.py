@@ -11,7 +11,10 @@ Assumptions:
 - a weight load stalls the engine ``weight_sync_s`` (not busy); resident generations keep their
   KV and continue on the new weights (their later tokens are of the new version);
 - a turn's context is in the engine's prefix cache: only a re-placed (aborted) generation pays
-  a prefill.
+  a prefill;
+- with a KV budget (``EngineCost.kv_tokens``) a resident generation holds its whole length (a
+  scheduler that knows it: no preemption), and the engine takes none while its residents hold
+  the budget or more; longer generations mean smaller batches.
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ class Engine:
     version: int = 0
     serving: bool = False
     residents: set[Generation] = field(default_factory=set)
+    kv: int = 0
+    """KV tokens its residents hold (their lengths)."""
     busy_s: float = 0.0
     sync_s: float = 0.0
     batch_s: float = 0.0
@@ -99,6 +104,8 @@ class Engine:
 
     @property
     def free(self) -> int:
+        if self.kv >= self.cost.kv_tokens > 0:
+            return 0
         return self.cost.max_batch - len(self.residents)
 
     def _advance(self) -> None:
@@ -131,6 +138,7 @@ class Engine:
             _, _, gen = heapq.heappop(self._heap)
             if gen in self.residents:
                 self.residents.discard(gen)
+                self.kv -= gen.length
                 gen.done = gen.length
                 gen.engine = None
                 done.append(gen)
@@ -150,6 +158,7 @@ class Engine:
         gen.finish_p = self._p + gen.left
         gen.placed = next(self._order)
         self.residents.add(gen)
+        self.kv += gen.length
         heapq.heappush(self._heap, (gen.finish_p, gen.placed, gen))
         self._schedule()
 
@@ -161,6 +170,7 @@ class Engine:
             gen.done += min(gen.left, max(0.0, self._p - gen.start_p))
             gen.engine = None
         self.residents.clear()
+        self.kv = 0
         self._heap.clear()
         self._schedule()
         return out
