@@ -1,0 +1,324 @@
+"""Multiplexing where the load moves (issue 22, item 2), in the cluster simulator.
+
+Workloads whose rollout/train balance changes during a run:
+
+- ``growing``: single-turn reasoning whose median response length grows 4x from the first step
+  to the last (``LengthModel.growth_per_step``), on engines with a KV budget
+  (``EngineCost.kv_tokens``): longer responses, smaller decode batches, so rollout's share of
+  the work grows;
+- ``growing_no_kv``: the same without the KV budget (a fixed batch limit): both sides' work is
+  then linear in the same tokens, and the balance hardly moves (the control);
+- ``phased``: single-turn reasoning and agentic (multi-turn, environment latency) tasks
+  arriving in phases (``Workload.phases``; skipped when the simulator does not honour them).
+
+For each, per seed: the multiplexed arm against (i) a static split tuned on the run's first 10%
+(the split swept on a short run of the first 10% of the steps, the best one then run for the
+whole run: what a user can do) and (ii) the best static split in hindsight (swept over the whole
+run). The multiplexed arm's own split is tuned the way a user would, on the first 10%. Ratios
+are of time to N steps (static time / multiplexed time), mean and min..max over seeds, at each
+switch cost. Runs are modelled time, not wall-clock.
+
+Diagnostics on seed 0, per window of 10% of the steps: the best static split (the balance
+moving), the time of a split moved to each window's best for free (the bound of any mechanism
+that only moves devices between roles), and the multiplexed arm's trainer idle, lent share and
+lends.
+
+Usage: nice -n 10 python -m bench.shifting_load [--seeds 3] [--steps 40] [--devices 32]
+(about 5 minutes on one core). Prints tables, writes bench/results/shifting_load.json.
+"""
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+
+from bench.machine import machine
+from bench.output import write_results
+from emulation.sim import Arm, Cluster, split_candidates
+from emulation.workload import (
+    AgentModel,
+    EngineCost,
+    LengthModel,
+    Phase,
+    SwitchCost,
+    TrainerCost,
+    Workload,
+)
+
+STALENESS = 2
+WINDOWS = 10
+"""Diagnostics cut a run into this many windows of steps (10%: the tuning window's size)."""
+
+
+def base(*, switch_s: float = 5.0, seed: int = 0) -> Workload:
+    """Engines with a KV budget of 16k tokens (about 32 sequences at the first step's lengths,
+    8 at the last's; 64 at most), training a third of decoding's cost per token at a batch of
+    32 (``bench.sim``'s ratio 3), 64 groups of 8 per step."""
+    engine = EngineCost(
+        a_s=0.02, b_s=0.0005, prefill_s_per_token=2e-5, max_batch=64, kv_tokens=16384
+    )
+    decode_per_token = engine.iteration_s(32) / 32
+    return Workload(
+        lengths=LengthModel(median=256, sigma=0.99, cap=8192, group_corr=0.5),
+        engine=engine,
+        trainer=TrainerCost(a_s=2.0, s_per_token=decode_per_token / 3),
+        switch=SwitchCost(warm_s=switch_s, cold_s=6 * switch_s),
+        weight_sync_s=2.0,
+        group_size=8,
+        groups_per_step=64,
+        seed=seed,
+    )
+
+
+def growing(steps: int, *, switch_s: float = 5.0, seed: int = 0) -> Workload:
+    """Single turn, the median response 256 tokens at the first step and 1024 at the last."""
+    w = base(switch_s=switch_s, seed=seed)
+    growth = 4 ** (1 / (steps - 1)) - 1
+    return replace(w, lengths=replace(w.lengths, growth_per_step=growth))
+
+
+def growing_no_kv(steps: int, *, switch_s: float = 5.0, seed: int = 0) -> Workload:
+    """``growing`` on engines limited to 32 sequences whatever their lengths."""
+    w = growing(steps, switch_s=switch_s, seed=seed)
+    return replace(w, engine=replace(w.engine, max_batch=32, kv_tokens=0))
+
+
+def phased(steps: int, *, switch_s: float = 5.0, seed: int = 0) -> Workload:
+    """Four phases of a quarter of the run each: single-turn reasoning (median 1024 tokens),
+    agentic (4 turns of median 64 tokens, 8 s of environment latency between them), single
+    turn, agentic."""
+    w = base(switch_s=switch_s, seed=seed)
+    w = replace(w, lengths=replace(w.lengths, median=1024))
+    agentic = Phase(
+        agent=AgentModel(turns=4, env_latency_s=8.0), lengths=replace(w.lengths, median=64)
+    )
+    single = Phase(agent=w.agent, lengths=w.lengths)
+    q = steps // 4
+    return replace(
+        w,
+        phases=(
+            replace(agentic, from_step=q),
+            replace(single, from_step=2 * q),
+            replace(agentic, from_step=3 * q),
+        ),
+    )
+
+
+WORKLOADS = {"growing": growing, "growing_no_kv": growing_no_kv, "phased": phased}
+
+
+# -- runs ----------------------------------------------------------------------------------------
+def run(w: Workload, arm: str, devices: int, steps: int, k: int, probe_s: float = 0.0) -> dict:
+    """One run of ``arm`` with ``k`` trainer devices: its result, the step timeline and, with
+    ``probe_s``, the lends so far and the devices lent, sampled every ``probe_s`` seconds."""
+    c = Cluster(w, Arm(arm), devices=devices, trainer_devices=k, steps=steps, staleness=STALENESS)
+    samples: list[tuple[float, int, int]] = []
+
+    def probe() -> None:
+        samples.append((c.loop.now, c.m.lends, len(c.lent)))
+        c.loop.after(probe_s, probe)
+
+    if probe_s:
+        c.loop.after(0.0, probe)
+    r = c.run().to_dict()
+    r["step_ends"] = list(c.m.step_ends)
+    r["step_times"] = list(c.m.step_times)
+    r["probe"] = samples
+    return r
+
+
+def sweep(w: Workload, arm: str, devices: int, steps: int) -> dict[int, float]:
+    """Time to ``steps`` steps per trainer split."""
+    return {k: run(w, arm, devices, steps, k)["time_s"] for k in split_candidates(devices)}
+
+
+def best(times: dict[int, float]) -> int:
+    return min(times, key=times.__getitem__)
+
+
+def compare(name: str, devices: int, steps: int, seed: int, switches: list[float]) -> dict:
+    """One seed: the static sweeps (a short run of the first 10% of the steps, and the whole
+    run), then per switch cost the multiplexed arm at the split its own short sweep picks."""
+    w = WORKLOADS[name](steps, seed=seed)
+    short = max(1, steps // WINDOWS)
+    early = sweep(w, "partial_rollout", devices, short)
+    hindsight = sweep(w, "partial_rollout", devices, steps)
+    out = {
+        "seed": seed,
+        "static": {
+            "early_split": best(early),
+            "hindsight_split": best(hindsight),
+            "early_s": hindsight[best(early)],
+            "hindsight_s": hindsight[best(hindsight)],
+            "sweeps": {"early": early, "whole": hindsight},
+        },
+        "multiplexed": {},
+    }
+    for switch_s in switches:
+        ws = WORKLOADS[name](steps, seed=seed, switch_s=switch_s)
+        mux_early = sweep(ws, "multiplexed", devices, short)
+        r = run(ws, "multiplexed", devices, steps, best(mux_early))
+        out["multiplexed"][str(switch_s)] = {
+            "split": best(mux_early),
+            "time_s": r["time_s"],
+            "sweep_early": mux_early,
+            **{k: r[k] for k in ("idle", "lends", "reclaims", "trainer_wait_s_mean")},
+        }
+    return out
+
+
+def windows(r: dict, steps: int, k: int) -> list[dict]:
+    """Per window of ``steps / WINDOWS`` steps: its duration, the trainer's idle share (the
+    time between its steps), the lends in it and the share of the ``k`` trainer devices'
+    time spent lent."""
+    ends, times, probe = r["step_ends"], r["step_times"], r["probe"]
+    size = max(1, steps // WINDOWS)
+    out = []
+    for lo in range(0, steps, size):
+        hi = min(steps, lo + size)
+        t0 = ends[lo - 1] if lo else 0.0
+        span = ends[hi - 1] - t0
+        inside = [p for p in probe if t0 <= p[0] <= ends[hi - 1]]
+        before = [p[1] for p in probe if p[0] < t0]
+        out.append(
+            {
+                "steps": [lo, hi],
+                "time_s": span,
+                "trainer_idle": 1 - sum(times[lo:hi]) / span,
+                "lends": inside[-1][1] - (before[-1] if before else 0) if inside else 0,
+                "lent_share": statistics.fmean(p[2] for p in inside) / k if inside else 0.0,
+            }
+        )
+    return out
+
+
+def diagnose(name: str, devices: int, steps: int, switch_s: float, mux_split: int) -> dict:
+    """Seed 0: the static arm's window times per split (where the best split moves, and the
+    sum of the best window times: a split moved for free at every window, the bound of any
+    mechanism that only moves devices between roles), and the multiplexed arm per window."""
+    w = WORKLOADS[name](steps, seed=0, switch_s=switch_s)
+    per_split = {
+        k: windows(run(w, "partial_rollout", devices, steps, k), steps, k)
+        for k in split_candidates(devices)
+    }
+    n = len(per_split[mux_split])
+    best_k = [min(per_split, key=lambda k: per_split[k][i]["time_s"]) for i in range(n)]
+    mux = run(w, "multiplexed", devices, steps, mux_split, probe_s=2.0)
+    return {
+        "best_static_split_per_window": best_k,
+        "oracle_moving_split_s": sum(per_split[k][i]["time_s"] for i, k in enumerate(best_k)),
+        "static_windows": {str(k): v for k, v in per_split.items()},
+        "multiplexed_split": mux_split,
+        "switch_s": switch_s,
+        "multiplexed_windows": windows(mux, steps, mux_split),
+    }
+
+
+def simulator_honours_phases() -> bool:
+    """Whether the simulator admits groups by their phase (``Workload.at``): episodes of a
+    phase from step 0 with two turns 100 s apart take over 50 s to make a step."""
+    phase = Phase(agent=AgentModel(turns=2, env_latency_s=100.0))
+    w = replace(base(), groups_per_step=1, phases=(phase,))
+    return run(w, "partial_rollout", 2, 1, 1)["time_s"] > 50
+
+
+# -- printing ------------------------------------------------------------------------------------
+GOALS = {"early": 1.15, "hindsight": 1.05}
+
+
+def gains(rows: list[dict], switch_s: str) -> dict:
+    """Per static reference: its time over the multiplexed arm's, mean and min..max over seeds."""
+    out = {}
+    for ref in GOALS:
+        xs = [r["static"][f"{ref}_s"] / r["multiplexed"][switch_s]["time_s"] for r in rows]
+        out[ref] = {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs)}
+    return out
+
+
+def print_workload(name: str, p: dict) -> None:
+    print(f"\n== {name}")
+    print(
+        f"{'switch s':>9}{'seed':>5}{'splits early/hind/mux':>23}{'early s':>9}{'hind s':>9}"
+        f"{'mux s':>9}{'lends':>7}{'idle tr':>8}"
+    )
+    for switch_s, g in p["gains"].items():
+        for r in p["seeds"]:
+            st, m = r["static"], r["multiplexed"][switch_s]
+            splits = f"{st['early_split']}/{st['hindsight_split']}/{m['split']}"
+            print(
+                f"{switch_s:>9}{r['seed']:>5}{splits:>23}{st['early_s']:>9.0f}"
+                f"{st['hindsight_s']:>9.0f}{m['time_s']:>9.0f}{m['lends']:>7}"
+                f"{m['idle']['train']:>8.2f}"
+            )
+        for ref, goal in GOALS.items():
+            x = g[ref]
+            print(
+                f"  switch {switch_s} s: multiplexed vs static {ref:<10}"
+                f"{x['mean']:.2f}x ({x['min']:.2f}..{x['max']:.2f}), goal {goal:.2f}x"
+            )
+    d = p["diagnosis"]
+    early = p["seeds"][0]["static"]["early_s"]
+    print(f"  seed 0, windows of {p['window_steps']} steps:")
+    print(f"    best static split per window: {d['best_static_split_per_window']}")
+    oracle = d["oracle_moving_split_s"]
+    print(
+        f"    split moved to the best per window for free: {oracle:.0f} s "
+        f"({early / oracle:.2f}x the early-tuned static split)"
+    )
+    mux = d["multiplexed_windows"]
+    print(f"    multiplexed at {d['multiplexed_split']} ({d['switch_s']:g} s switch), per window:")
+    for key, fmt in (("time_s", "{:.0f}"), ("trainer_idle", "{:.2f}"), ("lent_share", "{:.2f}")):
+        print(f"      {key:<13}" + " ".join(f"{fmt.format(x[key]):>6}" for x in mux))
+    print(f"      {'lends':<13}" + " ".join(f"{x['lends']:>6}" for x in mux))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--devices", type=int, default=32)
+    parser.add_argument("--switch", type=float, nargs="+", default=[5.0, 0.5])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    results: dict = {
+        "machine": machine(),
+        "setting": {
+            "devices": args.devices,
+            "steps": args.steps,
+            "staleness": STALENESS,
+            "seeds": args.seeds,
+            "switch_s": args.switch,
+        },
+        "workloads": {},
+    }
+    for name in args.workloads:
+        if name == "phased" and not simulator_honours_phases():
+            print("\n== phased: skipped, the simulator does not admit groups by Workload.phases")
+            results["workloads"][name] = {"skipped": "the simulator ignores Workload.phases"}
+            continue
+        rows = [
+            compare(name, args.devices, args.steps, seed, args.switch) for seed in range(args.seeds)
+        ]
+        p = {
+            "workload": WORKLOADS[name](args.steps).to_dict(),
+            "window_steps": max(1, args.steps // WINDOWS),
+            "seeds": rows,
+            "gains": {str(s): gains(rows, str(s)) for s in args.switch},
+            "diagnosis": diagnose(
+                name,
+                args.devices,
+                args.steps,
+                args.switch[0],
+                rows[0]["multiplexed"][str(args.switch[0])]["split"],
+            ),
+        }
+        results["workloads"][name] = p
+        print_workload(name, p)
+    results["wall_s"] = time.perf_counter() - started
+    path = write_results("shifting_load.json", results)
+    print(f"\nwrote {path} in {results['wall_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
