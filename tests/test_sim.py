@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from common.staleness import StalenessMode
-from emulation.sim import ARMS, Arm, best_split, simulate
+from emulation.sim import ARMS, Arm, Order, best_split, simulate
 from emulation.workload import (
     AgentModel,
     EngineCost,
@@ -35,9 +35,10 @@ def agentic(switch_s: float = 0.5, seed: int = 0) -> Workload:
 
 @pytest.mark.parametrize("arm", ARMS)
 @pytest.mark.parametrize("staleness", [0, 2])
-def test_every_arm_trains_what_was_asked_within_the_bound(arm, staleness):
+@pytest.mark.parametrize("order", Order)
+def test_every_arm_trains_what_was_asked_within_the_bound(arm, staleness, order):
     w = agentic()
-    r = simulate(w, arm, 16, 8, staleness, 4)
+    r = simulate(w, arm, 16, 8, staleness, 4, order=order)
     assert r.trained_samples == 8 * w.samples_per_step
     assert r.staleness_max <= (0 if arm == Arm.SYNC_COLOCATED else staleness)
     assert all(0.0 <= v <= 1.0 for v in r.idle.values())
@@ -45,6 +46,9 @@ def test_every_arm_trains_what_was_asked_within_the_bound(arm, staleness):
     assert r.time_s > 0 and r.tokens_per_s > 0
     if arm == Arm.SYNC_COLOCATED:
         assert (r.trainer_devices, r.length_bias, r.dropped_groups) == (16, 1.0, 0)
+        assert r.order == Order.COMPLETION  # synchronous: nothing to order
+    else:
+        assert r.order == order
 
 
 def test_the_same_seed_gives_the_same_run():
@@ -103,3 +107,24 @@ def test_downweight_mode_trains_stale_groups_instead_of_dropping_them():
     assert dropped.dropped_groups > 0 and dropped.staleness_max <= 1
     assert kept.dropped_groups == 0 and kept.staleness_max >= 2
     assert kept.aborted_token_fraction < dropped.aborted_token_fraction
+
+
+def test_in_drop_mode_overlapping_the_order_wait_trains_long_groups_at_no_loss_of_throughput():
+    """Issue 22, item 1. Trained in the order they complete, groups that outlast the staleness
+    bound are dropped, and those are the long ones: the trainer sees shorter samples than were
+    drawn. Admission order (the real trainer) keeps them, but its steps wait for them. Computing
+    the complete groups while the step waits keeps them at completion order's throughput."""
+    w = agentic()
+    runs = {
+        order: simulate(w, "partial_rollout", 16, 24, 1, 3, order=order, order_wait_s=20.0)
+        for order in Order
+    }
+    before, real, overlap = runs[Order.COMPLETION], runs[Order.ADMISSION], runs[Order.OVERLAP]
+    assert before.length_bias < 0.95 and before.aborted_token_fraction > 0.1
+    for r in (real, overlap):
+        assert r.length_bias >= 0.98 and r.aborted_token_fraction < 0.03
+        assert r.staleness_max <= 1 and r.trained_samples == before.trained_samples
+        assert r.order_wait_s_per_step > 0
+    assert before.order_wait_s_per_step == 0
+    assert real.samples_per_s < 0.95 * before.samples_per_s
+    assert overlap.samples_per_s >= before.samples_per_s

@@ -2,12 +2,14 @@
 
 ``simulate`` runs one arm; ``best_split`` sweeps the trainer/rollout split of the static
 layout. The model and its assumptions: ``emulation.sim.cluster`` (the event loop),
-``emulation.sim.placement`` (who does what per arm) and ``emulation.sim.engine``; what a run
-measures: ``emulation.sim.measure``.
+``emulation.sim.placement`` (who does what per arm), ``emulation.sim.engine`` and
+``emulation.sim.order`` (which groups the trainer steps on, and when); what a run measures:
+``emulation.sim.measure``.
 """
 
 from emulation.sim.cluster import Cluster
 from emulation.sim.measure import SimResult
+from emulation.sim.order import Order
 from emulation.sim.placement import ARMS, Arm
 from emulation.sim.run import best_split, simulate, split_candidates
 
@@ -15,6 +17,7 @@ __all__ = [
     "ARMS",
     "Arm",
     "Cluster",
+    "Order",
     "SimResult",
     "best_split",
     "simulate",

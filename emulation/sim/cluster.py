@@ -17,16 +17,19 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
   version). Admission is immediate whenever the admission state has room;
 - **routing**: a generation goes to the serving engine with the fewest residents that has a
   free slot (``max_batch``), else waits in one FIFO queue (re-placed generations go first);
-- **trainer**: it trains when ``groups_per_step`` finished groups are waiting and all its
-  devices are training (not lent, not switching), on the groups in the order they finished (the
-  batcher's order). Its samples are settled (acked) when the step that trains them ends, as the
-  real trainer does, so admission and the lending tick count them until then. Before a step, a
-  group whose oldest token lags the trainer by more than the staleness bound
-  (``common.staleness.lag``, the trainer's rule) is dropped and its tokens counted as aborted
-  (the real batcher drops such samples one by one and trains the rest; dropping whole groups
-  keeps every step at ``groups_per_step`` groups, so every arm trains the same samples). With
-  ``StalenessMode.DOWNWEIGHT`` (the trainer's ``downweight`` mode) stale groups are trained like
-  the others, and their lag is in the staleness figures;
+- **admission stamps** (``Order.ADMISSION``, ``OVERLAP``): a group carries a ticket and the
+  oldest version a rollout engine serves; admission holds while engines load a new version, up
+  to ``scheduler.wave_wait_s`` (the scheduler's ``Stamper``);
+- **trainer**: it trains when ``groups_per_step`` complete groups are waiting and all its
+  devices are training (not lent, not switching), on the groups its ``Order`` picks
+  (``emulation.sim.order``: today's real trainer is ``ADMISSION``). Its samples are settled
+  (acked) when the step that trains them ends, as the real trainer does, so admission and the
+  lending tick count them until then. A group whose oldest token lags the trainer by more than
+  the staleness bound (``common.staleness.lag``, the trainer's rule) is dropped and its tokens
+  counted as aborted (the real batcher drops such samples one by one and trains the rest;
+  dropping whole groups keeps every step at ``groups_per_step`` groups, so every arm trains the
+  same samples). With ``StalenessMode.DOWNWEIGHT`` (the trainer's ``downweight`` mode) stale
+  groups are trained like the others, and their lag is in the staleness figures;
 - **weights**: a step's new version is loaded by every serving engine in ``waves`` rolling
   waves (engines by id, dealt round-robin; a wave starts once every engine of an earlier wave
   serves the version: the rule of ``rollout.following``'s ``_wait_for_wave``). Without partial
@@ -48,39 +51,17 @@ import heapq
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-from broker.messages import Role
+from broker.messages import Admitted, Role
 from common.staleness import StalenessMode, lag
 from emulation.sim.engine import Engine, Generation, Loop
-from emulation.sim.measure import Measurements, RunShape, SimResult, idle_share, mean_batch
+from emulation.sim.measure import Measurements, RunShape, SimResult, idle_by_pool, mean_batch
+from emulation.sim.order import ORDER_WAIT_S, Batches, Order, _Group, _Sample
 from emulation.sim.placement import Arm, place
 from emulation.workload import Workload
 from tagsched.admission import AdmissionState, admission_limit
 from tagsched.config import SchedulerConfig
 from tagsched.lending import LendingPolicy, RateMeter, trainer_roles
-
-
-@dataclass(eq=False)
-class _Sample:
-    group: _Group
-    lengths: list[int]
-    turn: int = 0
-    tokens: int = 0
-    versions: list[int] = field(default_factory=list)
-    """The version of the engine each of its generations was placed on: its tokens are of these
-    versions or newer ones (an engine loads weights under them), so its oldest is here."""
-
-
-@dataclass(eq=False)
-class _Group:
-    gid: int
-    samples: list[_Sample] = field(default_factory=list)
-    done: int = 0
-
-    def lag(self, version: int) -> int:
-        """Its oldest token's lag: its most stale sample's."""
-        return max(lag(version, s.versions) for s in self.samples)
 
 
 class Cluster:
@@ -97,13 +78,14 @@ class Cluster:
         staleness: int,
         waves: int = 1,
         stale: StalenessMode = StalenessMode.DROP,
+        order: Order = Order.COMPLETION,
+        order_wait_s: float = ORDER_WAIT_S,
     ) -> None:
         self.placement = place(arm, devices=devices, trainer_devices=trainer_devices, waves=waves)
         self.w = workload
         self.arm = arm
         self.steps = steps
         self.staleness = 0 if arm is Arm.SYNC_COLOCATED else staleness
-        self.stale = stale
         self.partial = arm in (Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED)
         self.loop = Loop()
         self.rng = random.Random(workload.seed)
@@ -135,7 +117,17 @@ class Cluster:
         self.queue: deque[Generation] = deque()
         self.free_heap: list[tuple[int, str]] = []
         self.in_flight = 0  # admitted groups not finished
-        self.ready: deque[_Group] = deque()
+        self.batches = Batches(
+            Order.COMPLETION if arm is Arm.SYNC_COLOCATED else order,
+            groups_per_step=workload.groups_per_step,
+            staleness=self.staleness,
+            stale=stale,
+            order_wait_s=order_wait_s,
+        )
+        self.held_since: float | None = None  # admission held while engines load (wave_wait_s)
+        self.computing = False  # overlap: a group's gradients ahead of its step
+        self.blocked_since: float | None = None  # a step waiting for an earlier ticket
+        self.wake_at: float | None = None
         self.published = 0
         self.version = 0
         self.training = False
@@ -150,12 +142,31 @@ class Cluster:
     def _admission(self) -> AdmissionState:
         """The broker's counts: a sample is settled once the step that trained it ends."""
         training = self.w.groups_per_step if self.training else 0
-        unsettled = len(self.ready) + training
+        unsettled = len(self.batches) + training
         return AdmissionState(self.limit, self.in_flight, unsettled, self.published)
 
     def _admit(self) -> None:
-        for _ in range(self._admission().room):
+        """With stamps, admission holds while a rollout engine has a newer version to load, up
+        to ``wave_wait_s`` (the scheduler's ``Stamper``)."""
+        room = self._admission().room
+        wait_s = self.config.wave_wait_s
+        if room and self.batches.tickets is not None and self._loading():
+            if self.held_since is None:
+                self.held_since = self.loop.now
+                self.loop.after(wait_s, self._admit)
+            if self.loop.now - self.held_since < wait_s:
+                return
+        self.held_since = None
+        for _ in range(room):
             self._start_group()
+
+    def _loading(self) -> bool:
+        return any(self.engines[w].version < self.version for w in self.placement.wave)
+
+    def _stamp(self, gid: int) -> Admitted:
+        """The scheduler's stamp: the ticket and the oldest version a rollout engine serves."""
+        served = [self.engines[w].version for w, r in self.role.items() if r is Role.ROLLOUT]
+        return Admitted(ticket=gid + 1, version=min(served, default=self.version))
 
     def _start_group(self) -> None:
         w = self.w
@@ -164,6 +175,8 @@ class Cluster:
             for _ in range(w.agent.turns)
         ]
         group = _Group(self.next_gid)
+        if self.batches.tickets is not None:
+            group.stamp = self._stamp(group.gid)
         self.next_gid += 1
         self.in_flight += 1
         for i in range(w.group_size):
@@ -219,9 +232,10 @@ class Cluster:
                 continue
             group = sample.group
             group.done += 1
+            self.batches.seen(group)
             if group.done == len(group.samples):
                 self.in_flight -= 1
-                self.ready.append(group)
+                self.batches.completed(group)
                 self.published += 1
         wid = self.placement.ids[engine.eid]
         if wid in self.draining and not engine.residents:
@@ -238,8 +252,9 @@ class Cluster:
         )
 
     def _maybe_train(self) -> None:
-        g = self.w.groups_per_step
-        if self.training or len(self.ready) < g:
+        if self.training or self.computing or self._compute_ahead():
+            return
+        if len(self.batches) < self.w.groups_per_step:
             return
         if self.batch_ready_at is None:
             self.batch_ready_at = self.loop.now
@@ -252,45 +267,52 @@ class Cluster:
             return
         if not self._trainer_free():
             return
-        batch = self._take_batch()
-        if batch is None:
+        deadline = self.batches.blocking(self.version, self.loop.now)
+        if deadline is not None:  # an earlier ticket the step would put past the bound
+            if self.blocked_since is None:
+                self.blocked_since = self.loop.now
+            if deadline != self.wake_at:
+                self.wake_at = deadline
+                self.loop.at(deadline, self._maybe_train)
+            return
+        taken = self.batches.take(self.version)
+        if taken is None:
+            self.batch_ready_at = None
             self._admit()
             return
         if self.lent_since_step:
             self.m.reclaim_delays.append(self.loop.now - self.batch_ready_at)
         self.lent_since_step = False
-        self._train(batch)
+        self._train(*taken)
 
-    def _take_batch(self) -> list[_Group] | None:
-        """The first ``groups_per_step`` ready groups within the staleness bound; stale ones
-        are dropped on the way (the trainer's backstop). None: not enough left."""
-        fresh: list[_Group] = []
-        kept: deque[_Group] = deque()
-        while self.ready:
-            group = self.ready.popleft()
-            if group.lag(self.version) > self.staleness and self.stale is StalenessMode.DROP:
-                self.m.dropped += 1
-                self.m.dropped_tokens += sum(s.tokens for s in group.samples)
-                continue
-            if len(fresh) < self.w.groups_per_step:
-                fresh.append(group)
-            else:
-                kept.append(group)
-        self.ready = kept
-        if len(fresh) < self.w.groups_per_step:
-            self.ready.extendleft(reversed(fresh))
-            self.batch_ready_at = None
-            return None
-        return fresh
+    def _compute_ahead(self) -> bool:
+        """``overlap``: start computing the next complete group's gradients ahead of its step,
+        if there is one. Returns whether it started."""
+        if self.batches.order is not Order.OVERLAP or not self._trainer_free():
+            return False
+        group = self.batches.compute(self.version, self.loop.now)
+        if group is None:
+            return False
+        self.computing = True
+        seconds = self.w.trainer.s_per_token * group.tokens / len(self.placement.train_ids)
+        self.m.computed_s += seconds
+        self.loop.after(seconds, self._computed)
+        return True
 
-    def _train(self, batch: list[_Group]) -> None:
+    def _computed(self) -> None:
+        self.computing = False
+        self._maybe_train()
+
+    def _train(self, batch: list[_Group], tokens: int) -> None:
+        """A step on ``batch``, ``tokens`` of whose tokens were not computed ahead."""
         self.m.waits.append(self.loop.now - (self.m.step_ends[-1] if self.m.step_ends else 0.0))
+        if self.blocked_since is not None:
+            self.m.order_waits.append(self.loop.now - self.blocked_since)
+            self.blocked_since = None
         self.training = True
         self.batch_ready_at = None
-        tokens = 0
         for group in batch:
             for s in group.samples:
-                tokens += s.tokens
                 self.m.trained_tokens.append(s.tokens)
                 self.m.staleness.append(lag(self.version, s.versions))
         seconds = self.w.trainer.step_s(tokens, len(self.placement.train_ids))
@@ -315,9 +337,9 @@ class Cluster:
     # -- sync colocated ---------------------------------------------------------------------
     def _colocated_train(self) -> None:
         self.phase_switching = False
-        batch = self._take_batch()
-        assert batch is not None, "a synchronous batch is never stale"
-        self._train(batch)
+        taken = self.batches.take(self.version)
+        assert taken is not None, "a synchronous batch is never stale"
+        self._train(*taken)
 
     def _colocated_to_rollout(self) -> None:
         for wid in self.placement.train_ids:
@@ -366,6 +388,8 @@ class Cluster:
         self.loading.discard(wid)
         self.engines[wid].version = version
         self._serve(wid)
+        if self.held_since is not None:
+            self._admit()
         w = self.placement.wave[wid]
         self.wave_busy[w] -= 1
         if self.wave_busy[w] == 0:
@@ -385,7 +409,7 @@ class Cluster:
         for wid, (role, _) in desired.items():
             if self.role[wid] is role or wid in self.switching:
                 continue
-            if role is Role.ROLLOUT and not self.training:
+            if role is Role.ROLLOUT and not (self.training or self.computing):
                 self._lend(wid)
             elif role is Role.TRAIN:
                 self._reclaim(wid)
@@ -442,18 +466,10 @@ class Cluster:
 
     def _result(self, wall_s: float) -> SimResult:
         t = self.loop.now
-        trained_s = sum(self.m.step_times)  # each trainer device is busy for every step
-        trainers = set(self.placement.train_ids)
-        rollout = list(self.placement.assignment.rollout)
-        idle = {
-            "train": idle_share(self.engines, self.placement.train_ids, trainers, trained_s, t),
-            **(
-                {"rollout": idle_share(self.engines, rollout, trainers, trained_s, t)}
-                if rollout
-                else {}
-            ),
-            "all": idle_share(self.engines, self.placement.ids, trainers, trained_s, t),
-        }
+        self.m.dropped, self.m.dropped_tokens = self.batches.dropped, self.batches.dropped_tokens
+        # each trainer device is busy for every step and every group computed ahead
+        trained_s = sum(self.m.step_times) + self.m.computed_s
+        idle = idle_by_pool(self.engines, self.placement, trained_s, t)
         shape = RunShape(
             arm=str(self.arm),
             devices=len(self.engines),
@@ -462,5 +478,6 @@ class Cluster:
             staleness=self.staleness,
             seed=self.w.seed,
             samples_per_step=self.w.samples_per_step,
+            order=str(self.batches.order),
         )
         return self.m.result(shape, t, idle, mean_batch(self.engines), wall_s)

@@ -6,6 +6,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from emulation.sim.engine import Engine
+from emulation.sim.placement import Placement
 
 
 @dataclass
@@ -50,6 +51,10 @@ class SimResult:
     """Mean tokens of a trained sample over the mean drawn for every admitted sample."""
     trained_samples: int
     wall_s: float
+    order: str = "completion"
+    """Which groups the trainer stepped on (``emulation.sim.order.Order``)."""
+    order_wait_s_per_step: float = 0.0
+    """Seconds the trainer waited for earlier admitted groups, per step."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +79,7 @@ class RunShape:
     staleness: int
     seed: int
     samples_per_step: int
+    order: str
 
 
 @dataclass
@@ -90,6 +96,10 @@ class Measurements:
     step_times: list[float] = field(default_factory=list)
     step_ends: list[float] = field(default_factory=list)
     waits: list[float] = field(default_factory=list)
+    order_waits: list[float] = field(default_factory=list)
+    """Per step that waited for an earlier admitted group: how long."""
+    computed_s: float = 0.0
+    """Trainer time computing groups ahead of their step (``Order.OVERLAP``)."""
     generated: float = 0.0
     """Tokens of finished generations."""
     lost: float = 0.0
@@ -134,6 +144,8 @@ class Measurements:
             length_bias=statistics.fmean(self.trained_tokens) / statistics.fmean(self.drawn_tokens),
             trained_samples=len(self.trained_tokens),
             wall_s=wall_s,
+            order=shape.order,
+            order_wait_s_per_step=sum(self.order_waits) / shape.steps,
         )
 
     def _steady_rate(self, shape: RunShape, t: float) -> float:
@@ -142,6 +154,18 @@ class Measurements:
             return len(self.trained_tokens) / t
         span = self.step_ends[-1] - self.step_ends[first - 1]
         return (shape.steps - first) * shape.samples_per_step / span
+
+
+def idle_by_pool(
+    engines: dict[str, Engine], placement: Placement, trained_s: float, t: float
+) -> dict[str, float]:
+    """``idle_share`` of the trainer's devices, the rollout ones (absent when none) and all."""
+    trainers = set(placement.train_ids)
+    rollout = list(placement.assignment.rollout)
+    pools = {"train": placement.train_ids, "rollout": rollout, "all": placement.ids}
+    return {
+        pool: idle_share(engines, ids, trainers, trained_s, t) for pool, ids in pools.items() if ids
+    }
 
 
 def idle_share(

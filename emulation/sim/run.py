@@ -5,6 +5,7 @@ from functools import lru_cache
 from common.staleness import StalenessMode
 from emulation.sim.cluster import Cluster
 from emulation.sim.measure import SimResult
+from emulation.sim.order import ORDER_WAIT_S, Order
 from emulation.sim.placement import Arm
 from emulation.workload import Workload
 
@@ -19,20 +20,32 @@ def simulate(
     *,
     waves: int = 1,
     stale: StalenessMode = StalenessMode.DROP,
+    order: Order = Order.COMPLETION,
+    order_wait_s: float = ORDER_WAIT_S,
 ) -> SimResult:
     """Simulate ``steps`` trainer steps of ``arm`` on ``devices`` devices.
 
     ``trainer_devices``: the trainer's share (every device for ``sync_colocated``, whatever is
     given); None: the arm's own best split by a sweep (``best_split``; lending and partial
     rollout change which split is best). ``waves``: rolling weight-update waves. ``stale``:
-    the trainer's staleness mode (drop stale groups, or train them downweighted).
+    the trainer's staleness mode (drop stale groups, or train them downweighted). ``order``:
+    which complete groups a step takes, and when (``emulation.sim.order``; the real trainer's
+    is ``admission``); ``order_wait_s``: its bound on a step's wait for an earlier ticket.
     """
     kind = Arm(arm)
     if kind is Arm.SYNC_COLOCATED:
         trainer_devices = devices
     elif trainer_devices is None:
         trainer_devices = best_split(
-            workload, devices, steps, staleness, arm=kind, waves=waves, stale=stale
+            workload,
+            devices,
+            steps,
+            staleness,
+            arm=kind,
+            waves=waves,
+            stale=stale,
+            order=order,
+            order_wait_s=order_wait_s,
         )
     cluster = Cluster(
         workload,
@@ -43,6 +56,8 @@ def simulate(
         staleness=staleness,
         waves=waves,
         stale=stale,
+        order=Order(order),
+        order_wait_s=order_wait_s,
     )
     return cluster.run()
 
@@ -66,12 +81,25 @@ def best_split(
     arm: Arm = Arm.DISAGGREGATED,
     waves: int = 1,
     stale: StalenessMode = StalenessMode.DROP,
+    order: Order = Order.COMPLETION,
+    order_wait_s: float = ORDER_WAIT_S,
 ) -> int:
     """The trainer device count that reaches ``steps`` soonest in ``arm`` (by default the
     static split a careful operator would tune), over ``split_candidates``, on the workload's
     seed."""
     times = {
-        k: simulate(workload, arm, devices, steps, staleness, k, waves=waves, stale=stale).time_s
+        k: simulate(
+            workload,
+            arm,
+            devices,
+            steps,
+            staleness,
+            k,
+            waves=waves,
+            stale=stale,
+            order=order,
+            order_wait_s=order_wait_s,
+        ).time_s
         for k in split_candidates(devices)
     }
     return min(times, key=times.__getitem__)

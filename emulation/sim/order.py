@@ -1,0 +1,177 @@
+"""The simulated trainer's choice of groups: which complete groups a step trains, and when it may
+start (``Order``).
+
+- ``completion`` (the simulator's trainer until issue 22): groups in the order they completed, a
+  step as soon as ``groups_per_step`` are complete; a group past the staleness bound is dropped
+  on the way (in ``drop`` mode).
+- ``admission`` (the real trainer: ``trainer.order``, ``trainer.batcher``): each group carries its
+  admission stamp (a ticket and the oldest version a rollout engine served then; admission holds
+  a task while engines load a new version, ``scheduler.wave_wait_s``). In ``drop`` mode a step
+  waits for the missing tickets it would put past the bound, each at most ``order_wait_s``
+  (``AdmissionOrder.blocking``: the trainer's own code, on simulated time); then it takes the
+  complete groups with the oldest tokens (``Batcher.take``'s order).
+- ``overlap`` (new, issue 22; the real trainer does not do it yet): ``admission``, and while the
+  trainer has nothing else to do it computes the gradients (the step's per-token work) of the
+  oldest complete group within the bound, while fewer than a step's groups are computed or that
+  group is older than one of them (which it will displace from the step: computed again in a
+  later step, trainer time lost, no tokens). The step then computes only its groups not done
+  yet, and its fixed part (optimizer, all-reduce). The step waits for an earlier ticket only
+  once nothing is left to compute: ``order_wait_s`` bounds the trainer's idle wait, and the
+  wait overlaps the step's compute.
+
+The groups and samples the simulated cluster generates are here too (``_Group``, ``_Sample``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from broker.messages import Admitted
+from common.staleness import StalenessMode, lag
+from trainer.config import TrainerConfig
+from trainer.order import AdmissionOrder
+
+ORDER_WAIT_S: float = TrainerConfig.model_fields["order_wait_s"].default
+"""The trainer's ``order_wait_s`` by default."""
+
+
+class Order(StrEnum):
+    """How the simulated trainer picks a step's groups (the module docstring)."""
+
+    COMPLETION = "completion"
+    ADMISSION = "admission"
+    OVERLAP = "overlap"
+
+
+@dataclass(eq=False)
+class _Sample:
+    group: _Group
+    lengths: list[int]
+    turn: int = 0
+    tokens: int = 0
+    versions: list[int] = field(default_factory=list)
+    """The version of the engine each of its generations was placed on: its tokens are of these
+    versions or newer ones (an engine loads weights under them), so its oldest is here."""
+
+
+@dataclass(eq=False)
+class _Group:
+    gid: int
+    samples: list[_Sample] = field(default_factory=list)
+    done: int = 0
+    stamp: Admitted | None = None
+    """Its admission stamp (``Order.ADMISSION`` and ``OVERLAP``)."""
+
+    def lag(self, version: int) -> int:
+        """Its oldest token's lag: its most stale sample's."""
+        return max(lag(version, s.versions) for s in self.samples)
+
+    def oldest(self) -> int:
+        """Its oldest token's version (``Batcher.take`` steps on the oldest first)."""
+        return min(min(s.versions) for s in self.samples)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.samples)
+
+
+class Batches:
+    """The trainer's complete groups, in ``order``: ``take`` a step's, ``compute`` ahead of it."""
+
+    def __init__(
+        self,
+        order: Order,
+        *,
+        groups_per_step: int,
+        staleness: int,
+        stale: StalenessMode,
+        order_wait_s: float,
+    ) -> None:
+        self.order = order
+        self.groups_per_step = groups_per_step
+        self.staleness = staleness
+        self.stale = stale
+        self.tickets = None if order is Order.COMPLETION else AdmissionOrder(order_wait_s)
+        self.ready: list[_Group] = []
+        """Complete, not computed: in the order they completed."""
+        self.computed: list[_Group] = []
+        """Their gradients computed at the trainer's current version (``overlap``)."""
+        self.dropped = 0
+        """Groups dropped as stale (``drop`` mode), and their tokens."""
+        self.dropped_tokens = 0
+        self.displaced = 0
+        """Groups computed ahead, then displaced from their step by older ones."""
+
+    def __len__(self) -> int:
+        return len(self.ready) + len(self.computed)
+
+    def seen(self, group: _Group) -> None:
+        """A sample of ``group`` is complete (the trainer receives it)."""
+        if self.tickets is not None and group.stamp is not None:
+            self.tickets.seen(group.stamp)
+
+    def completed(self, group: _Group) -> None:
+        self.ready.append(group)
+        if self.tickets is not None and group.stamp is not None:
+            self.tickets.completed(group.stamp)
+
+    def blocking(self, version: int, now: float) -> float | None:
+        """With a step's groups complete, in ``drop`` mode: when the trainer's wait for an
+        earlier ticket runs out, if it is waiting for one (``AdmissionOrder.blocking``)."""
+        if self.tickets is None or self.stale is not StalenessMode.DROP:
+            return None
+        if not self.tickets.blocking(version, self.staleness, now):
+            return None
+        return self.tickets.deadline()
+
+    def _stale(self, group: _Group, version: int) -> bool:
+        return self.stale is StalenessMode.DROP and group.lag(version) > self.staleness
+
+    def _in_order(self, groups: list[_Group]) -> list[_Group]:
+        if self.order is Order.COMPLETION:
+            return groups
+        return sorted(groups, key=lambda g: g.oldest())  # stable: of equals, the first complete
+
+    def _drop_stale(self, version: int) -> None:
+        for groups in (self.ready, self.computed):
+            stale = [g for g in groups if self._stale(g, version)]
+            self.dropped += len(stale)
+            self.dropped_tokens += sum(g.tokens for g in stale)
+            groups[:] = [g for g in groups if g not in stale]
+
+    def take(self, version: int) -> tuple[list[_Group], int] | None:
+        """A step's groups at ``version`` (stale ones dropped on the way) and the tokens of
+        those not computed ahead; None while fewer are complete."""
+        self._drop_stale(version)
+        if len(self) < self.groups_per_step:
+            return None
+        batch = self._in_order(self.computed + self.ready)[: self.groups_per_step]
+        left = [g for g in self.computed if g not in batch]
+        self.displaced += len(left)
+        # a displaced group's gradient is taken out of the accumulated one: a backward again
+        tokens = sum(g.tokens for g in batch if g not in self.computed)
+        tokens += sum(g.tokens for g in left)
+        self.ready = left + [g for g in self.ready if g not in batch]
+        self.computed = []
+        return batch, tokens
+
+    def compute(self, version: int, now: float) -> _Group | None:
+        """``overlap``: the next group to compute ahead, if any: the oldest complete one, while
+        fewer than a step's groups are computed or reserved for the missing tickets the step
+        must take (``AdmissionOrder.blocking`` asked on a copy: asking starts no wait)."""
+        if self.order is not Order.OVERLAP:
+            return None
+        self._drop_stale(version)
+        if not self.ready:
+            return None
+        missing = 0
+        if self.tickets is not None and self.stale is StalenessMode.DROP:
+            missing = len(copy.deepcopy(self.tickets).blocking(version, self.staleness, now))
+        if len(self.computed) + missing >= self.groups_per_step:
+            return None
+        group = self._in_order(self.ready)[0]
+        self.ready.remove(group)
+        self.computed.append(group)
+        return group
