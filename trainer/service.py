@@ -396,14 +396,15 @@ class Trainer:
     def _committed(self, release: list[str], done: asyncio.Future[None]) -> None:
         """A commit is durable: its samples are acked. Or it failed: they are handed back (nak:
         redelivered, trained again from the last durable checkpoint) and the loop raises."""
-        if done.cancelled() or done.exception() is None:
+        failure = "cancelled" if done.cancelled() else done.exception()
+        if failure is None:
             self._release(release)
             return
-        error = TrainerError(f"checkpoint failed: {done.exception()}")
+        error = TrainerError(f"checkpoint failed: {failure}")
         self._stopping = True  # take no sample again (it would count as trained)
         if self._write_failed is None:
             self._write_failed = error
-            log.error(kv("checkpoint_failed", version=self.version, error=done.exception()))
+            log.error(kv("checkpoint_failed", version=self.version, error=failure))
         self._release(release, HandBack(str(error)))
         self._wake.set()
 
