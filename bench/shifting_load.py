@@ -127,13 +127,30 @@ def run(w: Workload, arm: str, devices: int, steps: int, k: int, probe_s: float 
     return r
 
 
-def sweep(w: Workload, arm: str, devices: int, steps: int) -> dict[int, float]:
-    """Time to ``steps`` steps per trainer split."""
-    return {k: run(w, arm, devices, steps, k)["time_s"] for k in split_candidates(devices)}
+SUMMARY = (
+    "time_s",
+    "idle",
+    "mean_batch",
+    "aborted_token_fraction",
+    "reprefill_token_fraction",
+    "length_bias",
+    "staleness_mean",
+    "lends",
+)
+"""What the JSON keeps of each run of a sweep."""
 
 
-def best(times: dict[int, float]) -> int:
-    return min(times, key=times.__getitem__)
+def sweep(w: Workload, arm: str, devices: int, steps: int) -> dict[int, dict]:
+    """Every trainer split's run (``SUMMARY``)."""
+    out = {}
+    for k in split_candidates(devices):
+        r = run(w, arm, devices, steps, k)
+        out[k] = {key: r[key] for key in SUMMARY}
+    return out
+
+
+def best(runs: dict[int, dict]) -> int:
+    return min(runs, key=lambda k: runs[k]["time_s"])
 
 
 def compare(name: str, devices: int, steps: int, seed: int, switches: list[float]) -> dict:
@@ -142,15 +159,15 @@ def compare(name: str, devices: int, steps: int, seed: int, switches: list[float
     w = WORKLOADS[name](steps, seed=seed)
     short = max(1, steps // WINDOWS)
     early = sweep(w, "partial_rollout", devices, short)
-    hindsight = sweep(w, "partial_rollout", devices, steps)
+    whole = sweep(w, "partial_rollout", devices, steps)
     out = {
         "seed": seed,
         "static": {
             "early_split": best(early),
-            "hindsight_split": best(hindsight),
-            "early_s": hindsight[best(early)],
-            "hindsight_s": hindsight[best(hindsight)],
-            "sweeps": {"early": early, "whole": hindsight},
+            "hindsight_split": best(whole),
+            "early_s": whole[best(early)]["time_s"],
+            "hindsight_s": whole[best(whole)]["time_s"],
+            "sweeps": {"early": early, "whole": whole},
         },
         "multiplexed": {},
     }
@@ -160,9 +177,9 @@ def compare(name: str, devices: int, steps: int, seed: int, switches: list[float
         r = run(ws, "multiplexed", devices, steps, best(mux_early))
         out["multiplexed"][str(switch_s)] = {
             "split": best(mux_early),
-            "time_s": r["time_s"],
             "sweep_early": mux_early,
-            **{k: r[k] for k in ("idle", "lends", "reclaims", "trainer_wait_s_mean")},
+            "reclaims": r["reclaims"],
+            **{key: r[key] for key in SUMMARY},
         }
     return out
 
@@ -236,13 +253,14 @@ def gains(rows: list[dict], switch_s: str) -> dict:
 
 
 def print_workload(name: str, p: dict) -> None:
+    rows = p["seeds"]
     print(f"\n== {name}")
     print(
         f"{'switch s':>9}{'seed':>5}{'splits early/hind/mux':>23}{'early s':>9}{'hind s':>9}"
         f"{'mux s':>9}{'lends':>7}{'idle tr':>8}"
     )
     for switch_s, g in p["gains"].items():
-        for r in p["seeds"]:
+        for r in rows:
             st, m = r["static"], r["multiplexed"][switch_s]
             splits = f"{st['early_split']}/{st['hindsight_split']}/{m['split']}"
             print(
@@ -256,8 +274,28 @@ def print_workload(name: str, p: dict) -> None:
                 f"  switch {switch_s} s: multiplexed vs static {ref:<10}"
                 f"{x['mean']:.2f}x ({x['min']:.2f}..{x['max']:.2f}), goal {goal:.2f}x"
             )
+    print(
+        f"  mean over seeds{'idle all':>12}{'idle ro':>9}{'batch':>7}{'aborted':>9}"
+        f"{'reprefill':>11}{'bias':>6}"
+    )
+    arms = {
+        "static early": [r["static"]["sweeps"]["whole"][r["static"]["early_split"]] for r in rows],
+        "static hindsight": [
+            r["static"]["sweeps"]["whole"][r["static"]["hindsight_split"]] for r in rows
+        ],
+        **{f"multiplexed {s} s": [r["multiplexed"][s] for r in rows] for s in p["gains"]},
+    }
+    for arm, rs in arms.items():
+        m = {k: statistics.fmean(r[k] for r in rs) for k in SUMMARY[2:6]}
+        idle = statistics.fmean(r["idle"]["all"] for r in rs)
+        ro = statistics.fmean(r["idle"]["rollout"] for r in rs)
+        print(
+            f"  {arm:<19}{idle:>8.3f}{ro:>9.3f}{m['mean_batch']:>7.1f}"
+            f"{m['aborted_token_fraction']:>9.3f}{m['reprefill_token_fraction']:>11.3f}"
+            f"{m['length_bias']:>6.2f}"
+        )
     d = p["diagnosis"]
-    early = p["seeds"][0]["static"]["early_s"]
+    early = rows[0]["static"]["early_s"]
     print(f"  seed 0, windows of {p['window_steps']} steps:")
     print(f"    best static split per window: {d['best_static_split_per_window']}")
     oracle = d["oracle_moving_split_s"]
