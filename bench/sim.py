@@ -7,14 +7,20 @@ trainer/rollout split found by a sweep; ``partial_rollout`` (that plus in-place 
 (swept on seed 0), plus ``multiplexed_static``: lending at partial_rollout's split. Each point
 runs ``--seeds`` seeds; gains are per-seed ratios of time to ``--steps`` steps (mean, min..max).
 
+Issue 22 item 1, in the main scenario and drop mode: which groups a step takes (``ORDERS``:
+completion order, the simulator's trainer before; admission order, the real trainer's; overlap,
+admission order with the complete groups computed while the step waits), the partial_rollout
+and multiplexed arms each at its own split, and overlap's wait bound swept.
+
 Sweeps around the main (agentic, long-tailed) scenario: switch cost (0.1x to 10x of 5 s, with
 the trainer's idle window and the lends per step: the crossover), tail heaviness (sigma),
 rollout/train work ratio (1 to 6), staleness bound (0 to 4); and verl's published setting
 (128 devices, 7B-like costs, single turn) against its 1.58x and 2.35x; and a scale check from
 8 to 1024 devices.
 
-Usage: python -m bench.sim [--seeds 3] [--steps 20] [--quick]  (about 5 min on one core).
-Prints tables, writes bench/results/sim.json and docs/images/sim-*.png.
+Usage: python -m bench.sim [--seeds 3] [--steps 20] [--quick]  (about 8 min on one core).
+Prints tables, writes bench/results/sim.json and docs/images/sim-*.png. ``--order-only``: the
+issue 22 section alone (about 3 min), to bench/results/sim-order.json and sim-order.png.
 """
 
 import argparse
@@ -25,9 +31,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.machine import machine
-from bench.output import RESULTS
+from bench.output import RESULTS, write_results
 from common.staleness import StalenessMode
-from emulation.sim import Arm, best_split, simulate
+from emulation.sim import Arm, Order, best_split, simulate
+from emulation.sim.order import ORDER_WAIT_S
 from emulation.workload import (
     AgentModel,
     EngineCost,
@@ -59,6 +66,18 @@ GAINS = {
     TOTAL: ("multiplexed", "sync_colocated"),
     LENDING_ONLY: (STATIC_LENDING, "partial_rollout"),
 }
+
+
+OVERLAP_WAIT_S = 25.0
+"""The ``overlap`` order's bound on the trainer's idle wait for an earlier admitted group in the
+main scenario (the order section sweeps it)."""
+ORDERS = {
+    "completion (simulator before)": (Order.COMPLETION, ORDER_WAIT_S),
+    "admission (real trainer)": (Order.ADMISSION, ORDER_WAIT_S),
+    "overlap (new)": (Order.OVERLAP, OVERLAP_WAIT_S),
+}
+"""Issue 22 item 1's arms: which groups a step takes, and the bound on its wait."""
+WAIT_SWEEP_S = (0.0, 10.0, 20.0, 25.0, 30.0, 60.0)
 
 
 def workload(
@@ -141,6 +160,7 @@ def _summary(rs: list[dict]) -> dict:
         "reclaim_p99_s",
         "step_s_mean",
         "trainer_wait_s_mean",
+        "order_wait_s_per_step",
         "aborted_token_fraction",
         "length_bias",
         "mean_batch",
@@ -150,6 +170,82 @@ def _summary(rs: list[dict]) -> dict:
     out["staleness_max"] = max(r["staleness_max"] for r in rs)
     out["idle"] = {p: statistics.fmean(r["idle"][p] for r in rs) for p in rs[0]["idle"]}
     return out
+
+
+def order_point(w: Workload, devices: int, steps: int, staleness: int, seeds: int) -> dict:
+    """Issue 22 item 1, in drop mode: ``partial_rollout`` and ``multiplexed`` with each of
+    ``ORDERS``, each at its own best split (swept on seed 0); samples/s per seed over the
+    completion order's; and the overlap order's wait bound swept at its split."""
+    rows: dict[str, dict] = {}
+    for arm in (Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED):
+        base = None
+        for name, (order, wait_s) in ORDERS.items():
+            kw = {"order": order, "order_wait_s": wait_s}
+            split = best_split(w, devices, steps, staleness, arm=arm, **kw)
+            runs = [
+                simulate(replace(w, seed=seed), arm, devices, steps, staleness, split, **kw)
+                for seed in range(seeds)
+            ]
+            base = base or runs
+            ratios = [r.samples_per_s / b.samples_per_s for r, b in zip(runs, base, strict=True)]
+            rows[f"{arm} / {name}"] = {
+                "arm": str(arm),
+                "order": str(order),
+                "order_wait_s": wait_s,
+                "split": split,
+                "vs_completion": {
+                    "mean": statistics.fmean(ratios),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                },
+                "arms": _summary([r.to_dict() for r in runs]),
+            }
+    overlap = rows[f"{Arm.PARTIAL_ROLLOUT} / overlap (new)"]
+    sweep = []
+    for wait_s in WAIT_SWEEP_S:
+        runs = [
+            simulate(
+                replace(w, seed=seed),
+                Arm.PARTIAL_ROLLOUT,
+                devices,
+                steps,
+                staleness,
+                overlap["split"],
+                order=Order.OVERLAP,
+                order_wait_s=wait_s,
+            ).to_dict()
+            for seed in range(seeds)
+        ]
+        sweep.append({"order_wait_s": wait_s, "arms": _summary(runs)})
+    return {"rows": rows, "wait_sweep": {"split": overlap["split"], "rows": sweep}}
+
+
+def print_order(p: dict) -> None:
+    print("\n== issue 22 item 1: drop mode, which groups a step takes (each at its own best split)")
+    print(
+        f"{'arm / order':<48}{'split':>6}{'samples/s':>10}{'x compl (min..max)':>19}{'abort':>7}"
+        f"{'bias':>6}"
+        f"{'stale':>7}{'wait/step s':>12}{'idle all':>9}"
+    )
+    for name, r in p["rows"].items():
+        s, g = r["arms"], r["vs_completion"]
+        print(
+            f"{name:<48}{r['split']:>6}{s['samples_per_s']:>10.2f}"
+            f"{g['mean']:>7.2f}x ({g['min']:.2f}..{g['max']:.2f})"
+            f"{s['aborted_token_fraction']:>7.3f}"
+            f"{s['length_bias']:>6.3f}{s['staleness_mean']:>7.2f}"
+            f"{s['order_wait_s_per_step']:>12.1f}{s['idle']['all']:>9.3f}"
+        )
+    sweep = p["wait_sweep"]
+    print(f"\n== overlap: the bound on the trainer's idle wait (partial_rollout, {sweep['split']})")
+    print(f"{'wait s':>7}{'samples/s':>10}{'abort':>7}{'bias':>6}{'wait/step s':>12}")
+    for row in sweep["rows"]:
+        s = row["arms"]
+        print(
+            f"{row['order_wait_s']:>7g}{s['samples_per_s']:>10.2f}"
+            f"{s['aborted_token_fraction']:>7.3f}{s['length_bias']:>6.3f}"
+            f"{s['order_wait_s_per_step']:>12.1f}"
+        )
 
 
 # -- printing ------------------------------------------------------------------------------------
@@ -297,6 +393,42 @@ def plot(results: dict) -> list[str]:
     return written
 
 
+def plot_order(order: dict) -> str:
+    """Samples/s against the tokens thrown away: the overlap order's wait bound swept, and each
+    order's arm (issue 22 item 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    sweep = order["wait_sweep"]
+    rows = [r["arms"] for r in sweep["rows"]]
+    ax.plot(
+        [r["aborted_token_fraction"] for r in rows],
+        [r["samples_per_s"] for r in rows],
+        "o-",
+        color="tab:green",
+        label=f"partial_rollout, overlap at {sweep['split']} trainer devices: wait bound (s)",
+    )
+    for row, r in zip(sweep["rows"], rows, strict=True):
+        ax.annotate(f"{row['order_wait_s']:g}", (r["aborted_token_fraction"], r["samples_per_s"]))
+    for (name, row), marker in zip(order["rows"].items(), "s^DvP*", strict=False):
+        s = row["arms"]
+        ax.plot(s["aborted_token_fraction"], s["samples_per_s"], marker, ls="", label=name)
+    ax.axvline(0.03, color="grey", ls="--", lw=1, label="3% of tokens thrown away")
+    ax.set_xlabel("generated tokens thrown away (stale groups dropped)")
+    ax.set_ylabel("trained samples/s")
+    ax.set_title("drop mode: which groups a step takes, and how long it waits")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = IMAGES / "sim-order.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
 def _slim(results: dict) -> dict:
     """The JSON keeps per-seed runs of the main and verl points only (sweeps keep summaries)."""
     for rows in results["sweeps"].values():
@@ -315,10 +447,26 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=32)
     parser.add_argument("--staleness", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="one seed, fewer sweep points")
+    parser.add_argument(
+        "--order-only",
+        action="store_true",
+        help="only the order section (issue 22 item 1), written to bench/results/sim-order.json",
+    )
     args = parser.parse_args()
     seeds = 1 if args.quick else args.seeds
     started = time.perf_counter()
     n, steps, bound = args.devices, args.steps, args.staleness
+    if args.order_only:
+        order = order_point(workload(), n, steps, bound, seeds)
+        print_order(order)
+        setting = {"devices": n, "steps": steps, "staleness": bound, "seeds": seeds}
+        image = plot_order(order)
+        out = write_results(
+            "sim-order.json",
+            {"machine": machine(), "main_setting": setting, "order": order, "images": [image]},
+        )
+        print(f"\nwrote {out} in {time.perf_counter() - started:.0f}s")
+        return
 
     results: dict = {
         "machine": machine(),
@@ -328,6 +476,8 @@ def main() -> None:
     results["main_workload"] = base.to_dict()
     results["main"] = point(base, n, steps, bound, seeds)
     print_point(f"main: {n} devices, staleness {bound}, agentic long-tailed", results["main"])
+    results["order"] = order_point(base, n, steps, bound, seeds)
+    print_order(results["order"])
 
     sweeps = {
         "switch_s": [0.5, 1.5, 5.0, 15.0, 50.0],
@@ -442,7 +592,7 @@ def main() -> None:
         )
 
     results["wall_s"] = time.perf_counter() - started
-    results["images"] = plot(results)
+    results["images"] = [*plot(results), plot_order(results["order"])]
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "sim.json"
     out.write_text(json.dumps(_slim(results), indent=1))
