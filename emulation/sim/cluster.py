@@ -14,7 +14,8 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
 - **agents**: an admitted group is ``group_size`` samples started at once; a sample is
   ``agent.turns`` generations with an environment latency between them; its lengths are drawn
   at admission from ``LengthModel.sample_group`` (per turn, for the group, at the trainer's
-  version). Admission is immediate whenever the admission state has room;
+  version), the agent and lengths of the workload's phase at that version (``Workload.at``).
+  Admission is immediate whenever the admission state has room;
 - **routing**: a generation goes to the serving engine with the fewest residents that has a
   free slot (``max_batch``), else waits in one FIFO queue (re-placed generations go first);
 - **admission stamps** (``Order.ADMISSION``, ``OVERLAP``): a group carries a ticket and the
@@ -169,7 +170,7 @@ class Cluster:
         return Admitted(ticket=gid + 1, version=min(served, default=self.version))
 
     def _start_group(self) -> None:
-        w = self.w
+        w = self.w.at(self.version)
         per_turn = [
             w.lengths.sample_group(self.rng, w.group_size, self.version)
             for _ in range(w.agent.turns)
@@ -180,7 +181,7 @@ class Cluster:
         self.next_gid += 1
         self.in_flight += 1
         for i in range(w.group_size):
-            sample = _Sample(group, [turn[i] for turn in per_turn])
+            sample = _Sample(group, [turn[i] for turn in per_turn], agent=w.agent)
             self.m.drawn_tokens.append(sum(sample.lengths))
             group.samples.append(sample)
             self._submit(Generation(sample, sample.lengths[0]))
@@ -228,7 +229,7 @@ class Cluster:
             sample.tokens += gen.length
             sample.turn += 1
             if sample.turn < len(sample.lengths):
-                self.loop.after(self.w.agent.latency_s(self.rng), self._next_turn, sample)
+                self.loop.after(sample.agent.latency_s(self.rng), self._next_turn, sample)
                 continue
             group = sample.group
             group.done += 1

@@ -30,6 +30,7 @@ from enum import StrEnum
 
 from broker.messages import Admitted
 from common.staleness import StalenessMode, lag
+from emulation.workload import AgentModel
 from trainer.config import TrainerConfig
 from trainer.order import AdmissionOrder
 
@@ -54,6 +55,8 @@ class _Sample:
     versions: list[int] = field(default_factory=list)
     """The version of the engine each of its generations was placed on: its tokens are of these
     versions or newer ones (an engine loads weights under them), so its oldest is here."""
+    agent: AgentModel = field(default_factory=AgentModel)
+    """The agent of its workload's phase at admission (``Workload.at``)."""
 
 
 @dataclass(eq=False)
