@@ -5,6 +5,7 @@ engine runs the same way for uniformity); each check is then one test here. The 
 metrics are checked in-process.
 """
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import load_file, save_file
 
@@ -147,3 +149,20 @@ async def test_hf_refuses_differing_tied_weights_and_duplicate_ids(
         assert engine.num_running == 0
     finally:
         await engine.close()
+
+
+async def test_hf_threads_are_set_on_the_engine_thread(tiny_model_dir: Path):
+    """``threads`` reaches the thread that runs the forwards: OpenMP keeps a count per thread,
+    so one set on the event loop's thread would not (these tests run with OMP_NUM_THREADS=1)."""
+    settings = HFEngineConfig(threads=2)
+    engine = await start_engine(EngineConfig(tiny_model_dir, 64, settings=settings))
+    loop = asyncio.get_running_loop()
+    try:
+        assert await loop.run_in_executor(engine._executor, torch.get_num_threads) == 2
+        chunks = [c async for c in engine.generate("t", [5, 6], SamplingParams(max_tokens=3))]
+        assert sum(len(c.token_ids) for c in chunks) == 3
+    finally:
+        await engine.close()
+        torch.set_num_threads(1)  # torch's count is process-wide too: back to this process's
+    with pytest.raises(ValidationError, match=r"threads\s+Input should be greater"):
+        HFEngineConfig(threads=0)

@@ -25,6 +25,14 @@ class HFEngineConfig(_EngineOptions):
 
     implementation: ClassVar[str] = "rollout.engines.hf"
     kind: Literal["hf"] = "hf"
+    threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch threads, set on the engine's own thread (which runs every forward); "
+        "unset: OMP_NUM_THREADS (the launchers give each worker 1), else one per core. Torch "
+        "threads on every core of a small machine stall whenever the worker's event loop, the "
+        "broker or the gateway takes a core from them",
+    )
 
 
 class VLLMEngineConfig(_EngineOptions):

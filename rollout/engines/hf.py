@@ -68,6 +68,11 @@ async def start(config: EngineConfig) -> "HFEngine":
 
 
 def _load_model(config: EngineConfig) -> torch.nn.Module:
+    """(Engine thread.)"""
+    if config.settings.threads is not None:
+        # Here, not in the caller: OpenMP takes a thread count per thread, so one set on the
+        # event loop's thread does not reach this one.
+        torch.set_num_threads(config.settings.threads)
     dtype = config.settings.dtype
     if why := unsupported(dtype, "cpu"):
         raise EngineError(f"engine dtype {dtype.value!r}: {why}")
