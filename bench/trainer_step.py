@@ -23,8 +23,23 @@ bfloat16 engine with the float32 trainer.
 ``--max-new 8 16 64 128`` gives each group its own limit of new tokens: samples of unlike
 lengths, where packing saves padding (alike ones are not packed: see ``trainer.batcher.pack``).
 
+``--commit``: instead, what follows the optimizer step on the trainer's path, with the trainer's
+own step (``train_step``, the default config), round after round in turns on one backend:
+- ``none``: the step and its weight publish (``hf_state_dict`` copied out, then written to
+  tmpfs by ``trainer.publisher.write_folder``), no checkpoint;
+- ``sync`` (before): the step, then a checkpoint in it (state + ``torch.save`` + fsync to disk);
+- ``background`` (after): the step, then the in-memory snapshot handed to the
+  ``CheckpointWriter``; the next step runs while it is written (``beside``), and what is left
+  of the write after that step is waited for. Its cost to training: the snapshot, the slowdown
+  of the step beside the write, and that wait;
+- ``upload``: the step while the previous version is stored in the run's object store (what the
+  publisher's background task does with every version: ``broker.weights.publish_weights``, on
+  an embedded broker), then the publish.
+Every arm's publish is the trainer's: the host-local copy written and announced. Writes
+bench/results/trainer_step-commit-<model>.json.
+
 Usage: python -m bench.trainer_step [--model smollm2] [--rounds 3] [--pack-tokens 256 128]
-[--max-new 16]
+[--max-new 16] [--commit]
 Prints tables and writes bench/results/trainer_step-<model>[-mixed].json.
 """
 
@@ -33,24 +48,35 @@ import asyncio
 import os
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from prometheus_client import CollectorRegistry, Histogram
 
 from bench.machine import machine
 from bench.output import write_results
+from broker.client import session
+from broker.config import EmbeddedBrokerConfig
 from broker.messages import SampleReady, SamplingParams
+from broker.provision import provision_run
+from broker.server import EmbeddedBroker
+from broker.subjects import RunNames
+from broker.weights import LOCAL_BLOB, announce_local, local_folder, publish_weights
 from common.models import load_tokenizer, resolve_model
 from common.precision import Precision, unsupported
 from rollout.agents import arithmetic
 from rollout.engines import EngineConfig, HFEngineConfig, start_engine
+from trainer import checkpoint
 from trainer.backends import build_backend
 from trainer.batcher import collate, plan_step
+from trainer.checkpoint import Checkpoint, CheckpointWriter
 from trainer.config import TorchBackendConfig, TrainerConfig
 from trainer.losses import mismatch
-from trainer.step import minibatch_loss, proximal_logprobs
+from trainer.publisher import write_folder
+from trainer.step import minibatch_loss, proximal_logprobs, train_step
 
 PROMPTS, GROUP = 4, 8
 PHASES = ("collate", "proximal", "forward", "backward", "optimizer")
@@ -148,6 +174,128 @@ def timed_step(backend, items, variant: Variant, config: TrainerConfig) -> dict[
     }
 
 
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+async def commit_path(
+    model: Path, groups: list[list[SampleReady]], rounds: int, url: str
+) -> list[dict]:
+    """``--commit``: per round, the seconds of each arm's pieces (see the module docstring)."""
+    async with session(url, "bench-commit") as nc:
+        js = nc.jetstream()
+        names = RunNames("bench-commit")
+        await provision_run(js, names.run)
+        return await _commit_rounds(js, names, model, groups, rounds)
+
+
+async def _commit_rounds(js, names, model, groups, rounds) -> list[dict]:
+    config = TrainerConfig(lr=1e-5, groups_per_step=PROMPTS, max_staleness=9)
+    backend = build_backend(model, config)
+    items = plan_step(groups, 0, config)[0]
+    registry = CollectorRegistry()
+    writes = Histogram("write_seconds", "background writes", registry=registry)
+    runs: list[dict] = []
+    tmpfs = config.local_weights_dir.parent  # where the trainer writes its host-local copies
+    with tempfile.TemporaryDirectory() as disk, tempfile.TemporaryDirectory(dir=tmpfs) as mem:
+        writer = CheckpointWriter(Path(disk) / "background", writes)
+
+        version = 0
+
+        async def step() -> float:  # off the event loop, as the trainer runs it
+            return await asyncio.to_thread(_timed, lambda: train_step(backend, items, 0, config))
+
+        async def publish(run: dict, arm: str) -> None:
+            nonlocal version
+            version += 1
+            t = time.perf_counter()
+            state = await asyncio.to_thread(backend.hf_state_dict)
+            run[f"{arm}_publish_copy"] = time.perf_counter() - t
+            folder = local_folder(Path(mem), names, version)
+            t = time.perf_counter()
+            await asyncio.to_thread(write_folder, state, folder)
+            run[f"{arm}_publish_write"] = time.perf_counter() - t
+            t = time.perf_counter()
+            await announce_local(js, names, version, folder)
+            run[f"{arm}_publish_announce"] = time.perf_counter() - t
+
+        def sync_checkpoint() -> None:
+            checkpoint.save(Path(disk) / "sync", Checkpoint(1, backend.state()))
+
+        for r in range(rounds + 1):  # round 0 warms up (allocator, AdamW state, page cache)
+            run: dict[str, float] = {}
+            run["none_step"] = await step()
+            await publish(run, "none")
+            run["sync_step"] = await step()
+            run["sync_checkpoint"] = await asyncio.to_thread(_timed, sync_checkpoint)
+            await publish(run, "sync")
+            run["background_step"] = await step()
+            t = time.perf_counter()
+            await writer.checkpoint_idle()
+            shot = await asyncio.to_thread(checkpoint.snapshot, backend.state(), writer.spare)
+            run["background_snapshot"] = time.perf_counter() - t
+            written = writer.submit(Checkpoint(1, shot), ())
+            await publish(run, "background")
+            run["beside_step"] = await step()  # while the writer writes
+            await publish(run, "beside")
+            t = time.perf_counter()
+            await written
+            run["background_wait"] = time.perf_counter() - t
+            blob = await asyncio.to_thread(
+                (local_folder(Path(mem), names, version) / LOCAL_BLOB).read_bytes
+            )
+            t = time.perf_counter()
+            upload = asyncio.create_task(publish_weights(js, names, version, blob))
+            run["upload_step"] = await step()  # while the previous version is uploaded
+            await publish(run, "upload")
+            await upload
+            run["upload_store"] = time.perf_counter() - t
+            run["background_write"] = registry.get_sample_value("write_seconds_sum") - sum(
+                x.get("background_write", 0) for x in runs
+            )
+            if r:
+                runs.append(run)
+            print(f"round {r}: " + " ".join(f"{k}={v:.2f}" for k, v in run.items()), flush=True)
+        writer.close()
+    return runs
+
+
+def show_commit(runs: list[dict]) -> dict[str, float]:
+    """The per-phase table of ``--commit`` (medians), before and after; returns it."""
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    base = med["none_step"]
+    before = med["sync_checkpoint"]
+    beside = max(med["beside_step"] - base, 0.0)
+    after = med["background_snapshot"] + beside + med["background_wait"]
+    parts = ("copy", "write", "announce")
+    publish = {a: sum(med[f"{a}_publish_{p}"] for p in parts) for a in ("none", "beside", "upload")}
+    table = {
+        "step (train_step, no checkpoint)": base,
+        "checkpoint on the training path, before (sync write)": before,
+        "checkpoint on the training path, after": after,
+        "  of which the in-memory snapshot": med["background_snapshot"],
+        "  of which the step beside the write, slower by": beside,
+        "  of which waiting for the write after that step": med["background_wait"],
+        "background write (off the path)": med["background_write"],
+        "weight publish in the step (host-local copy)": publish["none"],
+        "  of which hf_state_dict copy": med["none_publish_copy"],
+        "  of which write_folder to tmpfs": med["none_publish_write"],
+        "  of which announce_local": med["none_publish_announce"],
+        "weight publish beside a checkpoint write": publish["beside"],
+        "step beside the store upload of the last version, slower by": max(
+            med["upload_step"] - base, 0.0
+        ),
+        "weight publish beside that upload": publish["upload"],
+        "store upload (background task)": med["upload_store"],
+    }
+    print("\nmedian seconds (machine shared: compare within the run)")
+    for name, seconds in table.items():
+        print(f"  {name:<56}{seconds:>8.3f}{seconds / base:>8.1%}")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2", help="tiny, smollm2 or an HF folder")
@@ -158,9 +306,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new", type=int, nargs="+", default=[16], help="per group")
+    parser.add_argument("--commit", action="store_true", help="the commit path, before/after")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
+    if args.commit:
+        groups = asyncio.run(generate(model, Precision.FLOAT32, args.seed, args.max_new))
+        with (
+            tempfile.TemporaryDirectory() as state,
+            EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state), insecure=True)) as broker,
+        ):
+            runs = asyncio.run(commit_path(model, groups, args.rounds, broker.url))
+        result = {"machine": machine(threads=args.threads), "model": str(model), "runs": runs}
+        result["table"] = show_commit(runs)
+        path = write_results(f"trainer_step-commit-{Path(args.model).name}.json", result)
+        print(f"\nwrote {path}")
+        return
     bf16 = unsupported(Precision.BFLOAT16, "cpu")
     f32 = Precision.FLOAT32
     variants = [

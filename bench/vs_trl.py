@@ -15,7 +15,10 @@ temperature 1, lr 1e-5 (constant), no KL, one optimizer step per batch.
   end is the budget SeamlessFlow gets.
 - ``seamlessflow``: ``seamlessflow run`` with the equivalent config (vLLM engine, ``--layout``,
   ``--dtype``) on a broker this script starts. It checkpoints only at stop
-  (``trainer.checkpoint_every``), as TRL saves none (``save_strategy="no"``). Its clock starts
+  (``trainer.checkpoint_every``), as TRL saves none (``save_strategy="no"``);
+- ``seamlessflow-defaults`` (``--configs defaults``): what a new user gets: the run config sets
+  only the task, the batch and the learning rate (and the model, its engine and the colocated
+  layout); everything else is default, checkpoints every version included. Its clock starts
   when the scheduler admits the first task (engines loaded, as TRL's model is when ``train()``
   starts) and it is stopped when TRL's budget is spent. The weights it held then are kept (a
   hard link to the trainer's tmpfs copy, no copy).
@@ -30,7 +33,8 @@ the whole task, greedy where training sampled) of the initial model, TRL's final
 SeamlessFlow's model at TRL's wall-clock.
 
 Usage: python -m bench.vs_trl [--steps 10] [--skip 2] [--only trl seamlessflow] [--layout
-colocated] [--dtype float32] [--setup]. Prints tables and writes bench/results/vs_trl.json.
+colocated] [--dtype float32] [--configs tuned defaults] [--setup]. Prints tables and writes
+bench/results/vs_trl.json.
 """
 
 import argparse
@@ -189,6 +193,31 @@ max_seconds = {{seconds}}
 """
 
 
+DEFAULTS_TOML = f"""
+run = "{{run}}"
+output_dir = "{{out}}"
+[model]
+name = "smollm2"
+[worker.engine]
+kind = "vllm"
+[layout]
+kind = "colocated"
+[tasks]
+max_operand = {MAX_OPERAND}
+group_size = {GROUP}
+max_turns = 1
+max_tokens = {NEW_TOKENS}
+[trainer]
+lr = {LR}
+groups_per_step = {PROMPTS}
+[stop]
+max_steps = {{steps}}
+max_seconds = {{seconds}}
+"""
+CONFIGS = {"tuned": RUN_TOML, "defaults": DEFAULTS_TOML}
+"""The run configs: this bench's (``RUN_TOML``) and a new user's (only task, batch and lr)."""
+
+
 class Resources:
     """CPU seconds and peak resident memory of process trees, sampled every 0.5 s in a thread."""
 
@@ -260,7 +289,13 @@ def run_trl(python: Path, model: Path, steps: int, seed: int, save_to: Path) -> 
 
 
 async def run_seamlessflow(
-    steps: int, layout: str, dtype: str, placement: str, budget_s: float | None, keep: Path
+    steps: int,
+    layout: str,
+    dtype: str,
+    placement: str,
+    budget_s: float | None,
+    keep: Path,
+    template: str = RUN_TOML,
 ) -> dict:
     """A ``seamlessflow run``, stopped ``budget_s`` after its first admitted task (without a
     budget: after ``steps`` steps); the weights it held then are linked into ``keep``."""
@@ -270,7 +305,7 @@ async def run_seamlessflow(
         config, out = Path(tmp) / "run.toml", Path(tmp) / "out"
         seconds = budget_s * 3 if budget_s else 60.0 * (steps + 10)
         config.write_text(
-            RUN_TOML.format(
+            template.format(
                 run=run,
                 out=out,
                 steps=100_000,  # stopped here, after its metrics are read
@@ -363,11 +398,15 @@ async def _scrape_run(out: Path) -> dict[str, float]:
         totals[f"{phase}_s"] = metric_sum(samples, "sf_trainer_phase_seconds_total", phase=phase)
     for key, name, labels in (
         ("publish", "sf_trainer_weight_publish_seconds", {"path": "local"}),
+        ("upload", "sf_trainer_weight_publish_seconds", {"path": "store"}),
+        ("checkpoint_stall", "sf_trainer_checkpoint_stall_seconds", {}),
+        ("checkpoint_write", "sf_trainer_checkpoint_seconds", {}),
         ("load", "sf_rollout_weight_load_seconds", {}),
         ("serving", "sf_trainer_weights_serving_seconds", {}),
         ("mismatch", "sf_trainer_mismatch_mean_abs", {}),
     ):
         count = metric_sum(samples, f"{name}_count", **labels)
+        totals[f"{key}_count"] = count
         totals[f"{key}_s_mean"] = metric_sum(samples, f"{name}_sum", **labels) / max(count, 1)
     return totals
 
@@ -426,6 +465,13 @@ def main() -> None:
         help="SeamlessFlow's trainer and engine: a run each",
     )
     parser.add_argument("--placement", default="split", help="SeamlessFlow's [cpus] placement")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["tuned"],
+        choices=sorted(CONFIGS),
+        help="SeamlessFlow's run config: this bench's (with --dtype), a new user's (defaults)",
+    )
     parser.add_argument("--budget-s", type=float, help="SeamlessFlow's wall-clock without TRL")
     parser.add_argument("--cache", type=Path, default=default_state_dir() / "bench" / "trl-venv")
     args = parser.parse_args()
@@ -459,18 +505,36 @@ def main() -> None:
                 row |= r["resources"] | {"accuracy": accuracies[name]}
                 rows.append(row)
                 continue
-            for dtype in args.dtype:
-                name = "seamlessflow" if dtype == "float32" else f"seamlessflow-{dtype}"
+            arms = [(c, d) for c in args.configs for d in (args.dtype if c == "tuned" else [""])]
+            for config, dtype in arms:
+                name = "-".join(
+                    ["seamlessflow"]
+                    + ([config] if config != "tuned" else [])
+                    + ([dtype] if dtype not in ("float32", "") else [])
+                )
                 print(f"  {name} ...", flush=True)
-                (where := Path(keep) / dtype).mkdir()
+                (where := Path(keep) / name).mkdir()
                 r = asyncio.run(
-                    run_seamlessflow(args.steps, args.layout, dtype, args.placement, budget, where)
+                    run_seamlessflow(
+                        args.steps,
+                        args.layout,
+                        dtype,
+                        args.placement,
+                        budget,
+                        where,
+                        CONFIGS[config],
+                    )
                 )
                 m, steps = r["metrics"], max(r["metrics"].get("steps", 0), 1)
                 phases[name] = {
                     "rollout busy (all workers)": m["rollout_busy_s"] / steps,
                     **{f"train {p}": m[f"{p}_s"] / steps for p in PHASES},
+                    "checkpoint (in step)": m["checkpoint_stall_s_mean"]
+                    * m["checkpoint_stall_count"]
+                    / steps,
+                    "checkpoint write (background)": m["checkpoint_write_s_mean"],
                     "weight publish (in step)": m["publish_s_mean"],
+                    "weight upload to the store (background)": m["upload_s_mean"],
                     "weight load (worker)": m["load_s_mean"],
                     "step -> all serving": m["serving_s_mean"],
                 }
