@@ -72,6 +72,7 @@ from common.models import smollm2_model
 from common.paths import default_state_dir
 from rollout.agents import arithmetic
 from rollout.agents.verifiers import last_number
+from rollout.gateway.keys import read_key_file
 from trainer.step import PHASES
 
 TRL = "trl==1.16.0"
@@ -380,11 +381,14 @@ async def _scrape_run(out: Path) -> dict[str, float]:
         groups = json.loads((out / "scrape_targets.json").read_text())
     except (OSError, ValueError):
         return {}
+    key_file = out / "metrics.key"  # the gateway's /metrics wants the run's bearer key
+    key = read_key_file(key_file) if key_file.exists() else None
     samples = []
     for group in groups:
         for target in group["targets"]:
             try:
-                samples += await scrape(f"http://{target}{group['labels']['__metrics_path__']}")
+                url = f"http://{target}{group['labels']['__metrics_path__']}"
+                samples += await scrape(url, key)
             except OSError:
                 continue
     totals = {
