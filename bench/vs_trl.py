@@ -17,8 +17,9 @@ temperature 1, lr 1e-5 (constant), no KL, one optimizer step per batch.
   ``--dtype``) on a broker this script starts. It checkpoints only at stop
   (``trainer.checkpoint_every``), as TRL saves none (``save_strategy="no"``);
 - ``seamlessflow-defaults`` (``--configs defaults``): what a new user gets: the run config sets
-  only the task, the batch and the learning rate (and the model, its engine and the colocated
-  layout); everything else is default, checkpoints every version included. Its clock starts
+  only the task, the batch and the learning rate (and the model, no SFT warm start of this
+  instruct model, its engine and the colocated layout); everything else is default,
+  checkpoints every version included. Its clock starts
   when the scheduler admits the first task (engines loaded, as TRL's model is when ``train()``
   starts) and it is stopped when TRL's budget is spent. The weights it held then are kept (a
   hard link to the trainer's tmpfs copy, no copy).
@@ -199,6 +200,8 @@ run = "{{run}}"
 output_dir = "{{out}}"
 [model]
 name = "smollm2"
+[model.warm_start]
+steps = 0
 [worker.engine]
 kind = "vllm"
 [layout]
