@@ -23,9 +23,14 @@ OpenAI SDK -> gateway -> NATS -> rollout worker subprocess -> engine (b), in one
    and the ratio.
 
 The in-process engine and the worker's engine are both loaded the whole time; each is idle
-while the other variant runs. Load averages before and after are recorded as a noise hint.
+while the other variant runs. Both hf engines run with ``--threads`` torch threads (1, as every
+launcher gives a worker: with torch's default, one per core, each thread of a call stalls
+whenever the broker, the gateway or another process takes a core, and the data plane's own work
+during a call does exactly that), each set on the engine's own thread. Load averages before and
+after are recorded as a noise hint.
 
 Usage: python -m bench.gateway [--engine hf|vllm] [--calls 60] [--sessions 1,4,16] [--turns 8]
+[--threads 1]
 (the defaults take about 1.5 min with hf, 2 min with vllm, on 2 cores).
 Prints a table and writes bench/results/gateway.json (``--stream-interval S``: the worker's
 ``stream_interval_s``, results in gateway-stream<S>.json), which keeps one entry per engine: a run
@@ -136,6 +141,7 @@ class Settings:
     turn_tokens: int
     start_timeout_s: float
     stream_interval_s: float | None  # the worker's [worker] stream_interval_s; None: its default
+    threads: int | None  # both hf engines' [worker.engine] threads; None: torch's default
 
 
 @dataclass(frozen=True)
@@ -478,10 +484,13 @@ async def run_bench(nats_url: str, model: Path, s: Settings, scratch: Path) -> d
         config = scratch / "worker.toml"
         config.write_text(f"[worker]\nstream_interval_s = {s.stream_interval_s}\n")
         args += ["--config", str(config)]
-    # The worker's engine gets torch's default threads, like the in-process one.
+    options = {"threads": s.threads} if s.engine == "hf" else {}
+    if options.get("threads") is not None:
+        args += ["--engine-threads", str(s.threads)]
+    # Both engines get the same threads, set by the engine itself: no OMP_NUM_THREADS.
     worker = worker_process(nats_url, RUN, model, "bench-w1", *args, threads=None)
     try:
-        settings = ENGINE_CONFIGS[s.engine]()
+        settings = ENGINE_CONFIGS[s.engine](**options)
         config = EngineConfig(model=model, max_model_len=s.max_model_len, settings=settings)
         started, ready = await asyncio.gather(
             start_engine(config),
@@ -606,6 +615,13 @@ def parse_args() -> Settings:
     parser.add_argument(
         "--stream-interval", type=float, help="the worker's stream_interval_s (default: its own)"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of both hf engines (1, as every launcher gives a worker; 0: torch's "
+        "default, one per core)",
+    )
     args = parser.parse_args()
     sessions = tuple(int(n) for n in args.sessions.split(",") if n)
     if args.calls < 2 or not sessions or min(sessions) < 1 or args.turns < 1:
@@ -622,6 +638,7 @@ def parse_args() -> Settings:
         turn_tokens=args.turn_tokens,
         start_timeout_s=args.start_timeout,
         stream_interval_s=args.stream_interval,
+        threads=args.threads or None,
     )
 
 
