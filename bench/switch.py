@@ -1,0 +1,211 @@
+"""What a lend and a reclaim cost on a real engine: a colocated worker (``seamlessflow worker``
+tagged ``train,rollout``: its engine and its trainer in one process) switched ``--switches``
+times between ``train`` (lent to the trainer: routing stopped, generations aborted, engine
+paused warm) and ``rollout`` (reclaimed: engine resumed, serving again), as the tag scheduler
+switches it: a ``RoleChangeRequested`` core request per switch, epochs rising.
+
+Per switch, two times:
+
+- **ack**: from the request sent to the worker's ``RoleChangeAcked`` (what the scheduler waits
+  for: the switch, the registry write and the reply);
+- **worker**: the worker's own ``sf_worker_role_switch_seconds`` (request received to working
+  in the new role), read as the histogram's sum over its count per role.
+
+``--load N`` keeps N chat sessions calling the gateway (``--max-tokens`` each) the whole time,
+so a lend aborts generations in flight (the gateway continues them once the worker serves
+again), as it does in a run. No weights change between switches: a reclaim after a real step also
+loads the step's weights (``bench/weights.py`` measures that part).
+
+Usage: python -m bench.switch [--engine hf|vllm] [--model tiny|smollm2] [--switches 50]
+[--load 4]. Prints a table and writes bench/results/switch-<engine>-<model>.json.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+
+from bench.machine import machine
+from bench.output import write_results
+from broker import codec
+from broker.client import session
+from broker.config import EmbeddedBrokerConfig, ProvisionConfig
+from broker.messages import Role, RoleChangeAcked, RoleChangeRequested
+from broker.provision import provision_run
+from broker.server import EmbeddedBroker
+from broker.subjects import SESSION_HEADER, RunNames
+from common.metrics import metric_sum, scrape
+from common.models import resolve_model
+from rollout.gateway import Gateway, GatewayConfig
+from seamlessflow.processes import worker_process
+
+RUN = "bench-switch"
+WORKER = "bench-colocated"
+SERVED = "bench"
+DEADLINE_S = 30.0
+
+
+async def keep_calling(client: openai.AsyncOpenAI, i: int, max_tokens: int, calls: list) -> None:
+    """One session's chat calls, one after another, until cancelled."""
+    n = 0
+    while True:
+        n += 1
+        started = time.perf_counter()
+        await client.chat.completions.create(
+            model=SERVED,
+            messages=[{"role": "user", "content": f"Count from {n} to {n + 20}."}],
+            max_tokens=max_tokens,
+            extra_headers={SESSION_HEADER: f"load-{i}-{n}"},
+        )
+        calls.append(time.perf_counter() - started)
+
+
+async def switch(nc, names: RunNames, role: Role, epoch: int) -> float:
+    request = RoleChangeRequested(
+        worker_id=WORKER,
+        role=role,
+        epoch=epoch,
+        reason="bench",
+        deadline_s=DEADLINE_S,
+        expires_at=time.time() + DEADLINE_S,  # same host: the worker's clock is this one
+    )
+    started = time.perf_counter()
+    reply = await nc.request(names.ctl_role(WORKER), codec.encode(request), timeout=DEADLINE_S)
+    seconds = time.perf_counter() - started
+    ack = codec.decode(RoleChangeAcked, reply.data)
+    if not ack.ok:
+        raise RuntimeError(f"switch to {role.value} (epoch {epoch}) refused: {ack.error}")
+    return seconds
+
+
+def worker_seconds(samples, role: str) -> tuple[float, float]:
+    """The worker's histogram: (sum, count) for ``role``."""
+    name = "sf_worker_role_switch_seconds"
+    picked = [s for s in samples if s.labels.get("role") == role]
+    return metric_sum(picked, f"{name}_sum"), metric_sum(picked, f"{name}_count")
+
+
+async def measure(nats_url: str, model: Path, args: argparse.Namespace) -> dict:
+    names = RunNames(RUN)
+    async with session(nats_url, "bench-provision") as nc:
+        await provision_run(nc.jetstream(), RUN, ProvisionConfig())
+    worker = worker_process(
+        nats_url,
+        RUN,
+        model,
+        WORKER,
+        "--engine",
+        args.engine,
+        "--tags",
+        "train,rollout",
+        "--max-running",
+        "16",
+        threads=None,
+    )
+    await asyncio.to_thread(worker.wait_ready, 900)
+    times: dict[str, list[float]] = {"train": [], "rollout": []}
+    calls: list[float] = []
+    try:
+        config = GatewayConfig(model=SERVED, model_path=model, run=RUN, port=0)
+        async with Gateway(config, nats_url) as gateway, session(nats_url, "bench-sched") as nc:
+            client = openai.AsyncOpenAI(base_url=gateway.url, api_key="x", max_retries=0)
+            load = [
+                asyncio.create_task(keep_calling(client, i, args.max_tokens, calls))
+                for i in range(args.load)
+            ]
+            before = await scrape(worker.metrics_url)
+            epoch = 0
+            for n in range(args.switches):
+                await asyncio.sleep(args.hold_s)  # serving (and generating, with --load)
+                for role in (Role.TRAIN, Role.ROLLOUT):
+                    epoch += 1
+                    times[role.value].append(await switch(nc, names, role, epoch))
+                    if role is Role.TRAIN:
+                        await asyncio.sleep(args.hold_s)  # lent
+                print(
+                    f"\rswitches {n + 1}/{args.switches}: lend {times['train'][-1] * 1e3:.1f} "
+                    f"ms, reclaim {times['rollout'][-1] * 1e3:.1f} ms",
+                    end="",
+                    flush=True,
+                )
+            print()
+            after = await scrape(worker.metrics_url)
+            for task in load:
+                task.cancel()
+            for task in load:
+                with contextlib.suppress(asyncio.CancelledError, openai.APIError):
+                    await task
+    finally:
+        await asyncio.to_thread(worker.stop)
+    result = {"calls_completed": len(calls)}
+    for role, label in (("train", "lend"), ("rollout", "reclaim")):
+        ms = [t * 1e3 for t in times[role]]
+        total, count = (
+            a - b
+            for a, b in zip(worker_seconds(after, role), worker_seconds(before, role), strict=True)
+        )
+        result[label] = {
+            "switches": len(ms),
+            "ack_ms_p50": statistics.median(ms),
+            "ack_ms_p99": _p99(ms),
+            "ack_ms_max": max(ms),
+            "worker_ms_mean": total / count * 1e3 if count else None,
+            "ack_ms": ms,
+        }
+    return result
+
+
+def _p99(values: list[float]) -> float:
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[98]
+        if len(values) > 1
+        else values[0]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--switches", type=int, default=50, help="lend + reclaim pairs")
+    parser.add_argument("--load", type=int, default=4, help="chat sessions calling meanwhile")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--hold-s", type=float, default=1.0, help="in each role between switches")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = resolve_model(args.model)
+    loadavg_before = os.getloadavg()[0]
+    with (
+        tempfile.TemporaryDirectory() as state,
+        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state), insecure=True)) as broker,
+    ):
+        measured = asyncio.run(measure(broker.url, model, args))
+    print(
+        f"\n{args.engine} / {args.model}: {args.switches} lends and reclaims, {args.load} chat "
+        f"sessions generating ({measured['calls_completed']} calls completed)"
+    )
+    print(f"{'switch':>8}{'ack p50 ms':>12}{'ack p99 ms':>12}{'max ms':>9}{'worker mean ms':>16}")
+    for label in ("lend", "reclaim"):
+        m = measured[label]
+        worker = "-" if m["worker_ms_mean"] is None else f"{m['worker_ms_mean']:.1f}"
+        print(
+            f"{label:>8}{m['ack_ms_p50']:>12.1f}{m['ack_ms_p99']:>12.1f}{m['ack_ms_max']:>9.1f}"
+            f"{worker:>16}"
+        )
+    result = {
+        "machine": machine(loadavg_before=loadavg_before),
+        "settings": {**vars(args), "model_path": str(model)},
+        **measured,
+    }
+    path = write_results(f"switch-{args.engine}-{args.model}.json", result)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
