@@ -283,16 +283,22 @@ async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
     versions = [s.version for s in steps]
     assert len(steps) == len(first) + len(second)
     # Consecutive, except where the kill cut a checkpoint's write after its version was
-    # announced: that version is taken, its samples come back and are trained under a new one.
+    # announced: that version is taken, and so is the next one's if it was announced while it
+    # waited for that write (one write in flight). Their samples come back and are trained
+    # under new versions.
     gaps = [b - a for a, b in itertools.pairwise([0, *versions])]
     assert all(g == 1 for g in gaps) or (
-        sorted(gaps)[-2] == 1 and any("versions_lost" in line for line in restarted.output)
+        sorted(gaps)[-2] == 1
+        and sorted(gaps)[-1] <= 3
+        and any("versions_lost" in line for line in restarted.output)
     ), gaps
-    # Every version was announced as a host-local copy; the store got the newest (older ones
-    # may be skipped as superseded), and a version stored twice carries the same content.
+    # Every version number was announced as a host-local copy, the lost ones included; the
+    # store got the newest (older ones may be skipped as superseded), and a version stored
+    # twice carries the same content.
     await eventually(lambda: published and published[-1].version == versions[-1])
     await eventually(lambda: published[-1].host is None)
-    assert sorted({e.version for e in published if e.host == host_id()}) == versions
+    local = sorted({e.version for e in published if e.host == host_id()})
+    assert local == list(range(1, versions[-1] + 1)), (local, versions)
     by_version: dict[int, set[str]] = {}
     for e in published:
         if e.host is None:
