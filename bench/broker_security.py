@@ -21,14 +21,13 @@ bench/results/broker_security.json.
 
 import argparse
 import asyncio
-import statistics
 import tempfile
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 from bench.machine import machine
-from bench.output import write_results
+from bench.output import percentile, write_results
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
 from broker.permissions import Principal
@@ -108,13 +107,9 @@ async def bench(rounds: int) -> dict:
     return _summary(times, rounds)
 
 
-def _q(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-
 def _summary(times: dict, rounds: int) -> dict:
     summary = {
-        v: {hop: {"p50": _q(ms, 50), "p99": _q(ms, 99)} for hop, ms in hops.items()}
+        v: {hop: {"p50": percentile(ms, 50), "p99": percentile(ms, 99)} for hop, ms in hops.items()}
         for v, hops in times.items()
     }
     added = {}

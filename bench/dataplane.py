@@ -11,19 +11,16 @@ Prints a table and writes bench/results/dataplane.json.
 
 import argparse
 import asyncio
-import tempfile
 import time
-from pathlib import Path
 
 from bench.machine import machine
-from bench.output import write_results
+from bench.output import bench_broker, write_results
 from broker import codec
 from broker.client import session
-from broker.config import EmbeddedBrokerConfig, ProvisionConfig
+from broker.config import ProvisionConfig
 from broker.ingress import tasks_ingress
 from broker.messages import CallRecorded, TaskSubmitted, TokensGenerated
 from broker.provision import provision_run
-from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
 from seamlessflow.submit import submit_tasks
 
@@ -134,10 +131,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=2000)
     args = parser.parse_args()
     codec_rows = bench_codec()
-    with (
-        tempfile.TemporaryDirectory() as state,
-        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state), insecure=True)) as broker,
-    ):
+    with bench_broker() as broker:
         plane = asyncio.run(bench_dataplane(broker.url, args.tasks))
         server = ".".join(map(str, broker.version))
 

@@ -61,7 +61,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from bench.machine import machine
-from bench.output import RESULTS, write_results
+from bench.output import RESULTS, percentile, write_results
 from broker import codec
 from broker.client import session
 from broker.config import EmbeddedBrokerConfig, ProvisionConfig
@@ -392,7 +392,7 @@ async def bench_latency(
         raw[f"hop_{hop}_ms"] = _minus(raw[b], raw[a])
     raw["auth_call_ms"] = _minus(raw["http_keyed_ms"], raw["http_ms"])
     raw["auth_models_ms"] = _minus(raw["models_keyed_ms"], raw["models_ms"])
-    summary = {key: {q: _pct(v, q) for q in QUANTILES} for key, v in raw.items()}
+    summary = {key: {q: percentile(v, q) for q in QUANTILES} for key, v in raw.items()}
     for name, a, b in (
         ("overhead", "engine_ms", "plane_ms"),
         ("ttft_overhead", "engine_ttft_ms", "plane_stream_ttft_ms"),
@@ -459,12 +459,6 @@ async def bench_throughput(
         "engine_tok_s": engine_tokens / engine_s,
         "plane_over_engine": (plane_tokens / plane_s) / (engine_tokens / engine_s),
     }
-
-
-def _pct(values: list[float], q: int) -> float:
-    if q == 50:
-        return statistics.median(values)
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def _minus(b: list[float], a: list[float]) -> list[float]:

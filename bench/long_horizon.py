@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,13 +31,12 @@ import openai
 from nats.js.errors import NotFoundError
 
 from bench.machine import machine
-from bench.output import write_results
+from bench.output import bench_broker, percentile, write_results
 from broker import codec
 from broker.client import session
-from broker.config import EmbeddedBrokerConfig, ProvisionConfig
+from broker.config import ProvisionConfig
 from broker.messages import CallRecorded
 from broker.provision import provision_run
-from broker.server import EmbeddedBroker
 from broker.subjects import SESSION_HEADER, RunNames
 from common.metrics import metric_sum, scrape
 from common.models import resolve_model
@@ -166,7 +164,7 @@ async def measure(nats_url: str, model: Path, args: argparse.Namespace) -> dict:
                 "turn": t + 1,
                 "calls": len(latency),
                 "latency_ms_p50": statistics.median(latency),
-                "latency_ms_p99": _p99(latency),
+                "latency_ms_p99": percentile(latency, 99),
                 "prompt_tokens": statistics.mean(prompt),
                 "reusable_tokens": statistics.mean(reusable),
                 "new_tokens": statistics.mean(prompt) - statistics.mean(reusable),
@@ -182,10 +180,6 @@ async def measure(nats_url: str, model: Path, args: argparse.Namespace) -> dict:
     }
 
 
-def _p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
@@ -197,10 +191,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = resolve_model(args.model)
     loadavg_before = os.getloadavg()[0]
-    with (
-        tempfile.TemporaryDirectory() as state,
-        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state), insecure=True)) as broker,
-    ):
+    with bench_broker() as broker:
         measured = asyncio.run(measure(broker.url, model, args))
     print(
         f"engine {args.engine}: {args.games} games x {args.turns} turns, "

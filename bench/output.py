@@ -1,7 +1,15 @@
-"""Where every bench script writes its JSON results: ``bench/results/<name>``."""
+"""What every bench script shares: where it writes its JSON results (``bench/results/<name>``),
+the throwaway broker it runs on, and how it reads a percentile."""
 
 import json
+import statistics
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from broker.config import EmbeddedBrokerConfig
+from broker.server import EmbeddedBroker
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -12,3 +20,21 @@ def write_results(name: str, result: dict) -> Path:
     path = RESULTS / name
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
+
+
+@contextmanager
+def bench_broker() -> Iterator[EmbeddedBroker]:
+    """An embedded broker without auth, its store in a temporary folder removed afterwards."""
+    with (
+        tempfile.TemporaryDirectory() as state,
+        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state), insecure=True)) as broker,
+    ):
+        yield broker
+
+
+def percentile(values: list[float], q: int) -> float:
+    """The ``q``-th percentile of ``values``, interpolated within their range (q=50: the
+    median); one value is every percentile of itself."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]

@@ -25,20 +25,18 @@ import asyncio
 import contextlib
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import openai
 
 from bench.machine import machine
-from bench.output import write_results
+from bench.output import bench_broker, percentile, write_results
 from broker import codec
 from broker.client import session
-from broker.config import EmbeddedBrokerConfig, ProvisionConfig
+from broker.config import ProvisionConfig
 from broker.messages import Role, RoleChangeAcked, RoleChangeRequested
 from broker.provision import provision_run
-from broker.server import EmbeddedBroker
 from broker.subjects import SESSION_HEADER, RunNames
 from common.metrics import metric_sum, scrape
 from common.models import resolve_model
@@ -153,20 +151,12 @@ async def measure(nats_url: str, model: Path, args: argparse.Namespace) -> dict:
         result[label] = {
             "switches": len(ms),
             "ack_ms_p50": statistics.median(ms),
-            "ack_ms_p99": _p99(ms),
+            "ack_ms_p99": percentile(ms, 99),
             "ack_ms_max": max(ms),
             "worker_ms_mean": total / count * 1e3 if count else None,
             "ack_ms": ms,
         }
     return result
-
-
-def _p99(values: list[float]) -> float:
-    return (
-        statistics.quantiles(values, n=100, method="inclusive")[98]
-        if len(values) > 1
-        else values[0]
-    )
 
 
 def main() -> None:
@@ -181,10 +171,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = resolve_model(args.model)
     loadavg_before = os.getloadavg()[0]
-    with (
-        tempfile.TemporaryDirectory() as state,
-        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state), insecure=True)) as broker,
-    ):
+    with bench_broker() as broker:
         measured = asyncio.run(measure(broker.url, model, args))
     print(
         f"\n{args.engine} / {args.model}: {args.switches} lends and reclaims, {args.load} chat "

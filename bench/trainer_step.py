@@ -57,12 +57,10 @@ import torch
 from prometheus_client import CollectorRegistry, Histogram
 
 from bench.machine import machine
-from bench.output import write_results
+from bench.output import bench_broker, write_results
 from broker.client import session
-from broker.config import EmbeddedBrokerConfig
 from broker.messages import SampleReady, SamplingParams
 from broker.provision import provision_run
-from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from broker.weights import LOCAL_BLOB, announce_local, local_folder, publish_weights
 from common.models import load_tokenizer, resolve_model
@@ -312,10 +310,7 @@ def main() -> None:
     model = resolve_model(args.model)
     if args.commit:
         groups = asyncio.run(generate(model, Precision.FLOAT32, args.seed, args.max_new))
-        with (
-            tempfile.TemporaryDirectory() as state,
-            EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state), insecure=True)) as broker,
-        ):
+        with bench_broker() as broker:
             runs = asyncio.run(commit_path(model, groups, args.rounds, broker.url))
         result = {"machine": machine(threads=args.threads), "model": str(model), "runs": runs}
         result["table"] = show_commit(runs)

@@ -39,12 +39,10 @@ import torch
 from safetensors.torch import load_file
 
 from bench.machine import machine
-from bench.output import write_results
+from bench.output import bench_broker, write_results
 from broker.client import session
-from broker.config import EmbeddedBrokerConfig
 from broker.messages import WeightsPublished
 from broker.provision import provision_run
-from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from broker.weights import (
     DEFAULT_CHUNK_BYTES,
@@ -262,10 +260,7 @@ def main() -> None:
         "paths": (paths, _print_paths, "weights-paths.json"),
         "readers": (bench, _print_readers, "weights.json"),
     }[args.mode]
-    with (
-        tempfile.TemporaryDirectory() as state,
-        EmbeddedBroker(EmbeddedBrokerConfig(state_dir=Path(state), insecure=True)) as broker,
-    ):
+    with bench_broker() as broker:
         rows = asyncio.run(run(broker.url, args.sizes_mb, args.rounds))
         server = ".".join(map(str, broker.version))
     show(rows)
