@@ -155,6 +155,14 @@ json.dump({{"step_seconds": timer.steps, "generation_seconds": generation,
            "wall_s": ended - began}}, open(out, "w"))
 """
 
+TASKS_TOML = f"""[tasks]
+max_operand = {MAX_OPERAND}
+group_size = {GROUP}
+max_turns = 1
+max_tokens = {NEW_TOKENS}
+"""
+"""The task both configs train on: the same in each."""
+
 RUN_TOML = f"""
 run = "{{run}}"
 output_dir = "{{out}}"
@@ -172,12 +180,7 @@ dtype = "{{dtype}}"
 kind = "{{layout}}"
 [cpus]
 placement = "{{placement}}"
-[tasks]
-max_operand = {MAX_OPERAND}
-group_size = {GROUP}
-max_turns = 1
-max_tokens = {NEW_TOKENS}
-backlog = {PROMPTS}
+{TASKS_TOML}backlog = {PROMPTS}
 [scheduler]
 steps_ahead = 2
 [agents]
@@ -206,12 +209,7 @@ steps = 0
 kind = "vllm"
 [layout]
 kind = "colocated"
-[tasks]
-max_operand = {MAX_OPERAND}
-group_size = {GROUP}
-max_turns = 1
-max_tokens = {NEW_TOKENS}
-[trainer]
+{TASKS_TOML}[trainer]
 lr = {LR}
 groups_per_step = {PROMPTS}
 [stop]
