@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 
+from emulation.sim.measure import quantile
 from emulation.workload import (
     AgentModel,
     EngineCost,
@@ -18,18 +19,13 @@ from emulation.workload import (
 )
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def test_lengths_are_lognormal_with_the_stated_tail_before_the_cap():
     model = LengthModel(median=100, sigma=0.99, cap=10**9, group_corr=0.0)
     rng = random.Random(1)
     xs = [x for _ in range(5000) for x in model.sample_group(rng, 8)]
     median = statistics.median(xs)
     assert median == pytest.approx(100, rel=0.05)
-    assert _quantile(xs, 0.99) / median == pytest.approx(math.exp(2.326 * 0.99), rel=0.12)
+    assert quantile(xs, 0.99) / median == pytest.approx(math.exp(2.326 * 0.99), rel=0.12)
 
 
 def test_the_cap_holds_and_carries_the_tail_mass():
