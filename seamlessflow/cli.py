@@ -23,6 +23,7 @@ from common.exceptions import SeamlessFlowError
 from common.log import setup_logging
 from common.models import MODELS  # cheap: torch is imported inside its functions
 from common.ready import claim_handshake
+from emulation import plan
 from rollout.gateway.config import ToolSettings
 from seamlessflow import services
 from seamlessflow.config import DEFAULT_RUN, load_config, override, read_table
@@ -182,6 +183,10 @@ def _add_tools(sub) -> None:
     p.add_argument("--targets", type=Path, required=True, help="the run's scrape_targets.json")
     p.add_argument("--started", type=float, required=True, help="when the run started (Unix time)")
     p.add_argument("--stopped-by", default="a report of the live run", help="why it ends now")
+    p = sub.add_parser(
+        "plan", help="recommend a layout, split and staleness from a run's summary (simulated)"
+    )
+    plan.add_arguments(p)
     p = sub.add_parser("schema", help="wire schemas")
     schema_sub = p.add_subparsers(dest="schema_command", required=True)
     e = schema_sub.add_parser("export", help="write a JSON Schema file per message")
@@ -446,6 +451,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "dead-letters": lambda args: asyncio.run(_dead_letters(args)),
     "export": _export,
     "report": _report,
+    "plan": plan.main,
     "schema": _schema,
     "worker": services.worker,
     "gateway": services.gateway,

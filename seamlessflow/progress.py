@@ -18,6 +18,9 @@ TOKENS_WINDOW_S = 10.0
 """Tokens per second are averaged over this window."""
 REWARD_WINDOW = 64
 """The progress line's reward mean is over this many latest sessions."""
+CALL_SPANS = 100_000
+"""The summary's engine costs (``seamlessflow.report.run_costs``) are read from this many latest
+calls."""
 TOOL_CALLS = "tool_calls"
 """The ``SessionEnded`` metric that counts a session's tool calls (``rollout.agents.calculator``,
 the framework examples)."""
@@ -52,14 +55,24 @@ class RunStats:
     _tool_calls: dict[str, float] = field(default_factory=dict)
     """Tool calls of ended sessions whose sample has not arrived yet."""
     _tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    call_spans: deque[tuple[str, float, float, int]] = field(
+        default_factory=lambda: deque(maxlen=CALL_SPANS)
+    )
+    """``(session_id, started_at, finished_at, output tokens)`` of the latest calls."""
+    versions_at: list[tuple[int, float]] = field(default_factory=list)
+    """``(version, when it was first announced)``."""
 
     def on_weights(self, event: WeightsPublished, now: float) -> None:
+        if event.version > self.version:
+            self.versions_at.append((event.version, now))
         self.version = max(self.version, event.version)
 
     def on_call(self, call: CallRecorded, now: float) -> None:
         self.calls += 1
         self.generated_tokens += len(call.output_ids)
         self._tokens.append((now, len(call.output_ids)))
+        spans = (call.session_id, call.started_at, call.finished_at, len(call.output_ids))
+        self.call_spans.append(spans)
 
     def on_end(self, ended: SessionEnded, now: float) -> None:
         if TOOL_CALLS in ended.metrics:  # its sample comes after (the trajectory manager's)

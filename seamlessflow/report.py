@@ -9,6 +9,8 @@ trainer's and schedulers' numbers from their /metrics.
 """
 
 import json
+import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,6 +71,9 @@ class RunSummary:
     """Which node ran what, at the end: node -> its parts (``node_parts``)."""
     scheduler_lease: str | None = None
     """The scheduler holding the run's lease at the end (the others stood by)."""
+    costs: dict[str, Any] = field(default_factory=dict)
+    """The run's shape and what its calls cost (``run_costs``): with ``trainer`` and
+    ``scheduler``, what ``seamlessflow plan`` fits the simulator to."""
 
 
 def benchmark_only(config: RunConfig) -> dict[str, str]:
@@ -88,6 +93,7 @@ TRAINER_MEANS = {
     "optimizer step -> all workers serving, seconds (mean)": "sf_trainer_weights_serving_seconds",
     "|behaviour - proximal| logprob, same version (mean)": "sf_trainer_mismatch_mean_abs",
     "versions from admission stamp to oldest token (mean)": "sf_trainer_admission_stamp_gap",
+    "checkpoint stall seconds (mean)": "sf_trainer_checkpoint_stall_seconds",
 }
 
 
@@ -99,6 +105,15 @@ def trainer_report(samples: list[Sample]) -> dict[str, float]:
         count = metric_sum(samples, f"{name}_count")
         if count:
             report[label] = metric_sum(samples, f"{name}_sum") / count
+    publish = "sf_trainer_weight_publish_seconds"
+    if count := metric_sum(samples, f"{publish}_count", path="local"):
+        in_step = metric_sum(samples, f"{publish}_sum", path="local") / count
+        report["weight publish seconds, in the step (mean)"] = in_step
+    report["steps"] = metric_sum(samples, "sf_trainer_steps_total")
+    report["loss tokens"] = metric_sum(samples, "sf_trainer_tokens_total")
+    for s in samples:
+        if s.name == "sf_trainer_phase_seconds_total":
+            report[f"phase seconds: {s.labels['phase']}"] = s.value
     for s in samples:
         if s.name == "sf_trainer_samples_total":
             report[f"samples {s.labels['outcome']}"] = s.value
@@ -247,6 +262,7 @@ def summarize(
         benchmark_only=benchmark_only(config),
         nodes=nodes,
         scheduler_lease=scheduler_lease,
+        costs=run_costs(config, stats),
     )
     out.mkdir(parents=True, exist_ok=True)
     Path(summary.summary_path).write_text(json.dumps(asdict(summary), indent=2) + "\n")
@@ -254,6 +270,66 @@ def summarize(
         curve, Path(summary.curve_path), title=f"seamlessflow run {config.run!r}", tools=tools
     )
     return summary
+
+
+def run_costs(config: RunConfig, stats: RunStats) -> dict[str, Any]:
+    """The run's shape (layout, workers, batch, admission and staleness bounds, the answer's
+    token cap), its seconds per step after the first quarter of its steps (start-up left out),
+    and its calls as the engines saw them: tokens per call (median and the standard
+    deviation of their log), the mean gap between a session's calls (the environment's
+    latency), and ``engine load``: ``[calls in flight, seconds, tokens]`` per level of
+    concurrency, over the latest ``progress.CALL_SPANS`` calls (a call's tokens spread evenly
+    over its duration)."""
+    spans = [(sid, start, end, n) for sid, start, end, n in stats.call_spans if end > start]
+    lengths = [n for *_, n in spans if n > 0]
+    logs = [math.log(n) for n in lengths]
+    gaps, last_end = [], {}
+    for sid, start, end, _ in sorted(spans, key=lambda span: span[1]):
+        if sid in last_end:
+            gaps.append(max(0.0, start - last_end[sid]))
+        last_end[sid] = end
+    return {
+        "layout": str(config.layout.kind),
+        "rollout workers": config.rollout.workers,
+        "group size": config.tasks.group_size,
+        "groups per step": config.trainer.groups_per_step,
+        "steps ahead": config.scheduler.steps_ahead,
+        "max staleness": config.trainer.max_staleness,
+        "max tokens": config.tasks.max_tokens,
+        "step seconds (steady)": steady_step_s(stats.versions_at),
+        "calls per sample": stats.calls / stats.samples if stats.samples else None,
+        "call tokens median": statistics.median(lengths) if lengths else None,
+        "call tokens log sd": statistics.pstdev(logs) if logs else None,
+        "environment latency seconds (mean)": statistics.fmean(gaps) if gaps else None,
+        "engine load": engine_load([(start, end, n) for _, start, end, n in spans]),
+    }
+
+
+def steady_step_s(versions_at: list[tuple[int, float]]) -> float | None:
+    """Seconds per version between the first quarter's last announcement and the last one."""
+    if len(versions_at) < 4:
+        return None
+    (v0, t0), (v1, t1) = versions_at[len(versions_at) // 4 - 1], versions_at[-1]
+    return (t1 - t0) / (v1 - v0)
+
+
+def engine_load(spans: list[tuple[float, float, int]]) -> list[list[float]]:
+    """``[calls in flight, seconds, tokens]`` per level of concurrency, from ``(started,
+    finished, tokens)`` calls whose tokens come at an even rate over their duration."""
+    events = []
+    for start, end, n in spans:
+        rate = n / (end - start)
+        events += [(start, 1, rate), (end, -1, -rate)]
+    events.sort()
+    levels: dict[int, list[float]] = {}
+    calls, rate, before = 0, 0.0, None
+    for t, step, change in events:
+        if calls and before is not None and t > before:
+            level = levels.setdefault(calls, [0.0, 0.0])
+            level[0] += t - before
+            level[1] += rate * (t - before)
+        calls, rate, before = calls + step, rate + change, t
+    return [[k, round(s, 4), round(n, 2)] for k, (s, n) in sorted(levels.items())]
 
 
 def mean_over(points: list[tuple[int, float, int]]) -> float | None:

@@ -1,0 +1,181 @@
+"""``seamlessflow plan``: the simulator fitted to a real short run's summary.
+
+The run is a real ``seamlessflow run`` (its own embedded broker, real scheduler, gateway,
+trajectory manager, agents and trainer) on the emulated engine and trainer backend, whose costs
+are known: the fit must find them again in the summary the run wrote."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from emulation.plan import Fit, PlanError, fit, load_summary, sweep
+from emulation.sim import Arm
+from emulation.workload import EngineCost, TrainerCost
+from tests.test_cli import NO_TORCH
+
+ENGINE = EngineCost(a_s=0.02, b_s=0.004, prefill_s_per_token=0.0, max_batch=16)
+TRAINER_S = 0.3
+WEIGHT_SYNC_S = 0.2
+RUN = {
+    "run": "plan-fit",
+    "model": {"warm_start": {"steps": 0}},
+    "rollout": {"workers": 1},
+    "cpus": {"placement": "none"},
+    "worker": {
+        "engine": {
+            "kind": "emulated",
+            "workload": {
+                "lengths": {"median": 12, "sigma": 0.5, "cap": 32},
+                "engine": dataclasses.asdict(ENGINE),
+                "weight_sync_s": WEIGHT_SYNC_S,
+            },
+        }
+    },
+    "trainer": {
+        "groups_per_step": 2,
+        "max_staleness": 1,
+        "backend": {
+            "kind": "emulated",
+            "workload": {"trainer": {"a_s": TRAINER_S, "s_per_token": 0.0}},
+        },
+    },
+    "tasks": {"group_size": 4, "max_tokens": 32, "backlog": 4},
+    "layout": {"kind": "disaggregated"},
+    "stop": {"max_steps": 6, "max_seconds": 90},
+}
+"""A short disaggregated run on the emulated parts: known engine, trainer and weight costs (the
+trainer's step a fixed ``TRAINER_S``: its per-token part is 0)."""
+
+
+def plan(*args: str, hook: Path) -> subprocess.CompletedProcess:
+    """``seamlessflow plan`` where torch, transformers and vllm cannot be imported (``hook``: a
+    folder for the ``sitecustomize`` that hides them): it needs none of them."""
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(NO_TORCH)
+    return subprocess.run(
+        [sys.executable, "-m", "seamlessflow.cli", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(hook)},
+    )
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real short run on the emulated parts, its summary.json."""
+    tmp = tmp_path_factory.mktemp("plan")
+    config = tmp / "run.toml"
+    config.write_text(tomli_w.dumps({**RUN, "output_dir": str(tmp / "out")}))
+    done = subprocess.run(
+        [sys.executable, "-m", "seamlessflow.cli", "run", str(config)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return tmp / "out" / "summary.json"
+
+
+@pytest.fixture(scope="module")
+def fitted(summary: Path) -> Fit:
+    return fit(load_summary(summary), str(summary))
+
+
+@pytest.mark.newest_nats
+@pytest.mark.timeout(300)
+def test_the_fit_finds_the_emulated_costs_in_a_real_runs_summary(summary: Path, fitted: Fit):
+    costs = json.loads(summary.read_text())["costs"]
+    assert costs["layout"] == "disaggregated" and costs["engine load"]
+    w = fitted.workload
+    assert (fitted.arm, fitted.devices, fitted.trainer_devices) == (Arm.PARTIAL_ROLLOUT, 2, 1)
+    assert (w.group_size, w.groups_per_step, w.agent.turns) == (4, 2, 2)
+    # The engine: its iteration cost at the batches where the run made most of its tokens,
+    # within 35% (the calls' times include the gateway's and the agent's own, and the weight
+    # loads' pauses, on a shared machine).
+    tokens = sum(n for *_, n in costs["engine load"])
+    for k, _, n in costs["engine load"]:
+        if n > 0.1 * tokens:
+            true = ENGINE.iteration_s(k)
+            assert 0.65 * true < w.engine.iteration_s(k) < 1.35 * true, (k, w.engine)
+    # The trainer: a step of the run's tokens costs what the backend sleeps, plus the step's own
+    # path (publish, bookkeeping) on this machine.
+    assert TRAINER_S <= w.trainer.step_s(100) < TRAINER_S + 0.3
+    assert WEIGHT_SYNC_S * 0.9 <= w.weight_sync_s < WEIGHT_SYNC_S + 0.5
+    assert any("switch" in note for note in fitted.assumed)  # no lend in a disaggregated run
+
+
+@pytest.mark.newest_nats
+@pytest.mark.timeout(300)
+def test_plan_prints_a_table_and_a_recommendation_and_plots(summary: Path, tmp_path: Path):
+    png = tmp_path / "plan.png"
+    done = plan(
+        str(summary), "--devices", "3", "--max-staleness", "1", "--plot", str(png), hook=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("layout "))
+    assert "samples/s" in lines[header] and "idle" in lines[header]
+    rows = lines[header + 1 : next(i for i, x in enumerate(lines) if x.startswith("recommended"))]
+    arms = {row.split()[1] for row in rows}
+    assert {"sync_colocated", "partial_rollout", "multiplexed"} <= arms
+    (rec,) = [x for x in lines if x.startswith("recommended: [layout] kind = ")]
+    assert "samples/s" in rec and "staleness" in rec
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.newest_nats
+@pytest.mark.timeout(300)
+def test_predictions_follow_the_costs(fitted: Fit):
+    w = fitted.workload
+    slower = dataclasses.replace(w, trainer=TrainerCost(w.trainer.a_s * 4 + 1.0, 1e-3))
+    for arm in (Arm.PARTIAL_ROLLOUT, Arm.SYNC_COLOCATED):
+        (base,) = [c for c in sweep(w, 2, 0, 10) if c.arm is arm]
+        (slow,) = [c for c in sweep(slower, 2, 0, 10) if c.arm is base.arm]
+        assert slow.s_per_step > base.s_per_step
+    small, large = sweep(w, 2, 1, 10), sweep(w, 6, 1, 10)
+    for arm in (Arm.SYNC_COLOCATED, Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED):
+        best_small = max(c.samples_per_s for c in small if c.arm is arm)
+        best_large = max(c.samples_per_s for c in large if c.arm is arm)
+        assert best_large >= best_small * 0.999, arm
+
+
+def test_bad_input_is_a_clear_error_and_a_nonzero_exit(tmp_path: Path):
+    missing = tmp_path / "none.json"
+    done = plan(str(missing), hook=tmp_path)
+    assert done.returncode == 2 and "cannot read" in done.stderr and str(missing) in done.stderr
+    assert "Traceback" not in done.stderr
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("not json")
+    done = plan(str(garbage), hook=tmp_path)
+    assert done.returncode == 2 and "is not JSON" in done.stderr, done.stderr
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"steps": 3, "trainer": {}, "scheduler": {}}))
+    done = plan(str(old), hook=tmp_path)
+    assert done.returncode == 2 and "no 'costs' section" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_missing_cost_is_named_with_its_file_and_section():
+    summary = {
+        "seconds": 10.0,
+        "trainer": {"steps": 2, "step seconds (mean)": 0.5, "loss tokens": 100.0},
+        "scheduler": {},
+        "costs": {"layout": "disaggregated"},
+    }
+    with pytest.raises(PlanError, match=r"run\.json \[trainer\] has no 'phase seconds: proximal'"):
+        fit(summary, "run.json")
+    for phase in ("proximal", "reference", "forward", "backward"):
+        summary["trainer"][f"phase seconds: {phase}"] = 0.1
+    with pytest.raises(PlanError, match=r"run\.json \[costs\] has no 'rollout workers'"):
+        fit(summary, "run.json")
+    summary["costs"]["layout"] = "sideways"
+    with pytest.raises(PlanError, match="'sideways': not one of"):
+        fit(summary, "run.json")
