@@ -3,9 +3,10 @@
 ``fit`` reads what a run measured (its ``summary.json``: the trainer's and scheduler's numbers
 and ``costs``, see ``seamlessflow.report.run_costs``) into the simulator's ``Workload``:
 
-- **engine** (``EngineCost.a_s``, ``b_s``): per level of calls in flight ``k``, the run's
-  engines made ``tokens`` in ``seconds``; a decode iteration at ``k / engines`` residents per
-  engine took ``k * seconds / tokens`` (each resident call gains a token an iteration). A line
+- **engine** (``EngineCost.a_s``, ``b_s``): per level of calls in flight per serving engine
+  (``batch``), the run's engines made ``tokens`` in ``seconds`` (the trainer's steps and the
+  weight loads left out where they stop engines: ``seamlessflow.report.engine_load``); a
+  decode iteration of ``batch`` residents took ``batch * seconds / tokens``. A line
   through those points, weighted by tokens (prefill and queueing folded in: the cost as the
   calls saw it);
 - **trainer** (``TrainerCost``): the per-token part from the phases that scale with tokens
@@ -15,7 +16,8 @@ and ``costs``, see ``seamlessflow.report.run_costs``) into the simulator's ``Wor
   in the trainer's step;
 - **switch**: the scheduler's mean lend and reclaim seconds (a run without lends has none: the
   scheduler's own assumption, ``SchedulerConfig.switch_cost_s``, stands in, and says so);
-- **shape and lengths**: group size, groups per step, turns (calls per sample), tokens per call
+- **shape and lengths**: group size, groups per step, turns (calls per sample, rounded; the
+  median tokens per call scaled so that a sample has the tokens its calls had), tokens per call
   (lognormal: median and log sd, capped at the answer's ``max tokens``), the mean gap between a
   session's calls as the environment's latency.
 
@@ -159,16 +161,16 @@ def fit(summary: dict[str, Any], source: str = "the summary") -> Fit:
     workers = _need(costs, "rollout workers", at["costs"])
     arm = ARM_OF[layout]
     devices = max(1, workers) if arm is Arm.SYNC_COLOCATED else workers + 1
-    engine = fit_engine(_need(costs, "engine load", at["costs"]), max(1, workers), at["costs"])
-    cap = _need(costs, "max tokens", at["costs"])
-    lengths = LengthModel(
-        median=max(1.0, _need(costs, "call tokens median", at["costs"])),
+    engine = fit_engine(_need(costs, "engine load", at["costs"]), at["costs"])
+    calls = _need(costs, "calls per sample", at["costs"])
+    turns = max(1, round(calls))
+    lengths = LengthModel(  # whole turns: the tokens of a sample's calls spread over them
+        median=max(1.0, _need(costs, "call tokens median", at["costs"]) * calls / turns),
         sigma=_need(costs, "call tokens log sd", at["costs"]),
-        cap=cap,
+        cap=_need(costs, "max tokens", at["costs"]),
     )
     agent = AgentModel(
-        turns=max(1, round(_need(costs, "calls per sample", at["costs"]))),
-        env_latency_s=costs.get("environment latency seconds (mean)") or 0.0,
+        turns=turns, env_latency_s=costs.get("environment latency seconds (mean)") or 0.0
     )
     workload = Workload(
         lengths=lengths,
@@ -203,13 +205,13 @@ def _switch_s(scheduler: dict[str, Any]) -> float | None:
     return total / count if count else None
 
 
-def fit_engine(load: list[list[float]], engines: int, where: str) -> EngineCost:
-    """``a + b * batch`` through the run's ``[calls in flight, seconds, tokens]`` levels: at
-    ``k`` calls over ``engines`` engines, an iteration of ``k / engines`` residents took ``k *
-    seconds / tokens``. Least squares weighted by tokens (where the run did its generating: the
-    thin levels of a step's ramp and tail also hold the weight loads' pauses and the hops to and
-    from the engine, which the simulator counts apart), with ``a > 0`` and ``b >= 0``."""
-    points = [(k / engines, k * s / n, n) for k, s, n in load if s > 0 and n > 0]
+def fit_engine(load: list[list[float]], where: str) -> EngineCost:
+    """``a + b * batch`` through the run's ``[calls per serving engine, seconds, tokens]``
+    levels: an iteration of ``batch`` residents took ``batch * seconds / tokens`` (every
+    resident gains a token an iteration). Least squares weighted by tokens (where the run did
+    its generating; the thin levels of a step's ramp and tail are mostly the hops to and from
+    the engine), with ``a > 0`` and ``b >= 0``."""
+    points = [(x, x * s / n, n) for x, s, n in load if s > 0 and n > 0]
     if not points:
         raise PlanError(f"{where} 'engine load' has no calls that generated tokens")
     w = sum(n for *_, n in points)

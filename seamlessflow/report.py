@@ -8,10 +8,12 @@ the weights stream, each part's node from the scrape targets and the worker regi
 trainer's and schedulers' numbers from their /metrics.
 """
 
+import bisect
 import json
 import math
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from seamlessflow.config import RunConfig
 from seamlessflow.export import Collected, read_source, sources
 from seamlessflow.progress import RunStats
 from tagsched.lease import lease_holder
+from tagsched.spec import Layout
 
 EDGE = 10
 """The summary compares the mean reward of the first and the last this-many policy versions."""
@@ -262,7 +265,7 @@ def summarize(
         benchmark_only=benchmark_only(config),
         nodes=nodes,
         scheduler_lease=scheduler_lease,
-        costs=run_costs(config, stats),
+        costs=run_costs(config, stats, trainer),
     )
     out.mkdir(parents=True, exist_ok=True)
     Path(summary.summary_path).write_text(json.dumps(asdict(summary), indent=2) + "\n")
@@ -272,14 +275,14 @@ def summarize(
     return summary
 
 
-def run_costs(config: RunConfig, stats: RunStats) -> dict[str, Any]:
+def run_costs(config: RunConfig, stats: RunStats, trainer: dict[str, float]) -> dict[str, Any]:
     """The run's shape (layout, workers, batch, admission and staleness bounds, the answer's
     token cap), its seconds per step after the first quarter of its steps (start-up left out),
     and its calls as the engines saw them: tokens per call (median and the standard
     deviation of their log), the mean gap between a session's calls (the environment's
-    latency), and ``engine load``: ``[calls in flight, seconds, tokens]`` per level of
-    concurrency, over the latest ``progress.CALL_SPANS`` calls (a call's tokens spread evenly
-    over its duration)."""
+    latency), and ``engine load`` (``engine_load``: resident calls per engine, seconds and
+    tokens, over the latest ``progress.CALL_SPANS`` calls, leaving out what ``trainer``'s
+    timing says the engines did not serve)."""
     spans = [(sid, start, end, n) for sid, start, end, n in stats.call_spans if end > start]
     lengths = [n for *_, n in spans if n > 0]
     logs = [math.log(n) for n in lengths]
@@ -301,7 +304,11 @@ def run_costs(config: RunConfig, stats: RunStats) -> dict[str, Any]:
         "call tokens median": statistics.median(lengths) if lengths else None,
         "call tokens log sd": statistics.pstdev(logs) if logs else None,
         "environment latency seconds (mean)": statistics.fmean(gaps) if gaps else None,
-        "engine load": engine_load([(start, end, n) for _, start, end, n in spans]),
+        "engine load": engine_load(
+            [(start, end, n) for _, start, end, n in spans],
+            config.rollout.workers + USUAL_ENGINES[config.layout.kind],
+            serving_windows(config.layout.kind, config.rollout.workers, stats.versions_at, trainer),
+        ),
     }
 
 
@@ -313,23 +320,78 @@ def steady_step_s(versions_at: list[tuple[int, float]]) -> float | None:
     return (t1 - t0) / (v1 - v0)
 
 
-def engine_load(spans: list[tuple[float, float, int]]) -> list[list[float]]:
-    """``[calls in flight, seconds, tokens]`` per level of concurrency, from ``(started,
-    finished, tokens)`` calls whose tokens come at an even rate over their duration."""
+def serving_windows(
+    layout: Layout, workers: int, versions_at: list[tuple[int, float]], trainer: dict[str, float]
+) -> list[tuple[float, float, int]]:
+    """``(start, end, engines serving)`` where fewer of the run's engines serve than its
+    layout's usual (``USUAL_ENGINES``): per version announced at ``t``, its step before it (the
+    trainer's mean step, and the in-step publish and checkpoint stall: a colocated trainer's
+    worker and a multiplexed trainer's own engine do not serve), and the weight load after it
+    (every engine paused: optimizer step -> all serving, less the publish and stall)."""
+    step = trainer.get("step seconds (mean)")
+    if step is None:
+        return []
+    in_step = trainer.get("weight publish seconds, in the step (mean)", 0.0)
+    in_step += trainer.get("checkpoint stall seconds (mean)", 0.0)
+    serving = trainer.get("optimizer step -> all workers serving, seconds (mean)", in_step)
+    load = max(0.0, serving - in_step)
+    training = max(0, workers - 1) if layout is Layout.COLOCATED else workers
+    windows = []
+    for _, t in versions_at:
+        windows += [(t - in_step - step, t, training), (t, t + load, 0)]
+    return windows
+
+
+USUAL_ENGINES = {Layout.DISAGGREGATED: 0, Layout.MULTIPLEXED: 1, Layout.COLOCATED: 0}
+"""Engines that serve besides the rollout workers', outside the trainer's steps (the
+multiplexed trainer's own, lent while it waits for a batch)."""
+
+
+def engine_load(
+    spans: list[tuple[float, float, int]],
+    engines: int,
+    windows: list[tuple[float, float, int]] = (),
+) -> list[list[float]]:
+    """``[calls in flight per serving engine, seconds, tokens]`` per level, from ``(started,
+    finished, tokens)`` calls on ``engines`` engines, fewer in ``windows`` (``serving_windows``;
+    none: no level, and no tokens). A call's tokens come at an even rate over its serving time."""
+    stops = sorted((a, b) for a, b, n in windows if n == 0 and b > a)
+    merged: list[list[float]] = []
+    for a, b in stops:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    starts, before = [a for a, _ in merged], [0.0]
+    for a, b in merged:
+        before.append(before[-1] + b - a)
+
+    def stopped(t: float) -> float:  # stopped seconds before t
+        i = bisect.bisect_right(starts, t)
+        return before[i - 1] + min(t, merged[i - 1][1]) - merged[i - 1][0] if i else 0.0
+
     events = []
     for start, end, n in spans:
-        rate = n / (end - start)
-        events += [(start, 1, rate), (end, -1, -rate)]
+        serving = end - start - (stopped(end) - stopped(start))
+        if serving > 0:
+            events += [(start, 1, 1, n / serving), (end, 1, -1, -n / serving)]
+    for a, b, n in windows:
+        events += [(a, 0, 1, n), (b, 0, -1, n)]
     events.sort()
-    levels: dict[int, list[float]] = {}
-    calls, rate, before = 0, 0.0, None
-    for t, step, change in events:
-        if calls and before is not None and t > before:
-            level = levels.setdefault(calls, [0.0, 0.0])
-            level[0] += t - before
-            level[1] += rate * (t - before)
-        calls, rate, before = calls + step, rate + change, t
-    return [[k, round(s, 4), round(n, 2)] for k, (s, n) in sorted(levels.items())]
+    levels: dict[tuple[int, int], list[float]] = {}
+    calls, rate, before_t, fewer = 0, 0.0, None, Counter()
+    for t, kind, step, change in events:
+        serving = min((n for n, c in fewer.items() if c), default=engines)
+        if calls and serving and before_t is not None and t > before_t:
+            level = levels.setdefault((calls, serving), [0.0, 0.0])
+            level[0] += t - before_t
+            level[1] += rate * (t - before_t)
+        if kind:
+            calls, rate = calls + step, rate + change
+        else:
+            fewer[change] += step
+        before_t = t
+    return sorted([round(k / n, 3), round(s, 4), round(x, 2)] for (k, n), (s, x) in levels.items())
 
 
 def mean_over(points: list[tuple[int, float, int]]) -> float | None:

@@ -17,6 +17,7 @@ import tomli_w
 from emulation.plan import Fit, PlanError, fit, load_summary, sweep
 from emulation.sim import Arm
 from emulation.workload import EngineCost, TrainerCost
+from seamlessflow.report import engine_load
 from tests.test_cli import NO_TORCH
 
 ENGINE = EngineCost(a_s=0.02, b_s=0.004, prefill_s_per_token=0.0, max_batch=16)
@@ -179,3 +180,17 @@ def test_a_missing_cost_is_named_with_its_file_and_section():
     summary["costs"]["layout"] = "sideways"
     with pytest.raises(PlanError, match="'sideways': not one of"):
         fit(summary, "run.json")
+
+
+def test_engine_load_leaves_out_what_the_engines_did_not_serve():
+    # Two calls on one engine: 0-4 s (10 tokens) and 1-3 s (4 tokens); no engine serves in
+    # 2-3 s (a weight load), and from 3 s a second engine does (a lent trainer's).
+    spans = [(0.0, 4.0, 10), (1.0, 3.0, 4)]
+    load = engine_load(spans, 1, [(2.0, 3.0, 0), (3.0, 10.0, 2)])
+    # serving time: the first call 3 s (10/3 tokens a second), the second 1 s (4 a second)
+    assert load == [
+        [0.5, 1.0, round(10 / 3, 2)],  # 3-4 s: one call on two engines
+        [1.0, 1.0, round(10 / 3, 2)],  # 0-1 s: one call on one engine
+        [2.0, 1.0, round(10 / 3 + 4, 2)],  # 1-2 s: two calls on one engine
+    ]
+    assert engine_load(spans, 1) == [[1.0, 2.0, 5.0], [2.0, 2.0, 9.0]]
