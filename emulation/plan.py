@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -243,16 +244,71 @@ def predict(
     )
 
 
-def sweep(workload: Workload, devices: int, max_staleness: int, steps: int) -> list[Candidate]:
-    """Every arm at every trainer split (``split_candidates``) and staleness ``0..max``; the
-    synchronous arm once (every device trains, staleness 0)."""
-    out = [predict(workload, Arm.SYNC_COLOCATED, devices, devices, 0, steps)]
-    if devices < 2:
-        return out
+@dataclass(frozen=True)
+class ClusterShape:
+    """Devices by their role tags (``train``, ``rollout``; other tags do not matter here):
+    ``both`` devices have the two, ``train`` and ``rollout`` one of them only."""
+
+    both: int = 0
+    train: int = 0
+    rollout: int = 0
+
+    @property
+    def devices(self) -> int:
+        return self.both + self.train + self.rollout
+
+    def allows(self, arm: Arm, trainer: int) -> bool:
+        """Whether ``arm`` can have ``trainer`` trainer devices here: every device trains and
+        generates (colocated), or each does one role its tags allow, the trainer's also
+        ``rollout`` when it is lent (multiplexed)."""
+        if arm is Arm.SYNC_COLOCATED:
+            return self.train == self.rollout == 0
+        if arm is Arm.MULTIPLEXED:
+            return self.train == 0 and 1 <= trainer <= self.both
+        return self.train <= trainer <= self.train + self.both and trainer < self.devices
+
+    @classmethod
+    def read(cls, path: Path) -> ClusterShape:
+        """A TOML file of ``[[devices]]`` tables, each ``tags`` (a list) and ``count``."""
+        try:
+            tables = tomllib.loads(path.read_text()).get("devices")
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise PlanError(f"cannot read the cluster {path}: {exc}") from exc
+        counts = {"both": 0, "train": 0, "rollout": 0}
+        for i, table in enumerate(tables if isinstance(tables, list) else [None]):
+            if not (
+                isinstance(table, dict)
+                and isinstance(table.get("count", 1), int)
+                and isinstance(table.get("tags", []), list)
+            ):
+                raise PlanError(f"{path}: devices[{i}] must be a table of tags and a count")
+            tags = {str(t).partition("=")[0] for t in table.get("tags", [])}
+            role = {"train", "rollout"} & tags
+            if role:
+                key = "both" if len(role) == 2 else role.pop()
+                counts[key] += table.get("count", 1)
+        if not sum(counts.values()):
+            raise PlanError(f"{path}: no [[devices]] tagged train or rollout")
+        return cls(**counts)
+
+
+def sweep(
+    workload: Workload, cluster: ClusterShape | int, max_staleness: int, steps: int
+) -> list[Candidate]:
+    """Every arm at every trainer split the cluster's tags allow (``split_candidates``, and
+    the fewest its train-only devices need) and staleness ``0..max``; the synchronous arm once
+    (every device trains, staleness 0). An int is that many devices tagged both."""
+    if isinstance(cluster, int):
+        cluster = ClusterShape(both=cluster)
+    n = cluster.devices
+    out = []
+    if cluster.allows(Arm.SYNC_COLOCATED, n):
+        out.append(predict(workload, Arm.SYNC_COLOCATED, n, n, 0, steps))
+    splits = sorted({*split_candidates(n), max(1, cluster.train)}) if n > 1 else []
     for arm in (Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED, Arm.DISAGGREGATED):
-        for split in split_candidates(devices):
+        for split in (k for k in splits if cluster.allows(arm, k)):
             for staleness in range(max_staleness + 1):
-                out.append(predict(workload, arm, devices, split, staleness, steps))
+                out.append(predict(workload, arm, n, split, staleness, steps))
     return out
 
 
@@ -322,6 +378,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         help="device counts of the cluster to plan for (default: the run's own)",
     )
+    p.add_argument(
+        "--cluster",
+        type=Path,
+        help="TOML: [[devices]] tables of tags and count (instead of --devices: which devices "
+        "may train, generate, or be lent)",
+    )
     p.add_argument("--max-staleness", type=int, default=2, help="staleness bounds 0..this")
     p.add_argument("--steps", type=int, default=30, help="simulated trainer steps per candidate")
     p.add_argument("--plot", type=Path, help="write the predictions as a PNG here")
@@ -332,9 +394,12 @@ def main(args: argparse.Namespace) -> int:
     if args.max_staleness < 0 or args.steps < 2:
         raise PlanError("--max-staleness must be >= 0 and --steps >= 2")
     found = fit(load_summary(args.summary), str(args.summary))
-    counts = args.devices or [found.devices]
-    if min(counts) < 1:
-        raise PlanError(f"--devices must be >= 1, got {min(counts)}")
+    if args.cluster:
+        clusters = [ClusterShape.read(args.cluster)]
+    else:
+        clusters = [ClusterShape(both=n) for n in args.devices or [found.devices]]
+    if min(c.devices for c in clusters) < 1:
+        raise PlanError(f"--devices must be >= 1, got {min(c.devices for c in clusters)}")
     w = found.workload
     print(
         f"fitted from {args.summary} ({found.arm} on {found.devices} devices, measured "
@@ -352,7 +417,9 @@ def main(args: argparse.Namespace) -> int:
     )
     for note in found.assumed:
         print(f"  assumed: {note}")
-    candidates = [c for n in counts for c in sweep(w, n, args.max_staleness, args.steps)]
+    candidates = [c for n in clusters for c in sweep(w, n, args.max_staleness, args.steps)]
+    if not candidates:
+        raise PlanError("the cluster's tags allow no layout")
     print(table(candidates))
     best = recommend(candidates)
     print(

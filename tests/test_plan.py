@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from emulation.plan import Fit, PlanError, fit, load_summary, sweep
+from emulation.plan import ClusterShape, Fit, PlanError, fit, load_summary, sweep
 from emulation.sim import Arm
 from emulation.workload import EngineCost, TrainerCost
 from seamlessflow.report import engine_load
@@ -194,3 +194,30 @@ def test_engine_load_leaves_out_what_the_engines_did_not_serve():
         [2.0, 1.0, round(10 / 3 + 4, 2)],  # 1-2 s: two calls on one engine
     ]
     assert engine_load(spans, 1) == [[1.0, 2.0, 5.0], [2.0, 2.0, 9.0]]
+
+
+@pytest.mark.newest_nats
+@pytest.mark.timeout(300)
+def test_a_cluster_by_tags_gets_only_the_layouts_its_tags_allow(fitted: Fit, tmp_path: Path):
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text(
+        '[[devices]]\ntags = ["train", "rollout", "gpu=h200"]\ncount = 2\n'
+        '[[devices]]\ntags = ["rollout"]\ncount = 3\n'
+    )
+    shape = ClusterShape.read(cluster)
+    assert (shape.both, shape.train, shape.rollout, shape.devices) == (2, 0, 3, 5)
+    found = sweep(fitted.workload, shape, 0, 8)
+    # Rollout-only devices never train: no colocated layout, at most 2 trainer devices.
+    assert found and all(c.arm is not Arm.SYNC_COLOCATED for c in found)
+    assert {c.trainer_devices for c in found} == {1, 2}
+    assert {c.arm for c in found} >= {Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED}
+    trainers_only = ClusterShape(train=2, rollout=3)  # no device may be lent
+    unlent = sweep(fitted.workload, trainers_only, 0, 8)
+    assert {c.arm for c in unlent} == {Arm.PARTIAL_ROLLOUT, Arm.DISAGGREGATED}
+    assert {c.trainer_devices for c in unlent} == {2}  # the train-only devices train
+    cluster.write_text("[[devices]]\ntags = 3\n")
+    with pytest.raises(PlanError, match=r"devices\[0\] must be a table of tags and a count"):
+        ClusterShape.read(cluster)
+    cluster.write_text('[[devices]]\ntags = ["gpu=h200"]\n')
+    with pytest.raises(PlanError, match=r"no \[\[devices\]\] tagged train or rollout"):
+        ClusterShape.read(cluster)
