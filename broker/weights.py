@@ -117,6 +117,15 @@ def host_id() -> str:
 LOCAL_BLOB = "model.safetensors"
 
 
+async def run_instance(js: JetStreamContext, names: RunNames) -> str:
+    """Which incarnation of the run this broker holds, as a folder name: its weights stream's
+    creation time. A run of the same name on another broker, or an earlier one whose host-local
+    copies are still on this host, has another: the trainer keeps its copies under it
+    (``<local_weights_dir>/<instance>/``), so that no run reads or removes another's."""
+    created = (await js.stream_info(names.weights_stream)).created
+    return created.strftime("%Y%m%dT%H%M%S.%fZ") if created is not None else "undated"
+
+
 def local_folder(root: Path, names: RunNames, version: int) -> Path:
     """The folder of ``version``'s host-local copy: ``<root>/<run>/v<version>/``."""
     return Path(root) / names.run / f"v{version}"

@@ -356,7 +356,7 @@ async def _check_the_data(nc: NATS, names: RunNames, ckpt: Path) -> tuple[int, i
     dead = await stream_messages(js, names.dead_stream, MessageRejected)
 
     # What the trainer has not settled (the run was stopped): take it all back, unacked,
-    # until every message delivered and not acked is in hand: a pull the stopped trainer
+    # until every message not acked (delivered or not yet) is in hand: a pull the stopped trainer
     # left open may have been answered after it stopped reading, and those messages come
     # back only once ack_wait runs out.
     sub = await js.pull_subscribe_bind(Durable.TRAINER, names.samples_stream)
@@ -368,7 +368,7 @@ async def _check_the_data(nc: NATS, names: RunNames, ckpt: Path) -> tuple[int, i
                 msgs = await sub.fetch(256, timeout=3)
             except TimeoutError:
                 info = await js.consumer_info(names.samples_stream, Durable.TRAINER)
-                if info.num_ack_pending <= held:
+                if info.num_ack_pending <= held and info.num_pending == 0:
                     break
                 continue
             held += len(msgs)
@@ -388,7 +388,9 @@ async def _check_the_data(nc: NATS, names: RunNames, ckpt: Path) -> tuple[int, i
     consumed = [sid for step in steps for sid in step.sample_ids]
     twice = len(consumed) - len(set(consumed))
     assert all(reason == "stale" for step in steps for _, reason in step.dropped)
-    lost = len({s.sample_id for s in samples} - set(consumed) - unsettled)
+    lost = {s.sample_id for s in samples} - set(consumed) - unsettled
+    if lost:
+        print(f"\nlost: {sorted(lost)} (steps {len(steps)}, unsettled {len(unsettled)})")
     # Versions are consecutive (but after a cut checkpoint write); a step that trained nothing
     # made none.
     version = 0
@@ -398,4 +400,4 @@ async def _check_the_data(nc: NATS, names: RunNames, ckpt: Path) -> tuple[int, i
             version = step.version
         else:
             assert step.version == version
-    return lost, twice
+    return len(lost), twice

@@ -11,9 +11,12 @@ from broker.weights import (
     fetch_weights,
     fetch_weights_apart,
     latest_weights,
+    local_folder,
     newest_local,
     publish_weights,
+    run_instance,
 )
+from tests.support import SMALL_RUN
 
 
 async def test_publish_fetch_and_latest(js, names, tmp_path):
@@ -98,6 +101,36 @@ def test_the_newest_local_copy_is_read_off_the_version_folders(names, tmp_path):
     for name in ("v1", "v3", "v10.partial", "vx", "other"):
         (run / name).mkdir(parents=True)
     assert newest_local(tmp_path, names) == 3
+
+
+async def test_a_run_of_the_same_name_provisioned_again_does_not_see_the_old_copies(
+    js, names, tmp_path
+):
+    """Host-local copies are kept per run instance (the weights stream's creation): those left
+    by an earlier run of the same name (or by one on another broker, on this host) are not
+    taken for this run's versions by a starting trainer, nor removed by it."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from broker.provision import provision_run
+    from trainer.config import TrainerConfig
+    from trainer.publisher import WeightPublisher
+
+    first = await run_instance(js, names)
+    assert await run_instance(js, names) == first  # one name for the run's life
+    left = local_folder(tmp_path / first, names, 6)
+    left.mkdir(parents=True)
+    await js.delete_stream(names.weights_stream)
+    await provision_run(js, names.run, SMALL_RUN)  # the same name, a new run
+    second = await run_instance(js, names)
+    assert second != first
+
+    seconds = Histogram("t_publish_seconds", "test", ["path"], registry=CollectorRegistry())
+    config = TrainerConfig(local_weights_dir=tmp_path)
+    publisher = WeightPublisher(js, names, config, seconds, lambda: [])
+    assert await publisher.announced() == (0, False)  # not v6: that was the earlier run's
+    publisher.close()
+    await publisher.run()  # stops at once: nothing queued; removes this run's copies only
+    assert left.is_dir()
 
 
 def test_a_version_is_stored_once_a_live_worker_cannot_load_the_host_local_copy():

@@ -163,8 +163,9 @@ class TrainerConfig(BaseModel):
     )
     local_weights_dir: Path = Field(
         default_factory=_memory_folder,
-        description="host-local weight copies (the newest 3 versions): tmpfs, so they stay in "
-        "memory; /dev/shm/seamlessflow where /dev/shm exists",
+        description="host-local weight copies (the newest 3 versions, in <instance>/<run>/: "
+        "apart from a run of the same name on another broker): tmpfs, so they stay in memory; "
+        "/dev/shm/seamlessflow where /dev/shm exists",
     )
     group_timeout_s: float = Field(
         default=120.0,

@@ -44,6 +44,7 @@ from broker.weights import (
     local_folder,
     newest_local,
     publish_weights,
+    run_instance,
 )
 from common.log import kv
 from trainer.config import TrainerConfig
@@ -90,6 +91,7 @@ class WeightPublisher:
         self._pending: tuple[int, Path | bytes, float] | None = None  # newest not yet stored
         self._wake = asyncio.Event()
         self._closing = False
+        self._root: Path | None = None  # the host-local copies' folder (``_local_root``)
 
     async def announced(self) -> tuple[int, bool]:
         """The newest version announced for the run (on the weights stream or, with
@@ -98,9 +100,7 @@ class WeightPublisher:
         latest = await retry(lambda: latest_weights(self._js, self._names), what="weights_latest")
         published = latest.version if latest else 0
         if self._config.local_weights:  # a newer version may have been announced here only
-            newest = await asyncio.to_thread(
-                newest_local, self._config.local_weights_dir, self._names
-            )
+            newest = await asyncio.to_thread(newest_local, await self._local_root(), self._names)
             published = max(published, newest)
         return published, latest is not None and latest.host is not None
 
@@ -108,13 +108,12 @@ class WeightPublisher:
         """Copy ``version``'s weights out of the model and announce the host-local copy, if any;
         queue the upload. False if stopped before the announcement (the broker away)."""
         started = time.monotonic()
-        root = self._config.local_weights_dir if self._config.local_weights else None
-        if root is None:
+        if not self._config.local_weights:
             payload: Path | bytes = await asyncio.to_thread(lambda: save(state()))
         else:
-            folder = local_folder(root, self._names, version)
-            await asyncio.to_thread(lambda: write_folder(state(), folder))
             try:
+                folder = local_folder(await self._local_root(), self._names, version)
+                await asyncio.to_thread(lambda: write_folder(state(), folder))
                 await retry(
                     lambda: announce_local(self._js, self._names, version, folder),
                     what="weights_announce_local",
@@ -181,10 +180,23 @@ class WeightPublisher:
         self._seconds.labels("store").observe(time.monotonic() - started)
         log.info(kv("weights_published", version=version, bytes=len(blob)))
 
+    async def _local_root(self) -> Path:
+        """``local_weights_dir/<run instance>`` (``broker.weights.run_instance``): this run's
+        copies apart from those of a run of the same name on another broker, or of an earlier
+        one left behind (a trainer that resumes on the same broker finds its own)."""
+        if self._root is None:
+            instance = await retry(
+                lambda: run_instance(self._js, self._names), what="weights_instance", stop=self.stop
+            )
+            self._root = self._config.local_weights_dir / instance
+        return self._root
+
     def _remove_local(self) -> None:
         """The run's host-local copies take memory (tmpfs): gone when the trainer stops."""
-        if self._config.local_weights:
-            shutil.rmtree(self._config.local_weights_dir / self._names.run, ignore_errors=True)
+        if self._root is not None:
+            shutil.rmtree(self._root / self._names.run, ignore_errors=True)
+            with contextlib.suppress(OSError):  # another run's copies may share the instance
+                self._root.rmdir()
 
     def _unpublished(self, version: int, exc: Exception) -> None:
         """Stopped during an outage: the checkpoint has the version; ``Trainer.publish_if_missing``
