@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load, save_file
 
 from broker import codec
-from broker.config import ConsumerLimits, ProvisionConfig
+from broker.config import ConsumerLimits
 from broker.messages import MessageRejected, SampleReady, TrainerShape, WeightsPublished
 from broker.provision import provision_run
 from broker.subjects import Durable, RunNames
-from broker.weights import fetch_weights, host_id, latest_weights
+from broker.weights import fetch_weights, host_id, latest_weights, run_instance
 from common.staleness import StalenessMode
 from seamlessflow.processes import ServiceProcess, worker_process
 from tests.support import (
@@ -28,6 +28,7 @@ from tests.support import (
     eventually,
     metric,
     registered,
+    serving_trainer,
     stream_messages,
 )
 from tests.test_losses import sample
@@ -118,8 +119,6 @@ async def _consumer_settled(js, names: RunNames) -> bool:
 async def test_service_trains_groups_and_settles_every_sample(
     broker, js, names, tiny_model_dir, tmp_path, caplog
 ):
-    from trainer.serve import serve_trainer
-
     caplog.set_level(logging.WARNING, logger="trainer.service")
 
     config = TrainerConfig(
@@ -132,10 +131,7 @@ async def test_service_trains_groups_and_settles_every_sample(
         local_weights_dir=tmp_path / "shm",
     )
     stop = asyncio.Event()
-    serving = asyncio.create_task(
-        serve_trainer(broker.url, names.run, ProvisionConfig(), config, tiny_model_dir, 0, stop)
-    )
-    await eventually(lambda: registered(js, names, "trainer-t"), watch=serving, timeout=60)
+    serving = await serving_trainer(broker.url, js, names, config, tiny_model_dir, stop)
     entry = await registered(js, names, "trainer-t")
     url = entry.metrics_url
     # The entry carries what the scheduler admits by.
@@ -158,7 +154,8 @@ async def test_service_trains_groups_and_settles_every_sample(
         assert [(e.version, e.host) for e in events] == [(1, host_id())]
         assert await metric(url, "sf_trainer_weight_publish_seconds_count", path="local") == 1
         assert await metric(url, "sf_trainer_weight_publish_seconds_count", path="store") == 0
-        assert (config.local_weights_dir / names.run / "v1" / "model.safetensors").exists()
+        local = config.local_weights_dir / await run_instance(js, names) / names.run
+        assert (local / "v1" / "model.safetensors").exists()
         dead = await stream_messages(js, names.dead_stream, MessageRejected)
         assert len(dead) == 2 and any("sample b-x" in d.reason for d in dead)
         steps = checkpoint.read_steps(config.checkpoint_dir)
@@ -200,7 +197,7 @@ async def test_service_trains_groups_and_settles_every_sample(
         stop.set()
         await serving
     assert await registered(js, names, "trainer-t") is None
-    assert not (config.local_weights_dir / names.run).exists()  # stopped: its copies are freed
+    assert not local.parent.exists()  # stopped: its copies are freed
     # Stopping stored the last version for every host (whoever starts next).
     assert await _stored(js, names)
     events = await stream_messages(js, names.weights_stream, WeightsPublished)
@@ -315,8 +312,6 @@ async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
 async def test_checkpoints_every_few_versions_and_at_stop(
     broker, js, names, tiny_model_dir, tmp_path
 ):
-    from trainer.serve import serve_trainer
-
     ckpt = tmp_path / "ckpt"
     config = TrainerConfig(
         lr=1e-3,
@@ -328,11 +323,8 @@ async def test_checkpoints_every_few_versions_and_at_stop(
         local_weights_dir=tmp_path / "shm",
     )
     stop = asyncio.Event()
-    serving = asyncio.create_task(
-        serve_trainer(broker.url, names.run, ProvisionConfig(), config, tiny_model_dir, 0, stop)
-    )
+    serving = await serving_trainer(broker.url, js, names, config, tiny_model_dir, stop)
     try:
-        await eventually(lambda: registered(js, names, "trainer-e"), watch=serving, timeout=60)
         url = (await registered(js, names, "trainer-e")).metrics_url
         for n, g in enumerate((group("a", 2), group("b", 3), group("c", 2)), start=1):
             await publish(js, names, *g)
