@@ -704,8 +704,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging("WARNING")
     logging.getLogger("rollout").setLevel(logging.INFO)
-    # The tiny model runs fastest on one thread, and the test machine is shared.
-    torch.set_num_threads(1)
     results = asyncio.run(run_contract(args.engine, args.model))
     args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     failed = [name for name, c in results["checks"].items() if not c["passed"]]  # type: ignore[union-attr]

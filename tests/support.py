@@ -219,6 +219,20 @@ async def registered(js, names: RunNames, worker_id: str) -> WorkerRegistered | 
     return codec.decode(WorkerRegistered, entry.value)
 
 
+async def serving_trainer(
+    broker_url: str, js, names: RunNames, config, model_dir: Path, stop: asyncio.Event
+) -> asyncio.Task:
+    """A trainer (``trainer.serve``, a ``TrainerConfig``) serving ``names.run`` in this process
+    until ``stop`` is set, returned once it has registered; await the task to see how it ended."""
+    from trainer.serve import serve_trainer  # torch: only for the tests that train
+
+    serving = asyncio.create_task(
+        serve_trainer(broker_url, names.run, ProvisionConfig(), config, model_dir, 0, stop)
+    )
+    await eventually(lambda: registered(js, names, config.worker_id), watch=serving, timeout=60)
+    return serving
+
+
 def perturbed_weights(model_dir: Path, seed: int) -> bytes:
     """The model's weights with noise on the (tied) embedding, saved without lm_head."""
     import torch

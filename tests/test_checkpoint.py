@@ -11,9 +11,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Histogram
 
-from broker.config import ProvisionConfig
 from broker.subjects import Durable
-from tests.support import eventually, registered
+from tests.support import serving_trainer
 from tests.test_trainer import _consumer_settled, dp_items, group, publish
 from trainer import checkpoint
 from trainer.checkpoint import Checkpoint, CheckpointWriter, StepRecord
@@ -111,8 +110,6 @@ async def test_a_checkpoint_that_cannot_be_written_stops_the_trainer_and_acks_no
 ):
     """The checkpoint folder's parent is a file: the background write fails; the trainer stops
     with that error and the step's samples are handed back, not acknowledged."""
-    from trainer.serve import serve_trainer
-
     (tmp_path / "file").write_text("not a folder")
     config = TrainerConfig(
         lr=1e-3,
@@ -123,10 +120,7 @@ async def test_a_checkpoint_that_cannot_be_written_stops_the_trainer_and_acks_no
         local_weights_dir=tmp_path / "shm",
     )
     stop = asyncio.Event()
-    serving = asyncio.create_task(
-        serve_trainer(broker.url, names.run, ProvisionConfig(), config, tiny_model_dir, 0, stop)
-    )
-    await eventually(lambda: registered(js, names, "trainer-f"), watch=serving, timeout=60)
+    serving = await serving_trainer(broker.url, js, names, config, tiny_model_dir, stop)
     await publish(js, names, *group("a", 2))
     with pytest.raises(TrainerError, match="checkpoint failed"):
         await asyncio.wait_for(serving, 60)

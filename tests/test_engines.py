@@ -53,7 +53,9 @@ def contract(
     done = subprocess.run(
         [sys.executable, "-m", "tests.engine_contract", *args],
         cwd=REPO,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp)},
+        # One torch thread on every thread of it (the engines' own included: OpenMP reads the
+        # environment per thread): the tiny model runs fastest so, and the machine is shared.
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=CONTRACT_TIMEOUT_S,
