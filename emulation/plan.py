@@ -119,9 +119,10 @@ def _need(section: dict[str, Any], key: str, where: str) -> Any:
     return value
 
 
-def fit(summary: dict[str, Any], source: str = "the summary") -> Fit:
+def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | None = None) -> Fit:
     """The run's costs as a ``Workload`` (see the module docstring); ``PlanError`` naming what
-    is missing, and where, when the summary lacks a cost."""
+    is missing, and where, when the summary lacks a cost. ``switch_s``: seconds per lend or
+    reclaim instead of the run's (measured elsewhere, for a run without lends)."""
     for section in ("trainer", "scheduler", "costs"):
         if not isinstance(summary.get(section), dict):
             raise PlanError(
@@ -151,7 +152,7 @@ def fit(summary: dict[str, Any], source: str = "the summary") -> Fit:
         serving = publish + stall
     weight_sync_s = max(0.0, serving - publish - stall)
 
-    switch_s = _switch_s(scheduler)
+    switch_s = _switch_s(scheduler) if switch_s is None else switch_s
     if switch_s is None:
         switch_s = SchedulerConfig.model_fields["switch_cost_s"].default
         assumed.append(f"switch: no lend or reclaim in the run, {switch_s:g} s (the scheduler's)")
@@ -387,13 +388,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-staleness", type=int, default=2, help="staleness bounds 0..this")
     p.add_argument("--steps", type=int, default=30, help="simulated trainer steps per candidate")
     p.add_argument("--plot", type=Path, help="write the predictions as a PNG here")
+    p.add_argument(
+        "--switch-s",
+        type=float,
+        help="seconds per lend or reclaim (default: the run's; without lends, the scheduler's "
+        "assumption)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     """Fit, sweep, print the table and the recommendation; ``PlanError`` on bad input."""
     if args.max_staleness < 0 or args.steps < 2:
         raise PlanError("--max-staleness must be >= 0 and --steps >= 2")
-    found = fit(load_summary(args.summary), str(args.summary))
+    if args.switch_s is not None and args.switch_s < 0:
+        raise PlanError(f"--switch-s must be >= 0, got {args.switch_s}")
+    found = fit(load_summary(args.summary), str(args.summary), args.switch_s)
     if args.cluster:
         clusters = [ClusterShape.read(args.cluster)]
     else:

@@ -111,6 +111,8 @@ def test_the_fit_finds_the_emulated_costs_in_a_real_runs_summary(summary: Path, 
     assert TRAINER_S <= w.trainer.step_s(100) < TRAINER_S + 0.3
     assert WEIGHT_SYNC_S * 0.9 <= w.weight_sync_s < WEIGHT_SYNC_S + 0.5
     assert any("switch" in note for note in fitted.assumed)  # no lend in a disaggregated run
+    given = fit(load_summary(summary), str(summary), switch_s=0.05)  # measured elsewhere
+    assert given.workload.switch.warm_s == 0.05 and not given.assumed
 
 
 @pytest.mark.newest_nats
@@ -157,6 +159,8 @@ def test_bad_input_is_a_clear_error_and_a_nonzero_exit(tmp_path: Path):
     garbage.write_text("not json")
     done = plan(str(garbage), hook=tmp_path)
     assert done.returncode == 2 and "is not JSON" in done.stderr, done.stderr
+    done = plan(str(garbage), "--switch-s", "-1", hook=tmp_path)
+    assert done.returncode == 2 and "--switch-s must be >= 0" in done.stderr, done.stderr
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"steps": 3, "trainer": {}, "scheduler": {}}))
     done = plan(str(old), hook=tmp_path)
