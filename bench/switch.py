@@ -13,7 +13,9 @@ Per switch, two times:
 
 ``--load N`` keeps N chat sessions calling the gateway (``--max-tokens`` each) the whole time,
 so a lend aborts generations in flight (the gateway continues them once the worker serves
-again), as it does in a run. No weights change between switches: a reclaim after a real step also
+again), as it does in a run. The worker runs with one torch thread, as every launcher gives it
+(with torch's default, one per core, a step under others' load takes up to seconds, and a lend
+waits for the step in flight). No weights change between switches: a reclaim after a real step also
 loads the step's weights (``bench/weights.py`` measures that part).
 
 Usage: python -m bench.switch [--engine hf|vllm] [--model tiny|smollm2] [--switches 50]
@@ -104,8 +106,7 @@ async def measure(nats_url: str, model: Path, args: argparse.Namespace) -> dict:
         "train,rollout",
         "--max-running",
         "16",
-        threads=None,
-    )
+    )  # one torch thread (OMP_NUM_THREADS=1), as `seamlessflow run` and the launchers give it
     await asyncio.to_thread(worker.wait_ready, 900)
     times: dict[str, list[float]] = {"train": [], "rollout": []}
     calls: list[float] = []
