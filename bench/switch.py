@@ -51,18 +51,26 @@ SERVED = "bench"
 DEADLINE_S = 30.0
 
 
-async def keep_calling(client: openai.AsyncOpenAI, i: int, max_tokens: int, calls: list) -> None:
-    """One session's chat calls, one after another, until cancelled."""
+async def keep_calling(
+    client: openai.AsyncOpenAI, i: int, max_tokens: int, calls: list, failed: list
+) -> None:
+    """One session's chat calls, one after another, until cancelled. A call the gateway gives
+    up on (interrupted by a lend at each of its attempts: a call longer than ``--hold-s``) is
+    counted in ``failed`` and the session goes on, so the load lasts the whole run."""
     n = 0
     while True:
         n += 1
         started = time.perf_counter()
-        await client.chat.completions.create(
-            model=SERVED,
-            messages=[{"role": "user", "content": f"Count from {n} to {n + 20}."}],
-            max_tokens=max_tokens,
-            extra_headers={SESSION_HEADER: f"load-{i}-{n}"},
-        )
+        try:
+            await client.chat.completions.create(
+                model=SERVED,
+                messages=[{"role": "user", "content": f"Count from {n} to {n + 20}."}],
+                max_tokens=max_tokens,
+                extra_headers={SESSION_HEADER: f"load-{i}-{n}"},
+            )
+        except openai.APIStatusError as exc:
+            failed.append(exc.status_code)
+            continue
         calls.append(time.perf_counter() - started)
 
 
@@ -110,12 +118,13 @@ async def measure(nats_url: str, model: Path, args: argparse.Namespace) -> dict:
     await asyncio.to_thread(worker.wait_ready, 900)
     times: dict[str, list[float]] = {"train": [], "rollout": []}
     calls: list[float] = []
+    failed: list[int] = []
     try:
         config = GatewayConfig(model=SERVED, model_path=model, run=RUN, port=0)
         async with Gateway(config, nats_url) as gateway, session(nats_url, "bench-sched") as nc:
             client = openai.AsyncOpenAI(base_url=gateway.url, api_key="x", max_retries=0)
             load = [
-                asyncio.create_task(keep_calling(client, i, args.max_tokens, calls))
+                asyncio.create_task(keep_calling(client, i, args.max_tokens, calls, failed))
                 for i in range(args.load)
             ]
             before = await scrape(worker.metrics_url)
@@ -142,7 +151,7 @@ async def measure(nats_url: str, model: Path, args: argparse.Namespace) -> dict:
                     await task
     finally:
         await asyncio.to_thread(worker.stop)
-    result = {"calls_completed": len(calls)}
+    result = {"calls_completed": len(calls), "calls_failed": len(failed)}
     for role, label in (("train", "lend"), ("rollout", "reclaim")):
         ms = [t * 1e3 for t in times[role]]
         total, count = (
@@ -176,7 +185,8 @@ def main() -> None:
         measured = asyncio.run(measure(broker.url, model, args))
     print(
         f"\n{args.engine} / {args.model}: {args.switches} lends and reclaims, {args.load} chat "
-        f"sessions generating ({measured['calls_completed']} calls completed)"
+        f"sessions generating ({measured['calls_completed']} calls completed, "
+        f"{measured['calls_failed']} given up by the gateway)"
     )
     print(f"{'switch':>8}{'ack p50 ms':>12}{'ack p99 ms':>12}{'max ms':>9}{'worker mean ms':>16}")
     for label in ("lend", "reclaim"):

@@ -57,6 +57,9 @@ from rollout.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
+FETCH_TIMEOUT_S = 0.5
+"""How long the ingress's fetch waits for requests; a lend does not wait for it (``take``)."""
+
 
 @dataclass
 class _Attempt:
@@ -96,6 +99,7 @@ class RolloutWorker:
         self._roles: RoleHolder | None = None  # set by run
         self._serving: asyncio.Task | None = None  # the gen.req ingress, while rollout
         self._serving_stop = asyncio.Event()
+        self._ending: asyncio.Task | None = None  # an ingress stopped (lent) and not ended yet
         self._engine_lock = asyncio.Lock()  # a role switch never resumes a load in progress
         self._weights = WeightFollower(
             self._js, names, engine, config, self, self._engine_lock, nats_url=nats_url
@@ -123,7 +127,7 @@ class RolloutWorker:
             max_payload=self._gen_limits.max_payload,
             batch=self._config.max_running,
             concurrency=self._config.max_running,
-            fetch_timeout=0.5,
+            fetch_timeout=FETCH_TIMEOUT_S,
         )
 
     async def load_latest(self) -> None:
@@ -158,28 +162,37 @@ class RolloutWorker:
         if role not in (Role.ROLLOUT, Role.IDLE):
             raise ValueError(f"a rollout worker cannot hold the role {role.value!r}")
         if role is Role.IDLE:  # first stop routing and abort: never wait for responses
-            await self._stop_serving("interrupted: worker reclaimed", cause="reclaimed")
+            await self._stop_serving("interrupted: worker reclaimed", cause="reclaimed", wait=False)
         async with self._engine_lock:
             if role is Role.ROLLOUT:
                 await self._engine.resume()
-                self._start_serving()
+                await self._start_serving()
             else:
                 await self._engine.pause()
 
-    def _start_serving(self) -> None:
+    async def _start_serving(self) -> None:
+        if self._ending is not None:  # reclaimed before the last ingress ended: one at a time
+            ending, self._ending = self._ending, None
+            await ending
         if self._serving is None and not self._stopping and not self._weights.quarantined:
             self._serving_stop = asyncio.Event()
             self._serving = asyncio.create_task(self.requests_ingress().run(self._serving_stop))
 
-    async def _stop_serving(self, reason: str, *, cause: str) -> None:
-        """Stop routing to this worker, then abort what is in flight; never wait for it."""
-        if self._serving is None:
-            return
-        serving, self._serving = self._serving, None
-        self._serving_stop.set()
-        for attempt in list(self._attempts.values()):
-            await self._abort(attempt, reason, cause=cause)
-        await serving
+    async def _stop_serving(self, reason: str, *, cause: str, wait: bool = True) -> None:
+        """Stop routing to this worker, then abort what is in flight; never wait for responses.
+        ``wait``: also wait for the ingress to end (the fetch it has pending, up to its
+        ``fetch_timeout``, then the handlers of what it holds). A lend does not: the ingress ends
+        by itself, handing back whatever its last fetch brings, and serving again waits for it
+        first."""
+        if self._serving is not None:
+            serving, self._serving = self._serving, None
+            self._serving_stop.set()
+            for attempt in list(self._attempts.values()):
+                await self._abort(attempt, reason, cause=cause)
+            self._ending = serving
+        if wait and self._ending is not None:
+            ending, self._ending = self._ending, None
+            await ending
 
     # -- requests ---------------------------------------------------------------------------
     async def _generate(self, request: GenerationRequested, delivery: Delivery) -> None:
@@ -319,7 +332,7 @@ class RolloutWorker:
         if self._roles is not None and self._roles.role is Role.ROLLOUT:
             async with self._engine_lock:
                 await self._engine.resume()
-                self._start_serving()
+                await self._start_serving()
 
     def _note_busy(self) -> None:
         if self._roles is not None:

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,38 @@ async def test_hf_threads_are_set_on_the_engine_thread(tiny_model_dir: Path):
         torch.set_num_threads(1)  # torch's count is process-wide too: back to this process's
     with pytest.raises(ValidationError, match=r"threads\s+Input should be greater"):
         HFEngineConfig(threads=0)
+
+
+async def test_hf_pause_after_aborts_waits_for_one_forward_not_the_batch(tiny_model_dir: Path):
+    """A lend aborts every request, then pauses: the step in flight skips the requests aborted
+    before their turn, so the pause waits for the forward running then, not one per request."""
+    engine = await start_engine(EngineConfig(tiny_model_dir, 256, settings=HFEngineConfig()))
+    params = SamplingParams(max_tokens=10_000, temperature=1.0)
+    ids = ["r0", "r1", "r2"]
+    streams = [engine.generate(i, [5, 6, 7], params) for i in ids]
+    firsts = [asyncio.ensure_future(anext(s)) for s in streams]
+    entered, gate = threading.Event(), threading.Event()
+    forwards = 0
+
+    def hold_first(module, args) -> None:  # engine thread: the next forward waits for the gate
+        nonlocal forwards
+        forwards += 1
+        entered.set()
+        gate.wait(30)
+
+    try:
+        await asyncio.gather(*firsts)  # every request is running
+        hook = engine._model.register_forward_pre_hook(hold_first)
+        await asyncio.to_thread(entered.wait, 30)  # a step is in its first forward
+        for i in ids:
+            await engine.abort(i)
+        pause = asyncio.create_task(engine.pause())
+        gate.set()
+        await asyncio.wait_for(pause, 30)
+        hook.remove()
+        assert forwards == 1  # the aborted requests after it were not stepped
+        for s in streams:
+            assert [c.finish_reason async for c in s][-1] is FinishReason.ABORT
+    finally:
+        gate.set()
+        await engine.close()

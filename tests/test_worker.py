@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 
+import rollout.worker
 from broker import codec
 from broker.messages import (
     FinishReason,
     GenerationCancelled,
     GenerationRequested,
     MessageRejected,
+    Role,
     SamplingParams,
     TokensGenerated,
     WeightsPublished,
@@ -22,6 +24,7 @@ from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.registry import watch_workers
 from broker.subjects import Durable, RunNames
 from broker.weights import LOCAL_BLOB, announce_local, host_id, local_folder, publish_weights
+from rollout.engines import EngineConfig, HFEngineConfig, start_engine
 from rollout.worker import RolloutWorker
 from rollout.worker_config import WorkerConfig
 from seamlessflow.processes import worker_process
@@ -311,6 +314,43 @@ async def test_a_stopping_worker_hands_requests_back_unfailed(nc, js, names):
     assert _ingress_count("failed") == failed0
     assert await stream_messages(js, names.dead_stream, MessageRejected) == []
     assert await _stream_has(js, names.gen_stream, 1)  # still queued
+
+
+async def test_a_lend_does_not_wait_for_the_pending_fetch_and_a_reclaim_serves_what_came(
+    nc, js, names, tiny_model_dir, monkeypatch
+):
+    """Lent (``take(idle)``), the worker stops routing, aborts and pauses its engine without
+    waiting for its ingress's pending fetch (up to ``FETCH_TIMEOUT_S``; 30 s here, so that the
+    fetch is surely still pending): that ingress hands back what the fetch brings and ends by
+    itself, and the reclaim serves the request. In process, with a real hf engine."""
+    monkeypatch.setattr(rollout.worker, "FETCH_TIMEOUT_S", 30.0)
+    engine = await start_engine(EngineConfig(tiny_model_dir, 2048, settings=HFEngineConfig()))
+    config = WorkerConfig(worker_id="w-lent")
+    worker = RolloutWorker(nc, names, engine, config, SMALL_RUN.gen, nats_url="")
+    try:
+        await worker.take(Role.ROLLOUT)
+        ingress = worker._serving
+        assert ingress is not None
+        await eventually(lambda: _pulls_waiting(js, names), watch=ingress)  # fetching, idle
+        await asyncio.wait_for(worker.take(Role.IDLE), 10)  # waiting for the fetch: 30 s
+        assert not ingress.done()  # its fetch is still pending
+        returned0 = _ingress_count("returned")
+        call = await Call(nc, names, "c-lent", max_tokens=4, temperature=0).start()
+        await asyncio.wait_for(ingress, 10)  # the fetch brought the request: handed back, ended
+        assert _ingress_count("returned") == returned0 + 1 and call.chunks == []
+        monkeypatch.undo()  # the reclaim's ingress fetches as usual
+        await worker.take(Role.ROLLOUT)
+        last = await call.finished()
+        assert last.finish_reason is FinishReason.LENGTH
+        assert call.tokens == greedy(tiny_model_dir, PROMPT, 4)
+    finally:
+        await worker._stop_serving("test over", cause="stopping")
+        await engine.close()
+
+
+async def _pulls_waiting(js, names: RunNames) -> bool:
+    info = await js.consumer_info(names.gen_stream, Durable.ROLLOUT)
+    return (info.num_waiting or 0) > 0
 
 
 def _ingress_count(outcome: str) -> float:

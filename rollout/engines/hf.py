@@ -219,9 +219,9 @@ class HFEngine(InProcessEngine):
                         self._finish(request, FinishReason.ERROR)
                     continue
                 # 3. Stream the tokens; requests aborted meanwhile are skipped.
-                for request, (token, logprob) in zip(batch, sampled, strict=True):
-                    if not request.done:
-                        self._emit(request, token, logprob)
+                for request, token in zip(batch, sampled, strict=True):
+                    if token is not None and not request.done:
+                        self._emit(request, *token)
 
     def _emit(self, request: _Request, token: int, logprob: float) -> None:
         request.output_ids.append(token)
@@ -244,9 +244,11 @@ class HFEngine(InProcessEngine):
 
     # -- engine thread --------------------------------------------------------------------------
 
-    def _step(self, batch: list[_Request]) -> list[tuple[int, float]]:
+    def _step(self, batch: list[_Request]) -> list[tuple[int, float] | None]:
+        """The next (token, logprob) of each request; ``None`` for one aborted before its turn
+        (a lend aborts every request, then pauses: it waits for one forward, not the batch)."""
         with torch.inference_mode():
-            return [self._next_token(request) for request in batch]
+            return [None if request.done else self._next_token(request) for request in batch]
 
     def _next_token(self, request: _Request) -> tuple[int, float]:
         ids = request.prompt_ids + request.output_ids
