@@ -658,7 +658,9 @@ async def test_a_worker_frozen_mid_work_is_fenced_its_call_continues_and_it_is_r
                                 train=Demand(tags=["train"], count=0),
                                 rollout=Demand(tags=["rollout", f"node={other}"]),
                             )
-                            s = scheduler(nc, names, spec, role_change_deadline_s=1.0, tick_s=0.1)
+                            # 3 s: the serving worker, generating on a loaded machine (two
+                            # test workers on 2 cores), once took over 1 s to ack and was fenced
+                            s = scheduler(nc, names, spec, role_change_deadline_s=3.0, tick_s=0.1)
                             before = fenced()
                             running = asyncio.create_task(s.run(stop))
                             break
