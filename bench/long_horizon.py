@@ -30,8 +30,7 @@ import httpx
 import openai
 from nats.js.errors import NotFoundError
 
-from bench.machine import machine
-from bench.output import bench_broker, percentile, write_results
+from bench.output import bench_broker, percentile, write_model_run
 from broker import codec
 from broker.client import session
 from broker.config import ProvisionConfig
@@ -207,13 +206,7 @@ def main() -> None:
     g, e = measured["gateway_prompt_tokens"], measured["engine_prompt_tokens"]
     print(f"\ngateway prompt ids: {g['reused']:.0f} reused, {g['tokenized']:.0f} tokenized")
     print(f"engine prompt tokens: {e['prefilled']:.0f} prefilled, {e['cached']:.0f} cached")
-    result = {
-        "machine": machine(loadavg_before=loadavg_before),
-        "settings": {**vars(args), "model_path": str(model)},
-        **measured,
-    }
-    path = write_results(f"long_horizon-{args.engine}.json", result)
-    print(f"\nwrote {path}")
+    write_model_run(f"long_horizon-{args.engine}.json", args, model, measured, loadavg_before)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What every bench script shares: where it writes its JSON results (``bench/results/<name>``),
 the throwaway broker it runs on, and how it reads a percentile."""
 
+import argparse
 import json
 import statistics
 import tempfile
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench.machine import machine
 from broker.config import EmbeddedBrokerConfig
 from broker.server import EmbeddedBroker
 
@@ -20,6 +22,19 @@ def write_results(name: str, result: dict) -> Path:
     path = RESULTS / name
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
+
+
+def write_model_run(
+    name: str, args: argparse.Namespace, model: Path, measured: dict, loadavg_before: float
+) -> None:
+    """Write a bench run on one model (the machine, its settings with the model's folder, what
+    it measured) to ``bench/results/<name>`` and say where."""
+    result = {
+        "machine": machine(loadavg_before=loadavg_before),
+        "settings": {**vars(args), "model_path": str(model)},
+        **measured,
+    }
+    print(f"\nwrote {write_results(name, result)}")
 
 
 @contextmanager

@@ -32,8 +32,7 @@ from pathlib import Path
 
 import openai
 
-from bench.machine import machine
-from bench.output import bench_broker, percentile, write_results
+from bench.output import bench_broker, percentile, write_model_run
 from broker import codec
 from broker.client import session
 from broker.config import ProvisionConfig
@@ -196,13 +195,9 @@ def main() -> None:
             f"{label:>8}{m['ack_ms_p50']:>12.1f}{m['ack_ms_p99']:>12.1f}{m['ack_ms_max']:>9.1f}"
             f"{worker:>16}"
         )
-    result = {
-        "machine": machine(loadavg_before=loadavg_before),
-        "settings": {**vars(args), "model_path": str(model)},
-        **measured,
-    }
-    path = write_results(f"switch-{args.engine}-{args.model}.json", result)
-    print(f"\nwrote {path}")
+    write_model_run(
+        f"switch-{args.engine}-{args.model}.json", args, model, measured, loadavg_before
+    )
 
 
 if __name__ == "__main__":
