@@ -117,8 +117,7 @@ def trainer_report(samples: list[Sample]) -> dict[str, float]:
     for s in samples:
         if s.name == "sf_trainer_phase_seconds_total":
             report[f"phase seconds: {s.labels['phase']}"] = s.value
-    for s in samples:
-        if s.name == "sf_trainer_samples_total":
+        elif s.name == "sf_trainer_samples_total":
             report[f"samples {s.labels['outcome']}"] = s.value
     report["admission order: seconds waited"] = metric_sum(
         samples, "sf_trainer_order_wait_seconds_total"
