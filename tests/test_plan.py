@@ -143,7 +143,7 @@ def test_predictions_follow_the_costs(fitted: Fit):
         (base,) = [c for c in sweep(w, 2, 0, 10) if c.arm is arm]
         (slow,) = [c for c in sweep(slower, 2, 0, 10) if c.arm is base.arm]
         assert slow.s_per_step > base.s_per_step
-    small, large = sweep(w, 2, 1, 10), sweep(w, 6, 1, 10)
+    small, large = sweep(w, 2, 1, 40), sweep(w, 6, 1, 40)  # 10 steps: too few to be steady
     for arm in (Arm.SYNC_COLOCATED, Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED):
         best_small = max(c.samples_per_s for c in small if c.arm is arm)
         best_large = max(c.samples_per_s for c in large if c.arm is arm)

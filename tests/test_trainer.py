@@ -289,13 +289,14 @@ async def test_trainer_resumes_after_kill_without_training_a_sample_twice(
         and sorted(gaps)[-1] <= 3
         and any("versions_lost" in line for line in restarted.output)
     ), gaps
-    # Every version number was announced as a host-local copy, the lost ones included; the
-    # store got the newest (older ones may be skipped as superseded), and a version stored
+    # Every trained version was announced as a host-local copy (a lost one was too, unless the
+    # kill came between its copy and its announcement: the restart counts the copy as taken);
+    # the store got the newest (older ones may be skipped as superseded), and a version stored
     # twice carries the same content.
     await eventually(lambda: published and published[-1].version == versions[-1])
     await eventually(lambda: published[-1].host is None)
     local = sorted({e.version for e in published if e.host == host_id()})
-    assert local == list(range(1, versions[-1] + 1)), (local, versions)
+    assert set(versions) <= set(local) <= set(range(1, versions[-1] + 1)), (local, versions)
     by_version: dict[int, set[str]] = {}
     for e in published:
         if e.host is None:
