@@ -3,10 +3,11 @@
 With the emulated engine (``emulation.engine``) it lets the real trainer, scheduler and
 weight path run at a cluster's timing on a few cores. The model, and its assumptions:
 
-- A step costs ``workload.trainer.step_s(tokens, devices)`` seconds, slept in ``apply`` (the
-  trainer calls backends off its event loop), where ``tokens`` are the sample tokens (prompt and
-  output, not padding) of the training forwards since the last ``apply``: with one minibatch,
-  the step's tokens.
+- A step costs ``workload.trainer.step_s(tokens, devices)`` seconds (the trainer calls
+  backends off its event loop), where ``tokens`` are the sample tokens (prompt and output, not
+  padding) of its training forwards: each training forward sleeps its tokens' part, ``apply``
+  the fixed part (optimizer, all-reduce). A step computed ahead in parts (the trainer's
+  ``overlap``) spends the per-token part as its groups arrive.
 - The policy is one float32 vector of ``weight_floats`` values that never moves; every token's
   logprob is its first value, ``-log(16)``: the emulated engine's at its default cycle, so
   behaviour and proximal logprobs agree. Losses and gradient norms are computed for real from
@@ -44,7 +45,6 @@ class EmulatedBackend:
         self._config = config
         self._options = config.backend
         self._weight = torch.nn.Parameter(torch.full((self._options.weight_floats,), LOGPROB))
-        self._tokens = 0  # sample tokens of the training forwards since the last apply
 
     @property
     def dp_rank(self) -> int:
@@ -62,7 +62,8 @@ class EmulatedBackend:
 
     def token_logprobs(self, batch: TokenBatch, grad: bool) -> torch.Tensor:
         if grad:
-            self._tokens += int(batch.attention_mask.sum())
+            cost = self._options.workload.trainer
+            time.sleep(cost.s_per_token * int(batch.attention_mask.sum()) / self._options.devices)
         with torch.set_grad_enabled(grad):
             scored = (batch.attention_mask > 0) & (batch.position_ids > 0)
             return torch.where(scored, self._weight[0], 0.0)
@@ -72,15 +73,17 @@ class EmulatedBackend:
             raise BackendError("no reference model: it is loaded only when kl_coef > 0")
         return self.token_logprobs(batch, grad=False)
 
-    def apply(self, loss: torch.Tensor | None) -> ApplyStats:
-        norm = 0.0
+    def apply(self, loss: torch.Tensor | None, scale: float = 1.0) -> ApplyStats:
         if loss is not None:
             loss.backward()
-            norm = float(self._weight.grad.norm()) if self._weight.grad is not None else 0.0
+        grad = self._weight.grad
+        norm = 0.0 if grad is None else float(grad.norm()) * scale
         self._weight.grad = None
-        tokens, self._tokens = self._tokens, 0
-        time.sleep(self._options.workload.trainer.step_s(tokens, self._options.devices))
+        time.sleep(self._options.workload.trainer.step_s(0, self._options.devices))
         return ApplyStats(grad_norm=norm, lr=self._config.lr, backward_s=0.0)  # all modelled
+
+    def zero_grad(self) -> None:
+        self._weight.grad = None
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return {"emulated.weight": self._weight.detach().clone()}

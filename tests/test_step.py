@@ -1,5 +1,6 @@
 """The trainer step on the tiny model: packed rows and shared prefixes train exactly as padded
 rows (loss, gradients, samples isolated), the one-forward proximal equals a separate forward,
+a step computed in parts (``Accumulation``) makes the whole batch's update,
 the mismatch against a real engine's logprobs, and the bfloat16 option."""
 
 import asyncio
@@ -16,10 +17,11 @@ from tests.test_losses import sample
 from trainer.backends import build_backend
 from trainer.backends.torch import TorchBackend
 from trainer.batcher import TrainItem, collate, pack, plan_step
-from trainer.config import TorchBackendConfig, TrainerConfig
+from trainer.config import LossAggregation, TorchBackendConfig, TrainerConfig
 from trainer.exceptions import BackendError
 from trainer.step import (
     PHASES,
+    Accumulation,
     equal_sample_weights,
     minibatch_loss,
     proximal_logprobs,
@@ -363,3 +365,33 @@ def test_sample_aggregation_weighs_every_sample_the_same():
     assert shares[0] == pytest.approx(0.5 * mean)
     assert shares[1:] == pytest.approx([mean] * (len(shares) - 1))
     assert [w.sample for w in weighted] == [i.sample for i in planned]
+
+
+@pytest.mark.parametrize(
+    "aggregation, kl_coef",
+    [(LossAggregation.TOKEN, 0.0), (LossAggregation.SAMPLE, 0.0), (LossAggregation.TOKEN, 0.1)],
+)
+def test_a_step_computed_in_parts_makes_the_whole_batchs_update(
+    tiny_model_dir, aggregation, kl_coef
+):
+    """The trainer's ``overlap``: each part's gradients are kept, scaled at the commit by the
+    whole step's loss tokens (or samples): the same weights and stats as ``train_step``."""
+    cfg = config(loss_aggregation=aggregation, kl_coef=kl_coef)
+    planned = items(9, seed=3)
+    whole_backend, parts_backend = (build_backend(tiny_model_dir, cfg) for _ in range(2))
+    whole = train_step(whole_backend, planned, 0, cfg)
+    accumulation = Accumulation()
+    for part in (planned[:2], planned[2:3], planned[3:]):
+        accumulation.add(parts_backend, part, cfg)
+    parts = accumulation.commit(parts_backend, 0, cfg)
+    assert (parts.samples, parts.loss_tokens) == (whole.samples, whole.loss_tokens)
+    assert parts.grad_norm == pytest.approx(whole.grad_norm, rel=1e-5)
+    assert parts.loss == pytest.approx(whole.loss, rel=1e-5, abs=1e-7)
+    assert parts.kl == pytest.approx(whole.kl, rel=1e-5, abs=1e-9)
+    assert parts.mismatch.tokens == whole.mismatch.tokens
+    assert parts.mismatch.mean_abs == pytest.approx(whole.mismatch.mean_abs, rel=1e-5)
+    after = dict(parts_backend.model.named_parameters())
+    before = dict(build_backend(tiny_model_dir, cfg).model.named_parameters())
+    for name, param in whole_backend.model.named_parameters():
+        torch.testing.assert_close(after[name], param, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(p, before[n]) for n, p in after.items())  # the step moved them

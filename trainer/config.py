@@ -179,6 +179,13 @@ class TrainerConfig(BaseModel):
         description="in drop mode, how long a step may wait for an earlier admitted task's group "
         "that it would put past max_staleness (trainer.order); 0: steps never wait",
     )
+    overlap: bool = Field(
+        default=False,
+        description="compute a step's gradients a group at a time as groups complete, the "
+        "oldest first, and commit once groups_per_step are computed: the wait for a step's last "
+        "(longest) groups overlaps its compute, and order_wait_s bounds only idle waiting; needs "
+        "minibatches = 1",
+    )
     max_pending_samples: int = Field(
         default=4096, ge=1, description="samples held un-acked while their groups fill"
     )
@@ -228,5 +235,10 @@ class TrainerConfig(BaseModel):
             raise ValueError(
                 f"minibatches={self.minibatches} exceeds groups_per_step={self.groups_per_step}: "
                 "each minibatch needs at least one group"
+            )
+        if self.overlap and self.minibatches > 1:
+            raise ValueError(
+                f"overlap needs minibatches = 1 (got {self.minibatches}): a step computed ahead "
+                "takes one optimizer step"
             )
         return self

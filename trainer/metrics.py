@@ -216,7 +216,8 @@ RENDEZVOUS_SECONDS = Histogram(
 )
 RANK_STEP_SECONDS = Histogram(
     "sf_trainer_rank_step_seconds",
-    "One step on this rank (its shard), in a trainer group of workers",
+    "One training command on this rank (its shard of a step, or of a part computed ahead), in a "
+    "trainer group of workers",
     buckets=_SECONDS,
     registry=REGISTRY,
 )

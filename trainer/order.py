@@ -51,9 +51,9 @@ class AdmissionOrder:
         self.seen(admitted)
         self._finish(admitted.ticket)
 
-    def blocking(self, version: int, max_staleness: int, now: float) -> list[int]:
-        """The missing tickets a step at ``version`` would put past ``max_staleness``, once
-        those waited for ``wait_s`` or longer are given up."""
+    def due(self, version: int, max_staleness: int) -> list[int]:
+        """The missing tickets a step at ``version`` would put past ``max_staleness``; asking
+        starts no wait (``blocking`` does)."""
         if self._floor is None or not self._versions:
             return []
         late = version - max_staleness  # a task at this version or older must be in this step
@@ -63,8 +63,13 @@ class AdmissionOrder:
             at = self._versions.get(ticket, at)
             if ticket not in self._done and at <= late:
                 due.append(ticket)
+        return due
+
+    def blocking(self, version: int, max_staleness: int, now: float) -> list[int]:
+        """``due``, once those waited for ``wait_s`` or longer (from the first time they were
+        asked for here) are given up."""
         waiting: list[int] = []
-        for ticket in due:
+        for ticket in self.due(version, max_staleness):
             if now - self._since.setdefault(ticket, now) >= self.wait_s:
                 self.given_up += 1
                 self._finish(ticket)

@@ -20,8 +20,10 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,9 +38,11 @@ from trainer.checkpoint import Checkpoint, load_file
 from trainer.config import TrainerConfig
 from trainer.exceptions import GroupBrokenError
 from trainer.metrics import RANK_STEP_SECONDS
-from trainer.step import StepStats, train_step
+from trainer.step import Accumulation, StepStats, train_step
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 JOIN_TIMEOUT = timedelta(minutes=30)
 
@@ -76,6 +80,7 @@ class RankGroup:
                 self._followers.append(p)
             _init(0, init, config)
         self.backend: TrainerBackend = build_backend(model, config)
+        self._accumulation = Accumulation()  # rank 0's part of a step computed ahead
 
     @property
     def local_world_size(self) -> int:
@@ -93,32 +98,62 @@ class RankGroup:
             self.backend.load_state(checkpoint.backend)
 
     def step(self, items: list[TrainItem], version: int) -> StepStats:
+        # With several minibatches an earlier one's update may land before a later collective
+        # fails: keep the committed state to go back to (a copy of the model and AdamW state
+        # per step, in groups of several workers only).
+        several = self.grouped and self._config.minibatches > 1
+        before = copy.deepcopy(self.backend.state()) if several else None
+        return self._command(
+            {"kind": "step", "version": version, "items": _wire(items)},
+            lambda: train_step(self.backend, items, version, self._config),
+            before,
+        )
+
+    def accumulate(self, items: list[TrainItem]) -> None:
+        """Compute ``items``' gradients on every rank, for the step ``commit`` takes."""
+        self._command(
+            {"kind": "accumulate", "items": _wire(items)},
+            lambda: self._accumulation.add(self.backend, items, self._config),
+        )
+
+    def commit(self, version: int) -> StepStats:
+        """The optimizer step over everything ``accumulate`` computed since the last commit."""
+        accumulation, self._accumulation = self._accumulation, Accumulation()
+        return self._command(
+            {"kind": "commit", "version": version},
+            lambda: accumulation.commit(self.backend, version, self._config),
+        )
+
+    def discard(self) -> None:
+        """Drop what ``accumulate`` computed (rank 0; the others drop theirs when a group forms:
+        ``join``)."""
+        with self._lock:
+            self._accumulation = Accumulation()
+            self.backend.zero_grad()
+
+    def _command(self, command: dict, run: Callable[[], T], before: dict | None = None) -> T:
+        """``command`` to every other rank, then ``run`` here. In a trainer group a failed
+        collective raises ``GroupBrokenError``, with the backend as the last commit left it
+        (``before``, if given) and no gradients kept."""
         with self._lock:
             if not self.distributed:
-                return train_step(self.backend, items, version, self._config)
-            command = {
-                "kind": "step",
-                "version": version,
-                "items": [[i.sample.model_dump_json(), i.advantage, i.weight] for i in items],
-            }
+                return run()
             if not self.grouped:
                 _broadcast(command, self._comm)
-                return train_step(self.backend, items, version, self._config)
-            # With several minibatches an earlier one's update may land before a later
-            # collective fails: keep the committed state to go back to (a copy of the model and
-            # AdamW state per step, in groups of several workers only).
-            before = copy.deepcopy(self.backend.state()) if self._config.minibatches > 1 else None
+                return run()
             started = time.monotonic()
             try:
                 _broadcast(command, self._comm)
-                stats = train_step(self.backend, items, version, self._config)
-                RANK_STEP_SECONDS.observe(time.monotonic() - started)
-                return stats
+                result = run()
             except RuntimeError as exc:  # gloo and nccl raise their failures as RuntimeError
                 if before is not None:
                     self.backend.load_state(before)
+                self._accumulation = Accumulation()
+                self.backend.zero_grad()
                 self._destroy()
-                raise GroupBrokenError(f"step v{version + 1} abandoned: {exc}") from exc
+                raise GroupBrokenError(f"{command['kind']} abandoned: {exc}") from exc
+            RANK_STEP_SECONDS.observe(time.monotonic() - started)
+            return result
 
     # -- a trainer group of workers ----------------------------------------------------------
     def join(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
@@ -141,6 +176,8 @@ class RankGroup:
                 timeout=timeout,
             )
             self.grouped = True
+            self._accumulation = Accumulation()  # a new group computes every step afresh
+            self.backend.zero_grad()
             try:
                 if rank == 0:
                     self._send_state()
@@ -181,17 +218,18 @@ class RankGroup:
     def follow_group(self) -> None:
         """A member other than rank 0, after ``join``: run rank 0's commands until it says
         ``leave`` (returns) or a collective fails (raises ``GroupBrokenError``); left either way."""
+        accumulation = Accumulation()
         try:
             while True:
                 command = _broadcast(None, self._comm)
                 if command["kind"] == "leave":
                     return
-                if command["kind"] == "step":
+                if command["kind"] in TRAINING:
                     wait_s = self._config.collective_timeout_s / 2
                     if not self.training.wait(wait_s):
                         log.warning(kv("trainer_rank_not_reclaimed", waited_s=wait_s))
                     started = time.monotonic()
-                    train_step(self.backend, _items(command), command["version"], self._config)
+                    accumulation = _obey(self.backend, command, self._config, accumulation)
                     RANK_STEP_SECONDS.observe(time.monotonic() - started)
         except RuntimeError as exc:
             raise GroupBrokenError(f"lost rank 0: {exc}") from exc
@@ -250,6 +288,7 @@ def follow(rank: int, init: str, model: Path, config: TrainerConfig, parent: int
     _init(rank, init, config)
     backend = build_backend(model, config)
     comm = _comm_device()
+    accumulation = Accumulation()
     while True:
         command = _broadcast(None, comm)
         if command["kind"] == "stop":
@@ -258,9 +297,31 @@ def follow(rank: int, init: str, model: Path, config: TrainerConfig, parent: int
             if command["path"]:
                 backend.load_state(load_file(Path(command["path"])).backend)
             continue
-        train_step(backend, _items(command), command["version"], config)
+        accumulation = _obey(backend, command, config, accumulation)
     dist.destroy_process_group()
     log.info(kv("trainer_rank_stopped", rank=rank))
+
+
+TRAINING = ("step", "accumulate", "commit")
+"""The commands a rank other than 0 trains by (``_obey``)."""
+
+
+def _obey(
+    backend: TrainerBackend, command: dict, config: TrainerConfig, accumulation: Accumulation
+) -> Accumulation:
+    """Run a ``TRAINING`` command on this rank; returns the step being computed ahead."""
+    if command["kind"] == "accumulate":
+        accumulation.add(backend, _items(command), config)
+    elif command["kind"] == "commit":
+        accumulation.commit(backend, command["version"], config)
+        return Accumulation()
+    else:
+        train_step(backend, _items(command), command["version"], config)
+    return accumulation
+
+
+def _wire(items: list[TrainItem]) -> list:
+    return [[i.sample.model_dump_json(), i.advantage, i.weight] for i in items]
 
 
 def _items(command: dict) -> list[TrainItem]:

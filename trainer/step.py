@@ -9,10 +9,17 @@ every shard first gets a forward without gradients, before any update.
 
 Loss normalisation uses each minibatch's loss tokens over ALL ranks, and the backend sums
 gradients, so N ranks compute the same update as one rank on the whole batch.
+
+``Accumulation`` is the same one-minibatch step computed a few groups at a time (the trainer's
+``overlap``: while it would wait for a step's last groups): each part's loss is left un-normalised
+(per-sample weights of ``1 / its loss tokens`` under sample aggregation) and backpropagated, its
+gradients adding up; ``commit`` scales them by one over the step's loss tokens (or samples), all
+ranks, then takes the optimizer step: the update ``train_step`` computes on the whole batch. The
+weights do not move until the commit, so every part's forward gives the proximal logprobs.
 """
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -180,3 +187,65 @@ def _mismatch(scored: list[tuple[BatchTensors, torch.Tensor]], version: int) -> 
     proximal = torch.cat([p.cpu().flatten() for _, p in scored])
     same = torch.cat([((b.mask > 0) & (b.versions == version)).flatten() for b, _ in scored])
     return mismatch(behaviour, proximal, same)
+
+
+@dataclass
+class Accumulation:
+    """A step being computed part by part, on one rank (see the module docstring)."""
+
+    items: list[TrainItem] = field(default_factory=list)  # every part's, all ranks
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    _scored: list[tuple[BatchTensors, torch.Tensor]] = field(default_factory=list)
+    _policy = _kl = 0.0  # un-normalised sums over this rank's loss tokens
+    _tokens = _clipped = _capped = 0
+
+    def add(self, backend: TrainerBackend, items: list[TrainItem], config: TrainerConfig) -> None:
+        """Forward and backward this rank's shard of ``items``; gradients are kept, not applied."""
+        self.items += items
+        shard = items[backend.dp_rank :: backend.dp_size]
+        if config.loss_aggregation is LossAggregation.SAMPLE:
+            shard = [replace(i, weight=i.weight / max(_loss_tokens(i), 1)) for i in shard]
+        if not shard or not sum(map(_loss_tokens, shard)):
+            return
+        batch = collate(shard, backend.row_tokens, backend.shares_prefixes)
+        clock = time.perf_counter()
+        reference = None
+        if config.kl_coef > 0:
+            reference = backend.reference_logprobs(batch.tokens).float()
+            self.seconds["reference"] += time.perf_counter() - clock
+            clock = time.perf_counter()
+        terms, proximal = minibatch_loss(backend, batch, 1, config, None, reference)
+        backward_at = time.perf_counter()
+        terms.loss.backward()
+        self.seconds["forward"] += backward_at - clock
+        self.seconds["backward"] += time.perf_counter() - backward_at
+        self._scored.append((batch, proximal))
+        self._tokens += batch.loss_tokens
+        self._policy += terms.policy_loss
+        self._kl += terms.kl * batch.loss_tokens
+        self._clipped += terms.clipped_tokens
+        self._capped += terms.capped_tokens
+
+    def commit(self, backend: TrainerBackend, version: int, config: TrainerConfig) -> StepStats:
+        """Scale the gradients (every rank), take the optimizer step; what the step did."""
+        tokens = sum(map(_loss_tokens, self.items))
+        per_sample = config.loss_aggregation is LossAggregation.SAMPLE
+        norm = len(self.items) if per_sample else tokens
+        grad_norm = 0.0
+        if tokens:  # else no loss token on any rank: no optimizer step (AdamW would still move)
+            clock = time.perf_counter()
+            applied = backend.apply(None, scale=1.0 / norm)
+            grad_norm = applied.grad_norm
+            self.seconds["optimizer"] += time.perf_counter() - clock
+        policy = self._policy * (tokens / norm if per_sample else 1.0)  # train_step's units
+        return StepStats(
+            samples=len(self.items),
+            loss_tokens=tokens,
+            loss=policy / max(self._tokens, 1),
+            kl=self._kl / max(self._tokens, 1),
+            mismatch=_mismatch(self._scored, version),
+            grad_norm=grad_norm,
+            clipped_tokens=self._clipped,
+            capped_tokens=self._capped,
+            seconds=self.seconds,
+        )

@@ -128,11 +128,16 @@ class TrainerBackend(Protocol):
         exists only when ``config.kl_coef > 0``; raises ``BackendError`` otherwise."""
         ...
 
-    def apply(self, loss: torch.Tensor | None) -> ApplyStats:
-        """Backward ``loss``, sum gradients over the data-parallel group, clip to
-        ``config.max_grad_norm``, take one optimizer step and zero the gradients. ``None``: this
-        rank had no samples in this minibatch; it contributes zero gradients but still joins the
-        reduction and the step (every rank calls ``apply`` the same number of times)."""
+    def apply(self, loss: torch.Tensor | None, scale: float = 1.0) -> ApplyStats:
+        """Backward ``loss``, multiply the gradients (with those of any ``backward`` since the
+        last ``apply``) by ``scale``, sum them over the data-parallel group, clip to
+        ``config.max_grad_norm``, take one optimizer step and zero the gradients. ``None``: no
+        new loss on this rank (no samples in this minibatch); it still joins the reduction and
+        the step (every rank calls ``apply`` the same number of times)."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last ``apply`` (a step abandoned)."""
         ...
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -158,7 +158,7 @@ class MegatronBackend:
                 _logits(self._reference, batch, self._device), batch, self._config.temperature
             )
 
-    def apply(self, loss: torch.Tensor | None) -> ApplyStats:
+    def apply(self, loss: torch.Tensor | None, scale: float = 1.0) -> ApplyStats:
         started = time.perf_counter()
         if loss is not None:
             loss.backward()
@@ -167,6 +167,8 @@ class MegatronBackend:
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            elif scale != 1.0:
+                p.grad.mul_(scale)
             grads.append(p.grad)
         if self.dp_size > 1:
             from megatron.core import parallel_state
@@ -201,6 +203,9 @@ class MegatronBackend:
         for p in self._params:
             p.grad.mul_(coef)
         return float(norm)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         tensors = {k: v.detach() for k, v in megatron_tensors(self.model).items()}

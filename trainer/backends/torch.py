@@ -176,7 +176,7 @@ class TorchBackend:
         logprobs = logprobs_from_logits(logits, rows, self._config.temperature, at)
         return torch.nn.functional.pad(logprobs, (0, batch.input_ids.shape[1] - length))
 
-    def apply(self, loss: torch.Tensor | None) -> ApplyStats:
+    def apply(self, loss: torch.Tensor | None, scale: float = 1.0) -> ApplyStats:
         params = [p for p in self.model.parameters() if p.requires_grad]
         started = time.perf_counter()
         if loss is not None:
@@ -185,6 +185,8 @@ class TorchBackend:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            elif scale != 1.0:
+                p.grad.mul_(scale)
         if self._distributed:
             # One flat buffer: one collective instead of one per tensor.
             flat = torch.cat([p.grad.flatten() for p in params])
@@ -206,6 +208,9 @@ class TorchBackend:
         return ApplyStats(
             grad_norm=float(norm), lr=self.optimizer.param_groups[0]["lr"], backward_s=backward_s
         )
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
