@@ -16,7 +16,7 @@ from safetensors.torch import load, save_file
 
 from broker import codec
 from broker.config import ConsumerLimits
-from broker.messages import MessageRejected, SampleReady, TrainerShape, WeightsPublished
+from broker.messages import Admitted, MessageRejected, SampleReady, TrainerShape, WeightsPublished
 from broker.provision import provision_run
 from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights, host_id, latest_weights, run_instance
@@ -389,3 +389,85 @@ async def test_a_crash_loses_the_steps_since_the_checkpoint_and_training_goes_on
         if e.host is None:
             shas.setdefault(e.version, set()).add(e.sha256)
     assert 3 in shas and all(len(v) == 1 for v in shas.values())
+
+
+# -- overlap: a step computed ahead ------------------------------------------------------------
+def stamped(gid: str, ticket: int, version: int, size: int = 2) -> list[SampleReady]:
+    """A group of admission ``ticket`` (stamped at ``version``), its tokens of ``version``."""
+    return [
+        s.model_copy(update={"admitted": Admitted(ticket=ticket, version=version)})
+        for s in group(gid, size, version=version, base=10 * ticket)
+    ]
+
+
+@pytest.mark.newest_nats
+async def test_overlap_computes_a_step_ahead_and_keeps_room_for_an_earlier_task(
+    broker, js, names, tiny_model_dir, tmp_path
+):
+    """``trainer.overlap``: a complete group is computed before its step's other groups come;
+    a step at v1 keeps a place for ticket 3 (its tokens at v0 would be past the bound at v2)
+    instead of filling it with the later ticket 5, waits for it only once nothing is left to
+    compute, and trains it; a group dropped whole is settled at once. Every sample trained once,
+    steps logged as trained."""
+    config = TrainerConfig(
+        lr=1e-3,
+        groups_per_step=2,
+        max_staleness=1,
+        staleness_mode=StalenessMode.DROP,
+        overlap=True,
+        order_wait_s=60,
+        checkpoint_dir=tmp_path / "ckpt",
+        worker_id="trainer-o",
+        local_weights_dir=tmp_path / "shm",
+    )
+    stop = asyncio.Event()
+    serving = await serving_trainer(broker.url, js, names, config, tiny_model_dir, stop)
+    try:
+        url = (await registered(js, names, "trainer-o")).metrics_url
+
+        def ahead(n):
+            return lambda: _eq(metric(url, "sf_trainer_groups_ahead"), n)
+
+        def version(n):
+            return lambda: _eq(metric(url, "sf_trainer_version"), n)
+
+        await publish(js, names, *stamped("t1", 1, 0))
+        await eventually(ahead(1), watch=serving)  # computed, its step not complete
+        assert await metric(url, "sf_trainer_version") == 0
+        await publish(js, names, *stamped("t2", 2, 0))
+        await eventually(version(1), watch=serving)
+        # At v1 ticket 3 (not seen; ticket 2's version, 0) must be in the next step.
+        await publish(js, names, *stamped("t4", 4, 1))
+        await eventually(ahead(1), watch=serving)
+        await publish(js, names, *stamped("t5", 5, 1))  # no room: ticket 3's place is kept
+        await asyncio.sleep(1.0)  # (a step would take ~0.1 s)
+        assert (
+            await metric(url, "sf_trainer_groups_ahead"),
+            await metric(url, "sf_trainer_version"),
+        ) == (1, 1)
+        await publish(js, names, *stamped("t3", 3, 0))
+        await eventually(version(2), watch=serving)
+        assert await metric(url, "sf_trainer_order_wait_seconds_total") >= 1.0  # waited for it
+        await eventually(ahead(1), watch=serving)  # t5 (v1, lag 1 at v2), for the next step
+        stale = group("s", 2, version=0)  # lag 2 at v2: dropped whole, settled at once
+        await publish(js, names, *stale)
+        await eventually(lambda: _consumer_settled_but(js, names, 2), watch=serving, timeout=30)
+        await publish(js, names, *stamped("t6", 6, 2))
+        await eventually(version(3), watch=serving)
+        await eventually(lambda: _consumer_settled(js, names), watch=serving, timeout=30)
+        assert await metric(url, "sf_trainer_samples_total", outcome="trained") == 12
+        assert await metric(url, "sf_trainer_samples_total", outcome="stale_dropped") == 2
+    finally:
+        stop.set()
+        await serving
+    steps = [(s.version, sorted({i.split("-")[0] for i in s.sample_ids}), len(s.dropped))
+             for s in checkpoint.read_steps(config.checkpoint_dir)]  # fmt: skip
+    assert steps == [
+        (1, ["t1", "t2"], 0), (2, ["t3", "t4"], 0), (2, ["s"], 2), (3, ["t5", "t6"], 0)
+    ]  # fmt: skip
+
+
+async def _consumer_settled_but(js, names: RunNames, pending: int) -> bool:
+    """All the trainer's samples acked but ``pending`` (held for a step computed ahead)."""
+    info = await js.consumer_info(names.samples_stream, Durable.TRAINER)
+    return info.num_pending == 0 and info.num_ack_pending == pending

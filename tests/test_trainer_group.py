@@ -107,9 +107,10 @@ def _loss_and_grads(backend, items) -> tuple[torch.Tensor, torch.Tensor]:
     return loss, grads
 
 
-def _joined(rank: int, port: int, model: str, config: TrainerConfig):
+def _joined(rank: int, port: int, model: str, config: TrainerConfig, stale_part: bool = False):
     """This process as rank ``rank`` of a group of two, met at ``port``, with rank 0's state
-    (rank 1 warmed up on other samples first: the join must replace its state)."""
+    (rank 1 warmed up on other samples first: the join must replace its state; with
+    ``stale_part`` it also computed part of a step alone: the join must drop its gradients)."""
     import torch.distributed as dist
 
     from trainer.ranks import RankGroup
@@ -117,17 +118,25 @@ def _joined(rank: int, port: int, model: str, config: TrainerConfig):
     torch.set_num_threads(1)
     ranks = RankGroup(Path(model), config)
     _warm(ranks, seed=rank)
+    if stale_part:
+        ranks.accumulate(dp_items()[:3])
     timeout = timedelta(seconds=30)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timeout)
     ranks.join(store, rank, 2, timeout)
     return ranks
 
 
-def _group_rank(rank: int, port: int, model: str, out: str) -> None:
-    ranks = _joined(rank, port, model, DP_CONFIG)
+def _group_rank(rank: int, port: int, model: str, out: str, ahead: bool) -> None:
+    ranks = _joined(rank, port, model, DP_CONFIG, stale_part=ahead and rank == 1)
     loss, grads = _loss_and_grads(ranks.backend, dp_items())
     if rank == 0:
-        ranks.step(dp_items(), 0)
+        if ahead:  # the step computed in two parts (``trainer.overlap``), then committed
+            items = dp_items()
+            ranks.accumulate(items[:2])
+            ranks.accumulate(items[2:])
+            ranks.commit(0)
+        else:
+            ranks.step(dp_items(), 0)
         ranks.leave()
     else:
         ranks.follow_group()  # until rank 0 leaves
@@ -135,13 +144,14 @@ def _group_rank(rank: int, port: int, model: str, out: str) -> None:
     save_file(tensors, f"{out}/rank{rank}.safetensors")
 
 
-def test_two_ranks_give_one_ranks_loss_gradients_and_step(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("ahead", [False, True], ids=["step", "computed-ahead"])
+def test_two_ranks_give_one_ranks_loss_gradients_and_step(tiny_model_dir, tmp_path, ahead):
     from tests.support import free_port
     from trainer.ranks import RankGroup
 
     torch.multiprocessing.spawn(
         _group_rank,
-        args=(free_port(), str(tiny_model_dir), str(tmp_path)),
+        args=(free_port(), str(tiny_model_dir), str(tmp_path), ahead),
         nprocs=2,
         join=True,
     )

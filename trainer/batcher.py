@@ -140,14 +140,21 @@ class Batcher:
 
     def take(self, groups: int) -> list[list[SampleReady]] | None:
         """The ``groups`` complete groups with the oldest loss tokens (nearest the staleness
-        bound; of equals, the first complete), or None while fewer are complete."""
+        bound; of equals, the first admitted, then the first complete), or None while fewer
+        are complete."""
         if len(self._complete) < groups:
             return None
-        oldest = sorted(self._complete, key=lambda g: min(map(oldest_version, self._complete[g])))
+        oldest = sorted(self._complete, key=lambda g: _age(self._complete[g]))
         taken = [self._complete.pop(g) for g in oldest[:groups]]
         for group in taken:
             self._held.difference_update(s.sample_id for s in group)
         return taken
+
+
+def _age(group: list[SampleReady]) -> tuple[int, int]:
+    """Which group ``Batcher.take`` takes first: its oldest loss token, then its ticket."""
+    admitted = group[0].admitted
+    return min(map(oldest_version, group)), MAX_SAFE_INT if admitted is None else admitted.ticket
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,29 @@ class TrainItem:
     sample: SampleReady
     advantage: float
     weight: float  # 1.0, or stale_weight past the staleness bound
+
+
+@dataclass
+class StepAhead:
+    """A step computed ahead, a group at a time (``trainer.overlap``), in one formation of the
+    trainer group: its groups so far, what they train and what they drop."""
+
+    formation: int
+    groups: list[list[SampleReady]] = field(default_factory=list)
+    items: list[TrainItem] = field(default_factory=list)
+    dropped: list[tuple[str, str]] = field(default_factory=list)
+    trained: int = 0  # groups with something to train (a group dropped whole counts none)
+    seconds: float = 0.0  # computing them
+
+    def add(self, group: list[SampleReady], items: list[TrainItem], dropped: tuple) -> None:
+        self.groups.append(group)
+        self.items += items
+        self.dropped += dropped
+        self.trained += bool(items)
+
+    @property
+    def consumed(self) -> list[str]:
+        return [s.sample_id for g in self.groups for s in g]
 
 
 def oldest_version(sample: SampleReady) -> int:

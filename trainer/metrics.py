@@ -6,8 +6,10 @@ import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from broker.messages import SampleReady
 from common.log import kv
-from trainer.batcher import DropReason, Outcome, TrainItem
+from trainer.batcher import DROPPED, DropReason, Outcome, TrainItem, lag, oldest_version
+from trainer.config import TrainerConfig
 from trainer.step import PHASES, StepStats
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,11 @@ GROUPS_EXPIRED = Counter(
     "Groups trained incomplete after group_timeout_s",
     registry=REGISTRY,
 )
+AHEAD = Gauge(
+    "sf_trainer_groups_ahead",
+    "Groups of the next step computed ahead, waiting for the rest (trainer.overlap)",
+    registry=REGISTRY,
+)
 ORDER_WAIT = Counter(
     "sf_trainer_order_wait_seconds",
     "Seconds steps waited for an earlier admitted task's group (trainer.order)",
@@ -133,6 +140,44 @@ ORDER_GIVEN_UP = Counter(
     "Admitted tasks a step stopped waiting for after order_wait_s (no group in time)",
     registry=REGISTRY,
 )
+
+
+def report_plan(
+    groups: list[list[SampleReady]],
+    outcomes: dict[str, Outcome],
+    lags: list[int],
+    version: int,
+    config: TrainerConfig,
+) -> tuple[tuple[str, str], ...]:
+    """What ``plan_step`` made of ``groups`` at ``version``: staleness, stamp gaps and outcomes
+    counted, each group's dropped samples counted and logged (WARNING, a line per group and
+    reason); returns the dropped ones as ``(sample_id, reason)`` for the steps log."""
+    for behind in lags:
+        STALENESS.observe(behind)
+    for outcome in outcomes.values():
+        SAMPLES.labels(outcome.value).inc()
+    dropped: list[tuple[str, str]] = []
+    for group in groups:
+        if (stamp := group[0].admitted) is not None:
+            STAMP_GAP.observe(min(map(oldest_version, group)) - stamp.version)
+        gone = [s for s in group if outcomes[s.sample_id] in DROPPED]
+        for reason in {DROPPED[outcomes[s.sample_id]] for s in gone}:
+            these = [s for s in gone if DROPPED[outcomes[s.sample_id]] is reason]
+            DROPPED_SAMPLES.labels(reason.value).inc(len(these))
+            dropped += [(s.sample_id, reason.value) for s in these]
+            log.warning(
+                kv(
+                    "samples_dropped",
+                    group=group[0].group_id,
+                    reason=reason.value,
+                    samples=len(these),
+                    of=len(group),
+                    max_lag=max(lag(s, version) for s in these),
+                    version=version,
+                    max_staleness=config.max_staleness,
+                )
+            )
+    return tuple(dropped)
 
 
 def report_step(version: int, items: list[TrainItem], stats: StepStats, seconds: float) -> None:

@@ -8,20 +8,22 @@ step that used it is committed. Per step (``Trainer.run``):
 1. in drop mode, wait (bounded) for an earlier admitted task's group the step would put past the
    staleness bound (``trainer.waits.OrderWait``, ``trainer.order``); take the ``groups_per_step``
    complete groups with the oldest tokens; advantages, staleness bound;
-2. train on every rank (off the event loop);
-3. every ``checkpoint_every`` versions (and at stop): copy model and optimizer into memory
-   (once the previous checkpoint is written: one write in flight) for the background writer
-   (``checkpoint.CheckpointWriter``): the checkpoint, atomically, then the steps log lines of
-   the steps it holds; this step's samples are released (the ingress acks them) once both
-   are durable, while training goes on. Steps between checkpoints are released at once
-   (rollout is paced by unsettled samples): a crash loses them, their samples acknowledged;
+2. train on every rank (off the event loop). With ``overlap``, the step is computed ahead a
+   group at a time, the oldest complete group first, while fewer than ``groups_per_step`` are
+   computed or reserved for the earlier admitted tasks the step must take (``AdmissionOrder.due``);
+   the order wait starts only once nothing is left to compute, and the step commits (optimizer
+   step) when its groups are computed. A step computed ahead belongs to one formation of the
+   trainer group: a new one computes it again;
+3. every ``checkpoint_every`` versions (and at stop) commit (``trainer.commits``): a snapshot
+   in memory, written in the background with the steps log; this step's samples are acked once
+   both are durable, while training goes on. Steps between are acked at once (a crash loses
+   them);
 4. publish version v+1 (``trainer.publisher``: a host-local copy in the step, the object store
    in the background), not waiting for its checkpoint; time until every worker serves it.
 
-So: checkpoint durable -> its steps log lines -> its step's acks. A version may be announced
-before its checkpoint is durable: after a crash the stream is ahead of the checkpoint (by less
-than ``2 * checkpoint_every`` versions) and the restart goes on after it (``publish_if_missing``),
-the lost step's samples redelivered (never acked) and trained again under a new version.
+A version may be announced before its checkpoint is durable: after a crash the stream is ahead
+of the checkpoint (by less than ``2 * checkpoint_every`` versions) and the restart goes on after
+it (``publish_if_missing``), the lost step's samples redelivered and trained under a new version.
 
 NATS errors on the way are a broker outage, not a failed step: the weights of a version are
 kept and published, tried again until the broker is back (de-duplicated per version); a trainer
@@ -34,9 +36,11 @@ and holding samples, until it is ``train`` again. The process around it: ``train
 """
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -50,32 +54,33 @@ from broker.roles import RoleHolder
 from broker.subjects import Durable, RunNames
 from common.log import kv
 from trainer import checkpoint
-from trainer.batcher import DROPPED, Batcher, Outcome, lag, oldest_version, plan_step
-from trainer.checkpoint import Checkpoint, CheckpointWriter, StepRecord
+from trainer.batcher import Batcher, Outcome, StepAhead, TrainItem, plan_step
+from trainer.checkpoint import Checkpoint, StepRecord
+from trainer.commits import Commits
 from trainer.config import TrainerConfig
 from trainer.exceptions import BatchError, GroupBrokenError, TrainerError
 from trainer.metrics import (
-    CHECKPOINT_SECONDS,
-    CHECKPOINT_STALL_SECONDS,
-    DROPPED_SAMPLES,
+    AHEAD,
     GROUPS_EXPIRED,
     HELD,
     INVALID,
     PUBLISH_SECONDS,
     SAMPLES,
-    STALENESS,
-    STAMP_GAP,
     STEP_SECONDS,
     VERSION,
+    report_plan,
     report_step,
 )
 from trainer.order import AdmissionOrder
 from trainer.publisher import WeightPublisher
 from trainer.ranks import RankGroup
+from trainer.step import StepStats
 from trainer.waits import OrderWait, wait_first
 from trainer.watch import ServingWatch
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Trainer:
@@ -115,9 +120,7 @@ class Trainer:
         self._publisher = WeightPublisher(
             js, names, config, PUBLISH_SECONDS, lambda: watch.live().values()
         )
-        self._uncommitted: list[StepRecord] = []  # steps since the last checkpoint
-        self._writer = CheckpointWriter(config.checkpoint_dir, CHECKPOINT_SECONDS)
-        self._write_failed: BaseException | None = None  # a background write's error, raised
+        self._commits = Commits(config, ranks.backend, self._release, self._write_failed)
         # The trainer group (``trainer.group``): only its rank 0 takes samples (``_leading``),
         # steps only while the group is formed (``_formed``), and tells a failed collective
         # (``broken``). A trainer outside any group leads and is formed.
@@ -129,6 +132,8 @@ class Trainer:
         self.broken = asyncio.Event()
         self._ingress_stop = asyncio.Event()
         self._provision: ProvisionConfig | None = None
+        self._formation = 0  # counts formations of the trainer group
+        self._ahead = StepAhead(0)  # with ``overlap``: the step being computed
 
     # -- samples ----------------------------------------------------------------------------
     def _new_batcher(self) -> Batcher:
@@ -183,14 +188,18 @@ class Trainer:
             return
         self._leading.clear()
         async with self._stepping:  # a step in progress commits what it took
-            await self._writer.drain()  # its checkpoint durable: the next rank 0 resumes from it
+            # its checkpoint durable: the next rank 0 resumes from it
+            await self._commits.writer.drain()
             self._release(list(self._waiting), HandBack("not the trainer group's rank 0"))
             self._batcher = self._new_batcher()
+            self._ahead = StepAhead(self._formation)
+            await asyncio.to_thread(self._ranks.discard)
         self._ingress_stop.set()
 
     def formed(self, on: bool) -> None:
         """Whether the trainer group is formed: steps wait while it is not."""
         if on:
+            self._formation += 1
             self.broken.clear()
             self._formed.set()
         else:
@@ -234,8 +243,8 @@ class Trainer:
         self._publisher.stop = stop
         try:
             while not stop.is_set():
-                if self._write_failed is not None:
-                    raise self._write_failed
+                if self._commits.failed is not None:
+                    raise self._commits.failed
                 if expired := self._batcher.expire(timeout):
                     GROUPS_EXPIRED.inc(expired)
                     log.warning(kv("groups_expired", groups=expired, after_s=timeout))
@@ -245,29 +254,75 @@ class Trainer:
                 if not self._formed.is_set():  # the trainer group is (re-)forming
                     await wait_first(self._formed.wait(), stop.wait())
                     continue
-                if await self._order_wait.wait(self._batcher, self.version, stop):
+                if self._config.overlap:
+                    if not await self._ahead_turn(stop):
+                        await self._sleep(stop)
+                    continue
+                complete = self._batcher.complete_groups
+                if await self._order_wait.wait(self._batcher, self.version, stop, complete):
                     continue
                 groups = self._batcher.take(self._config.groups_per_step)
                 if groups is None:
-                    self._wake.clear()
-                    # also wakes to expire groups
-                    await wait_first(self._wake.wait(), stop.wait(), timeout=min(timeout, 5.0))
+                    await self._sleep(stop)
                     continue
-                async with self._stepping:
-                    if self._roles is not None:
-                        self._roles.set_busy(True)
-                    try:
-                        await self._step(groups)
-                    finally:
-                        if self._roles is not None:
-                            self._roles.set_busy(False)
-            await self._commit()  # stopped: the steps since the last checkpoint are kept
+                async with self._busy():
+                    await self._step(groups)
+            # stopped: the steps since the last checkpoint are kept
+            await self._commits.commit(self.version, self._recent)
         finally:
             self._stopping = True
-            await self._writer.drain()  # writes in flight are finished, never cut (``_committed``)
+            await self._commits.writer.drain()  # writes in flight are finished, never cut
             self._release(list(self._waiting), HandBack("trainer stopping"))
-        if self._write_failed is not None:
-            raise self._write_failed
+        if self._commits.failed is not None:
+            raise self._commits.failed
+
+    async def _sleep(self, stop: asyncio.Event) -> None:
+        """Until a sample comes (or a while: groups expire) or ``stop``."""
+        self._wake.clear()
+        timeout = min(self._config.group_timeout_s, 5.0)
+        await wait_first(self._wake.wait(), stop.wait(), timeout=timeout)
+
+    @contextlib.asynccontextmanager
+    async def _busy(self) -> AsyncIterator[None]:
+        """Held while training: the group re-forms and the role changes only between."""
+        async with self._stepping:
+            if self._roles is not None:
+                self._roles.set_busy(True)
+            try:
+                yield
+            finally:
+                if self._roles is not None:
+                    self._roles.set_busy(False)
+
+    async def _ahead_turn(self, stop: asyncio.Event) -> bool:
+        """``overlap``: compute the next group, commit a computed step, or wait for the earlier
+        tasks it must take (bounded); False: nothing to do until a sample comes."""
+        ahead = self._ahead
+        if ahead.formation != self._formation:  # computed by another formation of the group
+            self._ahead = StepAhead(self._formation)
+            AHEAD.set(0)
+            self._batcher.restore(ahead.groups)
+            await asyncio.to_thread(self._ranks.discard)
+            return True
+        if ahead.trained >= self._config.groups_per_step:
+            async with self._busy():
+                await self._step_ahead()
+            return True
+        if self._room_ahead():
+            async with self._busy():
+                await self._compute(self._batcher.take(1)[0])
+            return True
+        complete = ahead.trained + self._batcher.complete_groups
+        if await self._order_wait.wait(self._batcher, self.version, stop, complete):
+            return True
+        return self._room_ahead()  # tasks given up: room again
+
+    def _room_ahead(self) -> bool:
+        """A complete group, and room for it beside those computed and those reserved for the
+        earlier admitted tasks the step must take."""
+        reserved = self._order_wait.due(self._batcher, self.version)
+        taken = self._ahead.trained + len(reserved)
+        return taken < self._config.groups_per_step and self._batcher.complete_groups > 0
 
     async def take(self, role: Role) -> None:
         """``RoleHolder``'s switch: step as ``train``; otherwise finish the step in progress and
@@ -281,60 +336,104 @@ class Trainer:
         async with self._stepping:  # the step in progress, if any, has committed
             pass
 
+    def _plan(
+        self, groups: list[list[SampleReady]]
+    ) -> tuple[list[TrainItem], tuple[tuple[str, str], ...]]:
+        """Advantages and the staleness bound (``plan_step``), counted; the items to train and
+        the samples dropped."""
+        items, outcomes, lags = plan_step(groups, self.version, self._config)
+        return items, report_plan(groups, outcomes, lags, self.version, self._config)
+
     async def _step(self, groups: list[list[SampleReady]]) -> None:
         consumed = [s.sample_id for g in groups for s in g]
-        # 1. Advantages and the staleness bound.
-        items, outcomes, lags = plan_step(groups, self.version, self._config)
-        for behind in lags:
-            STALENESS.observe(behind)
-        for group in groups:
-            if (stamp := group[0].admitted) is not None:
-                STAMP_GAP.observe(min(map(oldest_version, group)) - stamp.version)
-        for outcome in outcomes.values():
-            SAMPLES.labels(outcome.value).inc()
-        dropped = self._drops(groups, outcomes)
-        if not items:  # everything was dropped: nothing to train, nothing to publish
-            record = StepRecord(self.version, tuple(consumed), dropped)
-            self._recent = [*self._recent, record][-self._config.keep_trained_steps :]
-            self._trained.update(consumed)
-            self._uncommitted.append(record)
-            if len(self._uncommitted) == 1:  # no trained step waits for a checkpoint: log it
-                await self._commit(consumed, checkpointed=False)
-            else:
-                self._release(consumed)
-            log.warning(kv("step_skipped", samples=len(consumed), reason="all dropped"))
+        items, dropped = self._plan(groups)
+        if not items:
+            await self._skip(consumed, dropped)
+        elif done := await self._train(groups, lambda: self._ranks.step(items, self.version)):
+            await self._settle(consumed, dropped, items, *done)
+
+    async def _skip(self, consumed: list[str], dropped: tuple[tuple[str, str], ...]) -> None:
+        """Everything was dropped: nothing to train, nothing to publish; logged, acked."""
+        self._record(StepRecord(self.version, tuple(consumed), dropped))
+        if len(self._commits.uncommitted) == 1:  # no trained step waits for a checkpoint
+            commits = self._commits
+            await commits.commit(self.version, self._recent, consumed, checkpointed=False)
+        else:
+            self._release(consumed)
+        log.warning(kv("step_skipped", samples=len(consumed), reason="all dropped"))
+
+    async def _compute(self, group: list[SampleReady]) -> None:
+        """``overlap``: one more group of the step computed ahead (one dropped whole is
+        settled at once, as a step of its own)."""
+        ahead = self._ahead
+        items, dropped = self._plan([group])
+        if not items:
+            await self._skip([s.sample_id for s in group], dropped)
             return
-        # 2. Train on every rank.
+        ahead.add(group, items, dropped)
+        if done := await self._train(ahead.groups, lambda: self._ranks.accumulate(items)):
+            ahead.seconds += done[1]
+            AHEAD.set(ahead.trained)
+        else:
+            self._ahead = StepAhead(self._formation)
+            AHEAD.set(0)
+
+    async def _step_ahead(self) -> None:
+        """``overlap``: commit the step computed ahead."""
+        ahead, self._ahead = self._ahead, StepAhead(self._formation)
+        AHEAD.set(0)
+        if done := await self._train(ahead.groups, lambda: self._ranks.commit(self.version)):
+            stats, seconds = done
+            dropped = tuple(ahead.dropped)
+            await self._settle(ahead.consumed, dropped, ahead.items, stats, ahead.seconds + seconds)
+
+    async def _train(
+        self, groups: list[list[SampleReady]], run: Callable[[], T]
+    ) -> tuple[T, float] | None:
+        """``run`` on every rank, off the loop: what it returned and its seconds. A member lost
+        mid-way (``GroupBrokenError``): nothing was committed or acknowledged, the weights are
+        as the last step left them, and ``groups`` go back to the batcher for the re-formed
+        group; None."""
         started = time.monotonic()
         try:
-            stats = await asyncio.to_thread(self._ranks.step, items, self.version)
+            result = await asyncio.to_thread(run)
         except GroupBrokenError as exc:
-            # A member died or left mid-step: nothing was committed or acknowledged and the
-            # weights are as the last step left them; the samples go back to the batcher and are
-            # trained in the first step of the re-formed group.
             self._batcher.restore(groups)
             self._formed.clear()
             self.broken.set()
             log.warning(kv("step_abandoned", version=self.version, error=exc))
-            return
+            return None
         except Exception as exc:
-            self._release(consumed, exc)
+            self._release([s.sample_id for g in groups for s in g], exc)
             raise
-        stepped = time.monotonic()
-        STEP_SECONDS.observe(stepped - started)
-        version = self.version + 1
-        # 3. Commit (every checkpoint_every versions): snapshot, written in the background with
-        # the steps log; this step's samples acked once both are durable. Else acked now.
-        record = StepRecord(version, tuple(consumed), dropped)
+        return result, time.monotonic() - started
+
+    def _record(self, record: StepRecord) -> None:
+        """A step taken (trained, or dropped whole): remembered (dedup), to be committed."""
         self._recent = [*self._recent, record][-self._config.keep_trained_steps :]
-        self.version = version
         self._trained = {sid for r in self._recent for sid in r.sample_ids}
-        self._uncommitted.append(record)
+        self._commits.uncommitted.append(record)
+
+    async def _settle(
+        self,
+        consumed: list[str],
+        dropped: tuple[tuple[str, str], ...],
+        items: list[TrainItem],
+        stats: StepStats,
+        seconds: float,
+    ) -> None:
+        """A step trained: version v+1, committed (every ``checkpoint_every`` versions: a
+        snapshot, written in the background with the steps log; its samples acked once both are
+        durable; else acked now), then published; metrics."""
+        stepped = time.monotonic()
+        STEP_SECONDS.observe(seconds)
+        version = self.version + 1
+        self.version = version
+        self._record(StepRecord(version, tuple(consumed), dropped))
         if version % self._config.checkpoint_every == 0:
-            await self._commit(consumed)
+            await self._commits.commit(self.version, self._recent, consumed)
         else:
             self._release(consumed)
-        # 4. Publish the new version; metrics.
         await self._publisher.publish(version, self._ranks.backend.hf_state_dict)
         VERSION.set(version)
         self._watch.stepped(version, stepped)
@@ -343,69 +442,12 @@ class Trainer:
                 await self._roles.registration.put(version=version)
             except NatsError as exc:  # the next heartbeat writes the entry, with this version
                 log.warning(kv("registration_put_failed", version=version, error=exc))
-        report_step(self.version, items, stats, stepped - started)
+        report_step(self.version, items, stats, seconds)
 
-    def _drops(
-        self, groups: list[list[SampleReady]], outcomes: dict[str, Outcome]
-    ) -> tuple[tuple[str, str], ...]:
-        """Count and log (WARNING, one line per group) the samples the step drops; return them
-        as ``(sample_id, reason)`` for the steps log."""
-        dropped: list[tuple[str, str]] = []
-        for group in groups:
-            gone = [s for s in group if outcomes[s.sample_id] in DROPPED]
-            for reason in {DROPPED[outcomes[s.sample_id]] for s in gone}:
-                these = [s for s in gone if DROPPED[outcomes[s.sample_id]] is reason]
-                DROPPED_SAMPLES.labels(reason.value).inc(len(these))
-                dropped += [(s.sample_id, reason.value) for s in these]
-                log.warning(
-                    kv(
-                        "samples_dropped",
-                        group=group[0].group_id,
-                        reason=reason.value,
-                        samples=len(these),
-                        of=len(group),
-                        max_lag=max(lag(s, self.version) for s in these),
-                        version=self.version,
-                        max_staleness=self._config.max_staleness,
-                    )
-                )
-        return tuple(dropped)
-
-    async def _commit(self, release: Sequence[str] = (), checkpointed: bool = True) -> None:
-        """Make the steps since the last commit durable in the background: a checkpoint of the
-        current version (unless ``checkpointed`` is False: only dropped samples since), then
-        their steps log lines; ``release`` those samples once both are (at once without a
-        ``checkpoint_dir``)."""
-        records, self._uncommitted = self._uncommitted, []
-        if self._config.checkpoint_dir is None or not records:
-            self._release(list(release))
-            return
-        ckpt = await self._checkpoint(self.version) if checkpointed else None
-        done = self._writer.submit(ckpt, tuple(records))
-        done.add_done_callback(lambda f: self._committed(list(release), f))
-
-    async def _checkpoint(self, version: int) -> Checkpoint:
-        """The state of ``version`` copied into memory, once the previous checkpoint's write is
-        over (at most one in flight; its memory is reused)."""
-        started, spare = time.monotonic(), await self._writer.checkpoint_idle()
-        backend = self._ranks.backend  # its state() may copy (off the loop, like the snapshot)
-        state = await asyncio.to_thread(lambda: checkpoint.snapshot(backend.state(), spare))
-        CHECKPOINT_STALL_SECONDS.observe(time.monotonic() - started)
-        return Checkpoint(version, state, tuple(self._recent))
-
-    def _committed(self, release: list[str], done: asyncio.Future[None]) -> None:
-        """A commit is durable: its samples are acked. Or it failed: they are handed back (nak:
-        redelivered, trained again from the last durable checkpoint) and the loop raises."""
-        failure = "cancelled" if done.cancelled() else done.exception()
-        if failure is None:
-            self._release(release)
-            return
-        error = TrainerError(f"checkpoint failed: {failure}")
-        self._stopping = True  # take no sample again (it would count as trained)
-        if self._write_failed is None:
-            self._write_failed = error
-            log.error(kv("checkpoint_failed", version=self.version, error=failure))
-        self._release(release, HandBack(str(error)))
+    def _write_failed(self) -> None:
+        """A commit's write failed (``trainer.commits``): take no sample again (it would count
+        as trained); the loop raises."""
+        self._stopping = True
         self._wake.set()
 
     # -- serving ----------------------------------------------------------------------------
@@ -442,7 +484,7 @@ class Trainer:
             # stopped whatever the others raise, and the first error is the one told.
             stop.set()
             await asyncio.gather(stepping, return_exceptions=True)
-            self._writer.close()  # idle: the loop finished every write it submitted
+            self._commits.writer.close()  # idle: the loop finished every write it submitted
             self._publisher.close()  # the last version's upload ends first
             await asyncio.gather(uploading, return_exceptions=True)
             self._ingress_stop.set()
@@ -487,7 +529,8 @@ class Trainer:
             log.warning(kv("versions_lost", checkpoint=self.version, published=published))
             self.version = published + 1
             if self._config.checkpoint_dir is not None:
-                await self._writer.submit(await self._checkpoint(self.version), ())
+                state = await self._commits.checkpoint(self.version, self._recent)
+                await self._commits.writer.submit(state, ())
         if published > self.version:
             raise TrainerError(
                 f"the weights stream of run {self._names.run} already has v{published} but this "

@@ -24,16 +24,27 @@ class OrderWait:
         self._wake = wake
         self._waited_for = 0  # the admission ticket a step last waited for (logged once)
 
-    async def wait(self, batcher: Batcher, version: int, stop: asyncio.Event) -> bool:
-        """With a batch complete in ``batcher``, in drop mode: wait (once, until a sample comes
-        or a wait runs out) for the earlier admitted tasks a step at ``version`` would put past
-        the staleness bound (``trainer.order``). Returns whether it waited."""
+    @property
+    def _applies(self) -> bool:
         config = self._config
-        if (
-            config.staleness_mode is not StalenessMode.DROP
-            or config.order_wait_s == 0
-            or batcher.complete_groups < config.groups_per_step
-        ):
+        return config.staleness_mode is StalenessMode.DROP and config.order_wait_s > 0
+
+    def due(self, batcher: Batcher, version: int) -> list[int]:
+        """The earlier admitted tasks a step at ``version`` must take (``AdmissionOrder.due``:
+        asking starts no wait), in drop mode with waits on; else none."""
+        if not self._applies:
+            return []
+        return batcher.order.due(version, self._config.max_staleness)
+
+    async def wait(
+        self, batcher: Batcher, version: int, stop: asyncio.Event, complete: int
+    ) -> bool:
+        """With ``complete`` groups for a step (a batch's worth), in drop mode: wait (once,
+        until a sample comes or a wait runs out) for the earlier admitted tasks a step at
+        ``version`` would put past the staleness bound (``trainer.order``). Returns whether it
+        waited."""
+        config = self._config
+        if not self._applies or complete < config.groups_per_step:
             return False
         order = batcher.order
         before = order.given_up
