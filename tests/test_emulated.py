@@ -170,14 +170,16 @@ def test_trainer_backend_sleeps_the_step_and_publishes_a_small_blob(tmp_path):
         position_ids=torch.arange(width).repeat(rows, 1),
         attention_mask=torch.ones(rows, width, dtype=torch.long),
     )
-    logp = backend.token_logprobs(batch, grad=True)
+    started = time.monotonic()
+    logp = backend.token_logprobs(batch, grad=True)  # the per-token part
+    forward = time.monotonic() - started
     assert logp.shape == (rows, width) and logp.requires_grad
     assert (logp[:, 0] == 0).all() and (logp[:, 1:] < 0).all()
-    started = time.monotonic()
-    stats = backend.apply(-logp.sum() / logp.numel())
+    stats = backend.apply(-logp.sum() / logp.numel())  # the fixed part
     took = time.monotonic() - started
     expected = WORKLOAD.trainer.step_s(rows * width)
     assert expected <= took < 2 * expected
+    assert forward >= expected - WORKLOAD.trainer.step_s(0)
     assert stats.grad_norm > 0
     assert list(backend.hf_state_dict()) == ["emulated.weight"]
     assert backend.hf_state_dict()["emulated.weight"].numel() == 64
