@@ -40,8 +40,16 @@ scrape), lends and reclaims with the reclaim latency p50/p99 (``sf_scheduler_rec
 buckets, interpolated), and, for the emulated cluster, the simulator's prediction at the same
 workload and the ratio measured/simulated (``emulation.sim``, when it is importable).
 
+``--orders`` runs each arm once per trainer order (``ORDERS``, issue 22 item 1): ``completion``
+(no order wait: steps take the oldest complete groups, long ones overtaken), ``admission`` (the
+defaults: a step waits, bounded, for an earlier admitted task it would put past the bound) and
+``overlap`` (``trainer.overlap``: the step computed ahead while it waits, wait bound 25 s). Each
+row then also gives the trained samples' mean length over that of every sample the trainer
+consumed (``length bias``) and the share of consumed loss tokens dropped (``thrown away``).
+
 Usage: flock /tmp/sf-bench.lock python -m bench.pipeline [--cluster emulated|tiny]
-[--arms a,b] [--devices 16] [--steps 8] [--stale drop]. Prints a table, writes
+[--arms a,b] [--devices 16] [--steps 8] [--stale drop] [--orders admission,overlap].
+Prints a table, writes
 bench/results/pipeline.json (one entry per cluster, updated in place), or with ``--stale drop``
 bench/results/pipeline-drop.json: each arm's ``stale_dropped`` is what admission let past the
 staleness bound.
@@ -49,6 +57,7 @@ staleness bound.
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -97,6 +106,13 @@ class Arm:
     layout: str
     synchronous: bool
 
+
+ORDERS = {
+    "completion": {"order_wait_s": 0},
+    "admission": {},
+    "overlap": {"overlap": True, "order_wait_s": 25.0},
+}
+"""Trainer settings per order (``--orders``); ``admission`` is the defaults."""
 
 ARMS = {
     arm.name: arm
@@ -159,6 +175,7 @@ def arm_config(arm: Arm, cluster: str, run: str, out: Path, args: argparse.Names
             "groups_per_step": groups,
             "max_staleness": staleness,
             "staleness_mode": args.stale,
+            **ORDERS[args.order],
         },
         "scheduler": {"steps_ahead": staleness + 1},
         "layout": {"kind": arm.layout},
@@ -324,9 +341,15 @@ def measure(
         idle_s = _delta(first, last, "sf_worker_role_seconds_total", state="idle")
         idle[key] = round(idle_s / total, 3) if total else None
     scheduler = next((s for k, s in scrapes.last.items() if k.startswith("scheduler@")), [])
+    trained = metric_sum(trainer, "sf_trainer_samples_total", outcome="trained")
+    dropped = metric_sum(trainer, "sf_trainer_samples_dropped_total")
+    dropped_tokens = metric_sum(trainer, "sf_trainer_tokens_dropped_total")
+    trained_tokens = metric_sum(trainer, "sf_trainer_tokens_total")
+    consumed_tokens = trained_tokens + dropped_tokens
     values = [v for v in idle.values() if v is not None]
     return {
-        "arm": arm.name,
+        "arm": arm.name if args.orders == args.order else f"{arm.name}/{args.order}",
+        "order": args.order,
         "layout": arm.layout,
         "steps": args.steps,
         "s_per_step": round(seconds / args.steps, 3),
@@ -343,6 +366,12 @@ def measure(
         "staleness_mode": args.stale,
         "stale_downweighted": summary["trainer"].get("samples downweighted", 0),
         "stale_dropped": summary["trainer"].get("samples stale_dropped", 0),
+        "length_bias": round(
+            (trained_tokens / max(trained, 1)) / (consumed_tokens / max(trained + dropped, 1)), 3
+        )
+        if consumed_tokens
+        else None,
+        "thrown_away": round(dropped_tokens / consumed_tokens, 4) if consumed_tokens else None,
         "order_wait_s": summary["trainer"].get("admission order: seconds waited"),
         "order_given_up": summary["trainer"].get("admission order: tasks given up"),
         "stamp_gap_mean": summary["trainer"].get(
@@ -391,7 +420,7 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
         sys.path.insert(0, str(args.sim_path))
     try:
         from common.staleness import StalenessMode
-        from emulation.sim import simulate
+        from emulation.sim import Order, simulate
     except ImportError:
         return None
     steps = args.warmup + args.steps
@@ -405,6 +434,8 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
         staleness,
         trainer_devices,
         stale=StalenessMode(args.stale),
+        order=Order(args.order),
+        **{k: v for k, v in ORDERS[args.order].items() if k == "order_wait_s"},
     )
     samples_per_step = WORKLOAD.samples_per_step
     return {
@@ -441,6 +472,9 @@ def main() -> None:
         "are not trained, so its rates are not comparable)",
     )
     parser.add_argument(
+        "--orders", default="admission", help=f"trainer orders per arm, of {', '.join(ORDERS)}"
+    )
+    parser.add_argument(
         "--sim-path", type=Path, default=None, help="a checkout with emulation.sim, if not this one"
     )
     args = parser.parse_args()
@@ -454,15 +488,16 @@ def main() -> None:
 def run_cluster(cluster: str, args: argparse.Namespace) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="sf-bench-pipeline-") as tmp:
-        for name in args.arms.split(","):
+        for name, order in itertools.product(args.arms.split(","), args.orders.split(",")):
             arm = ARMS[name]
-            print(f"{cluster}: {name} on {args.devices} devices ...", flush=True)
+            print(f"{cluster}: {name} ({order} order) on {args.devices} devices ...", flush=True)
+            ordered = argparse.Namespace(**vars(args), order=order)
             try:
-                row = asyncio.run(run_arm(arm, cluster, args, Path(tmp)))
+                row = asyncio.run(run_arm(arm, cluster, ordered, Path(tmp)))
             except ArmFailedError as exc:  # the other arms still run
                 print(exc, flush=True)
                 continue
-            if cluster == "emulated" and (sim := simulated(arm, args)) is not None:
+            if cluster == "emulated" and (sim := simulated(arm, ordered)) is not None:
                 row["sim"] = sim
                 row["ratio_to_sim"] = round(row["samples_per_s"] / sim["samples_per_s"], 3)
             rows.append(row)
@@ -473,7 +508,8 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
     header = (
         f"{'arm':15s} {'s/step':>7s} {'samples/s':>9s} {'x ' + rows[0]['arm'][:6]:>9s} "
         f"{'tokens/s':>9s} {'idle mean':>9s} {'idle max':>8s} {'lends':>5s} "
-        f"{'reclaim p50':>11s} {'p99':>6s} {'vs sim':>6s} {'dropped':>7s} {'order wait s':>12s}"
+        f"{'reclaim p50':>11s} {'p99':>6s} {'vs sim':>6s} {'dropped':>7s} {'order wait s':>12s} "
+        f"{'length bias':>11s} {'thrown away':>11s}"
     )
     print(f"{cluster} cluster, {args.devices} devices")
     print(header)
@@ -484,7 +520,8 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
             f"{row['samples_per_s'] / base:9.2f} {row['trained_tokens_per_s']:9.0f} "
             f"{_fmt(row['idle_mean'])} {_fmt(row['idle_max'], 8)} {row['lends']:5.0f} "
             f"{_fmt(p50, 11)} {_fmt(p99, 6)} {_fmt(row.get('ratio_to_sim'), 6)} "
-            f"{row['stale_dropped']:7.0f} {_fmt(row['order_wait_s'], 12)}"
+            f"{row['stale_dropped']:7.0f} {_fmt(row['order_wait_s'], 12)} "
+            f"{_fmt(row['length_bias'], 11)} {_fmt(row['thrown_away'], 11)}"
         )
     path = RESULTS / (
         "pipeline.json" if args.stale == "downweight" else f"pipeline-{args.stale}.json"

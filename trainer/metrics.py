@@ -111,6 +111,11 @@ SERVING_SECONDS = Histogram(
     registry=REGISTRY,
 )
 TOKENS = Counter("sf_trainer_tokens", "Loss tokens trained", registry=REGISTRY)
+DROPPED_TOKENS = Counter(
+    "sf_trainer_tokens_dropped",
+    "Loss tokens of the samples consumed but not trained (generated, then thrown away)",
+    registry=REGISTRY,
+)
 PHASE_SECONDS = Counter(
     "sf_trainer_phase_seconds",
     "Rank 0's training time by phase (trainer.step.PHASES): proximal, reference, forward, "
@@ -164,6 +169,7 @@ def report_plan(
         for reason in {DROPPED[outcomes[s.sample_id]] for s in gone}:
             these = [s for s in gone if DROPPED[outcomes[s.sample_id]] is reason]
             DROPPED_SAMPLES.labels(reason.value).inc(len(these))
+            DROPPED_TOKENS.inc(sum(sum(s.loss_mask[1:]) for s in these))
             dropped += [(s.sample_id, reason.value) for s in these]
             log.warning(
                 kv(
