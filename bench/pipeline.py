@@ -214,9 +214,11 @@ def arm_config(arm: Arm, cluster: str, run: str, out: Path, args: argparse.Names
 
 
 def _toml(value) -> str:
-    """``value`` (dicts, strings, numbers, bools) as a TOML value; dicts inline."""
+    """``value`` (dicts, lists, strings, numbers, bools) as a TOML value; dicts inline."""
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
