@@ -10,14 +10,15 @@ start (``Order``).
   waits for the missing tickets it would put past the bound, each at most ``order_wait_s``
   (``AdmissionOrder.blocking``: the trainer's own code, on simulated time); then it takes the
   complete groups with the oldest tokens (``Batcher.take``'s order).
-- ``overlap`` (new, issue 22; the real trainer does not do it yet): ``admission``, and while the
-  trainer has nothing else to do it computes the gradients (the step's per-token work) of the
-  oldest complete group within the bound, while fewer than a step's groups are computed or that
-  group is older than one of them (which it will displace from the step: computed again in a
-  later step, trainer time lost, no tokens). The step then computes only its groups not done
-  yet, and its fixed part (optimizer, all-reduce). The step waits for an earlier ticket only
-  once nothing is left to compute: ``order_wait_s`` bounds the trainer's idle wait, and the
-  wait overlaps the step's compute.
+- ``overlap`` (issue 22; the real trainer's ``trainer.overlap``, which never displaces a computed
+  group: the older one goes to the next step, within the bound): ``admission``, and while the
+  trainer has nothing else to do it computes the gradients (the step's per-token work) of the oldest
+  complete group within the bound, while fewer than a step's groups are computed or that group is
+  older than one of them (which it will displace from the step: computed again in a later step,
+  trainer time lost, no tokens). The step then computes only its groups not done yet, and its fixed
+  part (optimizer, all-reduce). The step waits for an earlier ticket only once nothing is left to
+  compute: ``order_wait_s`` bounds the trainer's idle wait, and the wait overlaps the step's
+  compute.
 
 The groups and samples the simulated cluster generates are here too (``_Group``, ``_Sample``).
 """
