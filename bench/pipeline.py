@@ -508,7 +508,7 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
         return
     base = rows[0]["samples_per_s"]
     header = (
-        f"{'arm':15s} {'s/step':>7s} {'samples/s':>9s} {'x ' + rows[0]['arm'][:6]:>9s} "
+        f"{'arm':27s} {'s/step':>7s} {'samples/s':>9s} {'x ' + rows[0]['arm'][:6]:>9s} "
         f"{'tokens/s':>9s} {'idle mean':>9s} {'idle max':>8s} {'lends':>5s} "
         f"{'reclaim p50':>11s} {'p99':>6s} {'vs sim':>6s} {'dropped':>7s} {'order wait s':>12s} "
         f"{'length bias':>11s} {'thrown away':>11s}"
@@ -518,7 +518,7 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
     for row in rows:
         p50, p99 = row["reclaim_p50_s"], row["reclaim_p99_s"]
         print(
-            f"{row['arm']:15s} {row['s_per_step']:7.2f} {row['samples_per_s']:9.2f} "
+            f"{row['arm']:27s} {row['s_per_step']:7.2f} {row['samples_per_s']:9.2f} "
             f"{row['samples_per_s'] / base:9.2f} {row['trained_tokens_per_s']:9.0f} "
             f"{_fmt(row['idle_mean'])} {_fmt(row['idle_max'], 8)} {row['lends']:5.0f} "
             f"{_fmt(p50, 11)} {_fmt(p99, 6)} {_fmt(row.get('ratio_to_sim'), 6)} "

@@ -192,14 +192,14 @@ class Trainer:
             await self._commits.writer.drain()
             self._release(list(self._waiting), HandBack("not the trainer group's rank 0"))
             self._batcher = self._new_batcher()
-            self._ahead = StepAhead(self._formation)
+            self._ahead = self._afresh()
             await asyncio.to_thread(self._ranks.discard)
         self._ingress_stop.set()
 
     def formed(self, on: bool) -> None:
         """Whether the trainer group is formed: steps wait while it is not."""
         if on:
-            self._formation += 1
+            self._formation += not self._formed.is_set()
             self.broken.clear()
             self._formed.set()
         else:
@@ -295,24 +295,22 @@ class Trainer:
                     self._roles.set_busy(False)
 
     async def _ahead_turn(self, stop: asyncio.Event) -> bool:
-        """``overlap``: compute the next group, commit a computed step, or wait for the earlier
-        tasks it must take (bounded); False: nothing to do until a sample comes."""
-        ahead = self._ahead
-        if ahead.formation != self._formation:  # computed by another formation of the group
-            self._ahead = StepAhead(self._formation)
-            AHEAD.set(0)
-            self._batcher.restore(ahead.groups)
-            await asyncio.to_thread(self._ranks.discard)
-            return True
-        if ahead.trained >= self._config.groups_per_step:
+        """``overlap``: compute the next group or commit a computed step (checked again once
+        the group cannot re-form meanwhile), else wait for the earlier tasks the step must take
+        (bounded); False: nothing to do until a sample comes."""
+        gps = self._config.groups_per_step
+        if self._ahead.trained >= gps or self._room_ahead():
             async with self._busy():
-                await self._step_ahead()
+                if self._ahead.formation != self._formation:  # another formation's gradients
+                    ahead, self._ahead = self._ahead, self._afresh()
+                    self._batcher.restore(ahead.groups)
+                    await asyncio.to_thread(self._ranks.discard)
+                elif self._ahead.trained >= gps:
+                    await self._step_ahead()
+                elif self._room_ahead():
+                    await self._compute(self._batcher.take(1)[0])
             return True
-        if self._room_ahead():
-            async with self._busy():
-                await self._compute(self._batcher.take(1)[0])
-            return True
-        complete = ahead.trained + self._batcher.complete_groups
+        complete = self._ahead.trained + self._batcher.complete_groups
         if await self._order_wait.wait(self._batcher, self.version, stop, complete):
             return True
         return self._room_ahead()  # tasks given up: room again
@@ -375,13 +373,16 @@ class Trainer:
             ahead.seconds += done[1]
             AHEAD.set(ahead.trained)
         else:
-            self._ahead = StepAhead(self._formation)
-            AHEAD.set(0)
+            self._ahead = self._afresh()
+
+    def _afresh(self) -> StepAhead:
+        """No step computed ahead (yet) in this formation."""
+        AHEAD.set(0)
+        return StepAhead(self._formation)
 
     async def _step_ahead(self) -> None:
         """``overlap``: commit the step computed ahead."""
-        ahead, self._ahead = self._ahead, StepAhead(self._formation)
-        AHEAD.set(0)
+        ahead, self._ahead = self._ahead, self._afresh()
         if done := await self._train(ahead.groups, lambda: self._ranks.commit(self.version)):
             stats, seconds = done
             dropped = tuple(ahead.dropped)
