@@ -227,6 +227,7 @@ workload = {{ lengths = {{ median = 6, cap = 16 }}, engine = {{ a_s = 0.01 }} }}
 [trainer]
 groups_per_step = 2
 max_staleness = 1
+overlap = {overlap}
 [trainer.backend]
 kind = "emulated"
 workload = {{ trainer = {{ a_s = 0.2 }} }}
@@ -252,10 +253,13 @@ dead = {{ max_bytes = 4194304, max_age_s = 3600.0 }}
 
 @pytest.mark.newest_nats
 @pytest.mark.timeout(120)
-def test_a_run_on_the_emulated_engine_and_trainer_completes(broker, run_name, tmp_path):
+@pytest.mark.parametrize("overlap", ["false", "true"], ids=["by-step", "overlap"])
+def test_a_run_on_the_emulated_engine_and_trainer_completes(broker, run_name, tmp_path, overlap):
+    """The whole run (multiplexed: the trainer's worker lent and reclaimed), and with the
+    trainer computing each step ahead (``trainer.overlap``)."""
     out = tmp_path / "out"
     config = tmp_path / "run.toml"
-    config.write_text(RUN.format(run=run_name, out=out))
+    config.write_text(RUN.format(run=run_name, out=out, overlap=overlap))
     done = subprocess.run(
         [sys.executable, "-m", "seamlessflow.cli", "run", str(config), "--nats", broker.url],
         capture_output=True,
