@@ -114,6 +114,7 @@ def trainer_report(samples: list[Sample]) -> dict[str, float]:
         report["weight publish seconds, in the step (mean)"] = in_step
     report["steps"] = metric_sum(samples, "sf_trainer_steps_total")
     report["loss tokens"] = metric_sum(samples, "sf_trainer_tokens_total")
+    report["loss tokens dropped"] = metric_sum(samples, "sf_trainer_tokens_dropped_total")
     for s in samples:
         if s.name == "sf_trainer_phase_seconds_total":
             report[f"phase seconds: {s.labels['phase']}"] = s.value
