@@ -291,7 +291,7 @@ class Cluster:
         if there is one. Returns whether it started."""
         if self.batches.order is not Order.OVERLAP or not self._trainer_free():
             return False
-        group = self.batches.compute(self.version, self.loop.now)
+        group = self.batches.compute(self.version)
         if group is None:
             return False
         self.computing = True

@@ -10,22 +10,20 @@ start (``Order``).
   waits for the missing tickets it would put past the bound, each at most ``order_wait_s``
   (``AdmissionOrder.blocking``: the trainer's own code, on simulated time); then it takes the
   complete groups with the oldest tokens (``Batcher.take``'s order).
-- ``overlap`` (issue 22; the real trainer's ``trainer.overlap``, which never displaces a computed
-  group: the older one goes to the next step, within the bound): ``admission``, and while the
+- ``overlap`` (issue 22; the real trainer's ``trainer.overlap``): ``admission``, and while the
   trainer has nothing else to do it computes the gradients (the step's per-token work) of the oldest
-  complete group within the bound, while fewer than a step's groups are computed or that group is
-  older than one of them (which it will displace from the step: computed again in a later step,
-  trainer time lost, no tokens). The step then computes only its groups not done yet, and its fixed
-  part (optimizer, all-reduce). The step waits for an earlier ticket only once nothing is left to
-  compute: ``order_wait_s`` bounds the trainer's idle wait, and the wait overlaps the step's
-  compute.
+  complete group within the bound, while fewer than a step's groups are computed or reserved for the
+  missing tickets the step must take (``AdmissionOrder.due``: asking starts no wait). A computed
+  group stays in its step: an older one that completes later goes to the next step, still within the
+  bound. The step then computes only its groups not done yet, and its fixed part (optimizer, all-
+  reduce). The step waits for an earlier ticket only once nothing is left to compute:
+  ``order_wait_s`` bounds the trainer's idle wait, and the wait overlaps the step's compute.
 
 The groups and samples the simulated cluster generates are here too (``_Group``, ``_Sample``).
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -105,8 +103,6 @@ class Batches:
         self.dropped = 0
         """Groups dropped as stale (``drop`` mode), and their tokens."""
         self.dropped_tokens = 0
-        self.displaced = 0
-        """Groups computed ahead, then displaced from their step by older ones."""
 
     def __len__(self) -> int:
         return len(self.ready) + len(self.computed)
@@ -146,25 +142,22 @@ class Batches:
             groups[:] = [g for g in groups if g not in stale]
 
     def take(self, version: int) -> tuple[list[_Group], int] | None:
-        """A step's groups at ``version`` (stale ones dropped on the way) and the tokens of
-        those not computed ahead; None while fewer are complete."""
+        """A step's groups at ``version`` (stale ones dropped on the way): those computed ahead,
+        then the rest in order; and the tokens of those not computed ahead. None while fewer
+        are complete."""
         self._drop_stale(version)
         if len(self) < self.groups_per_step:
             return None
-        batch = self._in_order(self.computed + self.ready)[: self.groups_per_step]
-        left = [g for g in self.computed if g not in batch]
-        self.displaced += len(left)
-        # a displaced group's gradient is taken out of the accumulated one: a backward again
-        tokens = sum(g.tokens for g in batch if g not in self.computed)
-        tokens += sum(g.tokens for g in left)
-        self.ready = left + [g for g in self.ready if g not in batch]
+        rest = self._in_order(self.ready)[: self.groups_per_step - len(self.computed)]
+        batch = self.computed + rest
+        self.ready = [g for g in self.ready if g not in rest]
         self.computed = []
-        return batch, tokens
+        return batch, sum(g.tokens for g in rest)
 
-    def compute(self, version: int, now: float) -> _Group | None:
+    def compute(self, version: int) -> _Group | None:
         """``overlap``: the next group to compute ahead, if any: the oldest complete one, while
         fewer than a step's groups are computed or reserved for the missing tickets the step
-        must take (``AdmissionOrder.blocking`` asked on a copy: asking starts no wait)."""
+        must take (``AdmissionOrder.due``)."""
         if self.order is not Order.OVERLAP:
             return None
         self._drop_stale(version)
@@ -172,7 +165,7 @@ class Batches:
             return None
         missing = 0
         if self.tickets is not None and self.stale is StalenessMode.DROP:
-            missing = len(copy.deepcopy(self.tickets).blocking(version, self.staleness, now))
+            missing = len(self.tickets.due(version, self.staleness))
         if len(self.computed) + missing >= self.groups_per_step:
             return None
         group = self._in_order(self.ready)[0]
