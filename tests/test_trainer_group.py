@@ -400,3 +400,50 @@ def test_a_member_dying_mid_step_leaves_rank_0_as_last_committed(tiny_model_dir)
     torch.multiprocessing.spawn(
         _dying_rank, args=(free_port(), str(tiny_model_dir)), nprocs=2, join=True
     )
+
+
+def _dying_ahead(rank: int, port: int, model: str) -> None:
+    import copy
+
+    import torch.distributed as dist
+
+    from trainer.exceptions import GroupBrokenError
+    from trainer.step import Accumulation
+
+    ranks = _joined(rank, port, model, DP_CONFIG)
+    items = dp_items()
+    if rank == 1:
+        # An injected fault: this rank dies computing the step's second part, as a killed
+        # member would, before rank 0 commits.
+        add = Accumulation.add
+        parts: list[int] = []
+
+        def dying(self, backend, part, config):
+            parts.append(1)
+            if len(parts) == 2:
+                os._exit(0)
+            add(self, backend, part, config)
+
+        Accumulation.add = dying
+        ranks.follow_group()
+        raise AssertionError("rank 1 outlived its second part")
+    committed = copy.deepcopy(ranks.backend.state())
+    with pytest.raises(GroupBrokenError):
+        ranks.accumulate(items[:2])
+        ranks.accumulate(items[2:])
+        ranks.commit(0)
+    state = ranks.backend.state()
+    for name, tensor in committed["model"].items():
+        assert torch.equal(state["model"][name], tensor), name
+    assert all(p.grad is None for p in ranks.backend.model.parameters())  # none left to add up
+    assert not dist.is_initialized() and not ranks.grouped
+
+
+def test_a_member_dying_while_a_step_is_computed_ahead_leaves_no_gradient(tiny_model_dir):
+    """``trainer.overlap``: a member lost before the commit breaks the group at the next
+    collective; rank 0 keeps its last committed weights and drops the parts it computed."""
+    from tests.support import free_port
+
+    torch.multiprocessing.spawn(
+        _dying_ahead, args=(free_port(), str(tiny_model_dir)), nprocs=2, join=True
+    )
