@@ -8,12 +8,8 @@ step that used it is committed. Per step (``Trainer.run``):
 1. in drop mode, wait (bounded) for an earlier admitted task's group the step would put past the
    staleness bound (``trainer.waits.OrderWait``, ``trainer.order``); take the ``groups_per_step``
    complete groups with the oldest tokens; advantages, staleness bound;
-2. train on every rank (off the event loop). With ``overlap``, the step is computed ahead a
-   group at a time, the oldest complete group first, while fewer than ``groups_per_step`` are
-   computed or reserved for the earlier admitted tasks the step must take (``AdmissionOrder.due``);
-   the order wait starts only once nothing is left to compute, and the step commits (optimizer
-   step) when its groups are computed. A step computed ahead belongs to one formation of the
-   trainer group: a new one computes it again;
+2. train on every rank (off the event loop); with ``overlap``, a step computed ahead a group at
+   a time instead (``trainer.ahead``);
 3. every ``checkpoint_every`` versions (and at stop) commit (``trainer.commits``): a snapshot
    in memory, written in the background with the steps log; this step's samples are acked once
    both are durable, while training goes on. Steps between are acked at once (a crash loses
@@ -54,13 +50,13 @@ from broker.roles import RoleHolder
 from broker.subjects import Durable, RunNames
 from common.log import kv
 from trainer import checkpoint
+from trainer.ahead import AheadSteps
 from trainer.batcher import Batcher, Outcome, StepAhead, TrainItem, plan_step
 from trainer.checkpoint import Checkpoint, StepRecord
 from trainer.commits import Commits
 from trainer.config import TrainerConfig
 from trainer.exceptions import BatchError, GroupBrokenError, TrainerError
 from trainer.metrics import (
-    AHEAD,
     GROUPS_EXPIRED,
     HELD,
     INVALID,
@@ -83,7 +79,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Trainer:
+class Trainer(AheadSteps):
     """Rank 0's loop; see the module docstring."""
 
     def __init__(
@@ -294,34 +290,6 @@ class Trainer:
                 if self._roles is not None:
                     self._roles.set_busy(False)
 
-    async def _ahead_turn(self, stop: asyncio.Event) -> bool:
-        """``overlap``: compute the next group or commit a computed step (checked again once
-        the group cannot re-form meanwhile), else wait for the earlier tasks the step must take
-        (bounded); False: nothing to do until a sample comes."""
-        gps = self._config.groups_per_step
-        if self._ahead.trained >= gps or self._room_ahead():
-            async with self._busy():
-                if self._ahead.formation != self._formation:  # another formation's gradients
-                    ahead, self._ahead = self._ahead, self._afresh()
-                    self._batcher.restore(ahead.groups)
-                    await asyncio.to_thread(self._ranks.discard)
-                elif self._ahead.trained >= gps:
-                    await self._step_ahead()
-                elif self._room_ahead():
-                    await self._compute(self._batcher.take(1)[0])
-            return True
-        complete = self._ahead.trained + self._batcher.complete_groups
-        if await self._order_wait.wait(self._batcher, self.version, stop, complete):
-            return True
-        return self._room_ahead()  # tasks given up: room again
-
-    def _room_ahead(self) -> bool:
-        """A complete group, and room for it beside those computed and those reserved for the
-        earlier admitted tasks the step must take."""
-        reserved = self._order_wait.due(self._batcher, self.version)
-        taken = self._ahead.trained + len(reserved)
-        return taken < self._config.groups_per_step and self._batcher.complete_groups > 0
-
     async def take(self, role: Role) -> None:
         """``RoleHolder``'s switch: step as ``train``; otherwise finish the step in progress and
         hold off (samples keep being taken and held)."""
@@ -359,34 +327,6 @@ class Trainer:
         else:
             self._release(consumed)
         log.warning(kv("step_skipped", samples=len(consumed), reason="all dropped"))
-
-    async def _compute(self, group: list[SampleReady]) -> None:
-        """``overlap``: one more group of the step computed ahead (one dropped whole is
-        settled at once, as a step of its own)."""
-        ahead = self._ahead
-        items, dropped = self._plan([group])
-        if not items:
-            await self._skip([s.sample_id for s in group], dropped)
-            return
-        ahead.add(group, items, dropped)
-        if done := await self._train(ahead.groups, lambda: self._ranks.accumulate(items)):
-            ahead.seconds += done[1]
-            AHEAD.set(ahead.trained)
-        else:
-            self._ahead = self._afresh()
-
-    def _afresh(self) -> StepAhead:
-        """No step computed ahead (yet) in this formation."""
-        AHEAD.set(0)
-        return StepAhead(self._formation)
-
-    async def _step_ahead(self) -> None:
-        """``overlap``: commit the step computed ahead."""
-        ahead, self._ahead = self._ahead, self._afresh()
-        if done := await self._train(ahead.groups, lambda: self._ranks.commit(self.version)):
-            stats, seconds = done
-            dropped = tuple(ahead.dropped)
-            await self._settle(ahead.consumed, dropped, ahead.items, stats, ahead.seconds + seconds)
 
     async def _train(
         self, groups: list[list[SampleReady]], run: Callable[[], T]

@@ -196,8 +196,11 @@ class Accumulation:
     items: list[TrainItem] = field(default_factory=list)  # every part's, all ranks
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     _scored: list[tuple[BatchTensors, torch.Tensor]] = field(default_factory=list)
-    _policy = _kl = 0.0  # un-normalised sums over this rank's loss tokens
-    _tokens = _clipped = _capped = 0
+    _policy: float = 0.0  # un-normalised sums over this rank's loss tokens
+    _kl: float = 0.0
+    _tokens: int = 0
+    _clipped: int = 0
+    _capped: int = 0
 
     def add(self, backend: TrainerBackend, items: list[TrainItem], config: TrainerConfig) -> None:
         """Forward and backward this rank's shard of ``items``; gradients are kept, not applied."""
