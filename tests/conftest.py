@@ -20,6 +20,7 @@ import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import tomli_w
 from filelock import FileLock
@@ -239,6 +240,23 @@ def tool_stack(runs: RunPool, tool_model_dir: Path) -> Iterator[Stack]:
     """A provisioned run with a gateway and an hf worker serving the tool model, per module."""
     with gateway_stack(runs, tool_model_dir, "--max-model-len", "1024") as stack:
         yield stack
+
+
+@pytest.fixture
+async def openai_client() -> AsyncIterator[Callable[[str], openai.AsyncOpenAI]]:
+    """Makes the test's ``AsyncOpenAI`` clients (``openai_client(url)``) and closes them at its
+    end. A client left open is closed by the garbage collector on a later test's event loop,
+    whose transport belongs to a closed one: that logs "Task exception was never retrieved"
+    there (seen failing a later test's no-error check in CI)."""
+    clients: list[openai.AsyncOpenAI] = []
+
+    def make(base_url: str) -> openai.AsyncOpenAI:
+        clients.append(openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0))
+        return clients[-1]
+
+    yield make
+    for client in clients:
+        await client.close()
 
 
 SMALL_STREAM = {"max_bytes": 4 << 20, "max_age_s": 3600.0}

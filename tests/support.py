@@ -325,9 +325,6 @@ class Stack:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0)
 
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url, api_key="unused", max_retries=0)
-
 
 @contextmanager
 def gateway_stack(runs: RunPool, model_dir: Path, *worker_args: str) -> Iterator[Stack]:

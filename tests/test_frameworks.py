@@ -12,7 +12,6 @@ is greedy (temperature 0), so the model calls the tool on its own (``tool_choice
 
 import json
 
-import openai
 import pytest
 
 from broker.messages import ChatMessage, RewardSpec, TaskSubmitted
@@ -58,10 +57,10 @@ async def test_a_framework_agent_is_recorded_token_exact(framework, tool_stack, 
 @pytest.mark.newest_nats
 @pytest.mark.timeout(600)  # the first one may build the warm-started model
 @pytest.mark.parametrize("choice", ["required", "named"])
-async def test_a_forced_call_is_a_valid_call(choice, tool_stack):
+async def test_a_forced_call_is_a_valid_call(choice, tool_stack, openai_client):
     """``tool_choice`` required or named: the gateway prefills the call's start (as prompt
     ids); the model writes the rest, and the client gets a call it can run."""
-    client = openai.AsyncOpenAI(base_url=tool_stack.url, api_key="unused", max_retries=0)
+    client = openai_client(tool_stack.url)
     forced = (
         "required"
         if choice == "required"

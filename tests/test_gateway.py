@@ -121,8 +121,8 @@ async def test_sync_client_gets_what_was_recorded(stack, js, tok):
     assert record.started_at <= record.finished_at
 
 
-async def test_streaming_gives_the_same_text_as_a_plain_reply(stack, js, tok):
-    client = stack.async_client()
+async def test_streaming_gives_the_same_text_as_a_plain_reply(stack, js, tok, openai_client):
+    client = openai_client(stack.url)
     plain = await client.chat.completions.create(
         model=MODEL, messages=HELLO, max_tokens=16, temperature=0
     )
@@ -147,9 +147,9 @@ async def test_streaming_gives_the_same_text_as_a_plain_reply(stack, js, tok):
     assert tok.decode(record.output_ids, skip_special_tokens=True) == text
 
 
-async def test_n_choices_are_separate_calls(stack, js):
+async def test_n_choices_are_separate_calls(stack, js, openai_client):
     sid = session_id()
-    reply = await stack.async_client().chat.completions.create(
+    reply = await openai_client(stack.url).chat.completions.create(
         model=MODEL,
         messages=HELLO,
         n=2,
@@ -165,8 +165,8 @@ async def test_n_choices_are_separate_calls(stack, js):
     assert reply.usage.completion_tokens == sum(len(r.output_ids) for r in found)
 
 
-async def test_stop_string_cuts_the_text_and_the_recorded_tokens(stack, js, tok):
-    client = stack.async_client()
+async def test_stop_string_cuts_the_text_and_the_recorded_tokens(stack, js, tok, openai_client):
+    client = openai_client(stack.url)
     free = await client.chat.completions.create(
         model=MODEL, messages=HELLO, max_tokens=30, temperature=0
     )
@@ -241,7 +241,7 @@ async def test_next_turn_reuses_the_generated_token_ids(stack, js, tok):
     assert reused - reused_before == len(earlier) + cut
 
 
-async def test_calls_are_counted_by_source_task_or_direct(stack):
+async def test_calls_are_counted_by_source_task_or_direct(stack, openai_client):
     """An agent runner's attempt sends its task's id (``gateway_headers``): its calls are
     ``task``; a client driving the gateway itself does not: ``direct``, outside admission's
     bound until its session ends."""
@@ -253,7 +253,7 @@ async def test_calls_are_counted_by_source_task_or_direct(stack):
         }
 
     before = await counts()
-    client = stack.async_client()
+    client = openai_client(stack.url)
     for headers in (gateway_headers(session_id(), "t1"), {"X-Session-Id": session_id()}):
         await client.chat.completions.create(
             model=MODEL, messages=HELLO, max_tokens=2, extra_headers=headers
@@ -261,8 +261,8 @@ async def test_calls_are_counted_by_source_task_or_direct(stack):
     assert await counts() == {"task": before["task"] + 1, "direct": before["direct"] + 1}
 
 
-async def test_completions_with_token_ids_and_logprobs(stack, js, tok):
-    client = stack.async_client()
+async def test_completions_with_token_ids_and_logprobs(stack, js, tok, openai_client):
+    client = openai_client(stack.url)
     sid = session_id()
     prompt = encode(tok, "The quick brown fox")
     reply = await client.completions.create(
@@ -288,7 +288,7 @@ async def test_completions_with_token_ids_and_logprobs(stack, js, tok):
     assert streamed == choice.text  # the same prompt ids, as text
 
 
-async def test_tools_reach_the_chat_template(stack, js, tok):
+async def test_tools_reach_the_chat_template(stack, js, tok, openai_client):
     sid = session_id()
     history = [
         {"role": "user", "content": "What is 3 * 7?"},
@@ -305,7 +305,7 @@ async def test_tools_reach_the_chat_template(stack, js, tok):
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "21"},
     ]
-    reply = await stack.async_client().chat.completions.create(
+    reply = await openai_client(stack.url).chat.completions.create(
         model=MODEL,
         messages=history,
         tools=TOOLS,
@@ -321,7 +321,7 @@ async def test_tools_reach_the_chat_template(stack, js, tok):
     assert record.prompt_ids == encode(tok, rendered)
 
 
-async def test_client_gone_mid_stream_cancels_the_call(stack, js):
+async def test_client_gone_mid_stream_cancels_the_call(stack, js, openai_client):
     # Greedy: the tiny model's greedy reply to HELLO runs past 1500 tokens. Whether the client
     # is gone before the worker has made them all is a race (about a second on a quiet machine):
     # a call that finished first is tried again, up to 5 times.
@@ -345,7 +345,7 @@ async def test_client_gone_mid_stream_cancels_the_call(stack, js):
     assert record.finish_reason is FinishReason.ABORT
     assert 0 < len(record.output_ids) < 1500
     # the worker freed the request: a short call after it is served at once
-    reply = await stack.async_client().chat.completions.create(
+    reply = await openai_client(stack.url).chat.completions.create(
         model=MODEL, messages=HELLO, max_tokens=2
     )
     assert reply.usage.completion_tokens == 2
@@ -354,7 +354,9 @@ async def test_client_gone_mid_stream_cancels_the_call(stack, js):
 # -- continuation across a worker that dies ---------------------------------------------------
 
 
-async def test_call_survives_its_worker_being_killed(broker, js, names, tiny_model_dir, tok):
+async def test_call_survives_its_worker_being_killed(
+    broker, js, names, tiny_model_dir, tok, openai_client
+):
     workers = [worker_process(broker.url, names.run, tiny_model_dir, f"w{i}") for i in (1, 2)]
     try:
         await asyncio.gather(*(asyncio.to_thread(w.wait_ready) for w in workers))
@@ -362,7 +364,7 @@ async def test_call_survives_its_worker_being_killed(broker, js, names, tiny_mod
             stalls_before = await metric(
                 metrics_url(gw.url), "sf_gateway_continuations_total", reason="stall"
             )
-            client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
+            client = openai_client(gw.url)
             sid = session_id()
             stream = await client.chat.completions.create(
                 model=MODEL,
@@ -694,7 +696,9 @@ async def test_too_many_interruptions_is_503(broker, nc, js, names, tiny_model_d
     assert "interrupted 1 times" in response.json()["error"]["message"]
 
 
-async def test_worker_error_is_500_or_an_error_event(broker, nc, js, names, tiny_model_dir):
+async def test_worker_error_is_500_or_an_error_event(
+    broker, nc, js, names, tiny_model_dir, openai_client
+):
     async with (
         Gateway(config(tiny_model_dir, names.run), broker.url) as gw,
         InjectedWorkerWire(nc, js, names) as wire,
@@ -706,7 +710,7 @@ async def test_worker_error_is_500_or_an_error_event(broker, nc, js, names, tiny
         response = await reply
 
         # Once streaming, an error arrives as an error event; the SDK raises it.
-        client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
+        client = openai_client(gw.url)
         opening = asyncio.create_task(
             client.chat.completions.create(model=MODEL, messages=HELLO, stream=True)
         )
@@ -723,7 +727,7 @@ async def test_worker_error_is_500_or_an_error_event(broker, nc, js, names, tiny
 
 
 async def test_tool_call_output_and_its_echo_keep_the_token_ids(
-    broker, nc, js, names, tiny_model_dir, tok
+    broker, nc, js, names, tiny_model_dir, tok, openai_client
 ):
     call_text = '<tool_call>{"name": "calculator", "arguments": {"expression": "3*7"}}</tool_call>'
     # "Let me compute." emitted one character per token: re-tokenizing it would merge them
@@ -735,7 +739,7 @@ async def test_tool_call_output_and_its_echo_keep_the_token_ids(
         Gateway(config(tiny_model_dir, names.run), broker.url) as gw,
         InjectedWorkerWire(nc, js, names) as wire,
     ):
-        client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
+        client = openai_client(gw.url)
 
         async def ask(messages, stream: bool):
             return await client.chat.completions.create(
@@ -847,7 +851,7 @@ def test_streamed_tool_calls_are_held_back_and_parsed_at_the_end():
     ],
 )
 async def test_weights_change_mid_response_is_one_ordinary_response(
-    engine, broker, js, names, tiny_model_dir, tok, tmp_path
+    engine, broker, js, names, tiny_model_dir, tok, tmp_path, openai_client
 ):
     # A version is published as soon as a worker has started the response. Whether it is loaded
     # while the response still runs is a real race (vLLM makes 1000 tiny-model tokens in about a
@@ -882,7 +886,7 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
 
     try:
         base_url = gateway.metrics_url.removesuffix("/metrics") + "/v1"
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        client = openai_client(base_url)
         for version in tries:
             text, logprobs, finishes, record = await stream_across_a_new_version(
                 client, js, names, n_tokens, version, folders[version]

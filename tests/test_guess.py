@@ -150,7 +150,9 @@ def test_demonstrations_guess_within_the_range_the_feedback_leaves_open():
 
 
 @pytest.mark.newest_nats
-async def test_a_game_through_the_gateway_is_recorded_token_exact_across_its_turns(stack, js, tok):
+async def test_a_game_through_the_gateway_is_recorded_token_exact_across_its_turns(
+    stack, js, tok, openai_client
+):
     """A secret the untrained model will not find: the game runs to its 8-turn cap; the
     environment waits its latency every turn; each call's prompt is the previous call's prompt
     and output ids plus the feedback, so the session is one sample with every guess in its loss
@@ -162,7 +164,7 @@ async def test_a_game_through_the_gateway_is_recorded_token_exact_across_its_tur
         task=task,
         session_id=sid,
         gateway_url=stack.url,
-        client=stack.async_client().with_options(default_headers={SESSION_HEADER: sid}),
+        client=openai_client(stack.url).with_options(default_headers={SESSION_HEADER: sid}),
         model=MODEL,
         temperature=1.0,
         max_tokens=4,

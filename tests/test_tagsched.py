@@ -12,7 +12,6 @@ import time
 import uuid
 from pathlib import Path
 
-import openai
 import pytest
 from nats.errors import NoRespondersError
 
@@ -557,7 +556,7 @@ async def test_a_worker_changes_role_by_epoch_and_refuses_stale_ones(
 
 @pytest.mark.newest_nats  # starts worker processes: slow, and not about the server
 async def test_role_changes_under_load_lose_and_duplicate_no_generation(
-    broker, nc, js, names, tiny_model_dir
+    broker, nc, js, names, tiny_model_dir, openai_client
 ):
     """Two workers, 12 greedy calls; one worker is moved idle and back every 0.3 s. Every call
     ends with all its tokens, each the same as an uninterrupted call's."""
@@ -566,7 +565,7 @@ async def test_role_changes_under_load_lose_and_duplicate_no_generation(
     try:
         await asyncio.gather(*(asyncio.to_thread(w.wait_ready) for w in workers))
         async with Gateway(gateway_config(tiny_model_dir, names.run), broker.url) as gw:
-            client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
+            client = openai_client(gw.url)
 
             async def call(i: int):
                 return await client.completions.create(
@@ -625,7 +624,7 @@ def fenced() -> float:
 
 @pytest.mark.newest_nats  # starts worker processes: slow, and not about the server
 async def test_a_worker_frozen_mid_work_is_fenced_its_call_continues_and_it_is_readmitted(
-    broker, nc, js, names, tiny_model_dir
+    broker, nc, js, names, tiny_model_dir, openai_client
 ):
     """w1 (node=a) and w2 (node=b) serve; the one running a greedy 300-token call is frozen
     (SIGSTOP), then the scheduler starts with a spec that wants only the other node serving. The
@@ -642,7 +641,7 @@ async def test_a_worker_frozen_mid_work_is_fenced_its_call_continues_and_it_is_r
         await asyncio.gather(*(asyncio.to_thread(w.wait_ready) for w in workers.values()))
         config = gateway_config(tiny_model_dir, names.run, stall_timeout_s=2)
         async with Gateway(config, broker.url) as gw:
-            client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
+            client = openai_client(gw.url)
             stream = await client.completions.create(
                 model=MODEL, prompt="once upon a time", max_tokens=300, temperature=0, stream=True
             )

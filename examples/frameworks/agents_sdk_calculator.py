@@ -44,20 +44,20 @@ def calculator(expression: str) -> str:
 
 
 async def agent(ctx: AgentContext) -> AgentResult:
-    client = AsyncOpenAI(
+    async with AsyncOpenAI(
         base_url=ctx.gateway_url,
         api_key=ctx.api_key,
         default_headers=ctx.headers,
         max_retries=0,
-    )
-    solver = Agent(
-        name="calculator-agent",
-        tools=[calculator],
-        model=OpenAIChatCompletionsModel(model=ctx.model, openai_client=client),
-        model_settings=ModelSettings(temperature=ctx.temperature, max_tokens=ctx.max_tokens),
-    )
-    question = ctx.task.messages[-1].content or ""
-    result = await Runner.run(solver, question, max_turns=MAX_TURNS)
+    ) as client:  # closed with the task: one left open is closed on a later, other event loop
+        solver = Agent(
+            name="calculator-agent",
+            tools=[calculator],
+            model=OpenAIChatCompletionsModel(model=ctx.model, openai_client=client),
+            model_settings=ModelSettings(temperature=ctx.temperature, max_tokens=ctx.max_tokens),
+        )
+        question = ctx.task.messages[-1].content or ""
+        result = await Runner.run(solver, question, max_turns=MAX_TURNS)
     tool_results = [i for i in result.new_items if isinstance(i, ToolCallOutputItem)]
     return AgentResult(
         answer=str(result.final_output or ""),
