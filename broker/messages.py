@@ -144,6 +144,11 @@ class Admitted(BaseModel):
         description="the oldest weight version a rollout worker served then: no token of the "
         "task's sessions is older"
     )
+    at: Timestamp | None = Field(
+        default=None,
+        description="the scheduler's clock at admission (Unix seconds): how long a task takes to "
+        "reach its first call (``seamlessflow plan``'s costs)",
+    )
 
 
 class TaskSubmitted(Message):

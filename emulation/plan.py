@@ -19,7 +19,8 @@ and ``costs``, see ``seamlessflow.report.run_costs``) into the simulator's ``Wor
 - **shape and lengths**: group size, groups per step, turns (calls per sample, rounded; the
   median tokens per call scaled so that a sample has the tokens its calls had), tokens per call
   (lognormal: median and log sd, capped at the answer's ``max tokens``), the mean gap between a
-  session's calls as the environment's latency.
+  session's calls as the environment's latency, the mean time from a task's admission to its
+  sessions' first calls as the agent's start latency (0 from a run without it).
 
 ``sweep`` then runs the simulator (``emulation.sim.simulate``) over every arm, trainer split
 (``split_candidates``) and staleness ``0..k`` at each device count; ``recommend`` picks the
@@ -172,7 +173,9 @@ def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | 
         cap=_need(costs, "max tokens", at["costs"]),
     )
     agent = AgentModel(
-        turns=turns, env_latency_s=costs.get("environment latency seconds (mean)") or 0.0
+        turns=turns,
+        env_latency_s=costs.get("environment latency seconds (mean)") or 0.0,
+        start_latency_s=costs.get("admission to first call seconds (mean)") or 0.0,
     )
     workload = Workload(
         lengths=lengths,
@@ -421,7 +424,8 @@ def main(args: argparse.Namespace) -> int:
     )
     print(
         f"  lengths: median {w.lengths.median:g}, log sd {w.lengths.sigma:.3g}, cap "
-        f"{w.lengths.cap}; {w.agent.turns} turns, {w.agent.env_latency_s:.3g} s between; "
+        f"{w.lengths.cap}; {w.agent.turns} turns, {w.agent.env_latency_s:.3g} s between, "
+        f"{w.agent.start_latency_s:.3g} s from admission to the first; "
         f"{w.groups_per_step} x {w.group_size} samples a step"
     )
     for note in found.assumed:

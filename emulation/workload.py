@@ -37,8 +37,8 @@ from typing import Any
 Z99 = 2.326
 """The standard normal's 99th percentile: a lognormal's p99/median is ``exp(Z99 * sigma)``."""
 
-ENV_LATENCY_SIGMA = 0.5
-"""Lognormal shape of the environment latency between agent turns."""
+LATENCY_SIGMA = 0.5
+"""Lognormal shape of an agent's latencies (to its first turn, between its turns)."""
 
 
 def _require(ok: bool, what: str, value: object) -> None:
@@ -150,25 +150,39 @@ class TrainerCost:
 
 @dataclass(frozen=True)
 class AgentModel:
-    """An agent episode: ``turns`` generations, an environment call between two of them.
+    """An agent episode: ``turns`` generations, an environment call between two of them, and
+    ``start_latency_s`` from its task's admission to its first generation (the task's trip
+    through the tasks stream, the agent runner and the gateway).
 
-    The environment latency is lognormal with mean ``env_latency_s`` and shape 0.5; zero means
-    no latency. Each turn's generated length is drawn from the ``LengthModel``.
+    Both latencies are lognormal with that mean and shape 0.5; zero means no latency. Each
+    turn's generated length is drawn from the ``LengthModel``.
     """
 
     turns: int = 1
     env_latency_s: float = 0.0
+    start_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.turns >= 1, "agent.turns must be >= 1", self.turns)
         _require(self.env_latency_s >= 0, "agent.env_latency_s must be >= 0", self.env_latency_s)
+        _require(
+            self.start_latency_s >= 0, "agent.start_latency_s must be >= 0", self.start_latency_s
+        )
 
     def latency_s(self, rng: random.Random) -> float:
         """One environment latency, in seconds."""
-        if self.env_latency_s == 0:
-            return 0.0
-        mu = math.log(self.env_latency_s) - ENV_LATENCY_SIGMA**2 / 2
-        return math.exp(rng.gauss(mu, ENV_LATENCY_SIGMA))
+        return _lognormal(self.env_latency_s, rng)
+
+    def start_s(self, rng: random.Random) -> float:
+        """One admission -> first generation latency, in seconds."""
+        return _lognormal(self.start_latency_s, rng)
+
+
+def _lognormal(mean: float, rng: random.Random) -> float:
+    if mean == 0:
+        return 0.0
+    mu = math.log(mean) - LATENCY_SIGMA**2 / 2
+    return math.exp(rng.gauss(mu, LATENCY_SIGMA))
 
 
 @dataclass(frozen=True)

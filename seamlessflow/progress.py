@@ -61,6 +61,8 @@ class RunStats:
     """``(session_id, started_at, finished_at, output tokens)`` of the latest calls."""
     versions_at: list[tuple[int, float]] = field(default_factory=list)
     """``(version, when it was first announced)``."""
+    admitted_at: dict[str, float] = field(default_factory=dict)
+    """When each session's task was admitted (its samples' ``Admitted.at``), by session."""
 
     def on_weights(self, event: WeightsPublished, now: float) -> None:
         if event.version > self.version:
@@ -80,6 +82,8 @@ class RunStats:
 
     def on_sample(self, sample: SampleReady, now: float) -> None:
         self.samples += 1
+        if sample.admitted is not None and sample.admitted.at is not None:
+            self.admitted_at[sample.session_id] = sample.admitted.at
         if sample.session_id in self._seen_sessions:
             return  # a session with several leaves is scored once
         self._seen_sessions.add(sample.session_id)

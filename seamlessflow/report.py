@@ -280,16 +280,19 @@ def run_costs(config: RunConfig, stats: RunStats, trainer: dict[str, float]) -> 
     token cap), its seconds per step after the first quarter of its steps (start-up left out),
     and its calls as the engines saw them: tokens per call (median and the standard
     deviation of their log), the mean gap between a session's calls (the environment's
-    latency), and ``engine load`` (``engine_load``: resident calls per engine, seconds and
-    tokens, over the latest ``progress.CALL_SPANS`` calls, leaving out what ``trainer``'s
-    timing says the engines did not serve)."""
+    latency), the mean time from a task's admission to each of its sessions' first call (the
+    scheduler's clock against the gateway's), and ``engine load`` (``engine_load``: resident
+    calls per engine, seconds and tokens, over the latest ``progress.CALL_SPANS`` calls,
+    leaving out what ``trainer``'s timing says the engines did not serve)."""
     spans = [(sid, start, end, n) for sid, start, end, n in stats.call_spans if end > start]
     lengths = [n for *_, n in spans if n > 0]
     logs = [math.log(n) for n in lengths]
-    gaps, last_end = [], {}
+    gaps, last_end, starts = [], {}, []
     for sid, start, end, _ in sorted(spans, key=lambda span: span[1]):
         if sid in last_end:
             gaps.append(max(0.0, start - last_end[sid]))
+        elif sid in stats.admitted_at:  # the session's first call
+            starts.append(max(0.0, start - stats.admitted_at[sid]))
         last_end[sid] = end
     return {
         "layout": str(config.layout.kind),
@@ -304,6 +307,7 @@ def run_costs(config: RunConfig, stats: RunStats, trainer: dict[str, float]) -> 
         "call tokens median": statistics.median(lengths) if lengths else None,
         "call tokens log sd": statistics.pstdev(logs) if logs else None,
         "environment latency seconds (mean)": statistics.fmean(gaps) if gaps else None,
+        "admission to first call seconds (mean)": statistics.fmean(starts) if starts else None,
         "engine load": engine_load(
             [(start, end, n) for _, start, end, n in spans],
             config.rollout.workers + USUAL_ENGINES[config.layout.kind],

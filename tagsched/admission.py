@@ -275,7 +275,7 @@ class Stamper:
         live = [w for w in self._live().values() if w.version is not None]
         serving = [w.version for w in live if w.role is Role.ROLLOUT and not w.quarantined]
         version = min(serving) if serving else max((w.version for w in live), default=0)
-        return Admitted(ticket=ticket, version=version)
+        return Admitted(ticket=ticket, version=version, at=time.time())
 
     def _loading(self) -> bool:
         """Some live rollout worker has a newer weight version to load."""

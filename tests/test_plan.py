@@ -110,6 +110,10 @@ def test_the_fit_finds_the_emulated_costs_in_a_real_runs_summary(summary: Path, 
     # path (publish, bookkeeping) on this machine.
     assert TRAINER_S <= w.trainer.step_s(100) < TRAINER_S + 0.3
     assert WEIGHT_SYNC_S * 0.9 <= w.weight_sync_s < WEIGHT_SYNC_S + 0.5
+    # Admission (the scheduler's clock) -> each session's first call (the gateway's): the
+    # tasks stream, the agent runner and the gateway, fitted as the agent's start latency.
+    assert 0 < costs["admission to first call seconds (mean)"] < 5
+    assert w.agent.start_latency_s == costs["admission to first call seconds (mean)"]
     assert any("switch" in note for note in fitted.assumed)  # no lend in a disaggregated run
     given = fit(load_summary(summary), str(summary), switch_s=0.05)  # measured elsewhere
     assert given.workload.switch.warm_s == 0.05 and not given.assumed

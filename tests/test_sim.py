@@ -51,6 +51,19 @@ def test_every_arm_trains_what_was_asked_within_the_bound(arm, staleness, order)
         assert r.order == order
 
 
+def test_a_start_latency_delays_every_groups_first_generation():
+    """Tasks take time to reach their first call (``AgentModel.start_latency_s``, fitted by
+    ``seamlessflow plan`` from a run): synchronous steps each wait at least that long more, and
+    the asynchronous arm makes fewer samples a second."""
+    base, steps = agentic(), 6
+    late = replace(base, agent=replace(base.agent, start_latency_s=3.0))
+    sync = [simulate(w, Arm.SYNC_COLOCATED, 16, 8, 0, steps) for w in (base, late)]
+    assert sync[1].time_s - sync[0].time_s >= steps * 3.0
+    partial = [simulate(w, Arm.PARTIAL_ROLLOUT, 16, 8, 1, steps) for w in (base, late)]
+    assert partial[1].samples_per_s < 0.95 * partial[0].samples_per_s
+    assert partial[1].trained_samples == partial[0].trained_samples
+
+
 def test_the_same_seed_gives_the_same_run():
     a = simulate(agentic(seed=3), "multiplexed", 16, 6, 1, 4).to_dict()
     b = simulate(agentic(seed=3), "multiplexed", 16, 6, 1, 4).to_dict()

@@ -74,6 +74,9 @@ def test_costs():
     rng = random.Random(5)
     lat = [AgentModel(turns=3, env_latency_s=2.0).latency_s(rng) for _ in range(20000)]
     assert statistics.mean(lat) == pytest.approx(2.0, rel=0.03)
+    assert AgentModel(env_latency_s=2.0).start_s(rng) == 0.0
+    starts = [AgentModel(start_latency_s=0.5).start_s(rng) for _ in range(20000)]
+    assert statistics.mean(starts) == pytest.approx(0.5, rel=0.03)
 
 
 def test_round_trip_through_a_dict():
@@ -107,6 +110,8 @@ def test_bad_values_are_refused():
         LengthModel(group_corr=1.5)
     with pytest.raises(ValueError, match="max_batch"):
         Workload.from_dict({"engine": {"max_batch": 0}})
+    with pytest.raises(ValueError, match="start_latency_s"):
+        Workload.from_dict({"agent": {"start_latency_s": -1}})
 
 
 def test_phases_replace_the_agent_and_lengths_from_their_step_on():

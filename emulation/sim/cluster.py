@@ -11,8 +11,9 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
 - **devices**: ``devices`` identical devices; a trainer step is data parallel over the
   trainer's devices (``TrainerCost.step_s(tokens, devices)``); an engine per device
   (``emulation.sim.engine``);
-- **agents**: an admitted group is ``group_size`` samples started at once; a sample is
-  ``agent.turns`` generations with an environment latency between them; its lengths are drawn
+- **agents**: an admitted group is ``group_size`` samples started at once, each reaching its
+  first generation ``agent.start_latency_s`` later; a sample is ``agent.turns`` generations with
+  an environment latency between them; its lengths are drawn
   at admission from ``LengthModel.sample_group`` (per turn, for the group, at the trainer's
   version), the agent and lengths of the workload's phase at that version (``Workload.at``).
   Admission is immediate whenever the admission state has room;
@@ -184,7 +185,10 @@ class Cluster:
             sample = _Sample(group, [turn[i] for turn in per_turn], agent=w.agent)
             self.m.drawn_tokens.append(sum(sample.lengths))
             group.samples.append(sample)
-            self._submit(Generation(sample, sample.lengths[0]))
+            if w.agent.start_latency_s:
+                self.loop.after(w.agent.start_s(self.rng), self._next_turn, sample)
+            else:
+                self._submit(Generation(sample, sample.lengths[0]))
         self._dispatch()
 
     def _submit(self, gen: Generation, front: bool = False) -> None:
