@@ -43,7 +43,9 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
   not switched during a step. A reclaimed device aborts its generations, which continue on
   other engines after a re-prefill of their prefix (``switch.reprefill``) or start over;
 - **sync colocated**: every device generates, then all train: the phases switch when the batch
-  is complete (``warm_s``) and back after the step (``warm_s`` plus ``weight_sync_s``). It is
+  is complete (``warm_s``) and back after the step (``warm_s`` plus ``weight_sync_s``). A step's
+  tasks are taken a step ahead (prompts prefetched, as the real colocated layout's admission a
+  step ahead does): their agents' start latency runs during the step before. It is
   synchronous, so its staleness bound is 0 whatever is asked and lending has no choice to make.
 """
 
@@ -60,7 +62,7 @@ from emulation.sim.engine import Engine, Generation, Loop
 from emulation.sim.measure import Measurements, RunShape, SimResult, idle_by_pool, mean_batch
 from emulation.sim.order import ORDER_WAIT_S, Batches, Order, _Group, _Sample
 from emulation.sim.placement import Arm, place
-from emulation.workload import Workload
+from emulation.workload import AgentModel, Workload
 from tagsched.admission import AdmissionState, admission_limit
 from tagsched.config import SchedulerConfig
 from tagsched.lending import LendingPolicy, RateMeter, trainer_roles
@@ -138,6 +140,8 @@ class Cluster:
         self.draining: set[str] = set()
         self.batch_ready_at: float | None = None
         self.phase_switching = False  # sync colocated: generating -> training
+        self.rollout_started_at = 0.0  # sync colocated: when the rollout phase began
+        self.prefetched_at: float | None = None  # and the one before: a step ahead
         self.lent_since_step = False
 
     # -- admission and agents ---------------------------------------------------------------
@@ -186,10 +190,20 @@ class Cluster:
             self.m.drawn_tokens.append(sum(sample.lengths))
             group.samples.append(sample)
             if w.agent.start_latency_s:
-                self.loop.after(w.agent.start_s(self.rng), self._next_turn, sample)
+                self.loop.after(self._start_latency(w.agent), self._next_turn, sample)
             else:
                 self._submit(Generation(sample, sample.lengths[0]))
         self._dispatch()
+
+    def _start_latency(self, agent: AgentModel) -> float:
+        """Seconds from admission to the sample's first generation. Synchronous colocated
+        training takes a step's tasks a step ahead (prompts prefetched, as the real colocated
+        layout's ``steps_ahead`` 2 does): only what is left of their start latency after the
+        step before it delays them."""
+        latency = agent.start_s(self.rng)
+        if self.arm is Arm.SYNC_COLOCATED and self.prefetched_at is not None:
+            return max(0.0, latency - (self.loop.now - self.prefetched_at))
+        return latency
 
     def _submit(self, gen: Generation, front: bool = False) -> None:
         if front:
@@ -347,6 +361,7 @@ class Cluster:
         self._train(*taken)
 
     def _colocated_to_rollout(self) -> None:
+        self.prefetched_at, self.rollout_started_at = self.rollout_started_at, self.loop.now
         for wid in self.placement.train_ids:
             self.engines[wid].version = self.version
             self._serve(wid)
