@@ -53,21 +53,26 @@ def test_every_arm_trains_what_was_asked_within_the_bound(arm, staleness, order)
 
 def test_a_start_latency_delays_first_generations_and_sync_steps_hide_it():
     """Tasks take time to reach their first call (``AgentModel.start_latency_s``, fitted by
-    ``seamlessflow plan`` from a run): the asynchronous arm makes fewer samples a second;
-    synchronous colocated steps take their tasks a step ahead, so only the first step waits
-    (the added time does not grow with the steps)."""
+    ``seamlessflow plan`` from a run; drawn from its own random stream, so the lengths are the
+    same with or without it). The asynchronous arm makes fewer samples a second; synchronous
+    colocated steps (about 33 s here) take their tasks a step ahead, so a shorter latency
+    delays the first step only and a longer one every step."""
     base = agentic()
-    late = replace(base, agent=replace(base.agent, start_latency_s=3.0))
-    partial = [simulate(w, Arm.PARTIAL_ROLLOUT, 16, 8, 1, 6) for w in (base, late)]
-    assert partial[1].samples_per_s < 0.95 * partial[0].samples_per_s
+
+    def late(latency_s: float) -> Workload:
+        return replace(base, agent=replace(base.agent, start_latency_s=latency_s))
+
+    partial = [simulate(w, Arm.PARTIAL_ROLLOUT, 16, 6, 1, 8) for w in (base, late(20.0))]
+    assert partial[1].samples_per_s < 0.75 * partial[0].samples_per_s
     assert partial[1].trained_samples == partial[0].trained_samples
 
-    def added_s(steps: int) -> float:
-        sync = [simulate(w, Arm.SYNC_COLOCATED, 16, 8, 0, steps) for w in (base, late)]
+    def added_s(latency_s: float, steps: int) -> float:
+        sync = [simulate(w, Arm.SYNC_COLOCATED, 16, steps, 0) for w in (base, late(latency_s))]
         return sync[1].time_s - sync[0].time_s
 
-    assert added_s(3) > 3.0  # the first step waits for the slowest of its samples
-    assert added_s(6) == pytest.approx(added_s(3), rel=0.05)
+    assert added_s(3.0, 3) > 3.0  # the first step waits for the slowest of its samples
+    assert added_s(3.0, 6) == pytest.approx(added_s(3.0, 3))  # and no later one
+    assert added_s(20.0, 6) > added_s(20.0, 3) + 5.0  # longer than a step: every step waits
 
 
 def test_the_same_seed_gives_the_same_run():

@@ -93,6 +93,7 @@ class Cluster:
         self.partial = arm in (Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED)
         self.loop = Loop()
         self.rng = random.Random(workload.seed)
+        self.start_rng = random.Random(workload.seed + 1)  # the same lengths with or without
         self.config = SchedulerConfig(scheduler_id="sim")
         self.m = Measurements()
 
@@ -200,7 +201,7 @@ class Cluster:
         training takes a step's tasks a step ahead (prompts prefetched, as the real colocated
         layout's ``steps_ahead`` 2 does): only what is left of their start latency after the
         step before it delays them."""
-        latency = agent.start_s(self.rng)
+        latency = agent.start_s(self.start_rng)
         if self.arm is Arm.SYNC_COLOCATED and self.prefetched_at is not None:
             return max(0.0, latency - (self.loop.now - self.prefetched_at))
         return latency
