@@ -331,9 +331,12 @@ def measure(
     )
     steps = metric_sum(trainer, "sf_trainer_steps_total")
     tokens_per_step = metric_sum(trainer, "sf_trainer_tokens_total") / max(steps, 1)
-    samples_per_step = metric_sum(trainer, "sf_trainer_samples_total", outcome="trained") / max(
-        steps, 1
+    # trained: at full weight, or downweighted as stale (``downweight`` mode trains those too)
+    trained = sum(
+        metric_sum(trainer, "sf_trainer_samples_total", outcome=outcome)
+        for outcome in ("trained", "downweighted")
     )
+    samples_per_step = trained / max(steps, 1)
     idle = {}
     for key, last in sorted(scrapes.last.items()):
         first = scrapes.first.get(key)
@@ -343,7 +346,6 @@ def measure(
         idle_s = _delta(first, last, "sf_worker_role_seconds_total", state="idle")
         idle[key] = round(idle_s / total, 3) if total else None
     scheduler = next((s for k, s in scrapes.last.items() if k.startswith("scheduler@")), [])
-    trained = metric_sum(trainer, "sf_trainer_samples_total", outcome="trained")
     dropped = metric_sum(trainer, "sf_trainer_samples_dropped_total")
     dropped_tokens = metric_sum(trainer, "sf_trainer_tokens_dropped_total")
     trained_tokens = metric_sum(trainer, "sf_trainer_tokens_total")

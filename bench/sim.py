@@ -14,9 +14,8 @@ and multiplexed arms each at its own split, and overlap's wait bound swept.
 
 Sweeps around the main (agentic, long-tailed) scenario: switch cost (0.1x to 10x of 5 s, with
 the trainer's idle window and the lends per step: the crossover), tail heaviness (sigma),
-rollout/train work ratio (1 to 6), staleness bound (0 to 4); and verl's published setting
-(128 devices, 7B-like costs, single turn) against its 1.58x and 2.35x; and a scale check from
-8 to 1024 devices.
+rollout/train work ratio (1 to 6), staleness bound (0 to 4); and a scale check from 8 to 1024
+devices. verl's published setting, with its own rhythm: ``bench/verl.py``.
 
 Usage: python -m bench.sim [--seeds 3] [--steps 20] [--quick]  (about 8 min on one core).
 Prints tables, writes bench/results/sim.json and docs/images/sim-*.png. ``--order-only``: the
@@ -430,7 +429,7 @@ def plot_order(order: dict) -> str:
 
 
 def _slim(results: dict) -> dict:
-    """The JSON keeps per-seed runs of the main and verl points only (sweeps keep summaries)."""
+    """The JSON keeps per-seed runs of the main point only (sweeps keep summaries)."""
     for rows in results["sweeps"].values():
         for row in rows:
             row["point"].pop("runs", None)
@@ -538,34 +537,6 @@ def main() -> None:
             f"{static['steady_samples_per_s'] / ref['steady_samples_per_s']:>7.2f}x"
             f"{g[MULTIPLEXING]['mean']:>8.2f}x"
         )
-
-    # verl's published setting: 128 devices, Qwen2.5-7B-like costs, single-turn math reasoning
-    verl = workload(
-        ratio=2.0,
-        median=1024,
-        cap=8192,
-        turns=1,
-        env_s=0.0,
-        max_batch=64,
-        group_size=16,
-        groups_per_step=32,
-    )
-    results["verl_workload"] = verl.to_dict()
-    results["verl"] = {
-        "published": {"streaming": 1.58, "staleness_partial": 2.35},
-        "bound_1_drop": point(verl, 128, steps, 1, seeds),
-        "bound_1": point(verl, 128, steps, 1, seeds, StalenessMode.DOWNWEIGHT),
-    }
-    print_point("verl setting, stale groups dropped", results["verl"]["bound_1_drop"])
-    p = results["verl"]["bound_1"]
-    print_point("verl setting: 128 devices, staleness 1, single turn, stale kept", p)
-    streaming = p["gains"][STREAMING]["mean"]
-    partial = p["arms"]["sync_colocated"]["time_s"] / p["arms"]["partial_rollout"]["time_s"]
-    results["verl"]["ours"] = {"streaming": streaming, "staleness_partial": partial}
-    print(
-        f"  verl: streaming 1.58x -> ours {streaming:.2f}x ({streaming / 1.58 - 1:+.0%}); "
-        f"staleness + partial 2.35x -> ours {partial:.2f}x ({partial / 2.35 - 1:+.0%})"
-    )
 
     # scale: 8 to 1024 devices, one group per device per step, one seed, each arm's best split
     results["scale"] = []

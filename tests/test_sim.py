@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from common.staleness import StalenessMode
-from emulation.sim import ARMS, Arm, Order, best_split, simulate
+from emulation.sim import ARMS, Arm, Order, Rhythm, best_split, simulate
 from emulation.workload import (
     AgentModel,
     EngineCost,
@@ -73,6 +73,30 @@ def test_a_start_latency_delays_first_generations_and_sync_steps_hide_it():
     assert added_s(3.0, 3) > 3.0  # the first step waits for the slowest of its samples
     assert added_s(3.0, 6) == pytest.approx(added_s(3.0, 3))  # and no later one
     assert added_s(20.0, 6) > added_s(20.0, 3) + 5.0  # longer than a step: every step waits
+
+
+def test_verls_rhythm_syncs_every_k_steps_within_its_budget():
+    """``Rhythm`` (verl's fully-async rollouter, to compare with its published gains): weights
+    reach the engines every ``sync_every`` steps, so a window's samples lag the trainer by up to
+    ``sync_every - 1`` and no more while the budget holds the rollouter to one window; a
+    budget above one window lets samples of the next window be generated on old weights."""
+    w, steps = agentic(), 8
+
+    def run(arm: Arm, rhythm: Rhythm):
+        return simulate(w, arm, 16, steps, 8, 8, stale=StalenessMode.DOWNWEIGHT, rhythm=rhythm)
+
+    every_step = run(Arm.DISAGGREGATED, Rhythm(sync_every=1))
+    assert every_step.staleness_max == 0  # one step's groups at a time: synchronous
+    windows = run(Arm.DISAGGREGATED, Rhythm(sync_every=4))
+    assert windows.staleness_max == 3 and windows.staleness_mean > 0.5
+    ahead = run(Arm.PARTIAL_ROLLOUT, Rhythm(sync_every=4, staleness=0.5))
+    assert ahead.staleness_max > 3
+    for r in (every_step, windows, ahead):
+        assert r.trained_samples == steps * w.samples_per_step
+    with pytest.raises(ValueError, match="disaggregated arms"):
+        simulate(w, Arm.MULTIPLEXED, 16, steps, 1, 8, rhythm=Rhythm(sync_every=2))
+    with pytest.raises(ValueError, match="sync_every"):
+        Rhythm(sync_every=0)
 
 
 def test_the_same_seed_gives_the_same_run():

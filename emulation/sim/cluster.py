@@ -42,6 +42,9 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
 - **lending** (multiplexed): a lend or a reclaim takes ``switch.warm_s``; a trainer device is
   not switched during a step. A reclaimed device aborts its generations, which continue on
   other engines after a re-prefill of their prefix (``switch.reprefill``) or start over;
+- **verl's rhythm** (``rhythm``, disaggregated arms only): its rollouter's admission and a
+  weight sync every ``sync_every`` steps replace the scheduler's admission and the update after
+  every step (``emulation.sim.rhythm``);
 - **sync colocated**: every device generates, then all train: the phases switch when the batch
   is complete (``warm_s``) and back after the step (``warm_s`` plus ``weight_sync_s``). A step's
   tasks are taken a step ahead (prompts prefetched, as the real colocated layout's admission a
@@ -62,6 +65,7 @@ from emulation.sim.engine import Engine, Generation, Loop
 from emulation.sim.measure import Measurements, RunShape, SimResult, idle_by_pool, mean_batch
 from emulation.sim.order import ORDER_WAIT_S, Batches, Order, _Group, _Sample
 from emulation.sim.placement import Arm, place
+from emulation.sim.rhythm import Rhythm
 from emulation.workload import AgentModel, Workload
 from tagsched.admission import AdmissionState, admission_limit
 from tagsched.config import SchedulerConfig
@@ -84,7 +88,12 @@ class Cluster:
         stale: StalenessMode = StalenessMode.DROP,
         order: Order = Order.COMPLETION,
         order_wait_s: float = ORDER_WAIT_S,
+        rhythm: Rhythm | None = None,
     ) -> None:
+        if rhythm is not None and arm not in (Arm.DISAGGREGATED, Arm.PARTIAL_ROLLOUT):
+            raise ValueError(f"verl's rhythm is for the disaggregated arms, not {arm}")
+        self.rhythm = rhythm
+        self.window = 0  # with a rhythm: the groups its rollouter counts since the last sync
         self.placement = place(arm, devices=devices, trainer_devices=trainer_devices, waves=waves)
         self.w = workload
         self.arm = arm
@@ -155,6 +164,12 @@ class Cluster:
     def _admit(self) -> None:
         """With stamps, admission holds while a rollout engine has a newer version to load, up
         to ``wave_wait_s`` (the scheduler's ``Stamper``)."""
+        if self.rhythm is not None:
+            room = max(0, self.rhythm.budget(self.w.groups_per_step) - self.window)
+            self.window += room
+            for _ in range(room):
+                self._start_group()
+            return
         room = self._admission().room
         wait_s = self.config.wave_wait_s
         if room and self.batches.tickets is not None and self._loading():
@@ -350,7 +365,11 @@ class Cluster:
             back = self.w.switch.warm_s + self.w.weight_sync_s
             self.loop.after(back, self._colocated_to_rollout)
             return
-        self._update_weights()
+        if self.rhythm is None:
+            self._update_weights()
+        elif self.rhythm.syncs(self.version):
+            self._update_weights()
+            self.window = self.in_flight + len(self.batches)
         self._admit()
         self._maybe_train()
 

@@ -7,6 +7,7 @@ from emulation.sim.cluster import Cluster
 from emulation.sim.measure import SimResult
 from emulation.sim.order import ORDER_WAIT_S, Order
 from emulation.sim.placement import Arm
+from emulation.sim.rhythm import Rhythm
 from emulation.workload import Workload
 
 
@@ -22,6 +23,7 @@ def simulate(
     stale: StalenessMode = StalenessMode.DROP,
     order: Order = Order.COMPLETION,
     order_wait_s: float = ORDER_WAIT_S,
+    rhythm: Rhythm | None = None,
 ) -> SimResult:
     """Simulate ``steps`` trainer steps of ``arm`` on ``devices`` devices.
 
@@ -31,6 +33,8 @@ def simulate(
     the trainer's staleness mode (drop stale groups, or train them downweighted). ``order``:
     which complete groups a step takes, and when (``emulation.sim.order``; the real trainer's
     is ``admission``); ``order_wait_s``: its bound on a step's wait for an earlier ticket.
+    ``rhythm``: verl's admission and weight-sync rhythm instead of SeamlessFlow's
+    (``emulation.sim.rhythm``; disaggregated arms).
     """
     kind = Arm(arm)
     if kind is Arm.SYNC_COLOCATED:
@@ -46,6 +50,7 @@ def simulate(
             stale=stale,
             order=order,
             order_wait_s=order_wait_s,
+            rhythm=rhythm,
         )
     cluster = Cluster(
         workload,
@@ -58,6 +63,7 @@ def simulate(
         stale=stale,
         order=Order(order),
         order_wait_s=order_wait_s,
+        rhythm=rhythm,
     )
     return cluster.run()
 
@@ -83,6 +89,7 @@ def best_split(
     stale: StalenessMode = StalenessMode.DROP,
     order: Order = Order.COMPLETION,
     order_wait_s: float = ORDER_WAIT_S,
+    rhythm: Rhythm | None = None,
 ) -> int:
     """The trainer device count that reaches ``steps`` soonest in ``arm`` (by default the
     static split a careful operator would tune), over ``split_candidates``, on the workload's
@@ -99,6 +106,7 @@ def best_split(
             stale=stale,
             order=order,
             order_wait_s=order_wait_s,
+            rhythm=rhythm,
         ).time_s
         for k in split_candidates(devices)
     }
