@@ -2,6 +2,7 @@
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ from broker.weights import (
     publish_weights,
     run_instance,
 )
-from tests.support import SMALL_RUN
+from tests.support import SMALL_RUN, eventually
 
 
 async def test_publish_fetch_and_latest(js, names, tmp_path):
@@ -88,11 +89,20 @@ async def test_a_broker_that_cannot_answer_is_waited_for_not_blamed_on_the_blob(
     event = await publish_weights(js, names, 1, b"frozen" * 1000)
     os.kill(broker.pid, signal.SIGSTOP)
     try:
+        # kill returns before every thread of the server has stopped: under load one could
+        # still answer the read (seen in make test)
+        await eventually(lambda: _stopped(broker.pid), timeout=5)
         with pytest.raises(TRANSIENT):
             await fetch_weights(js, event)
     finally:
         os.kill(broker.pid, signal.SIGCONT)
     assert await retry(lambda: fetch_weights(js, event), what="test") == b"frozen" * 1000
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped (state ``T`` in /proc)."""
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)
 
 
 def test_the_newest_local_copy_is_read_off_the_version_folders(names, tmp_path):
