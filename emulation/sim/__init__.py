@@ -2,10 +2,10 @@
 
 ``simulate`` runs one arm; ``best_split`` sweeps the trainer/rollout split of the static
 layout. The model and its assumptions: ``emulation.sim.cluster`` (the event loop),
-``emulation.sim.placement`` (who does what per arm), ``emulation.sim.engine`` and
-``emulation.sim.order`` (which groups the trainer steps on, and when), ``emulation.sim.rhythm``
-(verl's, to compare with its published gains); what a run measures:
-``emulation.sim.measure``.
+``emulation.sim.placement`` (who does what per arm), ``emulation.sim.lending`` (the scheduler's
+lending), ``emulation.sim.engine`` and ``emulation.sim.order`` (which groups the trainer steps
+on, and when), ``emulation.sim.rhythm`` (verl's, to compare with its published gains); what a
+run measures: ``emulation.sim.measure``.
 """
 
 from emulation.sim.cluster import Cluster

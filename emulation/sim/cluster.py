@@ -39,9 +39,10 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
   (the sync barrier of a rollout side without partial rollout, as in verl's fully-async
   trainer); with it, each pauses its generations (KV kept), loads, and they continue on the new
   weights (what ``rollout.following`` does);
-- **lending** (multiplexed): a lend or a reclaim takes ``switch.warm_s``; a trainer device is
-  not switched during a step. A reclaimed device aborts its generations, which continue on
-  other engines after a re-prefill of their prefix (``switch.reprefill``) or start over;
+- **lending** (multiplexed; ``emulation.sim.lending``): a lend or a reclaim takes
+  ``switch.warm_s``; a trainer device is not switched during a step. A reclaimed device aborts
+  its generations, which continue on other engines after a re-prefill of their prefix
+  (``switch.reprefill``) or start over;
 - **verl's rhythm** (``rhythm``, disaggregated arms only): its rollouter's admission and a
   weight sync every ``sync_every`` steps replace the scheduler's admission and the update after
   every step (``emulation.sim.rhythm``);
@@ -62,6 +63,7 @@ from collections import deque
 from broker.messages import Admitted, Role
 from common.staleness import StalenessMode, lag
 from emulation.sim.engine import Engine, Generation, Loop
+from emulation.sim.lending import Lending
 from emulation.sim.measure import Measurements, RunShape, SimResult, idle_by_pool, mean_batch
 from emulation.sim.order import ORDER_WAIT_S, Batches, Order, _Group, _Sample
 from emulation.sim.placement import Arm, place
@@ -69,10 +71,10 @@ from emulation.sim.rhythm import Rhythm
 from emulation.workload import AgentModel, Workload
 from tagsched.admission import AdmissionState, admission_limit
 from tagsched.config import SchedulerConfig
-from tagsched.lending import LendingPolicy, RateMeter, trainer_roles
+from tagsched.lending import LendingPolicy, RateMeter
 
 
-class Cluster:
+class Cluster(Lending):
     """One simulated run of ``arm``: built from the workload and the split, then ``run()``."""
 
     def __init__(
@@ -434,60 +436,6 @@ class Cluster:
         self.wave_busy[w] -= 1
         if self.wave_busy[w] == 0:
             self._update_weights()
-
-    # -- lending (the scheduler's tick) -----------------------------------------------------
-    def _tick(self) -> None:
-        rate = self.rate.update(self.loop.now, self.published)
-        state = self._admission()
-        desired = trainer_roles(
-            self.placement.assignment,
-            self.policy,
-            self.lent,
-            missing_groups=state.missing_groups(self.w.groups_per_step),
-            groups_per_s=rate,
-        )
-        for wid, (role, _) in desired.items():
-            if self.role[wid] is role or wid in self.switching:
-                continue
-            if role is Role.ROLLOUT and not (self.training or self.computing):
-                self._lend(wid)
-            elif role is Role.TRAIN:
-                self._reclaim(wid)
-        self.loop.after(self.config.tick_s, self._tick)
-
-    def _lend(self, wid: str) -> None:
-        self.switching.add(wid)
-        self.m.lends += 1
-        self.loop.after(self.w.switch.warm_s, self._lent, wid)
-
-    def _lent(self, wid: str) -> None:
-        self.switching.discard(wid)
-        self.role[wid] = Role.ROLLOUT
-        self.lent.add(wid)
-        self.policy.lends.append(self.w.switch.warm_s)
-        self.engines[wid].version = self.version  # the trainer's own weights
-        self.lent_since_step = True
-        self._serve(wid)
-
-    def _reclaim(self, wid: str) -> None:
-        e = self.engines[wid]
-        e.serving = False
-        self.switching.add(wid)
-        self.m.reclaims += 1
-        for gen in reversed(e.abort_all()):
-            if not self.w.switch.reprefill:
-                self.m.lost += gen.done
-                gen.done = 0.0
-            self._submit(gen, front=True)
-        self._dispatch()
-        self.loop.after(self.w.switch.warm_s, self._reclaimed, wid)
-
-    def _reclaimed(self, wid: str) -> None:
-        self.switching.discard(wid)
-        self.role[wid] = Role.TRAIN
-        self.lent.discard(wid)
-        self.policy.reclaims.append(self.w.switch.warm_s)
-        self._maybe_train()
 
     # -- a run ------------------------------------------------------------------------------
     def run(self, max_time_s: float = 1e7) -> SimResult:
