@@ -82,11 +82,11 @@ class RunStats:
 
     def on_sample(self, sample: SampleReady, now: float) -> None:
         self.samples += 1
-        if sample.admitted is not None and sample.admitted.at is not None:
-            self.admitted_at[sample.session_id] = sample.admitted.at
         if sample.session_id in self._seen_sessions:
             return  # a session with several leaves is scored once
         self._seen_sessions.add(sample.session_id)
+        if sample.admitted is not None and sample.admitted.at is not None:
+            self.admitted_at[sample.session_id] = sample.admitted.at
         versions = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
         behind = lag(self.version, versions)
         tools = self._tool_calls.pop(sample.session_id, None)
