@@ -104,6 +104,30 @@ async def test_the_writer_keeps_the_order_it_was_given(tiny_model_dir, tmp_path)
     writer.close()
 
 
+async def test_a_checkpoint_is_due_every_few_versions_or_once_its_interval_has_passed(
+    tiny_model_dir, tmp_path
+):
+    """``Commits.due``: ``checkpoint_every`` versions or ``checkpoint_interval_s`` seconds since
+    the last checkpoint (or the trainer's start at its version), whichever comes first; an
+    interval of 0 checkpoints every version."""
+    from trainer.backends import build_backend
+    from trainer.commits import Commits
+
+    backend = build_backend(tiny_model_dir, CONFIG)
+    config = CONFIG.model_copy(
+        update={"checkpoint_dir": tmp_path, "checkpoint_every": 3, "checkpoint_interval_s": 2.0}
+    )
+    commits = Commits(config, backend, lambda ids, error: None, lambda: None, version=5)
+    assert [commits.due(v) for v in (6, 7, 8)] == [False, False, True]  # 3 versions on
+    await commits.checkpoint(7, [])  # counts start again from v7, now
+    assert [commits.due(v) for v in (8, 9, 10)] == [False, False, True]
+    await asyncio.sleep(2.0)
+    assert commits.due(8)  # its interval has passed
+    commits.writer.close()
+    every = config.model_copy(update={"checkpoint_interval_s": 0.0})
+    assert Commits(every, backend, lambda ids, error: None, lambda: None, version=5).due(6)
+
+
 @pytest.mark.newest_nats
 async def test_a_checkpoint_that_cannot_be_written_stops_the_trainer_and_acks_nothing(
     broker, js, names, tiny_model_dir, tmp_path
@@ -116,6 +140,7 @@ async def test_a_checkpoint_that_cannot_be_written_stops_the_trainer_and_acks_no
         groups_per_step=1,
         max_staleness=100,
         checkpoint_dir=tmp_path / "file" / "ckpt",
+        checkpoint_every=1,
         worker_id="trainer-f",
         local_weights_dir=tmp_path / "shm",
     )

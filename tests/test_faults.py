@@ -9,7 +9,7 @@ and started again on its store, once at an arbitrary moment and once as a traine
   unsettled on the trainer's consumer (the run was stopped): none lost, none twice;
 - no message was dead-lettered; every process was alive at the end; versions are consecutive
   but where a killed trainer's checkpoint write was cut after its version was announced (that
-  version stays taken: the next is at most 3 on, ``checkpoint_every = 1``).
+  version stays taken: the next is at most 3 on, with ``checkpoint_every = 1``, set here).
 
 A table (fault, seconds until two new versions, lost, twice, dropped) is printed. A trainer
 step taken while the broker is down is checked on its own (deterministically: its group times
@@ -150,7 +150,7 @@ def _start_run(
         "faults",
         warm_start_steps=10,
         tasks={"group_size": GROUP},
-        trainer={"groups_per_step": 2},
+        trainer={"groups_per_step": 2, "checkpoint_every": 1},  # none lost across a kill
         stop={"max_steps": 100000, "max_seconds": 900},
         supervise={"backoff_s": 0.5, "backoff_max_s": 2.0},
         provision={"replicas": replicas},
@@ -264,6 +264,7 @@ async def test_a_step_taken_while_the_broker_is_down_is_published_when_it_is_bac
         max_staleness=100,
         group_timeout_s=3.0,
         checkpoint_dir=tmp_path / "ckpt",
+        checkpoint_every=1,
         worker_id="trainer-d",
         local_weights_dir=tmp_path / "shm",
     )

@@ -52,7 +52,8 @@ backlog = 4
 
 [trainer]
 groups_per_step = 1
-checkpoint_dir = "{out}/checkpoints"  # so the checkpoint panel has data too
+checkpoint_dir = "{out}/checkpoints"  # so the checkpoint panel has data too...
+checkpoint_every = 1                  # ... from the first versions
 
 [stop]
 max_steps = 1000

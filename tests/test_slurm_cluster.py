@@ -134,6 +134,7 @@ def _config(run_toml, tmp_path: Path) -> tuple[Path, Path]:
             "max_staleness": 4,
             "worker_id": "trainer",
             "checkpoint_dir": str(checkpoints),
+            "checkpoint_every": 1,
         },
         supervise={"max_restarts": 1, "backoff_s": 1.0},
         slurm={

@@ -127,6 +127,7 @@ async def test_service_trains_groups_and_settles_every_sample(
         max_staleness=0,
         staleness_mode=StalenessMode.DROP,
         checkpoint_dir=tmp_path / "ckpt",
+        checkpoint_every=1,
         worker_id="trainer-t",
         local_weights_dir=tmp_path / "shm",
     )
@@ -227,10 +228,11 @@ def _trainer_process(url: str, run: str, model: Path, config: Path) -> ServicePr
 
 
 async def _killable_run(
-    nc, js, run_name: str, tmp_path: Path, worker_id: str, extra: str = ""
+    nc, js, run_name: str, tmp_path: Path, worker_id: str, extra: str = "checkpoint_every = 1\n"
 ) -> tuple[RunNames, Path, Path, list[WeightsPublished]]:
     """A run whose killed trainer's samples come back soon (ack_wait 3 s); its trainer's
-    checkpoint folder and config file (``extra`` lines added to ``[trainer]``); and every
+    checkpoint folder and config file (``extra`` lines added to ``[trainer]``: by default a
+    checkpoint every version, so a kill loses nothing); and every
     weights announcement as it is made (the stream keeps only the last)."""
     quick = ConsumerLimits(ack_wait_s=3, max_deliver=10, max_ack_pending=8192)
     await provision_run(js, run_name, SMALL_RUN.model_copy(update={"trainer": quick}))

@@ -192,6 +192,7 @@ async def _run(
     config.write_text(
         f'[trainer]\ncheckpoint_dir = "{ckpt}"\nlocal_weights_dir = "{tmp_path / "shm"}"\n'
         f"groups_per_step = {groups_per_step}\nlr = 1e-3\nmax_staleness = 1000\nthreads = 1\n"
+        "checkpoint_every = 1\n"
         f"collective_timeout_s = {COLLECTIVE_TIMEOUT}\n"
     )
     return RunNames(run_name), config, ckpt

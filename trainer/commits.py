@@ -33,6 +33,7 @@ class Commits:
         backend: TrainerBackend,
         release: Release,
         on_failure: Callable[[], None],
+        version: int,
     ) -> None:
         self._config = config
         self._backend = backend
@@ -41,6 +42,16 @@ class Commits:
         self.writer = CheckpointWriter(config.checkpoint_dir, CHECKPOINT_SECONDS)
         self.uncommitted: list[StepRecord] = []  # steps since the last commit
         self.failed: BaseException | None = None  # a background write's error
+        self._last = (version, time.monotonic())  # the last checkpoint's version, and when
+
+    def due(self, version: int) -> bool:
+        """A checkpoint of ``version`` is due: ``checkpoint_every`` versions or
+        ``checkpoint_interval_s`` seconds since the last one (or the trainer's start)."""
+        last, at = self._last
+        return (
+            version - last >= self._config.checkpoint_every
+            or time.monotonic() - at >= self._config.checkpoint_interval_s
+        )
 
     async def commit(
         self,
@@ -68,6 +79,7 @@ class Commits:
         backend = self._backend  # its state() may copy (off the loop, like the snapshot)
         state = await asyncio.to_thread(lambda: checkpoint.snapshot(backend.state(), spare))
         CHECKPOINT_STALL_SECONDS.observe(time.monotonic() - started)
+        self._last = (version, time.monotonic())
         return Checkpoint(version, state, tuple(recent))
 
     def _committed(self, version: int, release: list[str], done: asyncio.Future[None]) -> None:

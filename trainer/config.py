@@ -141,14 +141,21 @@ class TrainerConfig(BaseModel):
         default=None, description="checkpoint here (see checkpoint_every); None: no checkpoints"
     )
     checkpoint_every: int = Field(
-        default=1,
+        default=100,
         ge=1,
-        description="checkpoint every this many versions (and at stop): model and AdamW state "
-        "copied into memory in the step, written in the background (one write at a time); "
-        "that step's samples are acked once it is durable, the steps between at once. A crash "
-        "loses the steps since the last durable one, under 2 x this many versions (the samples "
-        "of the steps between checkpoints with them: they were acked; those of a checkpoint's "
-        "own step are trained again) and training goes on from it under new versions",
+        description="checkpoint at least every this many versions (and at stop): model and "
+        "AdamW state copied into memory in the step, written in the background (one write at a "
+        "time); that step's samples are acked once it is durable, the steps between at once. A "
+        "crash loses the steps since the last durable checkpoint (the samples of the steps "
+        "between checkpoints with them: they were acked; those of a checkpoint's own step are "
+        "trained again) and training goes on from it under new versions",
+    )
+    checkpoint_interval_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="and at the first version this long after the last checkpoint (or the "
+        "trainer's start), whichever comes first: a crash loses under 2 x this much training "
+        "(or 2 x checkpoint_every versions); 0: every version (exactly once across a crash)",
     )
     keep_trained_steps: int = Field(
         default=64, ge=1, description="steps whose sample ids a checkpoint remembers (dedup)"

@@ -10,7 +10,8 @@ step that used it is committed. Per step (``Trainer.run``):
    complete groups with the oldest tokens; advantages, staleness bound;
 2. train on every rank (off the event loop); with ``overlap``, a step computed ahead a group at
    a time instead (``trainer.ahead``);
-3. every ``checkpoint_every`` versions (and at stop) commit (``trainer.commits``): a snapshot
+3. every ``checkpoint_every`` versions or ``checkpoint_interval_s`` seconds, whichever comes
+   first (and at stop), commit (``trainer.commits``): a snapshot
    in memory, written in the background with the steps log; this step's samples are acked once
    both are durable, while training goes on. Steps between are acked at once (a crash loses
    them);
@@ -116,7 +117,9 @@ class Trainer(AheadSteps):
         self._publisher = WeightPublisher(
             js, names, config, PUBLISH_SECONDS, lambda: watch.live().values()
         )
-        self._commits = Commits(config, ranks.backend, self._release, self._write_failed)
+        self._commits = Commits(
+            config, ranks.backend, self._release, self._write_failed, self.version
+        )
         # The trainer group (``trainer.group``): only its rank 0 takes samples (``_leading``),
         # steps only while the group is formed (``_formed``), and tells a failed collective
         # (``broken``). A trainer outside any group leads and is formed.
@@ -363,7 +366,7 @@ class Trainer(AheadSteps):
         stats: StepStats,
         seconds: float,
     ) -> None:
-        """A step trained: version v+1, committed (every ``checkpoint_every`` versions: a
+        """A step trained: version v+1, committed (when a checkpoint is due, ``Commits.due``: a
         snapshot, written in the background with the steps log; its samples acked once both are
         durable; else acked now), then published; metrics."""
         stepped = time.monotonic()
@@ -371,7 +374,7 @@ class Trainer(AheadSteps):
         version = self.version + 1
         self.version = version
         self._record(StepRecord(version, tuple(consumed), dropped))
-        if version % self._config.checkpoint_every == 0:
+        if self._commits.due(version):
             await self._commits.commit(self.version, self._recent, consumed)
         else:
             self._release(consumed)
