@@ -13,9 +13,13 @@ samples holds the sessions that ended first, often the best), so a first/last ga
 chance; z >= 2 is a trend. The curves
 (reward; tool calls in a second panel) are drawn into one PNG next to the JSON. ``uptime``'s
 load average is recorded at the start and end of each run (the machine may be shared).
-``--keep DIR`` keeps each run's output folder (its broker store too) under ``DIR``, to read the
-runs' sessions afterwards (``seamlessflow broker --state-dir DIR/<run>/broker``, then
-``seamlessflow export``); by default they are removed.
+``--games N`` (the ``guess`` env): the start policy and each run's final checkpoint play the
+same N games apart from training (``bench.guess_play``), the change in expected reward without
+the curve's noise and its bias per version; a run "rises" there when the end's mean reward is
+at least 2 standard errors above the start's. ``--keep DIR`` keeps each run's output folder
+(its broker store too) under ``DIR``, to read the runs' sessions afterwards (``seamlessflow
+broker --state-dir DIR/<run>/broker``, then ``seamlessflow export``); by default they are
+removed.
 
 Usage: python -m bench.recipe [--config examples/smollm2.toml] [--runs 3] [--rise 0.1]
        python -m bench.recipe --config examples/tools.toml --config examples/tools_baseline.toml
@@ -74,6 +78,33 @@ def run_once(config: Path, name: str, out: Path, edge: int = EDGE) -> dict:
     }
 
 
+def played(config: Path, out: Path, games: int) -> dict:
+    """The start policy and the run's last checkpoint, each playing ``games`` guess games."""
+    from bench.guess_play import play, policy
+    from common.models import load_tokenizer
+    from seamlessflow.config import load_config
+    from seamlessflow.warm_start import prepare_model
+    from trainer import checkpoint
+
+    cfg = load_config(config)
+    if cfg.tasks.env != "guess":
+        raise SystemExit(f"--games plays the guess env; {config} has env {cfg.tasks.env!r}")
+    start = prepare_model(cfg)  # the cached warm start the run began from
+    last = checkpoint.latest_path(out / "checkpoints")
+    game = dict(
+        high=cfg.tasks.max_number,
+        max_turns=cfg.tasks.max_turns,
+        max_tokens=cfg.tasks.max_tokens,
+        temperature=cfg.agents.temperature,
+    )
+    tokenizer = load_tokenizer(start)
+    return {
+        "checkpoint_version": checkpoint.version_of(last),
+        "start": play(policy(start), tokenizer, games, **game),
+        "end": play(policy(start, last), tokenizer, games, **game),
+    }
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -114,6 +145,9 @@ def main() -> None:
         "for runs of few steps, where 10 and 10 overlap)",
     )
     parser.add_argument("--keep", type=Path, help="keep each run's output folder under this")
+    parser.add_argument(
+        "--games", type=int, default=0, help="guess env: games the start and each end play"
+    )
     args = parser.parse_args()
     configs = args.config or [Path("examples/smollm2.toml")]
     runs = args.runs or [3]
@@ -129,6 +163,9 @@ def main() -> None:
                 name = f"{config.stem}-{i}-{int(time.time())}"
                 print(f"{config} run {i + 1}/{n}: {name} ...", flush=True)
                 rows.append(run_once(config, name, root / name, args.edge))
+                if args.games:
+                    rows[-1]["played"] = played(config, root / name, args.games)
+                    print(f"  played: {rows[-1]['played']}", flush=True)
     print(
         f"\n{'run':>34}{'steps':>7}{'wall s':>8}{'first':>8}{'last':>8}{'rises':>7}"
         f"{'slope/100':>10}{'z':>6}"
@@ -144,6 +181,23 @@ def main() -> None:
             f"{_fmt(r['tool_calls_last']):>12}"
             f"{r['sessions_multi_version'] / max(r['sessions'], 1):>15.0%}"
             f"{r['load_before'][0]:>8.1f}{r['load_after'][0]:>8.1f}"
+        )
+    if args.games:
+        print(f"\n{'run':>34}{'start':>8}{'end':>8}{'se':>7}{'z':>6}{'found':>13}{'in range':>13}")
+        for r in rows:
+            start, end = r["played"]["start"], r["played"]["end"]
+            r["played"]["z"] = (end["reward"] - start["reward"]) / (
+                start["reward_se"] ** 2 + end["reward_se"] ** 2
+            ) ** 0.5
+            print(
+                f"{r['run']:>34}{start['reward']:>8.3f}{end['reward']:>8.3f}"
+                f"{end['reward_se']:>7.3f}{r['played']['z']:>6.1f}"
+                f"{start['found']:>6.2f} {end['found']:>6.2f}"
+                f"{start['in_range']:>6.2f} {end['in_range']:>6.2f}"
+            )
+        print(
+            f"{sum(r['played']['z'] >= 2 for r in rows)} of {len(rows)} ends play "
+            f"{args.games} games 2 standard errors above the start"
         )
     print(
         f"{sum(r['rises'] for r in rows)} of {len(rows)} runs rise by >= {args.rise} "
