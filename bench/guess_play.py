@@ -18,14 +18,14 @@ Usage: python -m bench.guess_play --model DIR [--checkpoint FILE] [--games 400] 
 
 import argparse
 import random
+import statistics
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from common.models import load_tokenizer
-from rollout.agents.guess import Game, episode_reward, question
-from rollout.agents.verifiers import first_number
+from rollout.agents.guess import Game, episode_reward, parse_guess, question
 from trainer import checkpoint
 
 SEED = 1234
@@ -80,8 +80,7 @@ def play(
             out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
         )
         for i, reply in zip(live, replies, strict=True):
-            number = first_number(reply)
-            guess = None if number is None else int(number)
+            guess = parse_guess(reply)
             turns[i] += 1
             in_range[i] += state[i].open(guess)
             if guess == state[i].secret:
@@ -96,16 +95,11 @@ def play(
     return {
         "games": games,
         "reward": sum(rewards) / games,
-        "reward_se": _se(rewards),
+        "reward_se": statistics.stdev(rewards) / games**0.5,
         "found": sum(found) / games,
         "in_range": sum(in_range[i] / turns[i] for i in range(games)) / games,
         "turns": sum(turns) / games,
     }
-
-
-def _se(values: list[float]) -> float:
-    mean = sum(values) / len(values)
-    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
 
 
 def main() -> None:

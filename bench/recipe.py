@@ -29,6 +29,7 @@ Prints a table and writes bench/results/recipe-<config stem>.json and .png.
 """
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -81,28 +82,45 @@ def run_once(config: Path, name: str, out: Path, edge: int = EDGE) -> dict:
 def played(config: Path, out: Path, games: int) -> dict:
     """The start policy and the run's last checkpoint, each playing ``games`` guess games."""
     from bench.guess_play import play, policy
+    from trainer import checkpoint
+
+    start, tokenizer, game = _guess_setting(config)
+    last = checkpoint.latest_path(out / "checkpoints")
+    return {
+        "checkpoint_version": checkpoint.version_of(last),
+        "start": _start_played(config, games),
+        "end": play(policy(start, last), tokenizer, games, **game),
+    }
+
+
+@functools.cache
+def _start_played(config: Path, games: int) -> dict:
+    """The start policy's games: the same for every run of ``config`` (same secrets and seed)."""
+    from bench.guess_play import play, policy
+
+    start, tokenizer, game = _guess_setting(config)
+    return play(policy(start), tokenizer, games, **game)
+
+
+@functools.cache
+def _guess_setting(config: Path) -> tuple[Path, object, dict]:
+    """``config``'s start policy (the cached warm start its runs begin from), its tokenizer and
+    the game's settings."""
     from common.models import load_tokenizer
     from seamlessflow.config import load_config
     from seamlessflow.warm_start import prepare_model
-    from trainer import checkpoint
 
     cfg = load_config(config)
     if cfg.tasks.env != "guess":
         raise SystemExit(f"--games plays the guess env; {config} has env {cfg.tasks.env!r}")
-    start = prepare_model(cfg)  # the cached warm start the run began from
-    last = checkpoint.latest_path(out / "checkpoints")
+    start = prepare_model(cfg)
     game = dict(
         high=cfg.tasks.max_number,
         max_turns=cfg.tasks.max_turns,
         max_tokens=cfg.tasks.max_tokens,
         temperature=cfg.agents.temperature,
     )
-    tokenizer = load_tokenizer(start)
-    return {
-        "checkpoint_version": checkpoint.version_of(last),
-        "start": play(policy(start), tokenizer, games, **game),
-        "end": play(policy(start, last), tokenizer, games, **game),
-    }
+    return start, load_tokenizer(start), game
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

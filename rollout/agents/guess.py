@@ -174,9 +174,9 @@ def demonstration(rng: random.Random, high: int) -> tuple[list[dict[str, str]], 
     return messages, str(rng.randint(game.low, game.high))
 
 
-def _guess(message: ChatCompletionMessage) -> int | None:
-    """The reply's guess: its first number (``None``: it has none)."""
-    number = first_number(message.content or "")
+def parse_guess(reply: str) -> int | None:
+    """A reply's guess: its first number (``None``: it has none)."""
+    number = first_number(reply)
     return None if number is None else int(number)
 
 
@@ -189,7 +189,7 @@ async def guess_agent(ctx: AgentContext) -> AgentResult:
 
     async def feedback(message: ChatCompletionMessage) -> list[dict[str, Any]]:
         nonlocal game, in_range
-        guess = _guess(message)
+        guess = parse_guess(message.content or "")
         in_range += game.open(guess)
         await asyncio.sleep(delay)  # the environment's step
         game, said = game.answer(guess)
@@ -199,7 +199,7 @@ async def guess_agent(ctx: AgentContext) -> AgentResult:
         ]
 
     message, turns = await converse(ctx, feedback, MAX_TOKENS)
-    in_range += game.open(_guess(message))  # the last guess, which got no feedback
+    in_range += game.open(parse_guess(message.content or ""))  # the last one: no feedback
     found = ctx.verify(message.content or "")
     return AgentResult(
         answer=message.content or "",
