@@ -49,7 +49,7 @@ from broker.messages import (
 )
 from broker.permissions import Principal
 from broker.provision import provision_run
-from broker.registry import node_name, read_registry
+from broker.registry import node_name
 from broker.retry import TRANSIENT, Backoff
 from broker.subjects import RunNames
 from broker.tls import CA_ENV
@@ -73,10 +73,10 @@ from seamlessflow.report import (
     scheduler_report,
     summarize,
     trainer_report,
+    workers_and_leader,
 )
 from seamlessflow.targets import ScrapeTargets
 from seamlessflow.warm_start import prepare_model
-from tagsched.lease import lease_holder
 from tagsched.spec import Layout
 
 log = logging.getLogger(__name__)
@@ -142,9 +142,8 @@ async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
             stopped_by = await _watch(nc, names, config, services, stats, stop)
             trainer = await _report(services, "trainer", trainer_report)
             scheduler = await _report(services, "scheduler", scheduler_report)
-            workers = await read_registry(js, names)
+            workers, leader = await workers_and_leader(js, names)
             nodes = node_parts(targets.groups(), workers, node_name())
-            leader = await lease_holder(js, names)
         finally:
             await asyncio.to_thread(services.stop)
             follow.cancel()

@@ -6,7 +6,9 @@ import functools
 import inspect
 import itertools
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -192,6 +194,25 @@ async def eventually(
                 return
             assert watch is None or not watch.done(), watch.exception()
             await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def frozen(pid: int) -> AsyncIterator[None]:
+    """``pid`` stopped (SIGSTOP) inside the block: connections stay up, nothing answers, as on a
+    cut link. The block starts once every thread has stopped (``kill`` returns before: under
+    load one could still answer, seen in make test)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await eventually(lambda: _stopped(pid), timeout=5)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped (state ``T`` in /proc)."""
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)
 
 
 async def consumer_settled(js: JetStreamContext, stream: str, durable: str) -> bool:

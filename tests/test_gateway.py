@@ -23,6 +23,7 @@ from broker.messages import (
     FinishReason,
     GenerationRequested,
 )
+from broker.metrics import REGISTRY as BROKER_METRICS
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
@@ -37,6 +38,7 @@ from tests.support import (
     InjectedWorkerWire,
     broker_config,
     eventually,
+    frozen,
     greedy,
     metric,
     own_run,
@@ -352,6 +354,32 @@ async def test_client_gone_mid_stream_cancels_the_call(stack, js, openai_client)
 
 
 # -- continuation across a worker that dies ---------------------------------------------------
+
+
+async def test_a_request_the_broker_is_slow_to_store_is_published_again(
+    stack, broker, js, tok, openai_client
+):
+    """JetStream slow to store the request while the connection stays up (the broker frozen
+    past the gateway's 2 s request timeout): the publish is made again with the same
+    Nats-Msg-Id, and the agent sees one ordinary reply, not the 503 'cannot queue the
+    generation request' that make test once gave under load."""
+    client = openai_client(stack.url)
+    before = _retries("gen_request")  # the gateway runs in this process (GatewayThread)
+    sid = session_id()
+    async with frozen(broker.pid):
+        reply = asyncio.create_task(
+            client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, user=sid)
+        )
+        await eventually(lambda: _retries("gen_request") > before, timeout=15)
+    response = await asyncio.wait_for(reply, 60)
+    (record,) = await records(js, stack.names, sid)
+    assert response.choices[0].message.content == tok.decode(
+        record.output_ids, skip_special_tokens=True
+    )
+
+
+def _retries(what: str) -> float:
+    return BROKER_METRICS.get_sample_value("sf_nats_retries_total", {"what": what}) or 0.0
 
 
 async def test_call_survives_its_worker_being_killed(

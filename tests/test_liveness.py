@@ -30,13 +30,14 @@ from broker.registry import LastSeen, Registration, Sighting, read_registry
 from broker.subjects import RunNames
 from seamlessflow.launcher import print_workers
 from seamlessflow.processes import worker_process
+from seamlessflow.report import workers_and_leader
 from tagsched.admission import Admission
 from tagsched.config import SchedulerConfig
 from tagsched.scheduler import Scheduler
 from tagsched.spec import Demand, PlacementSpec
 from tests.nodes import STATE_IN_NODE, Cluster
 from tests.nodes import available as nodes_unavailable
-from tests.support import SMALL_RUN, eventually
+from tests.support import SMALL_RUN, eventually, frozen
 from trainer.watch import ServingWatch
 
 TTL = 3.0
@@ -340,3 +341,22 @@ async def test_a_read_finds_the_current_entries_while_they_are_rewritten(js, sho
     finally:
         beat.cancel()
         await asyncio.gather(beat, return_exceptions=True)
+
+
+async def test_a_summary_waits_for_the_broker_to_read_the_registry_then_goes_without(
+    broker, nc, names
+):
+    """The run's summary reads the registry at its end, maybe just after a broker restart or a
+    lost cluster server (CI saw ``seamlessflow run`` exit 1 on one timeout there). A broker that
+    cannot answer is waited for; past ``give_up_s`` the summary goes without the workers."""
+    js = nc.jetstream(timeout=0.5)
+    await (await Registration.open(js, names, "w-1", tags=["rollout"], role=Role.ROLLOUT)).put()
+    async with frozen(broker.pid):
+        started = time.monotonic()
+        assert await workers_and_leader(js, names, give_up_s=1.5) == ([], None)
+        assert 1.5 <= time.monotonic() - started < 10
+        reading = asyncio.create_task(workers_and_leader(js, names, give_up_s=60))
+        await asyncio.sleep(2.0)
+        assert not reading.done()
+    workers, leader = await asyncio.wait_for(reading, 30)
+    assert [w.worker_id for w in workers] == ["w-1"] and leader is None

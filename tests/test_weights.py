@@ -1,9 +1,5 @@
 """Weight versions on a real broker: blobs in the object store or a shared folder, checked."""
 
-import os
-import signal
-from pathlib import Path
-
 import pytest
 
 from broker.exceptions import WeightsIntegrityError
@@ -17,7 +13,7 @@ from broker.weights import (
     publish_weights,
     run_instance,
 )
-from tests.support import SMALL_RUN, eventually
+from tests.support import SMALL_RUN, frozen
 
 
 async def test_publish_fetch_and_latest(js, names, tmp_path):
@@ -87,22 +83,10 @@ async def test_a_broker_that_cannot_answer_is_waited_for_not_blamed_on_the_blob(
     waits out, not a ``WeightsIntegrityError`` that gives the version up."""
     js = nc.jetstream(timeout=0.5)
     event = await publish_weights(js, names, 1, b"frozen" * 1000)
-    os.kill(broker.pid, signal.SIGSTOP)
-    try:
-        # kill returns before every thread of the server has stopped: under load one could
-        # still answer the read (seen in make test)
-        await eventually(lambda: _stopped(broker.pid), timeout=5)
+    async with frozen(broker.pid):
         with pytest.raises(TRANSIENT):
             await fetch_weights(js, event)
-    finally:
-        os.kill(broker.pid, signal.SIGCONT)
     assert await retry(lambda: fetch_weights(js, event), what="test") == b"frozen" * 1000
-
-
-def _stopped(pid: int) -> bool:
-    """Every thread of ``pid`` is stopped (state ``T`` in /proc)."""
-    tasks = Path(f"/proc/{pid}/task").iterdir()
-    return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)
 
 
 def test_the_newest_local_copy_is_read_off_the_version_folders(names, tmp_path):

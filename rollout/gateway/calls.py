@@ -11,6 +11,7 @@ a token-exact ``CallRecorded`` to the trajectory stream.
 
 Every NATS operation has a timeout, and a call notices a lost connection within
 ``nats_timeout_s``: the broker going away turns into ``GenerationUnavailableError``, never a hang.
+A broker still connected but slow to store a request (a publish timed out) is asked again.
 """
 
 import asyncio
@@ -26,12 +27,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 from nats.js.errors import NotFoundError
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker import codec
-from broker.exceptions import InvalidMessageError
+from broker.exceptions import InvalidMessageError, RetryStoppedError
 from broker.messages import (
     CallRecorded,
     FinishReason,
@@ -40,6 +42,7 @@ from broker.messages import (
     SamplingParams,
     TokensGenerated,
 )
+from broker.retry import retry
 from broker.subjects import RunNames
 from common.log import kv
 from rollout.exceptions import (
@@ -367,18 +370,25 @@ class Call:
             reply_to=self.names.gen_out(self.call_id),
             resumed_tokens=done,
         )
-        _check_connected(self.nc)
+        payload, headers = codec.encode(request), codec.headers(msg_id=f"{self.call_id}-{number}")
+
+        async def publish() -> PubAck:
+            _check_connected(self.nc)  # not transient: a broker gone is 503 at once
+            return await self.js.publish(self.names.gen_req, payload, headers=headers)
+
+        # A connected broker slow to answer (JetStream under load) is asked again, with the
+        # same Nats-Msg-Id (stored once), for as long as an attempt may wait in the queue.
+        gave_up = asyncio.Event()
+        timer = asyncio.get_running_loop().call_later(self.limits.queue_timeout_s, gave_up.set)
         try:
-            ack = await self.js.publish(
-                self.names.gen_req,
-                codec.encode(request),
-                headers=codec.headers(msg_id=f"{self.call_id}-{number}"),
-            )
-        except (NatsError, OSError) as exc:
+            ack = await retry(publish, what="gen_request", stop=gave_up)
+        except (NatsError, OSError, RetryStoppedError) as exc:
             raise GenerationUnavailableError(
                 f"cannot queue the generation request on {self.names.gen_req}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            timer.cancel()
         self._attempt = _Attempt(number=number, stream_seq=ack.seq, started_at=time.monotonic())
 
     async def _cancel_attempt(self, reason: str) -> None:
