@@ -354,6 +354,42 @@ async def test_checkpoints_every_few_versions_and_at_stop(
     assert [s.version for s in checkpoint.read_steps(ckpt)] == [1, 2, 3]
 
 
+@pytest.mark.newest_nats
+async def test_a_stopping_trainer_hands_a_held_sample_back_once(
+    broker, js, names, tiny_model_dir, tmp_path
+):
+    """A sample held (its group incomplete) when the trainer stops is handed back and not taken
+    again (but by a pull already in flight). Before, the ingress fetched until the last version's upload ended, and each
+    fetch of a handed-back sample handed it back at once, until JetStream gave it up at
+    max_deliver, silently: the fault suite lost a group so."""
+    config = TrainerConfig(
+        groups_per_step=1,
+        max_staleness=1000,
+        checkpoint_dir=tmp_path / "ckpt",
+        checkpoint_every=1,
+        worker_id="trainer-h",
+        local_weights_dir=tmp_path / "shm",
+    )
+    stop = asyncio.Event()
+    serving = await serving_trainer(broker.url, js, names, config, tiny_model_dir, stop)
+    held = sample("h-0", "h", "h-0", group_size=2)  # half a group
+    try:
+        url = (await registered(js, names, "trainer-h")).metrics_url
+        await publish(js, names, *group("a", 2))  # a version to upload at stop
+        await eventually(lambda: _eq(metric(url, "sf_trainer_version"), 1), watch=serving)
+        await publish(js, names, held)
+        await eventually(lambda: _eq(metric(url, "sf_trainer_samples_held"), 1), watch=serving)
+    finally:
+        stop.set()
+        await serving
+    sub = await js.pull_subscribe_bind(Durable.TRAINER, names.samples_stream)
+    (msg,) = await sub.fetch(1, timeout=10)
+    assert codec.decode(SampleReady, msg.data).sample_id == held.sample_id
+    # The trainer's, maybe one more to the pull in flight when fetching stopped, and this one.
+    assert msg.metadata.num_delivered <= 3
+    await msg.nak()
+
+
 async def _eq(value, want) -> bool:
     return await value == want
 

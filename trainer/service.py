@@ -186,6 +186,7 @@ class Trainer(AheadSteps):
             self._leading.set()
             return
         self._leading.clear()
+        self._ingress_stop.set()  # fetch no more: one fetched now would be handed back (``serve``)
         async with self._stepping:  # a step in progress commits what it took
             # its checkpoint durable: the next rank 0 resumes from it
             await self._commits.writer.drain()
@@ -193,7 +194,6 @@ class Trainer(AheadSteps):
             self._batcher = self._new_batcher()
             self._ahead = self._afresh()
             await asyncio.to_thread(self._ranks.discard)
-        self._ingress_stop.set()
 
     def formed(self, on: bool) -> None:
         """Whether the trainer group is formed: steps wait while it is not."""
@@ -424,14 +424,17 @@ class Trainer(AheadSteps):
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
-            # Finish the step in progress, hand back held samples, stop consuming. Every part is
-            # stopped whatever the others raise, and the first error is the one told.
+            # Stop fetching, finish the step in progress, hand back held samples, let the
+            # ingress settle them. Fetching stops first: a sample fetched after the hand-back is
+            # handed back at once, and fetched again, until JetStream gives it up at max_deliver
+            # (the fault suite lost a group so). Every part is stopped whatever the others
+            # raise, and the first error is the one told.
             stop.set()
+            self._ingress_stop.set()
             await asyncio.gather(stepping, return_exceptions=True)
             self._commits.writer.close()  # idle: the loop finished every write it submitted
             self._publisher.close()  # the last version's upload ends first
             await asyncio.gather(uploading, return_exceptions=True)
-            self._ingress_stop.set()
             await asyncio.gather(consuming, return_exceptions=True)
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)
