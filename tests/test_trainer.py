@@ -359,9 +359,9 @@ async def test_a_stopping_trainer_hands_a_held_sample_back_once(
     broker, js, names, tiny_model_dir, tmp_path
 ):
     """A sample held (its group incomplete) when the trainer stops is handed back and not taken
-    again (but by a pull already in flight). Before, the ingress fetched until the last version's upload ended, and each
-    fetch of a handed-back sample handed it back at once, until JetStream gave it up at
-    max_deliver, silently: the fault suite lost a group so."""
+    again (but by a pull already in flight). Before, the ingress fetched until the last
+    version's upload ended, and each fetch of a handed-back sample handed it back at once,
+    until JetStream gave it up at max_deliver, silently: the fault suite lost a group so."""
     config = TrainerConfig(
         groups_per_step=1,
         max_staleness=1000,
