@@ -24,18 +24,20 @@ from broker import codec
 from broker.auth import IDENTITIES_ENV, Authority, run_identities
 from broker.config import EmbeddedBrokerConfig
 from broker.control import SchedulerState, TrainerGroup
-from broker.exceptions import InvalidMessageError
+from broker.exceptions import InvalidMessageError, RetryStoppedError
 from broker.messages import Message, Role, WorkerRegistered
 from broker.metrics import SERVER_REGISTRY, StreamDepthCollector
 from broker.permissions import Principal
 from broker.provision import RunStatus
-from broker.registry import Sighting
+from broker.registry import Sighting, read_registry
+from broker.retry import retry
 from broker.roles import ROLE_LEASE_SHARE
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
 from common.log import kv
 from common.metrics import MetricsEndpoint, metric_sum, scrape, serve_metrics
 from common.ready import announce_ready
+from tagsched.lease import lease_holder
 
 log = logging.getLogger(__name__)
 
@@ -358,3 +360,29 @@ def _print_table(rows: list[tuple[str, ...]], out) -> None:
             c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
         ]
         print("  ".join(cells).rstrip(), file=out)
+
+
+REGISTRY_WAIT_S = 60.0
+"""How long a run's summary waits for a broker that cannot answer, to read the registry."""
+
+
+async def workers_and_leader(
+    js: JetStreamContext, names: RunNames, give_up_s: float = REGISTRY_WAIT_S
+) -> tuple[list[Sighting], str | None]:
+    """The registry's workers and the scheduler lease's holder, for a summary at the run's
+    end, read again while the broker cannot answer (a restart, a cluster that just lost a
+    server) for up to ``give_up_s``; after that the summary goes without them, and a WARNING
+    says why."""
+    gave_up = asyncio.Event()
+    timer = asyncio.get_running_loop().call_later(give_up_s, gave_up.set)
+    try:
+        workers = await retry(
+            lambda: read_registry(js, names), what="summary_registry", stop=gave_up
+        )
+        leader = await retry(lambda: lease_holder(js, names), what="summary_lease", stop=gave_up)
+    except RetryStoppedError as exc:
+        log.warning(kv("summary_without_workers", error=exc))
+        return [], None
+    finally:
+        timer.cancel()
+    return workers, leader

@@ -8,10 +8,8 @@ the weights stream, each part's node from the scrape targets and the worker regi
 trainer's and schedulers' numbers from their /metrics.
 """
 
-import asyncio
 import bisect
 import json
-import logging
 import math
 import statistics
 import time
@@ -21,25 +19,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from nats.js import JetStreamContext
 from prometheus_client.samples import Sample
 
 from broker.client import session
-from broker.exceptions import RetryStoppedError
 from broker.permissions import Principal
-from broker.registry import Sighting, node_name, read_registry
-from broker.retry import retry
+from broker.registry import Sighting, node_name
 from broker.subjects import RunNames
 from broker.weights import latest_weights
-from common.log import kv
 from common.metrics import metric_sum, scrape
 from seamlessflow.config import RunConfig
 from seamlessflow.export import Collected, read_source, sources
+from seamlessflow.launcher import workers_and_leader
 from seamlessflow.progress import RunStats
-from tagsched.lease import lease_holder
 from tagsched.spec import Layout
-
-log = logging.getLogger(__name__)
 
 EDGE = 10
 """The summary compares the mean reward of the first and the last this-many policy versions."""
@@ -154,9 +146,6 @@ def scheduler_report(samples: list[Sample]) -> dict[str, float]:
     return report
 
 
-REGISTRY_WAIT_S = 60.0
-"""How long the summary waits for a broker that cannot answer, to read the registry."""
-
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 
 
@@ -180,28 +169,6 @@ def node_parts(
             part = f"worker {s.worker_id} ({s.entry.role.value})"
             nodes.setdefault(s.entry.host, []).append(part)
     return {node: sorted(parts) for node, parts in sorted(nodes.items())}
-
-
-async def workers_and_leader(
-    js: JetStreamContext, names: RunNames, give_up_s: float = REGISTRY_WAIT_S
-) -> tuple[list[Sighting], str | None]:
-    """The registry's workers and the scheduler lease's holder, for a summary at the run's
-    end, read again while the broker cannot answer (a restart, a cluster that just lost a
-    server) for up to ``give_up_s``; after that the summary goes without them, and a WARNING
-    says why."""
-    gave_up = asyncio.Event()
-    timer = asyncio.get_running_loop().call_later(give_up_s, gave_up.set)
-    try:
-        workers = await retry(
-            lambda: read_registry(js, names), what="summary_registry", stop=gave_up
-        )
-        leader = await retry(lambda: lease_holder(js, names), what="summary_lease", stop=gave_up)
-    except RetryStoppedError as exc:
-        log.warning(kv("summary_without_workers", error=exc))
-        return [], None
-    finally:
-        timer.cancel()
-    return workers, leader
 
 
 async def report_run(

@@ -62,7 +62,7 @@ from rollout.gateway.keys import RunKeys, write_run_keys
 from seamlessflow.config import RunConfig, override
 from seamlessflow.exceptions import RunFailedError
 from seamlessflow.feed import TaskFeed
-from seamlessflow.launcher import Broker, local_broker, stop_on_signals
+from seamlessflow.launcher import Broker, local_broker, stop_on_signals, workers_and_leader
 from seamlessflow.placement import CpuPlan, CpuSet, place
 from seamlessflow.processes import ServiceProcess, SuperviseConfig
 from seamlessflow.progress import RunStats
@@ -73,7 +73,6 @@ from seamlessflow.report import (
     scheduler_report,
     summarize,
     trainer_report,
-    workers_and_leader,
 )
 from seamlessflow.targets import ScrapeTargets
 from seamlessflow.warm_start import prepare_model

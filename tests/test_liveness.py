@@ -28,9 +28,8 @@ from broker.messages import Role, WorkerRegistered
 from broker.provision import provision_run
 from broker.registry import LastSeen, Registration, Sighting, read_registry
 from broker.subjects import RunNames
-from seamlessflow.launcher import print_workers
+from seamlessflow.launcher import print_workers, workers_and_leader
 from seamlessflow.processes import worker_process
-from seamlessflow.report import workers_and_leader
 from tagsched.admission import Admission
 from tagsched.config import SchedulerConfig
 from tagsched.scheduler import Scheduler
