@@ -65,12 +65,14 @@ async def retry(
     *,
     what: str,
     stop: asyncio.Event | None = None,
+    give_up_s: float | None = None,
     backoff: Backoff = BACKOFF,
 ) -> T:
     """``await operation()``, again after each transient NATS error, until it succeeds.
 
-    The first try is always made. Once ``stop`` is set no further try is made and
-    ``RetryStoppedError`` (an ``UnavailableError``) is raised from the last error. ``what`` names
+    The first try is always made. Once ``stop`` is set, or ``give_up_s`` have passed since the
+    first try, no further try is made and ``RetryStoppedError`` (an ``UnavailableError``) is
+    raised from the last error. ``what`` names
     the operation in logs and in ``sf_nats_retries_total{what}``: the first failure is one
     WARNING line, the recovery one INFO line.
     """
@@ -84,7 +86,8 @@ async def retry(
             error = f"{type(exc).__name__}: {exc}"
             if tries == 1:
                 log.warning(kv("nats_retrying", what=what, error=error))
-            if stop is not None and stop.is_set():
+            late = give_up_s is not None and time.monotonic() - started >= give_up_s
+            if late or (stop is not None and stop.is_set()):
                 raise RetryStoppedError(f"{what}: stopped while retrying ({error})") from exc
             if stop is None:
                 await asyncio.sleep(backoff.delay(tries))

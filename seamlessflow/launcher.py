@@ -373,16 +373,14 @@ async def workers_and_leader(
     end, read again while the broker cannot answer (a restart, a cluster that just lost a
     server) for up to ``give_up_s``; after that the summary goes without them, and a WARNING
     says why."""
-    gave_up = asyncio.Event()
-    timer = asyncio.get_running_loop().call_later(give_up_s, gave_up.set)
     try:
         workers = await retry(
-            lambda: read_registry(js, names), what="summary_registry", stop=gave_up
+            lambda: read_registry(js, names), what="summary_registry", give_up_s=give_up_s
         )
-        leader = await retry(lambda: lease_holder(js, names), what="summary_lease", stop=gave_up)
+        leader = await retry(
+            lambda: lease_holder(js, names), what="summary_lease", give_up_s=give_up_s
+        )
     except RetryStoppedError as exc:
         log.warning(kv("summary_without_workers", error=exc))
         return [], None
-    finally:
-        timer.cancel()
     return workers, leader

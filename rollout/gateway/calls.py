@@ -378,17 +378,13 @@ class Call:
 
         # A connected broker slow to answer (JetStream under load) is asked again, with the
         # same Nats-Msg-Id (stored once), for as long as an attempt may wait in the queue.
-        gave_up = asyncio.Event()
-        timer = asyncio.get_running_loop().call_later(self.limits.queue_timeout_s, gave_up.set)
         try:
-            ack = await retry(publish, what="gen_request", stop=gave_up)
+            ack = await retry(publish, what="gen_request", give_up_s=self.limits.queue_timeout_s)
         except (NatsError, OSError, RetryStoppedError) as exc:
             raise GenerationUnavailableError(
                 f"cannot queue the generation request on {self.names.gen_req}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        finally:
-            timer.cancel()
         self._attempt = _Attempt(number=number, stream_seq=ack.seq, started_at=time.monotonic())
 
     async def _cancel_attempt(self, reason: str) -> None:
