@@ -402,7 +402,6 @@ async def _scrape_run(out: Path) -> dict[str, float]:
     for phase in PHASES:
         totals[f"{phase}_s"] = metric_sum(samples, "sf_trainer_phase_seconds_total", phase=phase)
     for key, name, labels in (
-        ("snapshot", "sf_trainer_weight_snapshot_seconds", {}),
         ("publish", "sf_trainer_weight_publish_seconds", {"path": "local"}),
         ("upload", "sf_trainer_weight_publish_seconds", {"path": "store"}),
         ("checkpoint_stall", "sf_trainer_checkpoint_stall_seconds", {}),
@@ -539,8 +538,7 @@ def main() -> None:
                     * m["checkpoint_stall_count"]
                     / steps,
                     "checkpoint write (background)": m["checkpoint_write_s_mean"],
-                    "weight publish (in step)": m["snapshot_s_mean"],
-                    "weight publish, step -> announced": m["publish_s_mean"],
+                    "weight publish (in step)": m["publish_s_mean"],
                     "weight upload to the store (background)": m["upload_s_mean"],
                     "weight load (worker)": m["load_s_mean"],
                     "step -> all serving": m["serving_s_mean"],

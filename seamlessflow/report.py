@@ -97,7 +97,6 @@ TRAINER_MEANS = {
     "|behaviour - proximal| logprob, same version (mean)": "sf_trainer_mismatch_mean_abs",
     "versions from admission stamp to oldest token (mean)": "sf_trainer_admission_stamp_gap",
     "checkpoint stall seconds (mean)": "sf_trainer_checkpoint_stall_seconds",
-    "weight publish seconds, in the step (mean)": "sf_trainer_weight_snapshot_seconds",
 }
 
 
@@ -109,6 +108,10 @@ def trainer_report(samples: list[Sample]) -> dict[str, float]:
         count = metric_sum(samples, f"{name}_count")
         if count:
             report[label] = metric_sum(samples, f"{name}_sum") / count
+    publish = "sf_trainer_weight_publish_seconds"
+    if count := metric_sum(samples, f"{publish}_count", path="local"):
+        in_step = metric_sum(samples, f"{publish}_sum", path="local") / count
+        report["weight publish seconds, in the step (mean)"] = in_step
     report["steps"] = metric_sum(samples, "sf_trainer_steps_total")
     report["loss tokens"] = metric_sum(samples, "sf_trainer_tokens_total")
     report["loss tokens dropped"] = metric_sum(samples, "sf_trainer_tokens_dropped_total")

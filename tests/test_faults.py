@@ -310,7 +310,7 @@ async def test_a_step_taken_while_the_broker_is_down_is_published_when_it_is_bac
         s.sample_id for s in b))]  # fmt: skip
     assert weights == 2
     retried = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nats_")]
-    # Publishing waited for the broker: the host-local announcement or the upload.
+    # Publishing waited for the broker: the host-local announcement (in the step) or the upload.
     publishing = ("what=weights_announce_local", "what=weights_publish")
     assert any(w in line for line in retried for w in publishing), retried
     recovered = tuple(f"nats_recovered {w}" for w in publishing)

@@ -8,7 +8,6 @@ from broker.weights import (
     fetch_weights,
     fetch_weights_apart,
     latest_weights,
-    local_copy,
     local_folder,
     newest_local,
     publish_weights,
@@ -90,49 +89,6 @@ async def test_a_broker_that_cannot_answer_is_waited_for_not_blamed_on_the_blob(
     assert await retry(lambda: fetch_weights(js, event), what="test") == b"frozen" * 1000
 
 
-async def test_a_version_is_copied_in_the_step_and_written_and_announced_after_it(
-    broker, nc, names, tmp_path
-):
-    """``WeightPublisher.publish`` returns once the weights are copied out of the model: the
-    file and its announcement follow in the background, here waiting for a frozen broker. What
-    is announced is the weights as copied, not as the next step changed them; the next version
-    is copied only once this one is announced (one in flight, in order)."""
-    import asyncio
-
-    import torch
-    from safetensors.torch import load_file
-
-    from trainer.config import TrainerConfig
-    from trainer.publisher import WeightPublisher
-
-    js = nc.jetstream(timeout=0.5)
-    publisher = WeightPublisher(js, names, TrainerConfig(local_weights_dir=tmp_path), lambda: [])
-    model = {"w": torch.zeros(4)}
-
-    def copy() -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in model.items()}
-
-    assert await publisher.announced() == (0, False)
-    async with frozen(broker.pid):
-        await asyncio.wait_for(publisher.publish(1, copy), 10)  # not waiting for the broker
-        model["w"] += 1  # the next optimizer step
-        with pytest.raises(TimeoutError):  # v1 is not announced yet: v2 waits
-            await asyncio.wait_for(publisher.publish(2, copy), 1)
-    await asyncio.wait_for(publisher.settled(), 30)  # v1, announced once the broker answers
-    first = await latest_weights(js, names)
-    assert first is not None and first.version == 1 and first.host is not None
-    assert load_file(local_copy(first) / "model.safetensors")["w"].tolist() == [0.0] * 4
-    await publisher.publish(2, copy)
-    await publisher.settled()
-    second = await latest_weights(js, names)
-    assert second is not None and second.version == 2
-    assert load_file(local_copy(second) / "model.safetensors")["w"].tolist() == [1.0] * 4
-    publisher.close()
-    await asyncio.wait_for(publisher.run(), 30)  # the last version stored, the copies removed
-    assert (await latest_weights(js, names)).host is None
-    assert not (tmp_path / await run_instance(js, names) / names.run).exists()
-
-
 def test_the_newest_local_copy_is_read_off_the_version_folders(names, tmp_path):
     assert newest_local(tmp_path, names) == 0  # no folder yet
     run = tmp_path / names.run
@@ -147,6 +103,8 @@ async def test_a_run_of_the_same_name_provisioned_again_does_not_see_the_old_cop
     """Host-local copies are kept per run instance (the weights stream's creation): those left
     by an earlier run of the same name (or by one on another broker, on this host) are not
     taken for this run's versions by a starting trainer, nor removed by it."""
+    from prometheus_client import CollectorRegistry, Histogram
+
     from broker.provision import provision_run
     from trainer.config import TrainerConfig
     from trainer.publisher import WeightPublisher
@@ -160,8 +118,9 @@ async def test_a_run_of_the_same_name_provisioned_again_does_not_see_the_old_cop
     second = await run_instance(js, names)
     assert second != first
 
+    seconds = Histogram("t_publish_seconds", "test", ["path"], registry=CollectorRegistry())
     config = TrainerConfig(local_weights_dir=tmp_path)
-    publisher = WeightPublisher(js, names, config, lambda: [])
+    publisher = WeightPublisher(js, names, config, seconds, lambda: [])
     assert await publisher.announced() == (0, False)  # not v6: that was the earlier run's
     publisher.close()
     await publisher.run()  # stops at once: nothing queued; removes this run's copies only

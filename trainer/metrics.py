@@ -96,17 +96,10 @@ CHECKPOINT_STALL_SECONDS = Histogram(
     buckets=_SECONDS,
     registry=REGISTRY,
 )
-SNAPSHOT_SECONDS = Histogram(
-    "sf_trainer_weight_snapshot_seconds",
-    "Copying a version's weights out of the model for publication: what publishing takes from the "
-    "step (the write and announcement follow in the background)",
-    buckets=_SECONDS,
-    registry=REGISTRY,
-)
 PUBLISH_SECONDS = Histogram(
     "sf_trainer_weight_publish_seconds",
-    "From a version's optimizer step to its announcement, by path: local (the host-local copy) "
-    "or store (the object store or weights_dir); both in the background",
+    "From a version's optimizer step to its announcement, by path: local (the host-local copy, "
+    "in the step) or store (the object store or weights_dir, in the background)",
     ["path"],
     buckets=_SECONDS,
     registry=REGISTRY,

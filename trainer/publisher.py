@@ -1,20 +1,14 @@
-"""Publishing weight versions: only a copy on the training path, the rest in the background.
+"""Publishing weight versions: fast on this host, off the training path for the others.
 
-Per version, on the training path: copy the weights out of the model (the next optimizer step
-changes them; ``sf_trainer_weight_snapshot_seconds``). Then, in the background, one version at a
-time and in order (a step's publish waits for the previous version's announcement):
+Per version, on the training path (the parameters must be copied before the next optimizer step
+changes them):
 
 - with ``local_weights_dir`` (tmpfs, ``/dev/shm`` by default): write the safetensors file there
   and announce it with ``host`` set (``broker.weights.announce_local``); rollout workers on this
   host load it in place, no fetch, no checksum;
 - without: serialise the blob in memory.
 
-The write and announcement took 1.2 s of a 11 s colocated SmolLM2 step when made in it (0.5 s
-alone, the rest the engine and the checkpoint writer beside it); a colocated worker now goes
-back to rollout as soon as the copy is made, serving the version before until the new one is
-announced and loaded (partial rollout).
-
-A background task (``run``) then stores the newest version not yet stored
+Off the training path, a background task (``run``) then stores the newest version not yet stored
 in the object store (or ``weights_dir``) and announces it for every host
 (``broker.weights.publish_weights``), trying again through a broker outage. A version superseded
 before its upload started is skipped: workers elsewhere only ever need the newest one. With a
@@ -35,6 +29,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+from prometheus_client import Histogram
 from safetensors.torch import save, save_file
 
 from broker.exceptions import RetryStoppedError
@@ -53,7 +48,6 @@ from broker.weights import (
 )
 from common.log import kv
 from trainer.config import TrainerConfig
-from trainer.metrics import PUBLISH_SECONDS, SNAPSHOT_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +77,9 @@ def store_needed(
 class WeightPublisher:
     """See the module docstring. ``publish`` from the step; ``run`` as a task until ``close``."""
 
-    def __init__(self, js, names: RunNames, config: TrainerConfig, workers: Workers) -> None:
+    def __init__(
+        self, js, names: RunNames, config: TrainerConfig, seconds: Histogram, workers: Workers
+    ) -> None:
         """``workers``: the live rollout workers (``trainer.watch.ServingWatch.live``)."""
         self._js = js
         self._names = names
@@ -91,8 +87,8 @@ class WeightPublisher:
         self._workers = workers
         self._elsewhere: set[str] = set()  # workers on this node that did not load its copies
         self.stop = asyncio.Event()  # once set, retries through an outage give up
+        self._seconds = seconds  # labelled by path: local | store
         self._pending: tuple[int, Path | bytes, float] | None = None  # newest not yet stored
-        self._announcing: asyncio.Task[None] | None = None  # the version being written
         self._wake = asyncio.Event()
         self._closing = False
         self._root: Path | None = None  # the host-local copies' folder (``_local_root``)
@@ -108,32 +104,16 @@ class WeightPublisher:
             published = max(published, newest)
         return published, latest is not None and latest.host is not None
 
-    async def publish(self, version: int, state: StateFn) -> None:
-        """Copy ``version``'s weights out of the model, after the previous version's
-        announcement; write and announce them in the background (``settled``)."""
+    async def publish(self, version: int, state: StateFn) -> bool:
+        """Copy ``version``'s weights out of the model and announce the host-local copy, if any;
+        queue the upload. False if stopped before the announcement (the broker away)."""
         started = time.monotonic()
-        await self.settled()
-        snapshot = await asyncio.to_thread(state)
-        SNAPSHOT_SECONDS.observe(time.monotonic() - started)
-        self._announcing = asyncio.create_task(self._announce(version, snapshot, started))
-
-    async def settled(self) -> None:
-        """Wait until the version being written is announced (or stopped before it, the broker
-        away); a write that failed raises here."""
-        if (announcing := self._announcing) is not None:
-            await asyncio.shield(announcing)  # a cancelled wait leaves it going, still awaited
-            if self._announcing is announcing:
-                self._announcing = None
-
-    async def _announce(self, version: int, state: dict[str, torch.Tensor], started: float) -> None:
-        """Write ``version`` and announce the host-local copy, if any; queue the upload."""
         if not self._config.local_weights:
-            payload: Path | bytes = await asyncio.to_thread(save, state)
+            payload: Path | bytes = await asyncio.to_thread(lambda: save(state()))
         else:
             try:
                 folder = local_folder(await self._local_root(), self._names, version)
-                await asyncio.to_thread(write_folder, state, folder)
-                del state
+                await asyncio.to_thread(lambda: write_folder(state(), folder))
                 await retry(
                     lambda: announce_local(self._js, self._names, version, folder),
                     what="weights_announce_local",
@@ -141,11 +121,12 @@ class WeightPublisher:
                 )
             except RetryStoppedError as exc:
                 self._unpublished(version, exc)
-                return
-            PUBLISH_SECONDS.labels("local").observe(time.monotonic() - started)
+                return False
+            self._seconds.labels("local").observe(time.monotonic() - started)
             payload = folder / LOCAL_BLOB
         self._pending = (version, payload, started)
         self._wake.set()
+        return True
 
     async def run(self) -> None:
         """Upload the newest queued version once it is needed, one at a time, until ``close``
@@ -154,9 +135,6 @@ class WeightPublisher:
         while True:
             if self._pending is None:
                 if self._closing:
-                    await self.settled()  # the last version's announcement, then its upload
-                    if self._pending is not None:
-                        continue
                     await asyncio.to_thread(self._remove_local)
                     return
                 self._wake.clear()
@@ -174,9 +152,8 @@ class WeightPublisher:
             await self._upload(version, payload, started)
 
     def close(self) -> None:
-        """Let ``run`` finish the version being written and the upload queued last (cut short
-        only if ``stop`` is set and the broker is away), delete the run's host-local copies, and
-        end."""
+        """Let ``run`` finish the upload queued last (cut short only if ``stop`` is set and the
+        broker is away), delete the run's host-local copies, and end."""
         self._closing = True
         self._wake.set()
 
@@ -200,7 +177,7 @@ class WeightPublisher:
         except RetryStoppedError as exc:
             self._unpublished(version, exc)
             return
-        PUBLISH_SECONDS.labels("store").observe(time.monotonic() - started)
+        self._seconds.labels("store").observe(time.monotonic() - started)
         log.info(kv("weights_published", version=version, bytes=len(blob)))
 
     async def _local_root(self) -> Path:

@@ -15,9 +15,8 @@ step that used it is committed. Per step (``Trainer.run``):
    in memory, written in the background with the steps log; this step's samples are acked once
    both are durable, while training goes on. Steps between are acked at once (a crash loses
    them);
-4. publish version v+1 (``trainer.publisher``: a copy of the weights in the step; the
-   host-local copy's write and announcement, and the object store, in the background), not
-   waiting for its checkpoint; time until every worker serves it.
+4. publish version v+1 (``trainer.publisher``: a host-local copy in the step, the object store
+   in the background), not waiting for its checkpoint; time until every worker serves it.
 
 A version may be announced before its checkpoint is durable: after a crash the stream is ahead
 of the checkpoint (by less than ``2 * checkpoint_every`` versions) and the restart goes on after
@@ -62,6 +61,7 @@ from trainer.metrics import (
     GROUPS_EXPIRED,
     HELD,
     INVALID,
+    PUBLISH_SECONDS,
     SAMPLES,
     STEP_SECONDS,
     VERSION,
@@ -114,7 +114,9 @@ class Trainer(AheadSteps):
         self._may_step.set()
         self._stepping = asyncio.Lock()
         self._roles: RoleHolder | None = None  # set by serve: busy time, the entry's version
-        self._publisher = WeightPublisher(js, names, config, lambda: watch.live().values())
+        self._publisher = WeightPublisher(
+            js, names, config, PUBLISH_SECONDS, lambda: watch.live().values()
+        )
         self._commits = Commits(
             config, ranks.backend, self._release, self._write_failed, self.version
         )
@@ -186,9 +188,8 @@ class Trainer(AheadSteps):
         self._leading.clear()
         self._ingress_stop.set()  # fetch no more: one fetched now would be handed back (``serve``)
         async with self._stepping:  # a step in progress commits what it took
-            # its checkpoint durable and its version announced: the next rank 0 resumes from it
+            # its checkpoint durable: the next rank 0 resumes from it
             await self._commits.writer.drain()
-            await self._publisher.settled()
             self._release(list(self._waiting), HandBack("not the trainer group's rank 0"))
             self._batcher = self._new_batcher()
             self._ahead = self._afresh()
