@@ -158,6 +158,7 @@ class Admission:
         self._poll_s = poll_s
         self._group_sizes: deque[int] = deque(maxlen=64)  # of recent tasks, admitted or waiting
         self._stop = asyncio.Event()
+        self._deposed: LeaseLostError | None = None
         self._stamp: Callable[[], Awaitable[Admitted]]
         self.set_limit(limit)
 
@@ -179,10 +180,15 @@ class Admission:
     async def run(self, stop: asyncio.Event, stamp: Callable[[], Awaitable[Admitted]]) -> None:
         """Admit client tasks until ``stop``, each with its ``stamp()`` (its ticket, stored before
         it is handed out: the scheduler's ``Stamper``); a task waiting for room is handed back
-        then."""
+        then. Raises ``LeaseLostError`` once the stamp finds this scheduler deposed: the task in
+        hand is handed back once, for the next leader, and no other is taken (fetching on would
+        spend each task's deliveries, ``max_deliver``, on refusals until the broker gave it up)."""
         self._stop = stop
         self._stamp = stamp
+        self._deposed = None
         await self._ingress().run(stop)
+        if self._deposed is not None:
+            raise self._deposed
 
     def _ingress(self) -> Ingress[TaskSubmitted]:
         """Client tasks, validated (a bad one is dead-lettered as ``tasks``), one at a time."""
@@ -228,6 +234,8 @@ class Admission:
         try:
             stamp = await self._stamp()
         except LeaseLostError as exc:  # deposed: the task is the next leader's to admit
+            self._deposed = exc
+            self._stop.set()
             raise HandBack(f"scheduler deposed ({exc})") from exc
         await self._js.publish(
             self._names.tasks_admitted,

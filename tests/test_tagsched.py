@@ -4,6 +4,7 @@ failover, on a real broker with real worker and scheduler processes."""
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import subprocess
@@ -39,12 +40,13 @@ from seamlessflow.exceptions import ConfigError
 from seamlessflow.flags import add_flags, apply_flags, section_flags
 from seamlessflow.processes import ServiceProcess, worker_process
 from seamlessflow.submit import submit_tasks
-from tagsched.admission import admission_limit
+from tagsched.admission import Admission, Stamper, admission_limit
 from tagsched.config import LayoutConfig, SchedulerConfig
-from tagsched.exceptions import AdmissionError, UnsatisfiableSpecError
+from tagsched.exceptions import AdmissionError, LeaseLostError, UnsatisfiableSpecError
 from tagsched.lending import LendingPolicy, RateMeter
 from tagsched.metrics import REGISTRY
 from tagsched.scheduler import Scheduler
+from tagsched.state import StateStore
 from tagsched.spec import (
     Demand,
     Layout,
@@ -65,6 +67,7 @@ from tests.support import (
     publish_call,
     record,
     registered,
+    serving,
     stream_messages,
 )
 
@@ -466,6 +469,36 @@ async def test_a_scheduler_that_took_over_counts_by_the_waiting_tasks_group_size
     async with admitting(js, names, limit=3):
         await submit_tasks(js, names, [task("t0", 4)], progress=False)
         await settles(js, names, (1, 0))
+
+
+async def test_a_deposed_schedulers_admission_hands_its_task_back_once_and_stops(js, names):
+    """Scheduler a claims the run's state, then b does (a successor): a's next stamp finds it
+    deposed. a hands the task in hand back once and stops admitting (``LeaseLostError``). It
+    used to fetch on and refuse every task until each had spent its ``max_deliver`` (5)
+    deliveries and the broker gave it up: both tasks lost within the 10 s. b then admits
+    every task, in order, from ticket 1."""
+    stores = {}
+    for leader in ("a", "b"):
+        stores[leader] = await StateStore.open(js, names, leader)
+        await stores[leader].claim()
+
+    def stamper(leader: str) -> Stamper:
+        return Stamper(stores[leader], dict, asyncio.Event(), wave_wait_s=0.0)
+
+    await submit_tasks(js, names, [task("t0"), task("t1")], progress=False)
+    deposed = Admission(js, names, SMALL_RUN.tasks, limit=8)
+    with pytest.raises(LeaseLostError):
+        await asyncio.wait_for(deposed.run(asyncio.Event(), stamper("a")), 10)
+    waiting = await js.consumer_info(names.tasks_stream, Durable.SCHEDULER)
+    assert waiting.delivered.stream_seq == 1  # t0 was taken, once; t1 was not
+    assert (waiting.num_redelivered, waiting.num_pending) == (0, 1)
+    assert (await admission_counts(js, names))[0] == 0  # nothing admitted
+
+    leader = Admission(js, names, SMALL_RUN.tasks, limit=8)
+    async with serving(functools.partial(leader.run, stamp=stamper("b"))):
+        await settles(js, names, (2, 0))
+    done = await stream_messages(js, names.tasks_stream, TaskSubmitted, names.tasks_admitted)
+    assert [(t.task_id, t.admitted.ticket) for t in done if t.admitted] == [("t0", 1), ("t1", 2)]
 
 
 # -- role changes on real workers --------------------------------------------------------------
