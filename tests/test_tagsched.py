@@ -46,7 +46,6 @@ from tagsched.exceptions import AdmissionError, LeaseLostError, UnsatisfiableSpe
 from tagsched.lending import LendingPolicy, RateMeter
 from tagsched.metrics import REGISTRY
 from tagsched.scheduler import Scheduler
-from tagsched.state import StateStore
 from tagsched.spec import (
     Demand,
     Layout,
@@ -55,6 +54,7 @@ from tagsched.spec import (
     has_tags,
     layout_spec,
 )
+from tagsched.state import StateStore
 from tests.support import (
     MODEL,
     SMALL_RUN,
