@@ -25,8 +25,9 @@ lengths, where packing saves padding (alike ones are not packed: see ``trainer.b
 
 ``--commit``: instead, what follows the optimizer step on the trainer's path, with the trainer's
 own step (``train_step``, the default config), round after round in turns on one backend:
-- ``none``: the step and its weight publish (``hf_state_dict`` copied out, then written to
-  tmpfs by ``trainer.publisher.write_folder``), no checkpoint;
+- ``none``: the step and its weight publish (``hf_state_dict``, the model's own tensors, written
+  to tmpfs by ``trainer.publisher.write_folder``), no checkpoint; and, timed apart in the same
+  round, the copy of those tensors that the publish used to make before writing;
 - ``sync`` (before): the step, then a checkpoint in it (state + ``torch.save`` + fsync to disk);
 - ``background`` (after): the step, then the in-memory snapshot handed to the
   ``CheckpointWriter``; the next step runs while it is written (``beside``), and what is left
@@ -210,7 +211,11 @@ async def _commit_rounds(js, names, model, groups, rounds) -> list[dict]:
             version += 1
             t = time.perf_counter()
             state = await asyncio.to_thread(backend.hf_state_dict)
-            run[f"{arm}_publish_copy"] = time.perf_counter() - t
+            run[f"{arm}_publish_state"] = time.perf_counter() - t
+            if arm == "none":  # the copy the publish used to make before writing
+                t = time.perf_counter()
+                await asyncio.to_thread(checkpoint.snapshot, state)
+                run["none_copy_before"] = time.perf_counter() - t
             folder = local_folder(Path(mem), names, version)
             t = time.perf_counter()
             await asyncio.to_thread(write_folder, state, folder)
@@ -267,7 +272,7 @@ def show_commit(runs: list[dict]) -> dict[str, float]:
     before = med["sync_checkpoint"]
     beside = max(med["beside_step"] - base, 0.0)
     after = med["background_snapshot"] + beside + med["background_wait"]
-    parts = ("copy", "write", "announce")
+    parts = ("state", "write", "announce")
     publish = {a: sum(med[f"{a}_publish_{p}"] for p in parts) for a in ("none", "beside", "upload")}
     table = {
         "step (train_step, no checkpoint)": base,
@@ -278,9 +283,10 @@ def show_commit(runs: list[dict]) -> dict[str, float]:
         "  of which waiting for the write after that step": med["background_wait"],
         "background write (off the path)": med["background_write"],
         "weight publish in the step (host-local copy)": publish["none"],
-        "  of which hf_state_dict copy": med["none_publish_copy"],
+        "  of which hf_state_dict (the model's own tensors)": med["none_publish_state"],
         "  of which write_folder to tmpfs": med["none_publish_write"],
         "  of which announce_local": med["none_publish_announce"],
+        "  the copy it made before writing (no more)": med["none_copy_before"],
         "weight publish beside a checkpoint write": publish["beside"],
         "step beside the store upload of the last version, slower by": max(
             med["upload_step"] - base, 0.0

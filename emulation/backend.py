@@ -86,7 +86,7 @@ class EmulatedBackend:
         self._weight.grad = None
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return {"emulated.weight": self._weight.detach().clone()}
+        return {"emulated.weight": self._weight.detach()}
 
     def state(self) -> dict[str, Any]:
         return {"weight": self._weight.detach().clone()}

@@ -1,7 +1,7 @@
 """Publishing weight versions: fast on this host, off the training path for the others.
 
-Per version, on the training path (the parameters must be copied before the next optimizer step
-changes them):
+Per version, on the training path (the weights are read straight from the model, no copy of
+them made, so before the next optimizer step changes them):
 
 - with ``local_weights_dir`` (tmpfs, ``/dev/shm`` by default): write the safetensors file there
   and announce it with ``host`` set (``broker.weights.announce_local``); rollout workers on this
@@ -105,7 +105,7 @@ class WeightPublisher:
         return published, latest is not None and latest.host is not None
 
     async def publish(self, version: int, state: StateFn) -> bool:
-        """Copy ``version``'s weights out of the model and announce the host-local copy, if any;
+        """Write ``version``'s weights out of the model and announce the host-local copy, if any;
         queue the upload. False if stopped before the announcement (the broker away)."""
         started = time.monotonic()
         if not self._config.local_weights:

@@ -141,7 +141,9 @@ class TrainerBackend(Protocol):
         ...
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The current weights under Hugging Face names (CPU tensors), for publication."""
+        """The current weights under Hugging Face names, as CPU tensors, for publication. They
+        may be the model's own (a model on CPU is not copied): read them before the next
+        ``apply`` changes them, or copy them."""
         ...
 
     def state(self) -> dict[str, Any]:

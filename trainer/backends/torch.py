@@ -213,7 +213,7 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        state = {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
         if self._tied:
             state.pop("lm_head.weight", None)  # the engines tie it to the embedding
         return state
