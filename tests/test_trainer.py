@@ -93,7 +93,7 @@ def test_two_rank_data_parallel_step_equals_one_rank(tiny_model_dir, tmp_path):
         _dp_rank, args=(init, str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True
     )
     single = build_backend(tiny_model_dir, DP_CONFIG)
-    before = {k: v.clone() for k, v in single.hf_state_dict().items()}  # the model's own
+    before = checkpoint.snapshot(single.hf_state_dict())  # a copy: the model's own tensors
     train_step(single, dp_items(), 0, DP_CONFIG)
     one = single.hf_state_dict()
     ranks = [load((tmp_path / f"rank{r}.safetensors").read_bytes()) for r in range(2)]

@@ -157,7 +157,7 @@ def test_two_ranks_give_one_ranks_loss_gradients_and_step(tiny_model_dir, tmp_pa
     )
     single = RankGroup(tiny_model_dir, DP_CONFIG)
     _warm(single, seed=0)
-    before = {k: v.clone() for k, v in single.backend.hf_state_dict().items()}  # the model's own
+    before = checkpoint.snapshot(single.backend.hf_state_dict())  # a copy: the model's own
     loss, grads = _loss_and_grads(single.backend, dp_items())
     single.step(dp_items(), 0)
     one = {"loss": loss, "grads": grads, **single.backend.hf_state_dict()}
