@@ -9,7 +9,7 @@ Workloads whose rollout/train balance changes during a run:
 - ``growing_no_kv``: the same without the KV budget (a fixed batch limit): both sides' work is
   then linear in the same tokens, and the balance hardly moves (the control);
 - ``phased``: single-turn reasoning and agentic (multi-turn, environment latency) tasks
-  arriving in phases (``Workload.phases``; skipped when the simulator does not honour them).
+  arriving in phases (``Workload.phases``).
 
 For each, per seed: the multiplexed arm against (i) a static split tuned on the run's first 10%
 (the split swept on a short run of the first 10% of the steps, the best one then run for the
@@ -231,14 +231,6 @@ def diagnose(name: str, devices: int, steps: int, switch_s: float, mux_split: in
     }
 
 
-def simulator_honours_phases() -> bool:
-    """Whether the simulator admits groups by their phase (``Workload.at``): episodes of a
-    phase from step 0 with two turns 100 s apart take over 50 s to make a step."""
-    phase = Phase(agent=AgentModel(turns=2, env_latency_s=100.0))
-    w = replace(base(), groups_per_step=1, phases=(phase,))
-    return run(w, "partial_rollout", 2, 1, 1)["time_s"] > 50
-
-
 # -- printing ------------------------------------------------------------------------------------
 GOALS = {"early": 1.15, "hindsight": 1.05}
 
@@ -331,10 +323,6 @@ def main() -> None:
         "workloads": {},
     }
     for name in args.workloads:
-        if name == "phased" and not simulator_honours_phases():
-            print("\n== phased: skipped, the simulator does not admit groups by Workload.phases")
-            results["workloads"][name] = {"skipped": "the simulator ignores Workload.phases"}
-            continue
         rows = [
             compare(name, args.devices, args.steps, seed, args.switch) for seed in range(args.seeds)
         ]

@@ -926,8 +926,10 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
             assert logprobs == pytest.approx(record.output_logprobs, abs=1e-6)
             if len(set(record.output_versions)) > 1:
                 break
-            # ...which the load did not split: it is all one version, old or new.
-            assert record.interruptions == 0
+            # ...which the load did not split: it is all one version, old or new. The worker may
+            # still have paused it at an edge (the load came before its first token, or after its
+            # last one but before the finish went out): one continuation, with nothing to redo.
+            assert record.interruptions <= 1
             assert record.output_versions in ([version - 1] * n_tokens, [version] * n_tokens)
             await eventually(lambda v=version: serves(v))
     finally:

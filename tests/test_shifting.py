@@ -2,10 +2,12 @@
 lengths that grow over the run, and the KV budget that turns longer responses into smaller
 decode batches (what moves the balance). Small clusters, well under a second in all."""
 
+from dataclasses import replace
+
 import pytest
 
 from emulation.sim import Arm, Cluster, simulate
-from emulation.workload import EngineCost, LengthModel, TrainerCost, Workload
+from emulation.workload import AgentModel, EngineCost, LengthModel, Phase, TrainerCost, Workload
 
 
 def workload(
@@ -55,3 +57,16 @@ def test_a_kv_budget_makes_longer_generations_decode_in_smaller_batches(seed):
     # 5120 tokens hold about 32 generations of median 128 (mean 145), about 9 of median 512
     assert batch(128, 5120) > 25
     assert batch(512, 5120) < 0.35 * batch(128, 5120)
+
+
+def test_groups_follow_the_phase_of_the_version_they_are_admitted_at():
+    # From step 2 on, episodes take 3 turns 30 s apart: the steps before it are quick, the ones
+    # after it each wait out the environment (a simulator that ignored the phase would keep
+    # every step quick).
+    agentic = Phase(from_step=2, agent=AgentModel(turns=3, env_latency_s=30.0))
+    w = replace(workload(), groups_per_step=2, phases=(agentic,))
+    c = Cluster(w, Arm.PARTIAL_ROLLOUT, devices=4, trainer_devices=1, steps=6, staleness=0)
+    c.run()
+    gaps = [b - a for a, b in zip((0.0, *c.m.step_ends), c.m.step_ends, strict=False)]
+    assert max(gaps[:2]) < 30
+    assert min(gaps[3:]) > 60
