@@ -9,10 +9,11 @@ OpenAI SDK -> gateway -> NATS -> rollout worker subprocess -> engine (b), in one
    chunk vs (b) streaming.
    The same rounds also run the path one layer at a time, so the overhead splits per hop:
    (n) the generation protocol straight over NATS (publish ``GenerationRequested``, read the
-   ``TokensGenerated`` chunks: the worker and the broker), (c) a ``rollout.gateway.calls.Call``
-   (adds the gateway's call: its request, continuation bookkeeping and the ``CallRecorded`` it
-   stores before answering), (h) plain HTTP to the gateway with httpx (adds the HTTP server, request
-   validation, detokenization and the response), then (b) through the OpenAI SDK.
+   ``TokensGenerated`` chunks: the worker and the broker; not ``streamed``, as (b) asks), (c)
+   a ``rollout.gateway.calls.Call`` (adds the gateway's call: its request, continuation
+   bookkeeping and the ``CallRecorded`` it stores before answering), (h) plain HTTP to the
+   gateway with httpx (adds the HTTP server, request validation, detokenization and the
+   response), then (b) through the OpenAI SDK.
    The cost of the gateway's keys (``rollout.gateway.keys``): (h') the plain HTTP call to a
    second gateway, on the same run, that checks bearer keys, paired with (h); and, without
    generation's noise, ``GET /v1/models`` on each (m', m).
@@ -215,6 +216,7 @@ async def nats_call(
         prompt_ids=prompt_ids,
         params=params,
         reply_to=names.gen_out(call_id),
+        streamed=False,  # read whole, as the gateway asks for a plain reply
     )
     start, first, tokens = time.perf_counter(), None, 0
     sub = await nc.subscribe(request.reply_to, cb=received)
@@ -237,7 +239,8 @@ async def core_call(
     nc: NATS, js: JetStreamContext, names: RunNames, prompt_ids: list[int], params: SamplingParams
 ) -> tuple[float, int]:
     """(seconds, tokens) of one ``rollout.gateway.calls.Call``: the gateway's call without HTTP."""
-    call = Call(nc, js, names, SERVED, CallLimits(), "bench-core", prompt_ids, params)
+    limits = CallLimits()
+    call = Call(nc, js, names, SERVED, limits, "bench-core", prompt_ids, params, streamed=False)
     start, tokens = time.perf_counter(), 0
     try:
         await call.start()

@@ -194,6 +194,12 @@ class GenerationRequested(Message):
     params: SamplingParams = Field(default_factory=SamplingParams)
     reply_to: str = Field(min_length=1, max_length=512, description="subject for TokensGenerated")
     resumed_tokens: int = Field(default=0, ge=0, lt=MAX_SAFE_INT)
+    streamed: bool = Field(
+        default=True,
+        description="false: the requester reads only the whole response, so the worker holds "
+        "the tokens and sends them with the finish (or a keepalive) instead of every "
+        "stream_interval_s",
+    )
 
 
 class TokensGenerated(Message):

@@ -8,7 +8,9 @@ each chunk labelled with the weight version that produced it, and an empty keepa
 whenever nothing was sent for ``keepalive_s``. Tokens go at once when none went in the last
 ``stream_interval_s``; the ones that follow within it wait and go together (and the last ones
 with the finish reason), so a call costs a few messages instead of one per token: each message
-wakes the broker and the gateway, and on a small machine that slows the engine itself. The
+wakes the broker and the gateway, and on a small machine that slows the engine itself. A request
+not ``streamed`` (the requester reads only the whole response) has its tokens held until the
+finish, a new weight version, or the keepalive, which sends them instead of an empty chunk. The
 JetStream message is kept in progress while the request runs and acknowledged only when it is
 done. A request ends with the engine's finish reason; an attempt the worker gives up (it is
 stopping, or the gateway cancelled it) ends with ``ABORT`` and the reason in ``error``, and the
@@ -235,8 +237,9 @@ class RolloutWorker:
 
     async def _forward(self, attempt: _Attempt, chunk: GenerationChunk, error: str | None = None):
         """Send the engine's ``chunk`` (with any tokens held before it) now, or hold its tokens
-        for at most ``stream_interval_s`` after the last tokens sent. A chunk that ends the
-        attempt always goes at once; a new weight version first sends what the old one made."""
+        for at most ``stream_interval_s`` after the last tokens sent; for a request not
+        ``streamed``, until the keepalive. A chunk that ends the attempt always goes at once; a
+        new weight version first sends what the old one made."""
         if not chunk.token_ids and chunk.finish_reason is None:
             return  # nothing to tell
         held = attempt.held
@@ -251,11 +254,14 @@ class RolloutWorker:
                 chunk.finish_reason,
             )
         attempt.held = chunk
-        wait = attempt.tokens_sent_at + self._config.stream_interval_s - time.monotonic()
-        if chunk.finish_reason is not None or wait <= 0:
+        if chunk.finish_reason is not None:
             await self._send_held(attempt, error)
-        elif attempt.flusher is None:
-            attempt.flusher = asyncio.create_task(self._send_held_after(attempt, wait))
+        elif attempt.request.streamed:
+            wait = attempt.tokens_sent_at + self._config.stream_interval_s - time.monotonic()
+            if wait <= 0:
+                await self._send_held(attempt)
+            elif attempt.flusher is None:
+                attempt.flusher = asyncio.create_task(self._send_held_after(attempt, wait))
 
     async def _send_held_after(self, attempt: _Attempt, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -292,13 +298,18 @@ class RolloutWorker:
         await self._nc.publish(attempt.request.reply_to, codec.encode(message))
 
     async def _keepalive(self, attempt: _Attempt) -> None:
-        """Keep the message from being redelivered, and the requester from thinking we died."""
+        """Keep the message from being redelivered, and the requester from thinking we died:
+        after ``keepalive_s`` without a chunk, send the tokens held, or an empty chunk."""
         period = self._config.keepalive_s
         while True:
             await asyncio.sleep(period / 2)
             try:
                 await attempt.delivery.in_progress()
-                if time.monotonic() - attempt.last_sent >= period:
+                if time.monotonic() - attempt.last_sent < period:
+                    continue
+                if attempt.held is not None:
+                    await self._send_held(attempt)
+                else:
                     await self._send(attempt, GenerationChunk([], [], self._engine.version))
             except NatsError as exc:
                 log.warning(kv("keepalive_failed", call=attempt.request.call_id, error=exc))

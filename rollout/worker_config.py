@@ -28,7 +28,9 @@ class WorkerConfig(BaseModel):
         default=Role.ROLLOUT,
         description="the role it takes at start, until the scheduler asks for another",
     )
-    keepalive_s: float = Field(default=1.0, gt=0, description="empty chunk after this silence")
+    keepalive_s: float = Field(
+        default=1.0, gt=0, description="a chunk (the tokens held, else empty) after this silence"
+    )
     stream_interval_s: float = Field(
         default=0.01,
         ge=0,

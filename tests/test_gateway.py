@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from broker import codec
 from broker.client import session
 from broker.exceptions import RunNotProvisionedError
 from broker.messages import (
@@ -123,7 +124,15 @@ async def test_sync_client_gets_what_was_recorded(stack, js, tok):
     assert record.started_at <= record.finished_at
 
 
-async def test_streaming_gives_the_same_text_as_a_plain_reply(stack, js, tok, openai_client):
+async def test_streaming_gives_the_same_text_as_a_plain_reply(stack, nc, js, tok, openai_client):
+    # Only a call whose tokens are read as they come (streamed, or watched for a stop string)
+    # asks the worker to stream them; a plain reply's come whole (GenerationRequested.streamed).
+    requested: list[GenerationRequested] = []
+
+    async def on_request(msg) -> None:
+        requested.append(codec.decode(GenerationRequested, msg.data))
+
+    sub = await nc.subscribe(stack.names.gen_req, cb=on_request)
     client = openai_client(stack.url)
     plain = await client.chat.completions.create(
         model=MODEL, messages=HELLO, max_tokens=16, temperature=0
@@ -147,6 +156,13 @@ async def test_streaming_gives_the_same_text_as_a_plain_reply(stack, js, tok, op
     assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
     (record,) = await records(js, stack.names, sid)  # the user field named the session
     assert tok.decode(record.output_ids, skip_special_tokens=True) == text
+    stopped = await client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=16, temperature=0, stop=["never in the reply"]
+    )
+    assert stopped.choices[0].message.content == text
+    await eventually(lambda: len(requested) == 3)
+    await sub.unsubscribe()
+    assert [r.streamed for r in requested] == [False, True, True]
 
 
 async def test_n_choices_are_separate_calls(stack, js, openai_client):

@@ -46,16 +46,18 @@ PROMPT = [1, 383, 201, 74, 75, 2, 201, 1, 382, 201]
 class Call:
     """Publishes one GenerationRequested and collects its chunks, as a gateway would."""
 
-    def __init__(self, nc, names: RunNames, call_id: str, **params) -> None:
-        self.nc, self.names, self.call_id = nc, names, call_id
+    def __init__(self, nc, names: RunNames, call_id: str, streamed: bool = True, **params) -> None:
+        self.nc, self.names, self.call_id, self.streamed = nc, names, call_id, streamed
         self.params = SamplingParams(**params)
         self.chunks: list[TokensGenerated] = []
+        self.arrived: list[float] = []
         self.done = asyncio.Event()
 
     async def start(self, prompt: list[int] = PROMPT) -> "Call":
         async def on_chunk(msg) -> None:
             chunk = codec.decode(TokensGenerated, msg.data)
             self.chunks.append(chunk)
+            self.arrived.append(time.monotonic())
             if chunk.finish_reason is not None:
                 self.done.set()
 
@@ -67,6 +69,7 @@ class Call:
             prompt_ids=prompt,
             params=self.params,
             reply_to=self.names.gen_out(self.call_id),
+            streamed=self.streamed,
         )
         await self.nc.jetstream().publish(self.names.gen_req, codec.encode(request))
         return self
@@ -155,6 +158,35 @@ async def test_tokens_travel_in_few_chunks_and_reassemble_exactly(
         assert [lp for c in again.chunks for lp in c.logprobs] == pytest.approx(logprobs)
     finally:
         stepwise.stop()
+
+
+async def test_a_request_not_streamed_is_held_until_its_end_or_the_keepalive(
+    broker, nc, names, tiny_model_dir
+):
+    """Tokens of a request not ``streamed`` wait for the finish; the keepalive (0.3 s here)
+    carries what is held meanwhile, instead of an empty chunk. The same request streamed (every
+    50 ms) takes many more messages for the same tokens."""
+    args = ("--max-model-len", "2048", "--stream-interval-s", "0.05", "--keepalive-s", "0.3")
+    proc = worker_process(broker.url, names.run, tiny_model_dir, "w3", *args)
+    proc.wait_ready()
+    try:
+        n = 600  # about 1.5 s of the tiny model: the keepalive comes several times
+        whole = await Call(nc, names, "c1", streamed=False, max_tokens=n, temperature=0).start()
+        started = time.monotonic()
+        await whole.finished()
+        elapsed = time.monotonic() - started
+        streamed = await Call(nc, names, "c2", max_tokens=n, temperature=0).start()
+        await streamed.finished()
+    finally:
+        proc.stop()
+    assert whole.tokens == streamed.tokens == greedy(tiny_model_dir, PROMPT, n)
+    assert [c.seq for c in whole.chunks] == list(range(len(whole.chunks)))
+    assert whole.chunks[0].token_ids == [] and all(c.token_ids for c in whole.chunks[1:])
+    # one at the end, and one per keepalive period at most before it
+    assert 3 <= len(whole.chunks) <= 2 + elapsed / 0.3
+    gaps = [b - a for a, b in zip(whole.arrived[1:-1], whole.arrived[2:-1], strict=False)]
+    assert all(gap > 0.2 for gap in gaps)
+    assert len(streamed.chunks) > 2 * len(whole.chunks)
 
 
 async def test_weight_update_mid_request_relabels_the_rest(

@@ -157,11 +157,15 @@ class Call:
         session_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
+        *,
+        streamed: bool = True,
     ) -> None:
         self.nc, self.js, self.names, self.model, self.limits = nc, js, names, model, limits
         self.session_id = session_id
         self.prompt_ids = prompt_ids
         self.params = params
+        self.streamed = streamed
+        """False: only the whole response is read (``GenerationRequested.streamed``)."""
         self.call_id = uuid.uuid4().hex
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -369,6 +373,7 @@ class Call:
             params=self.params.model_copy(update={"max_tokens": self.params.max_tokens - done}),
             reply_to=self.names.gen_out(self.call_id),
             resumed_tokens=done,
+            streamed=self.streamed,
         )
         payload, headers = codec.encode(request), codec.headers(msg_id=f"{self.call_id}-{number}")
 

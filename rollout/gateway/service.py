@@ -268,6 +268,8 @@ class OpenAIService:
                 session_id,
                 prompt.ids,
                 spec.params,
+                # tokens are read as they come only to stream them or to find a stop string
+                streamed=format_.body.stream or bool(format_.body.stop_strings),
             )
             started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             task = asyncio.create_task(
