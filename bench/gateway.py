@@ -114,6 +114,7 @@ LATENCY_ROWS = [
     ("  b / a (of the quantiles)", "ttft_overhead_ratio"),
     ("  b - a (paired by round)", "paired_ttft_overhead_ms"),
     ("(b) streaming, whole call", "plane_stream_ms"),
+    ("  plain - streaming (paired by round)", "plain_vs_streamed_ms"),
 ]
 """The latency table: label, key in the summary."""
 BREAKDOWN_ROWS = [
@@ -386,6 +387,8 @@ async def bench_latency(
     # Rounds run back to back, so a round's difference is the overhead under the same load.
     raw["paired_overhead_ms"] = _minus(raw["plane_ms"], raw["engine_ms"])
     raw["paired_ttft_overhead_ms"] = _minus(raw["plane_stream_ttft_ms"], raw["engine_ttft_ms"])
+    # a plain call is sent whole (``GenerationRequested.streamed``), a streaming one chunk by chunk
+    raw["plain_vs_streamed_ms"] = _minus(raw["plane_ms"], raw["plane_stream_ms"])
     for hop, a, b in (
         ("worker", "engine_ms", "nats_ms"),
         ("call", "nats_ms", "core_ms"),
