@@ -5,20 +5,22 @@ It implements ``rollout.engines.base.Engine`` with the lengths and costs of a
 fit on a few cores while the real worker, gateway, trajectory manager and scheduler run around
 them with a cluster's timing. Its tokens mean nothing. The model, and its assumptions:
 
-- **Continuous batching.** Up to ``engine.max_batch`` requests are resident (the KV limit); the
-  others wait in order of arrival. Requests admitted into the batch first cost
-  ``engine.prefill_s(prompt tokens)`` (a continuation's prompt holds its retained prefix: that is
-  its re-prefill), serialised with decoding; then one decode iteration over ``b`` resident
-  requests costs ``engine.iteration_s(b)`` and adds one token to each. Sleeps are paced against a
-  deadline, so this process's own overhead does not add up (a lag of up to ``MAX_CATCH_UP_S`` is
-  made up by sleeping less).
+- **Continuous batching.** Up to ``engine.max_batch`` requests are resident and, with a KV budget
+  (``engine.kv_tokens``), only while the residents hold fewer KV tokens than it, each its whole
+  output length (as the cluster simulator models it); the others wait in order of arrival. Requests
+  admitted into the batch first cost ``engine.prefill_s(prompt tokens)`` (a continuation's prompt
+  holds its retained prefix: that is its re-prefill), serialised with decoding; then one decode
+  iteration over ``b`` resident requests costs ``engine.iteration_s(b)`` and adds one token to each.
+  Sleeps are paced against a deadline, so this process's own overhead does not add up (a lag of up
+  to ``MAX_CATCH_UP_S`` is made up by sleeping less).
 - **Lengths.** A request's total output length (EOS included) is one member's draw of
-  ``lengths.sample_group(rng, group_size, version)``, ``rng`` seeded by its group, so a group
-  shares the group part of its draw. A request with a sampling seed ``s`` is member
-  ``s % group_size`` of group ``s // group_size`` (the benchmark agent numbers its requests so);
-  one without is keyed by its prompt and takes a member drawn from the engine's seeded
-  generator. ``version`` is the engine's version when the request arrives. The request ends
-  with ``STOP`` at that length (the last token is EOS), or with ``LENGTH`` at ``max_tokens`` or
+  ``lengths.sample_group(rng, group_size, version)`` (the lengths of the workload's phase at
+  ``version``, ``Workload.at``; the phase's agent is the agent's business), ``rng`` seeded by its
+  group, so a group shares the group part of its draw. A request with a sampling seed ``s`` is
+  member ``s % group_size`` of group ``s // group_size`` (the benchmark agent numbers its requests
+  so); one without is keyed by its prompt and takes a member drawn from the engine's seeded
+  generator. ``version`` is the engine's version when the request arrives. The request ends with
+  ``STOP`` at that length (the last token is EOS), or with ``LENGTH`` at ``max_tokens`` or
   ``max_model_len``.
 - **Tokens.** Output token ``j`` is the id of the ``j % cycle``-th lowercase letter (from the
   model folder's ``tokenizer.json``), logprob ``-log(cycle)``. An output is thus
@@ -46,6 +48,7 @@ from broker.messages import FinishReason, SamplingParams
 from common.log import kv
 from common.models import eos_token_ids, model_info
 from emulation.config import EmulatedEngineConfig
+from emulation.workload import EngineCost
 from rollout.engines.base import (
     ENGINE_REQUESTS,
     ENGINE_WEIGHT_LOADS,
@@ -112,6 +115,11 @@ class _Request:
     pending: list[int] = field(default_factory=list)
     last_sent: float = 0.0
     done: bool = False
+
+    @property
+    def kv_tokens(self) -> int:
+        """The KV it holds resident: its whole output, as far as it may run."""
+        return min(self.length, self.resumed + self.limit)
 
 
 class EmulatedEngine(InProcessEngine):
@@ -203,6 +211,14 @@ class EmulatedEngine(InProcessEngine):
                 best = run
         return best
 
+    def _room(self, cost: EngineCost) -> bool:
+        """Whether the batch takes another request: under ``max_batch`` residents and, with a KV
+        budget, residents holding under ``kv_tokens`` (each its whole output length, as the
+        cluster simulator models it)."""
+        if len(self._resident) >= cost.max_batch:
+            return False
+        return not cost.kv_tokens or sum(r.kv_tokens for r in self._resident) < cost.kv_tokens
+
     def _draw_length(self, key: list[int], seed: int | None) -> int:
         """The total output length of a request: its member's draw of its group's lengths."""
         n = self._workload.group_size
@@ -212,7 +228,8 @@ class EmulatedEngine(InProcessEngine):
         else:
             rng = random.Random(",".join(map(str, key)))
             member = self._rng.randrange(n)
-        return self._workload.lengths.sample_group(rng, n, self._version)[member]
+        lengths = self._workload.at(self._version).lengths
+        return lengths.sample_group(rng, n, self._version)[member]
 
     def _release(self, request: _Request, outcome: FinishReason) -> None:
         ENGINE_REQUESTS.labels(ENGINE, outcome.value).inc()
@@ -239,7 +256,7 @@ class EmulatedEngine(InProcessEngine):
                     continue
                 # 2. Admit waiting requests into the batch; their prefill comes first.
                 admitted = []
-                while self._waiting and len(self._resident) < cost.max_batch:
+                while self._waiting and self._room(cost):
                     admitted.append(self._waiting.popleft())
                     self._resident.append(admitted[-1])
                 if admitted:

@@ -95,8 +95,8 @@ class EngineCost:
     A decode iteration over ``batch`` resident sequences costs ``a_s + b_s * batch`` seconds and
     adds one token to each; at most ``max_batch`` sequences are resident, the rest wait. With
     ``kv_tokens`` (0: no limit) a resident sequence holds its whole length of KV and no more
-    are placed while the residents hold ``kv_tokens`` or more (the cluster simulator; the
-    emulated engine holds ``max_batch`` only). Prefill (the prompt, or a
+    are placed while the residents hold ``kv_tokens`` or more (the cluster simulator and the
+    emulated engine). Prefill (the prompt, or a
     retained prefix after an abort) costs ``prefill_s_per_token`` per token, serialised with
     decoding.
     """

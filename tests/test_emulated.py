@@ -5,6 +5,7 @@ both are plugins that say they are for benchmarks only, and a short ``seamlessfl
 completes through a real nats-server and says so in its summary."""
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import torch
 from broker.messages import FinishReason, SamplingParams
 from common.log import kv
 from emulation.config import EmulatedBackendConfig, EmulatedEngineConfig
-from emulation.workload import Workload
+from emulation.workload import LengthModel, Phase, Workload
 from rollout.engines import ENGINE_CONFIGS, EngineConfig, EngineError, HFEngineConfig, start_engine
 from trainer.backends import TokenBatch, build_backend
 from trainer.config import BACKEND_CONFIGS, TorchBackendConfig, TrainerConfig
@@ -38,10 +39,14 @@ PROMPT = [40, 41, 42, 10]
 """Any prompt that does not end in a run of the engine's letters."""
 
 
+async def emulated(tiny_model_dir: Path, workload: Workload = WORKLOAD):
+    settings = EmulatedEngineConfig(workload=workload, chunk_s=0.0)
+    return await start_engine(EngineConfig(tiny_model_dir, max_model_len=256, settings=settings))
+
+
 @pytest.fixture
 async def engine(tiny_model_dir: Path):
-    settings = EmulatedEngineConfig(workload=WORKLOAD, chunk_s=0.0)
-    engine = await start_engine(EngineConfig(tiny_model_dir, max_model_len=256, settings=settings))
+    engine = await emulated(tiny_model_dir)
     yield engine
     await engine.close()
 
@@ -138,6 +143,46 @@ async def test_load_weights_takes_its_time_and_relabels_the_rest(engine, tmp_pat
     assert engine.version == 3
     versions = [c.version for c in chunks if c.token_ids]
     assert versions[0] == 0 and versions[-1] == 3 and versions == sorted(versions)
+
+
+@pytest.mark.parametrize(("kv_tokens", "together"), [(0, 4), (1, 1), (75, 2)])
+async def test_a_kv_budget_keeps_fewer_requests_resident(tiny_model_dir, kv_tokens, together):
+    """4 requests of 40 tokens each: all 4 run together on the 4 slots; with a KV budget of 1
+    token one at a time (a resident holds its whole length), with 75 two (the second makes 80)."""
+    cost = dataclasses.replace(WORKLOAD.engine, kv_tokens=kv_tokens)
+    lengths = LengthModel(median=40, sigma=0.0, cap=60)
+    engine = await emulated(
+        tiny_model_dir, dataclasses.replace(WORKLOAD, engine=cost, lengths=lengths)
+    )
+    spans: dict[int, list[float]] = {}
+
+    async def run(seed: int) -> None:
+        params = SamplingParams(max_tokens=100, seed=seed)
+        async for chunk in engine.generate(f"k{seed}", PROMPT, params):
+            if chunk.token_ids:
+                spans.setdefault(seed, []).append(time.monotonic())
+
+    try:
+        await asyncio.gather(*(run(s) for s in range(4)))
+    finally:
+        await engine.close()
+    intervals = [(times[0], times[-1]) for times in spans.values()]
+    overlap = max(sum(a <= t <= b for a, b in intervals) for t, _ in intervals)
+    assert overlap == together
+
+
+async def test_lengths_follow_the_phase_of_the_engines_version(tiny_model_dir, tmp_path):
+    short = Phase(from_step=2, lengths=LengthModel(median=4, sigma=0.0, cap=4))
+    engine = await emulated(tiny_model_dir, dataclasses.replace(WORKLOAD, phases=(short,)))
+    try:
+        seed = next(s for s in range(100) if drawn(s) > 10)
+        params = SamplingParams(max_tokens=100, seed=seed)
+        before, _ = await collect(engine, "p0", PROMPT, params)
+        await engine.load_weights(2, tmp_path)
+        after, _ = await collect(engine, "p1", PROMPT, params)
+    finally:
+        await engine.close()
+    assert len(before) == drawn(seed) > 10 and len(after) == 4
 
 
 async def test_time_follows_the_cost_model(engine):
