@@ -393,6 +393,13 @@ class WorkerRegistered(Message):
     trainer: TrainerShape | None = Field(
         default=None, description="set by a worker holding the trainer: the scheduler admits by it"
     )
+    trained_unacked: int = Field(
+        default=0,
+        ge=0,
+        lt=MAX_SAFE_INT,
+        description="trainer: samples its steps took (trained or dropped), held unacked until "
+        "their checkpoint is durable; admission does not count them as outstanding",
+    )
     started_at: Timestamp | None = Field(
         default=None, description="when this registration began: a new one re-admits it"
     )

@@ -7,6 +7,8 @@ runners) only while the run's outstanding work stays within the staleness bound:
     outstanding = admitted groups not yet finished (queued for or running on an agent runner)
                 + ended sessions the trajectory manager has not built yet, in groups
                 + samples the trainer has not settled, in groups
+                  (less those its steps took, held unacked only until their checkpoint is
+                  durable: its registry entry's ``trained_unacked``)
     limit       = steps_ahead * groups_per_step,  steps_ahead <= max_staleness + 1
 
 ``groups_per_step`` and ``max_staleness`` are the trainer's own, read off its registry entry by
@@ -108,10 +110,12 @@ def admission_state(
     *,
     limit: int,
     group_size: float,
+    trained: int = 0,
 ) -> AdmissionState:
     """The state from the ``agents``, ``trajectory`` and ``trainer`` consumers' counts; a group is
     ``group_size`` sessions, each of the samples per session the trajectory manager made so far
-    (1 until it has made any)."""
+    (1 until it has made any). ``trained`` of the trainer's unacked samples are trained already
+    and held only until their checkpoint is durable: not unsettled."""
     sessions_per_group = max(1.0, group_size)
     published = (trainer.delivered.stream_seq if trainer.delivered else 0) + (
         trainer.num_pending or 0
@@ -124,7 +128,7 @@ def admission_state(
     return AdmissionState(
         limit,
         admitted=_unsettled(agents),
-        unsettled_groups=_groups(_unsettled(trainer), per_group),
+        unsettled_groups=_groups(max(0, _unsettled(trainer) - trained), per_group),
         unbuilt_groups=_groups(_unsettled(trajectory), sessions_per_group),
         groups_total=published / per_group,
     )
@@ -160,6 +164,9 @@ class Admission:
         self._stop = asyncio.Event()
         self._deposed: LeaseLostError | None = None
         self._stamp: Callable[[], Awaitable[Admitted]]
+        self.trained_unacked: dict[str, int] = {}
+        """Per live trainer worker, its registry entry's ``trained_unacked`` (the scheduler's
+        tick sets it): samples held only until their checkpoint is durable."""
         self.set_limit(limit)
 
     @property
@@ -212,7 +219,10 @@ class Admission:
         sizes = self._group_sizes
         group_size = sum(sizes) / len(sizes) if sizes else 1.0
         limit = self.limit or 0
-        state = admission_state(agents, trajectory, trainer, limit=limit, group_size=group_size)
+        trained = sum(self.trained_unacked.values())
+        state = admission_state(
+            agents, trajectory, trainer, limit=limit, group_size=group_size, trained=trained
+        )
         OUTSTANDING.set(state.outstanding)
         return state
 

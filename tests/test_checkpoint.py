@@ -128,6 +128,28 @@ async def test_a_checkpoint_is_due_every_few_versions_or_once_its_interval_has_p
     assert Commits(every, backend, lambda ids, error: None, lambda: None, version=5).due(6)
 
 
+async def test_samples_wait_for_their_checkpoint_counted_as_trained(tiny_model_dir, tmp_path):
+    """``Commits.trained_unacked``: a step's samples are counted from its commit until their
+    checkpoint is durable and they are acknowledged (what the trainer's registry entry tells
+    admission), and told each time the count changes."""
+    from trainer.backends import build_backend
+    from trainer.commits import Commits
+
+    backend = build_backend(tiny_model_dir, CONFIG)
+    config = CONFIG.model_copy(update={"checkpoint_dir": tmp_path})
+    acked: list[str] = []
+    told: list[int] = []
+    commits = Commits(config, backend, lambda ids, error: acked.extend(ids), lambda: None, 5)
+    commits.on_trained_unacked = told.append
+    commits.uncommitted.append(StepRecord(6, ("s1", "s2"), ()))
+    await commits.commit(6, [], ["s1", "s2"])
+    assert commits.trained_unacked == 2 and told == [2] and acked == []  # being written
+    await commits.writer.drain()
+    await asyncio.sleep(0)  # the write's done callback
+    assert acked == ["s1", "s2"] and commits.trained_unacked == 0 and told == [2, 0]
+    commits.writer.close()
+
+
 @pytest.mark.newest_nats
 async def test_a_checkpoint_that_cannot_be_written_stops_the_trainer_and_acks_nothing(
     broker, js, names, tiny_model_dir, tmp_path

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from nats.errors import NoRespondersError
+from nats.js.api import ConsumerConfig, ConsumerInfo, SequenceInfo
 
 from broker import codec
 from broker.messages import (
@@ -40,7 +41,7 @@ from seamlessflow.exceptions import ConfigError
 from seamlessflow.flags import add_flags, apply_flags, section_flags
 from seamlessflow.processes import ServiceProcess, worker_process
 from seamlessflow.submit import submit_tasks
-from tagsched.admission import Admission, Stamper, admission_limit
+from tagsched.admission import Admission, Stamper, admission_limit, admission_state
 from tagsched.config import LayoutConfig, SchedulerConfig
 from tagsched.exceptions import AdmissionError, LeaseLostError, UnsatisfiableSpecError
 from tagsched.lending import LendingPolicy, RateMeter
@@ -345,6 +346,25 @@ def test_admission_limit_refuses_a_pace_past_the_staleness_bound():
     assert admission_limit(steps_ahead=2, groups_per_step=4, max_staleness=1) == 8
     with pytest.raises(AdmissionError, match=r"steps_ahead=3 exceeds trainer.max_staleness \+ 1"):
         admission_limit(steps_ahead=3, groups_per_step=4, max_staleness=1)
+
+
+def test_samples_held_only_for_their_checkpoint_are_not_outstanding():
+    """Two groups of 8 samples taken by the trainer's last step and held unacked while its
+    checkpoint is written: outstanding and 'a batch is ready' without the trainer's count (the
+    lend of a colocated trainer waited the whole write so), settled with it."""
+
+    def consumer(unacked: int, delivered: int) -> ConsumerInfo:
+        seq = SequenceInfo(consumer_seq=delivered, stream_seq=delivered)
+        config = ConsumerConfig()
+        return ConsumerInfo("c", "s", config, None, seq, num_pending=0, num_ack_pending=unacked)
+
+    agents, trajectory, trainer = consumer(0, 0), consumer(0, 16), consumer(16, 16)
+    held = admission_state(agents, trajectory, trainer, limit=8, group_size=8)
+    assert (held.unsettled_groups, held.missing_groups(2), held.room) == (2, 0, 6)
+    trained = admission_state(agents, trajectory, trainer, limit=8, group_size=8, trained=16)
+    assert (trained.unsettled_groups, trained.missing_groups(2), trained.room) == (0, 2, 8)
+    half = admission_state(agents, trajectory, trainer, limit=8, group_size=8, trained=8)
+    assert half.unsettled_groups == 1
 
 
 # -- admission on a real broker ----------------------------------------------------------------

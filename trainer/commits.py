@@ -42,6 +42,10 @@ class Commits:
         self.writer = CheckpointWriter(config.checkpoint_dir, CHECKPOINT_SECONDS)
         self.uncommitted: list[StepRecord] = []  # steps since the last commit
         self.failed: BaseException | None = None  # a background write's error
+        self.trained_unacked = 0
+        """Samples trained into a commit being written: acknowledged once it is durable."""
+        self.on_trained_unacked: Callable[[int], None] = lambda n: None
+        """Told ``trained_unacked`` each time it changes (the trainer's registry entry)."""
         self._last = (version, time.monotonic())  # the last checkpoint's version, and when
 
     def due(self, version: int) -> bool:
@@ -70,7 +74,13 @@ class Commits:
             return
         ckpt = await self.checkpoint(version, recent) if checkpointed else None
         done = self.writer.submit(ckpt, tuple(records))
+        self._count_unacked(len(release))
         done.add_done_callback(lambda f: self._committed(version, list(release), f))
+
+    def _count_unacked(self, change: int) -> None:
+        if change:
+            self.trained_unacked += change
+            self.on_trained_unacked(self.trained_unacked)
 
     async def checkpoint(self, version: int, recent: list[StepRecord]) -> Checkpoint:
         """The state of ``version`` copied into memory, once the previous checkpoint's write is
@@ -86,10 +96,11 @@ class Commits:
         failure = "cancelled" if done.cancelled() else done.exception()
         if failure is None:
             self._release(release, None)
-            return
-        error = TrainerError(f"checkpoint failed: {failure}")
-        if self.failed is None:
-            self.failed = error
-            log.error(kv("checkpoint_failed", version=version, error=failure))
-        self._on_failure()
-        self._release(release, HandBack(str(error)))
+        else:
+            error = TrainerError(f"checkpoint failed: {failure}")
+            if self.failed is None:
+                self.failed = error
+                log.error(kv("checkpoint_failed", version=version, error=failure))
+            self._on_failure()
+            self._release(release, HandBack(str(error)))
+        self._count_unacked(-len(release))
