@@ -77,6 +77,7 @@ class Registration:
         """``time.monotonic()`` when the last write that succeeded was sent (so at or before the
         moment it was stored): what a worker's role lease runs from (``broker.roles``)."""
         self._next_write = asyncio.Event()  # set (and replaced) by each write that succeeds
+        self._soon: set[asyncio.Task] = set()  # writes of ``put_soon`` in flight
         now = wall_clock()
         self._entry = WorkerRegistered(
             worker_id=worker_id,
@@ -119,6 +120,19 @@ class Registration:
         self.written_at = max(self.written_at, sent)
         self._next_write.set()
         self._next_write = asyncio.Event()
+
+    def put_soon(self, **changes) -> None:
+        """``put`` in a task, for a caller that cannot wait (a callback). A write the broker
+        cannot take now is logged; the entry keeps the change and the next heartbeat carries it."""
+        task = asyncio.get_running_loop().create_task(self._put_or_log(changes))
+        self._soon.add(task)
+        task.add_done_callback(self._soon.discard)
+
+    async def _put_or_log(self, changes: dict) -> None:
+        try:
+            await self.put(**changes)
+        except NatsError as exc:
+            log.warning(kv("registry_write_failed", worker=self.worker_id, error=exc, **changes))
 
     async def next_write(self) -> None:
         """Return once a write succeeds (the first after this call)."""

@@ -164,9 +164,9 @@ class Admission:
         self._stop = asyncio.Event()
         self._deposed: LeaseLostError | None = None
         self._stamp: Callable[[], Awaitable[Admitted]]
-        self.trained_unacked: dict[str, int] = {}
-        """Per live trainer worker, its registry entry's ``trained_unacked`` (the scheduler's
-        tick sets it): samples held only until their checkpoint is durable."""
+        self.trained_unacked = 0
+        """The live trainer entries' ``trained_unacked`` (the scheduler's tick sets it): samples
+        held only until their checkpoint is durable."""
         self.set_limit(limit)
 
     @property
@@ -219,7 +219,7 @@ class Admission:
         sizes = self._group_sizes
         group_size = sum(sizes) / len(sizes) if sizes else 1.0
         limit = self.limit or 0
-        trained = sum(self.trained_unacked.values())
+        trained = self.trained_unacked
         state = admission_state(
             agents, trajectory, trainer, limit=limit, group_size=group_size, trained=trained
         )

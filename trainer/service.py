@@ -120,8 +120,6 @@ class Trainer(AheadSteps):
         self._commits = Commits(
             config, ranks.backend, self._release, self._write_failed, self.version
         )
-        self._commits.on_trained_unacked = self._tell_trained_unacked
-        self._entry_writes: set[asyncio.Task] = set()
         # The trainer group (``trainer.group``): only its rank 0 takes samples (``_leading``),
         # steps only while the group is formed (``_formed``), and tells a failed collective
         # (``broken``). A trainer outside any group leads and is formed.
@@ -383,25 +381,12 @@ class Trainer(AheadSteps):
         await self._publisher.publish(version, self._ranks.backend.hf_state_dict)
         VERSION.set(version)
         self._watch.stepped(version, stepped)
-        await self._put_entry(version=version)
+        if self._roles is not None:
+            try:
+                await self._roles.registration.put(version=version)
+            except NatsError as exc:  # the next heartbeat writes the entry, with this version
+                log.warning(kv("registration_put_failed", version=version, error=exc))
         report_step(self.version, items, stats, seconds)
-
-    async def _put_entry(self, **changes) -> None:
-        """Write the registry entry with ``changes`` now; a write the broker cannot take now
-        goes with the next heartbeat, which writes the entry as changed."""
-        if self._roles is None:
-            return
-        try:
-            await self._roles.registration.put(**changes)
-        except NatsError as exc:
-            log.warning(kv("registration_put_failed", error=exc, **changes))
-
-    def _tell_trained_unacked(self, count: int) -> None:
-        """The samples held only for their checkpoint's write, in the registry entry: the
-        scheduler's admission leaves them out of what is outstanding (they are trained)."""
-        task = asyncio.get_running_loop().create_task(self._put_entry(trained_unacked=count))
-        self._entry_writes.add(task)
-        task.add_done_callback(self._entry_writes.discard)
 
     def _write_failed(self) -> None:
         """A commit's write failed (``trainer.commits``): take no sample again (it would count
@@ -422,6 +407,8 @@ class Trainer(AheadSteps):
         ``roles`` belongs to whoever opened the membership (``broker.roles.membership``)."""
         self._roles = roles
         self._provision = provision
+        # samples held only for their checkpoint: admission leaves them out of what is outstanding
+        self._commits.on_trained_unacked = lambda n: roles.registration.put_soon(trained_unacked=n)
         names = self._names
         await durable_info(self._js, names, names.samples_stream, Durable.TRAINER)
         if not self._grouped:  # else once it is the group's rank 0: ``resume``
