@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import re
@@ -272,60 +273,89 @@ async def test_an_expired_identity_is_cut_off_by_the_broker_and_named_by_the_cli
 async def test_only_servers_with_the_route_secret_join_the_cluster(tmp_path, nats_binary):
     """``creds --routes``: two servers with its file form a route cluster; a third with another
     secret solicits one of them and is refused, however long it tries."""
+    servers, monitor, folder = await _route_cluster(tmp_path, nats_binary)
+    peers, ids = (functools.partial(_monitored, monitor, path) for path in ("routez", "varz"))
+    try:
+        await eventually(lambda: bool(peers(0)) and peers(0) <= ids(1), timeout=20)
+        await asyncio.sleep(3)  # the stranger tries every second
+        assert peers(0) <= ids(1) and peers(1) <= ids(0)
+        assert not peers(2)
+        log = (folder / "s0" / "log").read_text().lower()
+        assert "authentication error" in log, log[-2000:]  # the stranger's route
+    finally:
+        _stop(servers)
+
+
+def _monitored(monitor: list[int], path: str, i: int) -> set[str]:
+    """Server i's route peers (``routez``) or its own name and id (``varz``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{monitor[i]}/{path}", timeout=2) as answer:
+        body = json.load(answer)
+    if path == "varz":
+        return {body["server_name"], body["server_id"]}
+    return {r.get("remote_name") or r["remote_id"] for r in body["routes"]}
+
+
+def _stop(servers: list[subprocess.Popen]) -> None:
+    for server in servers:
+        server.terminate()
+        server.wait(10)
+
+
+async def _route_cluster(
+    tmp_path: Path, nats_binary: Path
+) -> tuple[list[subprocess.Popen], list[int], Path]:
+    """Three servers on fresh free ports: s0 and s1 with one ``creds --routes`` file, s2 (the
+    stranger) with another that solicits s0. A free port can be taken by a parallel test before
+    a server binds it, so a cluster whose servers do not all answer on their own monitor ports
+    is stopped and started again on other ports. Returns the processes, the monitor ports and
+    the folder."""
+    for attempt in range(3):
+        folder = tmp_path / f"try{attempt}"
+        servers, monitor = _start_route_cluster(folder, nats_binary)
+
+        def ours(i: int, monitor: list[int] = monitor) -> bool:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                return f"s{i}" in _monitored(monitor, "varz", i)
+            return False
+
+        with contextlib.suppress(TimeoutError):
+            await eventually(lambda: all(ours(i) for i in range(3)), timeout=15)
+            return servers, monitor, folder
+        _stop(servers)
+    raise AssertionError("three tries and the servers never all came up on their own ports")
+
+
+def _start_route_cluster(
+    folder: Path, nats_binary: Path
+) -> tuple[list[subprocess.Popen], list[int]]:
     route, client, monitor = ([free_port() for _ in range(3)] for _ in range(3))
     ours = [f"127.0.0.1:{route[0]}", f"127.0.0.1:{route[1]}"]
+    folder.mkdir()
     args = (sys.executable, "-m", "seamlessflow.cli", "creds")
     for name, routes in (("ours", ours), ("stranger", ours[:1])):
         flags = [a for r in routes for a in ("--route", r)]
         done = subprocess.run(
-            [*args, "--routes", str(tmp_path / f"{name}.conf"), *flags], capture_output=True
+            [*args, "--routes", str(folder / f"{name}.conf"), *flags], capture_output=True
         )
         assert done.returncode == 0, done.stderr
-    assert (tmp_path / "ours.conf").stat().st_mode & 0o777 == 0o600
+    assert (folder / "ours.conf").stat().st_mode & 0o777 == 0o600
     servers = []
-    try:
-        for i, secret in enumerate(("ours", "ours", "stranger")):
-            folder = tmp_path / f"s{i}"
-            folder.mkdir()
-            shutil.copy(tmp_path / f"{secret}.conf", folder / "routes.conf")
-            conf = (
-                f"server_name: s{i}\nlisten: 127.0.0.1:{client[i]}\n"
-                f"http: 127.0.0.1:{monitor[i]}\n"
-                f"cluster {{\n  name: c\n  listen: 127.0.0.1:{route[i]}\n"
-                "  include routes.conf\n}\n"
-            )
-            (folder / "nats.conf").write_text(conf)
-            log = (folder / "log").open("wb")
+    for i, secret in enumerate(("ours", "ours", "stranger")):
+        home = folder / f"s{i}"
+        home.mkdir()
+        shutil.copy(folder / f"{secret}.conf", home / "routes.conf")
+        conf = (
+            f"server_name: s{i}\nlisten: 127.0.0.1:{client[i]}\n"
+            f"http: 127.0.0.1:{monitor[i]}\n"
+            f"cluster {{\n  name: c\n  listen: 127.0.0.1:{route[i]}\n"
+            "  include routes.conf\n}\n"
+        )
+        (home / "nats.conf").write_text(conf)
+        with (home / "log").open("wb") as log:
             servers.append(
-                subprocess.Popen([nats_binary, "-c", folder / "nats.conf"], stdout=log, stderr=log)
+                subprocess.Popen([nats_binary, "-c", home / "nats.conf"], stdout=log, stderr=log)
             )
-
-        def peers(i: int) -> set[str]:
-            url = f"http://127.0.0.1:{monitor[i]}/routez"
-            with urllib.request.urlopen(url, timeout=2) as answer:
-                return {r.get("remote_name") or r["remote_id"] for r in json.load(answer)["routes"]}
-
-        def ids(i: int) -> set[str]:
-            url = f"http://127.0.0.1:{monitor[i]}/varz"
-            with urllib.request.urlopen(url, timeout=2) as answer:
-                varz = json.load(answer)
-            return {varz["server_name"], varz["server_id"]}
-
-        async def joined() -> bool:  # and the stranger is up, soliciting
-            with contextlib.suppress(OSError):
-                return bool(peers(0)) and peers(0) <= ids(1) and bool(ids(2))
-            return False
-
-        await eventually(joined, timeout=20)
-        await asyncio.sleep(3)  # the stranger tries every second
-        assert peers(0) <= ids(1) and peers(1) <= ids(0)
-        assert not peers(2)
-        log = (tmp_path / "s0" / "log").read_text().lower()
-        assert "authentication error" in log, log[-2000:]  # the stranger's route
-    finally:
-        for server in servers:
-            server.terminate()
-            server.wait(10)
+    return servers, monitor
 
 
 async def test_server_dies_with_a_killed_launcher(tmp_path, nats_binary):
