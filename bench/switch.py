@@ -18,8 +18,14 @@ again), as it does in a run. The worker runs with one torch thread, as every lau
 waits for the step in flight). No weights change between switches: a reclaim after a real step also
 loads the step's weights (``bench/weights.py`` measures that part).
 
+``--step-tokens 2048,256`` (vLLM) measures one worker per step budget
+(``worker.engine.max_num_batched_tokens``), one after the other in the same run: a lend waits for
+the engine step in flight, and the budget bounds it. ``calls/s`` is the load's completed calls
+over the run's wall time: what the budget costs in throughput.
+
 Usage: python -m bench.switch [--engine hf|vllm] [--model tiny|smollm2] [--switches 50]
-[--load 4]. Prints a table and writes bench/results/switch-<engine>-<model>.json.
+[--load 4] [--step-tokens N,M]. Prints a table and writes
+bench/results/switch-<engine>-<model>[-steps].json.
 """
 
 import argparse
@@ -98,28 +104,32 @@ def worker_seconds(samples, role: str) -> tuple[float, float]:
     return metric_sum(picked, f"{name}_sum"), metric_sum(picked, f"{name}_count")
 
 
-async def measure(nats_url: str, model: Path, args: argparse.Namespace) -> dict:
-    names = RunNames(RUN)
+async def measure(
+    nats_url: str, model: Path, args: argparse.Namespace, step_tokens: int | None, run: str
+) -> dict:
+    names = RunNames(run)
     async with session(nats_url, "bench-provision") as nc:
-        await provision_run(nc.jetstream(), RUN, ProvisionConfig())
+        await provision_run(nc.jetstream(), run, ProvisionConfig())
+    budget = () if step_tokens is None else ("--engine-max-num-batched-tokens", str(step_tokens))
     worker = worker_process(
         nats_url,
-        RUN,
+        run,
         model,
         WORKER,
         "--engine",
         args.engine,
+        *budget,
         "--tags",
         "train,rollout",
         "--max-running",
-        "16",
+        str(args.max_running),
     )  # one torch thread (OMP_NUM_THREADS=1), as `seamlessflow run` and the launchers give it
     await asyncio.to_thread(worker.wait_ready, 900)
     times: dict[str, list[float]] = {"train": [], "rollout": []}
     calls: list[float] = []
     failed: list[int] = []
     try:
-        config = GatewayConfig(model=SERVED, model_path=model, run=RUN, port=0)
+        config = GatewayConfig(model=SERVED, model_path=model, run=run, port=0)
         async with Gateway(config, nats_url) as gateway, session(nats_url, "bench-sched") as nc:
             client = openai.AsyncOpenAI(base_url=gateway.url, api_key="x", max_retries=0)
             load = [
@@ -127,6 +137,7 @@ async def measure(nats_url: str, model: Path, args: argparse.Namespace) -> dict:
                 for i in range(args.load)
             ]
             before = await scrape(worker.metrics_url)
+            started = time.perf_counter()
             epoch = 0
             for n in range(args.switches):
                 await asyncio.sleep(args.hold_s)  # serving (and generating, with --load)
@@ -142,6 +153,7 @@ async def measure(nats_url: str, model: Path, args: argparse.Namespace) -> dict:
                     flush=True,
                 )
             print()
+            wall = time.perf_counter() - started
             after = await scrape(worker.metrics_url)
             for task in load:
                 task.cancel()
@@ -150,7 +162,12 @@ async def measure(nats_url: str, model: Path, args: argparse.Namespace) -> dict:
                     await task
     finally:
         await asyncio.to_thread(worker.stop)
-    result = {"calls_completed": len(calls), "calls_failed": len(failed)}
+    result = {
+        "step_tokens": step_tokens,
+        "calls_completed": len(calls),
+        "calls_failed": len(failed),
+        "calls_per_s": len(calls) / wall,
+    }
     for role, label in (("train", "lend"), ("rollout", "reclaim")):
         ms = [t * 1e3 for t in times[role]]
         total, count = (
@@ -175,29 +192,50 @@ def main() -> None:
     parser.add_argument("--switches", type=int, default=50, help="lend + reclaim pairs")
     parser.add_argument("--load", type=int, default=4, help="chat sessions calling meanwhile")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-running", type=int, default=16, help="the worker's max_running")
     parser.add_argument("--hold-s", type=float, default=1.0, help="in each role between switches")
+    parser.add_argument(
+        "--step-tokens",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=None,
+        help="vLLM step budgets to compare, one worker each (default: the engine's default)",
+    )
     args = parser.parse_args()
+    if args.step_tokens and args.engine != "vllm":
+        parser.error("--step-tokens is a vLLM setting")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = resolve_model(args.model)
     loadavg_before = os.getloadavg()[0]
+    variants = args.step_tokens or [None]
     with bench_broker() as broker:
-        measured = asyncio.run(measure(broker.url, model, args))
+        measured = [
+            asyncio.run(measure(broker.url, model, args, tokens, f"{RUN}-{i}"))
+            for i, tokens in enumerate(variants)
+        ]
     print(
         f"\n{args.engine} / {args.model}: {args.switches} lends and reclaims, {args.load} chat "
-        f"sessions generating ({measured['calls_completed']} calls completed, "
-        f"{measured['calls_failed']} given up by the gateway)"
+        f"sessions generating {args.max_tokens} tokens a call"
     )
-    print(f"{'switch':>8}{'ack p50 ms':>12}{'ack p99 ms':>12}{'max ms':>9}{'worker mean ms':>16}")
-    for label in ("lend", "reclaim"):
-        m = measured[label]
-        worker = "-" if m["worker_ms_mean"] is None else f"{m['worker_ms_mean']:.1f}"
-        print(
-            f"{label:>8}{m['ack_ms_p50']:>12.1f}{m['ack_ms_p99']:>12.1f}{m['ack_ms_max']:>9.1f}"
-            f"{worker:>16}"
-        )
-    write_model_run(
-        f"switch-{args.engine}-{args.model}.json", args, model, measured, loadavg_before
+    print(
+        f"{'step tokens':>12}{'switch':>8}{'ack p50 ms':>12}{'ack p99 ms':>12}{'max ms':>9}"
+        f"{'worker mean ms':>16}{'calls done':>11}{'given up':>9}{'calls/s':>9}{'x first':>8}"
     )
+    for m in measured:
+        tokens = "default" if m["step_tokens"] is None else str(m["step_tokens"])
+        for label in ("lend", "reclaim"):
+            row = m[label]
+            worker = "-" if row["worker_ms_mean"] is None else f"{row['worker_ms_mean']:.1f}"
+            ratio = (
+                m["calls_per_s"] / measured[0]["calls_per_s"] if measured[0]["calls_per_s"] else 0
+            )
+            print(
+                f"{tokens:>12}{label:>8}{row['ack_ms_p50']:>12.1f}{row['ack_ms_p99']:>12.1f}"
+                f"{row['ack_ms_max']:>9.1f}{worker:>16}{m['calls_completed']:>11}"
+                f"{m['calls_failed']:>9}{m['calls_per_s']:>9.2f}{ratio:>7.2f}x"
+            )
+    name = f"switch-{args.engine}-{args.model}{'-steps' if args.step_tokens else ''}.json"
+    result = measured[0] if len(measured) == 1 else {"variants": measured}
+    write_model_run(name, args, model, result, loadavg_before)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from rollout.engines import (
     start_engine,
 )
 from rollout.engines.base import REGISTRY
+from rollout.engines.config import CPU_STEP_TOKENS
 from tests.engine_contract import CHECK_NAMES
 
 CONTRACT_TIMEOUT_S = 600
@@ -130,6 +131,17 @@ def test_engine_configs_validate_their_own_options():
         adapter.validate_python({"kind": "vllm", "max_num_seqs": 0})
     with pytest.raises(ValidationError, match="does not match any of the expected tags"):
         adapter.validate_python({"kind": "sglang"})
+
+
+def test_vllm_steps_are_bounded_on_a_cpu_unless_set():
+    """On a CPU vLLM gets a small step budget (its 2048-token default made a pause wait seconds
+    for one step of prefills), never below ``max_num_seqs`` (vLLM refuses that); on a GPU, and
+    wherever it is set, the setting (or vLLM's default) stands."""
+    assert VLLMEngineConfig().step_tokens("cpu") == CPU_STEP_TOKENS < 2048
+    assert VLLMEngineConfig(max_num_seqs=512).step_tokens("cpu") == 512
+    assert VLLMEngineConfig().step_tokens("cuda") is None
+    for device in ("cpu", "cuda"):
+        assert VLLMEngineConfig(max_num_batched_tokens=4096).step_tokens(device) == 4096
 
 
 async def test_hf_refuses_differing_tied_weights_and_duplicate_ids(

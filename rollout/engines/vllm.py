@@ -79,11 +79,14 @@ async def start(config: EngineConfig) -> "VLLMEngine":
     settings = config.settings
     if not isinstance(settings, VLLMEngineConfig):
         raise EngineError(f"the vllm engine was given a {settings.kind!r} engine config")
-    if why := unsupported(settings.dtype, "cuda" if torch.cuda.is_available() else "cpu"):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if why := unsupported(settings.dtype, device):
         raise EngineError(f"engine dtype {settings.dtype.value!r}: {why}")
     options = {"kv_cache_memory_bytes": settings.kv_cache_memory_bytes}
     if settings.max_num_seqs is not None:
         options["max_num_seqs"] = settings.max_num_seqs
+    if (step_tokens := settings.step_tokens(device)) is not None:
+        options["max_num_batched_tokens"] = step_tokens
     layout = await asyncio.to_thread(WeightLayout.of_model, model)
     rpc_dir = _rpc_dir()
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
