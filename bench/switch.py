@@ -23,8 +23,14 @@ loads the step's weights (``bench/weights.py`` measures that part).
 the engine step in flight, and the budget bounds it. ``calls/s`` is the load's completed calls
 over the run's wall time: what the budget costs in throughput.
 
-Usage: python -m bench.switch [--engine hf|vllm] [--model tiny|smollm2] [--switches 50]
-[--load 4] [--step-tokens N,M]. Prints a table and writes
+``--mode engine`` measures the engine alone, in this process, per step budget: rounds of
+``--load`` requests (random prompts of 40-90 tokens, as a lend's continuations re-read theirs,
+``--max-tokens`` each), paused once at a random moment of every round after the first and
+resumed at once. The pause is what a lend waits for; the round's seconds are the throughput.
+Writes bench/results/switch-engine-<engine>-<model>.json.
+
+Usage: python -m bench.switch [--mode worker|engine] [--engine hf|vllm] [--model tiny|smollm2]
+[--switches 50] [--load 4] [--step-tokens N,M]. Prints a table and writes
 bench/results/switch-<engine>-<model>[-steps].json.
 """
 
@@ -32,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import random
 import statistics
 import time
 from pathlib import Path
@@ -42,11 +49,12 @@ from bench.output import bench_broker, percentile, write_model_run
 from broker import codec
 from broker.client import session
 from broker.config import ProvisionConfig
-from broker.messages import Role, RoleChangeAcked, RoleChangeRequested
+from broker.messages import Role, RoleChangeAcked, RoleChangeRequested, SamplingParams
 from broker.provision import provision_run
 from broker.subjects import SESSION_HEADER, RunNames
 from common.metrics import metric_sum, scrape
 from common.models import resolve_model
+from rollout.engines import ENGINE_CONFIGS, EngineConfig, start_engine
 from rollout.gateway import Gateway, GatewayConfig
 from seamlessflow.processes import worker_process
 
@@ -185,8 +193,74 @@ async def measure(
     return result
 
 
+async def measure_engine(model: Path, args: argparse.Namespace, step_tokens: int | None) -> dict:
+    """The engine alone: ``--switches`` rounds of ``--load`` requests, each round after the first
+    paused once at a random moment and resumed at once."""
+    options = {} if args.engine == "hf" else {"max_num_seqs": args.max_running}
+    if step_tokens is not None:
+        options["max_num_batched_tokens"] = step_tokens
+    settings = ENGINE_CONFIGS[args.engine](**options)
+    engine = await start_engine(EngineConfig(model=model, max_model_len=512, settings=settings))
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
+
+    async def request(request_id: str) -> None:
+        prompt = [rng.randrange(100, 10_000) for _ in range(rng.randrange(40, 90))]
+        async for _ in engine.generate(request_id, prompt, params):
+            pass
+
+    pauses: list[float] = []
+    rounds: list[float] = []
+    try:
+        for n in range(args.switches + 1):
+            started = time.perf_counter()
+            running = [asyncio.create_task(request(f"{n}-{i}")) for i in range(args.load)]
+            if n:  # the first round warms up
+                await asyncio.sleep(rng.uniform(0.05, 1.0))
+                paused = time.perf_counter()
+                await engine.pause()
+                pauses.append(time.perf_counter() - paused)
+                await engine.resume()
+            await asyncio.gather(*running)
+            if n:
+                rounds.append(time.perf_counter() - started)
+            print(f"\rrounds {n}/{args.switches}", end="", flush=True)
+        print()
+    finally:
+        await engine.close()
+    ms = [t * 1e3 for t in pauses]
+    return {
+        "step_tokens": step_tokens,
+        "pause_ms_p50": statistics.median(ms),
+        "pause_ms_p99": percentile(ms, 99),
+        "pause_ms_max": max(ms),
+        "round_s_mean": statistics.mean(rounds),
+        "pause_ms": ms,
+        "round_s": rounds,
+    }
+
+
+def print_engine(measured: list[dict], args: argparse.Namespace) -> None:
+    print(
+        f"\n{args.engine} / {args.model} alone: {args.switches} rounds of {args.load} requests "
+        f"({args.max_tokens} tokens each), one pause a round"
+    )
+    print(
+        f"{'step tokens':>12}{'pause p50 ms':>14}{'p99 ms':>9}{'max ms':>9}{'round s':>9}"
+        f"{'x first':>9}"
+    )
+    for m in measured:
+        tokens = "default" if m["step_tokens"] is None else str(m["step_tokens"])
+        ratio = m["round_s_mean"] / measured[0]["round_s_mean"]
+        print(
+            f"{tokens:>12}{m['pause_ms_p50']:>14.1f}{m['pause_ms_p99']:>9.1f}"
+            f"{m['pause_ms_max']:>9.1f}{m['round_s_mean']:>9.2f}{ratio:>8.2f}x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mode", choices=("worker", "engine"), default="worker")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--switches", type=int, default=50, help="lend + reclaim pairs")
@@ -207,6 +281,12 @@ def main() -> None:
     model = resolve_model(args.model)
     loadavg_before = os.getloadavg()[0]
     variants = args.step_tokens or [None]
+    if args.mode == "engine":
+        measured = [asyncio.run(measure_engine(model, args, tokens)) for tokens in variants]
+        print_engine(measured, args)
+        name = f"switch-engine-{args.engine}-{args.model}.json"
+        write_model_run(name, args, model, {"variants": measured}, loadavg_before)
+        return
     with bench_broker() as broker:
         measured = [
             asyncio.run(measure(broker.url, model, args, tokens, f"{RUN}-{i}"))
@@ -225,13 +305,12 @@ def main() -> None:
         for label in ("lend", "reclaim"):
             row = m[label]
             worker = "-" if row["worker_ms_mean"] is None else f"{row['worker_ms_mean']:.1f}"
-            ratio = (
-                m["calls_per_s"] / measured[0]["calls_per_s"] if measured[0]["calls_per_s"] else 0
-            )
+            first = measured[0]["calls_per_s"]
+            ratio = f"{m['calls_per_s'] / first:.2f}x" if first else "-"
             print(
                 f"{tokens:>12}{label:>8}{row['ack_ms_p50']:>12.1f}{row['ack_ms_p99']:>12.1f}"
                 f"{row['ack_ms_max']:>9.1f}{worker:>16}{m['calls_completed']:>11}"
-                f"{m['calls_failed']:>9}{m['calls_per_s']:>9.2f}{ratio:>7.2f}x"
+                f"{m['calls_failed']:>9}{m['calls_per_s']:>9.2f}{ratio:>8}"
             )
     name = f"switch-{args.engine}-{args.model}{'-steps' if args.step_tokens else ''}.json"
     result = measured[0] if len(measured) == 1 else {"variants": measured}
