@@ -66,8 +66,10 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
         scheduler["tasks admitted"] >= 2 * STEPS
         and summary["trainer"]["samples stale_dropped"] == 0
     )
-    # The layout's processes and no others: a trainer and a rollout worker, or one worker.
-    assert scheduler["workers"] == (1 if layout == "colocated" else 2)
+    # The scheduler saw no worker but the layout's: a trainer and a rollout worker, or one. Its
+    # gauge counts the workers live at its last tick; one whose heartbeat is late then (a loaded
+    # CI machine) is left out, so it may read one less. The registry below counts them all.
+    assert 1 <= scheduler["workers"] <= (1 if layout == "colocated" else 2)
     if layout != "disaggregated":  # the trainer's worker served rollout while the trainer waited
         assert scheduler["lends"] >= 1 and scheduler["reclaims"] >= 1
     # Role changes repeated nothing: no sample was trained twice, versions are consecutive.
