@@ -53,7 +53,7 @@ from broker.messages import Role, RoleChangeAcked, RoleChangeRequested, Sampling
 from broker.provision import provision_run
 from broker.subjects import SESSION_HEADER, RunNames
 from common.metrics import metric_sum, scrape
-from common.models import resolve_model
+from common.models import model_info, resolve_model
 from rollout.engines import ENGINE_CONFIGS, EngineConfig, start_engine
 from rollout.gateway import Gateway, GatewayConfig
 from seamlessflow.processes import worker_process
@@ -203,9 +203,10 @@ async def measure_engine(model: Path, args: argparse.Namespace, step_tokens: int
     engine = await start_engine(EngineConfig(model=model, max_model_len=512, settings=settings))
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
+    vocab = model_info(model)["vocab_size"]
 
     async def request(request_id: str) -> None:
-        prompt = [rng.randrange(100, 10_000) for _ in range(rng.randrange(40, 90))]
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(40, 90))]
         async for _ in engine.generate(request_id, prompt, params):
             pass
 
@@ -240,22 +241,63 @@ async def measure_engine(model: Path, args: argparse.Namespace, step_tokens: int
     }
 
 
+def print_table(columns: dict[str, int], rows: list[tuple[str, ...]]) -> None:
+    """A right-aligned table: each column's title and width, then the rows' cells."""
+    print("".join(f"{title:>{width}}" for title, width in columns.items()))
+    for row in rows:
+        print("".join(f"{cell:>{w}}" for cell, w in zip(row, columns.values(), strict=True)))
+
+
+def budget(measured: dict) -> str:
+    return "default" if measured["step_tokens"] is None else str(measured["step_tokens"])
+
+
 def print_engine(measured: list[dict], args: argparse.Namespace) -> None:
     print(
         f"\n{args.engine} / {args.model} alone: {args.switches} rounds of {args.load} requests "
         f"({args.max_tokens} tokens each), one pause a round"
     )
-    print(
-        f"{'step tokens':>12}{'pause p50 ms':>14}{'p99 ms':>9}{'max ms':>9}{'round s':>9}"
-        f"{'x first':>9}"
-    )
-    for m in measured:
-        tokens = "default" if m["step_tokens"] is None else str(m["step_tokens"])
-        ratio = m["round_s_mean"] / measured[0]["round_s_mean"]
-        print(
-            f"{tokens:>12}{m['pause_ms_p50']:>14.1f}{m['pause_ms_p99']:>9.1f}"
-            f"{m['pause_ms_max']:>9.1f}{m['round_s_mean']:>9.2f}{ratio:>8.2f}x"
+    first = measured[0]["round_s_mean"]
+    columns = {"step tokens": 12, "pause p50 ms": 14, "p99 ms": 9, "max ms": 9, "round s": 9}
+    rows = [
+        (
+            budget(m),
+            f"{m['pause_ms_p50']:.1f}",
+            f"{m['pause_ms_p99']:.1f}",
+            f"{m['pause_ms_max']:.1f}",
+            f"{m['round_s_mean']:.2f}",
+            f"{m['round_s_mean'] / first:.2f}x",
         )
+        for m in measured
+    ]
+    print_table({**columns, "x first": 9}, rows)
+
+
+def print_worker(measured: list[dict], args: argparse.Namespace) -> None:
+    print(
+        f"\n{args.engine} / {args.model}: {args.switches} lends and reclaims, {args.load} chat "
+        f"sessions generating {args.max_tokens} tokens a call"
+    )
+    first = measured[0]["calls_per_s"]
+    columns = {"step tokens": 12, "switch": 8, "ack p50 ms": 12, "ack p99 ms": 12, "max ms": 9}
+    columns |= {"worker mean ms": 16, "calls done": 11, "given up": 9, "calls/s": 9, "x first": 8}
+    rows = [
+        (
+            budget(m),
+            label,
+            f"{m[label]['ack_ms_p50']:.1f}",
+            f"{m[label]['ack_ms_p99']:.1f}",
+            f"{m[label]['ack_ms_max']:.1f}",
+            "-" if m[label]["worker_ms_mean"] is None else f"{m[label]['worker_ms_mean']:.1f}",
+            str(m["calls_completed"]),
+            str(m["calls_failed"]),
+            f"{m['calls_per_s']:.2f}",
+            f"{m['calls_per_s'] / first:.2f}x" if first else "-",
+        )
+        for m in measured
+        for label in ("lend", "reclaim")
+    ]
+    print_table(columns, rows)
 
 
 def main() -> None:
@@ -284,36 +326,16 @@ def main() -> None:
     if args.mode == "engine":
         measured = [asyncio.run(measure_engine(model, args, tokens)) for tokens in variants]
         print_engine(measured, args)
-        name = f"switch-engine-{args.engine}-{args.model}.json"
-        write_model_run(name, args, model, {"variants": measured}, loadavg_before)
-        return
-    with bench_broker() as broker:
-        measured = [
-            asyncio.run(measure(broker.url, model, args, tokens, f"{RUN}-{i}"))
-            for i, tokens in enumerate(variants)
-        ]
-    print(
-        f"\n{args.engine} / {args.model}: {args.switches} lends and reclaims, {args.load} chat "
-        f"sessions generating {args.max_tokens} tokens a call"
-    )
-    print(
-        f"{'step tokens':>12}{'switch':>8}{'ack p50 ms':>12}{'ack p99 ms':>12}{'max ms':>9}"
-        f"{'worker mean ms':>16}{'calls done':>11}{'given up':>9}{'calls/s':>9}{'x first':>8}"
-    )
-    for m in measured:
-        tokens = "default" if m["step_tokens"] is None else str(m["step_tokens"])
-        for label in ("lend", "reclaim"):
-            row = m[label]
-            worker = "-" if row["worker_ms_mean"] is None else f"{row['worker_ms_mean']:.1f}"
-            first = measured[0]["calls_per_s"]
-            ratio = f"{m['calls_per_s'] / first:.2f}x" if first else "-"
-            print(
-                f"{tokens:>12}{label:>8}{row['ack_ms_p50']:>12.1f}{row['ack_ms_p99']:>12.1f}"
-                f"{row['ack_ms_max']:>9.1f}{worker:>16}{m['calls_completed']:>11}"
-                f"{m['calls_failed']:>9}{m['calls_per_s']:>9.2f}{ratio:>8}"
-            )
-    name = f"switch-{args.engine}-{args.model}{'-steps' if args.step_tokens else ''}.json"
-    result = measured[0] if len(measured) == 1 else {"variants": measured}
+        name, result = f"switch-engine-{args.engine}-{args.model}.json", {"variants": measured}
+    else:
+        with bench_broker() as broker:
+            measured = [
+                asyncio.run(measure(broker.url, model, args, tokens, f"{RUN}-{i}"))
+                for i, tokens in enumerate(variants)
+            ]
+        print_worker(measured, args)
+        name = f"switch-{args.engine}-{args.model}{'-steps' if args.step_tokens else ''}.json"
+        result = measured[0] if len(measured) == 1 else {"variants": measured}
     write_model_run(name, args, model, result, loadavg_before)
 
 
