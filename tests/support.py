@@ -605,10 +605,40 @@ class NatsCluster:
                     proc.wait()
 
 
+LOWEST_TEST_PORT = 10000
+
+
+def _port_slice() -> range:
+    """This test process's ports: below the kernel's ephemeral range, where every bind to port 0
+    (another test's server, a client's connection) lands, split between the xdist workers."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdigit() else 0
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+    width = (ephemeral - LOWEST_TEST_PORT) // count
+    if width < 100:
+        raise RuntimeError(f"ephemeral ports start at {ephemeral}: no room for test ports")
+    start = LOWEST_TEST_PORT + index * width
+    return range(start, start + width)
+
+
+_PORTS = itertools.cycle(_port_slice())
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now that no other test of this run is handed: from this process's
+    slice (``_port_slice``), each once before any comes again, skipping ports in use. A port taken
+    from port 0 could be bound by a test beside this one before its server binds it."""
+    for _ in range(1000):
+        port = next(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free test port in 1000 tries")
 
 
 def status_workers(stdout: str) -> dict[str, dict[str, str]]:

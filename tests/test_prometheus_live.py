@@ -8,7 +8,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from seamlessflow.processes import ServiceProcess
 from seamlessflow.run import SCRAPE_TARGETS
 from seamlessflow.targets import KINDS
+from tests.support import free_port
 from tests.test_dashboards import DASHBOARDS, OWN_PREFIXES, dashboard_queries, query_kinds
 
 ROOT = Path(__file__).parents[1]
@@ -65,12 +65,6 @@ weights_store_max_bytes = 50331648
     f"[provision.{part}]\nmax_bytes = 4194304\nmax_age_s = 3600.0\n"
     for part in ("tasks", "gen", "traj", "samples", "weights", "dead")
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
