@@ -3,13 +3,15 @@ trainer steps as ``train`` (as one rank of the trainer group, ``trainer.group``:
 workers train together, and only the group's rank 0 takes samples). Switching stops one part
 before starting the other: taking ``train`` stops routing to the engine, aborts its generations
 (they continue elsewhere) and pauses it warm; giving ``train`` up lets the step in progress
-commit first."""
+commit first. Where it lends the device's memory (``lends_memory``), the engine sleeps while it
+trains and the trainer's state waits in host memory while it generates."""
 
 import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from functools import partial
 
+import torch
 from nats.aio.client import Client as NATS
 
 from broker.client import session
@@ -49,13 +51,14 @@ class Colocated:
 
 async def serve_colocated(c: Colocated, stop: asyncio.Event) -> None:
     """Run the worker and its trainer until ``stop`` (or until either part ends)."""
+    lend = lends_memory(c)  # a bad setting fails before anything starts
     metrics = serve_metrics(*METRICS, TRAINER_METRICS, port=c.metrics_port)
     engine = await start_engine(c.engine)
     try:
         async with session(
             c.url, f"seamlessflow-worker-{c.worker.worker_id}", principal=Principal.TRAINER
         ) as nc:
-            await _serve(nc, c, engine, metrics.url, stop)
+            await _serve(nc, c, engine, metrics.url, stop, lend)
     finally:
         await engine.close()
         metrics.close()
@@ -63,13 +66,15 @@ async def serve_colocated(c: Colocated, stop: asyncio.Event) -> None:
 
 
 async def _serve(
-    nc: NATS, c: Colocated, engine: Engine, metrics_url: str, stop: asyncio.Event
+    nc: NATS, c: Colocated, engine: Engine, metrics_url: str, stop: asyncio.Event, lend: bool
 ) -> None:
     names = RunNames(c.run)
     js = nc.jetstream()
     ranks, start = await open_ranks(c.engine.model, c.trainer)
     try:
-        rollout = RolloutWorker(nc, names, engine, c.worker, c.provision.gen, nats_url=c.url)
+        rollout = RolloutWorker(
+            nc, names, engine, c.worker, c.provision.gen, nats_url=c.url, sleeps_idle=lend
+        )
         watch = ServingWatch(c.provision.workers_ttl_s)
         trainer = Trainer(js, names, c.trainer, ranks, watch, start, grouped=True)
         await rollout.load_latest()
@@ -84,10 +89,14 @@ async def _serve(
 
         async def switch(role: Role) -> None:
             if role is Role.TRAIN:
-                await rollout.take(Role.IDLE)
+                await rollout.take(Role.IDLE)  # lending memory: the engine sleeps
+                if lend:
+                    await asyncio.to_thread(ranks.onload)
                 await trainer.take(Role.TRAIN)
             else:
-                await trainer.take(Role.IDLE)
+                await trainer.take(Role.IDLE)  # the step in progress commits first
+                if lend:
+                    await asyncio.to_thread(ranks.offload)
                 await rollout.take(role)
 
         ready = partial(announce, c.run, c.engine, c.worker, metrics_url)
@@ -114,6 +123,21 @@ async def _serve(
                 raise outcome
     finally:
         await close_ranks(ranks)
+
+
+def lends_memory(c: Colocated) -> bool:
+    """``[worker] lend_memory``; unset: on where the trainer runs on CUDA with the torch backend
+    (the one that can hand its memory over)."""
+    if c.worker.lend_memory is None:
+        device = c.trainer.device
+        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        return cuda and c.trainer.backend.kind == "torch"
+    if c.worker.lend_memory and c.trainer.world_size > 1:
+        raise ValueError(
+            "[worker] lend_memory hands over this process's memory only: it needs "
+            f"[trainer] world_size = 1 (it is {c.trainer.world_size}), one rank per worker"
+        )
+    return c.worker.lend_memory
 
 
 async def _part(part: Awaitable[None], stop: asyncio.Event) -> None:

@@ -85,6 +85,12 @@ class EmulatedBackend:
     def zero_grad(self) -> None:
         self._weight.grad = None
 
+    def offload(self) -> None:
+        """(Its weights hold no device memory.)"""
+
+    def onload(self) -> None:
+        """(Its weights hold no device memory.)"""
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return {"emulated.weight": self._weight.detach()}
 

@@ -89,8 +89,10 @@ class RolloutWorker:
         gen_limits: StreamLimits,
         *,
         nats_url: str,
+        sleeps_idle: bool = False,
     ) -> None:
         self._nc = nc
+        self._sleeps_idle = sleeps_idle  # a colocated worker lending the device's memory
         self._js = nc.jetstream()
         self._names = names
         self._engine = engine
@@ -160,17 +162,22 @@ class RolloutWorker:
 
     # -- roles ------------------------------------------------------------------------------
     async def take(self, role: Role) -> None:
-        """``RoleHolder``'s switch: serve ``gen.req`` as ``rollout``, nothing as ``idle``."""
+        """``RoleHolder``'s switch: serve ``gen.req`` as ``rollout``, nothing as ``idle`` (where
+        ``sleeps_idle``, the engine sleeps: its device memory is handed over to training)."""
         if role not in (Role.ROLLOUT, Role.IDLE):
             raise ValueError(f"a rollout worker cannot hold the role {role.value!r}")
         if role is Role.IDLE:  # first stop routing and abort: never wait for responses
             await self._stop_serving("interrupted: worker reclaimed", cause="reclaimed", wait=False)
         async with self._engine_lock:
             if role is Role.ROLLOUT:
+                if self._sleeps_idle:
+                    await self._engine.wake()
                 await self._engine.resume()
                 await self._start_serving()
             else:
                 await self._engine.pause()
+                if self._sleeps_idle:
+                    await self._engine.sleep()
 
     async def _start_serving(self) -> None:
         if self._ending is not None:  # reclaimed before the last ingress ended: one at a time

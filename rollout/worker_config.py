@@ -53,6 +53,13 @@ class WorkerConfig(BaseModel):
         description="an engine still loading weights after this is quarantined: routing stops, "
         "its generations continue elsewhere, and it rejoins serving the newest version",
     )
+    lend_memory: bool | None = Field(
+        default=None,
+        description="a worker that also trains (tagged train): hand the device's memory over at "
+        "each role switch, the engine asleep while it trains (its KV cache freed, its weights "
+        "in host memory) and the trainer's model and optimizer state in host memory while it "
+        "generates; unset: on where it trains on CUDA with the torch backend",
+    )
     engine: EngineSettings = Field(
         default_factory=HFEngineConfig, description="the engine (its kind) and its own options"
     )

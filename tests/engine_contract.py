@@ -546,6 +546,48 @@ async def check_pause_load_resume_switches_version_mid_request(
             await restore_weights(engine, model_dir)
 
 
+async def check_sleep_aborts_holds_requests_and_wakes_on_weights_loaded_asleep(
+    engine: Engine, model_dir: Path
+) -> None:
+    """A colocated worker lent to training: ``sleep`` only paused; it ends what still runs;
+    a request made asleep waits; ``resume`` is refused until ``wake``; weights loaded asleep are
+    what serves after it."""
+    await expect_engine_error(engine.sleep(), "sleep while serving")
+    long = GREEDY.model_copy(update={"max_tokens": 100})
+    running = await Stream(engine, PROMPT, long).until(2)
+    params = GREEDY.model_copy(update={"max_tokens": 20})
+    with tempfile.TemporaryDirectory() as tmp:
+        new = write_perturbed_weights(model_dir, Path(tmp), seed=5)
+        version = engine.version + 1
+        await engine.pause()
+        try:
+            free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+            await engine.sleep()
+            if free is not None:  # what vLLM's sleep mode gave back (a CPU engine: nothing)
+                measure(device_bytes_freed_asleep=torch.cuda.mem_get_info()[0] - free)
+            await engine.sleep()  # asleep already: a no-op
+            await running.done()
+            assert running.finish_reason == FinishReason.ABORT, running.finish_reason
+            assert engine.num_running == 0, f"num_running {engine.num_running} asleep"
+            waiting = Stream(engine, PROMPT, params)
+            await expect_engine_error(engine.resume(), "resume while asleep")
+            await engine.load_weights(version, Path(tmp))
+            assert engine.version == version, f"version {engine.version}, loaded {version}"
+            assert await quiet(waiting, "asleep") == 0
+            await engine.wake()
+            await engine.resume()
+            await waiting.done()
+            assert {c.version for c in waiting.chunks} == {version}
+            await new.assert_greedy(waiting, "made asleep")
+            await new.assert_logprobs(waiting, "after_wake")
+        finally:
+            await engine.wake()
+            await engine.resume()
+            await restore_weights(engine, model_dir)
+    again = await run(engine, PROMPT)
+    await base_reference(model_dir).assert_greedy(again, "after sleep, wake and a restore")
+
+
 async def check_concurrent_requests(engine: Engine, model_dir: Path) -> None:
     ref = base_reference(model_dir)
     greedy = GREEDY.model_copy(update={"max_tokens": 20})
@@ -620,6 +662,7 @@ CHECKS = [
     check_abort_ends_stream_and_frees_request,
     check_pause_resume_continues_exactly,
     check_pause_load_resume_switches_version_mid_request,
+    check_sleep_aborts_holds_requests_and_wakes_on_weights_loaded_asleep,
     check_concurrent_requests,
     check_bad_input_raises_engine_error,
     check_close_with_requests_in_flight,  # closes the engine: last

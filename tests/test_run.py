@@ -39,11 +39,15 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
     broker, js, run_name, tmp_path, run_toml, layout
 ):
     out = tmp_path / "out"
+    # The colocated worker lends the device's memory at every switch, as it does on a GPU: its
+    # engine sleeps while it trains (here only the engine's side of it: a CPU frees nothing).
+    worker = {"lend_memory": True} if layout == "colocated" else {}
     config = run_toml(
         run_name,
         tasks={"group_size": GROUP},
         trainer={"groups_per_step": 2, "max_staleness": 2},
         layout={"kind": layout},
+        worker=worker,
         stop={"max_steps": STEPS, "max_seconds": 240},
     )
     env = {**os.environ, "SEAMLESSFLOW_MODELS": str(tmp_path / "models"), "HF_HUB_OFFLINE": "1"}

@@ -25,6 +25,7 @@ from broker.registry import watch_workers
 from broker.subjects import Durable, RunNames
 from broker.weights import LOCAL_BLOB, announce_local, host_id, local_folder, publish_weights
 from rollout.engines import EngineConfig, HFEngineConfig, start_engine
+from rollout.exceptions import EngineError
 from rollout.worker import RolloutWorker
 from rollout.worker_config import WorkerConfig
 from seamlessflow.processes import worker_process
@@ -345,23 +346,31 @@ async def test_a_stopping_worker_hands_requests_back_unfailed(nc, js, names):
     assert await _stream_has(js, names.gen_stream, 1)  # still queued
 
 
+@pytest.mark.parametrize("sleeps_idle", [False, True], ids=["warm", "lending-memory"])
 async def test_a_lend_does_not_wait_for_the_pending_fetch_and_a_reclaim_serves_what_came(
-    nc, js, names, tiny_model_dir, monkeypatch
+    nc, js, names, tiny_model_dir, monkeypatch, sleeps_idle
 ):
     """Lent (``take(idle)``), the worker stops routing, aborts and pauses its engine without
     waiting for its ingress's pending fetch (up to ``FETCH_TIMEOUT_S``; 30 s here, so that the
     fetch is surely still pending): that ingress hands back what the fetch brings and ends by
-    itself, and the reclaim serves the request. In process, with a real hf engine."""
+    itself, and the reclaim serves the request. In process, with a real hf engine. A worker
+    lending the device's memory (a colocated one's ``sleeps_idle``) also puts its engine to
+    sleep, and the reclaim wakes it before serving."""
     monkeypatch.setattr(rollout.worker, "FETCH_TIMEOUT_S", 30.0)
     engine = await start_engine(EngineConfig(tiny_model_dir, 2048, settings=HFEngineConfig()))
     config = WorkerConfig(worker_id="w-lent")
-    worker = RolloutWorker(nc, names, engine, config, SMALL_RUN.gen, nats_url="")
+    worker = RolloutWorker(
+        nc, names, engine, config, SMALL_RUN.gen, nats_url="", sleeps_idle=sleeps_idle
+    )
     try:
         await worker.take(Role.ROLLOUT)
         ingress = worker._serving
         assert ingress is not None
         await eventually(lambda: _pulls_waiting(js, names), watch=ingress)  # fetching, idle
         await asyncio.wait_for(worker.take(Role.IDLE), 10)  # waiting for the fetch: 30 s
+        if sleeps_idle:  # asleep: only a wake lets it resume
+            with pytest.raises(EngineError, match="asleep"):
+                await engine.resume()
         assert not ingress.done()  # its fetch is still pending
         returned0 = _ingress_count("returned")
         call = await Call(nc, names, "c-lent", max_tokens=4, temperature=0).start()

@@ -124,6 +124,15 @@ class RankGroup:
             lambda: accumulation.commit(self.backend, version, self._config),
         )
 
+    def offload(self) -> None:
+        """This rank's state to host memory (``TrainerBackend.offload``), between commands."""
+        with self._lock:
+            self.backend.offload()
+
+    def onload(self) -> None:
+        with self._lock:
+            self.backend.onload()
+
     def discard(self) -> None:
         """Drop what ``accumulate`` computed (rank 0; the others drop theirs when a group forms:
         ``join``)."""

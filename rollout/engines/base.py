@@ -108,9 +108,31 @@ class Engine(Protocol):
 
     async def resume(self) -> None: ...
 
+    async def sleep(self) -> None:
+        """Hand the device's memory over (a colocated worker lent to training): paused
+        (``EngineError`` otherwise), it aborts what still runs and frees what it holds on the
+        device (KV cache; the weights kept in host memory) until ``wake``. Requests wait
+        meanwhile, and ``resume`` is refused; weights loaded meanwhile serve after ``wake``. An
+        engine on a CPU has no device memory to free."""
+        ...
+
+    async def wake(self) -> None:
+        """Take the memory back (and the weights loaded asleep); paused still."""
+        ...
+
     async def load_weights(self, version: int, path: Path) -> None: ...
 
     async def close(self) -> None: ...
+
+
+def check_sleepable(engine: str, paused: bool) -> None:
+    if not paused:
+        raise EngineError(f"the {engine} engine sleeps only paused: pause it first")
+
+
+def check_awake(engine: str, asleep: bool) -> None:
+    if asleep:
+        raise EngineError(f"the {engine} engine is asleep: wake it before resuming")
 
 
 class InProcessEngine:
@@ -132,6 +154,7 @@ class InProcessEngine:
         self._step_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._paused = False
+        self._asleep = False
         self._closed = False
 
     @property
@@ -157,8 +180,21 @@ class InProcessEngine:
                 self._release(request, FinishReason.ABORT)
 
     async def resume(self) -> None:
+        check_awake(self.name, self._asleep)
         self._paused = False
         self._wake.set()
+
+    async def sleep(self) -> None:
+        """(On a CPU: nothing to free.)"""
+        if self._asleep:
+            return
+        check_sleepable(self.name, self._paused)
+        for request_id in list(self._requests):
+            await self.abort(request_id)
+        self._asleep = True
+
+    async def wake(self) -> None:
+        self._asleep = False
 
     async def _shut(self) -> bool:
         """The first part of ``close``: abort every request, end the scheduler. False when

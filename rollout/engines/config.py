@@ -59,6 +59,13 @@ class VLLMEngineConfig(_EngineOptions):
         f"{CPU_STEP_TOKENS} on a CPU (at least max_num_seqs), vLLM's default on a GPU",
     )
 
+    sleep_mode: bool | None = Field(
+        default=None,
+        description="vLLM's sleep mode: a colocated worker's engine frees the GPU's memory while "
+        "the worker trains ([worker] lend_memory); CUDA only (on a CPU vLLM's sleep frees "
+        "nothing); unset: on with CUDA",
+    )
+
     def step_tokens(self, device: str) -> int | None:
         """The step budget to give vLLM on ``device`` (``cpu``, ``cuda``); None: vLLM's own."""
         if self.max_num_batched_tokens is not None or device != "cpu":

@@ -16,17 +16,21 @@ starts an EngineCore process (scheduler) and a Worker process (the model) with m
   output can span two versions; it is split where vLLM recorded the version changing.
 - **Weight reload** goes through the worker extension ``rollout.engines.vllm_worker``. A reload
   that fails inside vLLM leaves a half-loaded model and kills the engine, so the files are
-  checked here first (names, shapes, float dtypes, against the checkpoint the engine started
-  from; a tied ``lm_head.weight``, which vLLM would ignore, must equal the embedding) and only
-  files that pass are sent. After every reload the prefix cache is dropped and
-  running requests are preempted, so nothing reuses KV computed by the old weights.
+  checked first (``rollout.engines.vllm_weights``: names, shapes, float dtypes, against the
+  checkpoint the engine started from; a tied ``lm_head.weight``, which vLLM would ignore, must
+  equal the embedding) and only files that pass are sent. After every reload the prefix cache
+  is dropped and running requests are preempted, so nothing reuses KV computed by the old
+  weights.
+- **Sleep** (a colocated worker lent to training) uses vLLM's sleep mode where it frees
+  memory (CUDA; ``VLLMEngineConfig.sleep_mode``): level 1, the weights to host memory and the
+  KV cache freed. Weights loaded asleep wait for ``wake``, which brings the weights back,
+  reloads them, then the KV cache. On a CPU vLLM's sleep frees nothing, so it is not called.
 - **Shutdown** with requests in flight leaves their streams waiting forever: ``close`` aborts
   them first.
 """
 
 import asyncio
 import gc
-import json
 import logging
 import os
 import shutil
@@ -36,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError, VLLMError
@@ -55,8 +58,11 @@ from rollout.engines.base import (
     ENGINE_WEIGHT_LOADS,
     EngineConfig,
     GenerationChunk,
+    check_awake,
+    check_sleepable,
 )
 from rollout.engines.config import VLLMEngineConfig
+from rollout.engines.vllm_weights import WeightLayout
 from rollout.engines.vllm_worker import WeightReloader
 from rollout.exceptions import EngineError
 
@@ -65,7 +71,6 @@ log = logging.getLogger(__name__)
 ENGINE = "vllm"
 
 
-FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 CLOSE_ABORT_TIMEOUT_S = 10.0
 
 _FINISH = {reason.value: reason for reason in FinishReason}
@@ -87,6 +92,11 @@ async def start(config: EngineConfig) -> "VLLMEngine":
         options["max_num_seqs"] = settings.max_num_seqs
     if (step_tokens := settings.step_tokens(device)) is not None:
         options["max_num_batched_tokens"] = step_tokens
+    if settings.sleep_mode and device != "cuda":
+        raise EngineError("vLLM's sleep mode frees GPU memory only: sleep_mode needs CUDA")
+    sleep_mode = device == "cuda" if settings.sleep_mode is None else settings.sleep_mode
+    if sleep_mode:
+        options["enable_sleep_mode"] = True
     layout = await asyncio.to_thread(WeightLayout.of_model, model)
     rpc_dir = _rpc_dir()
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
@@ -118,95 +128,7 @@ async def start(config: EngineConfig) -> "VLLMEngine":
             raise EngineError(f"vLLM started on {model} but does not answer: {exc}") from exc
         raise
     log.info(kv("vllm_engine_started", model=model, version=config.version, **options))
-    return VLLMEngine(llm, layout, config.version, rpc_dir)
-
-
-@dataclass(frozen=True)
-class WeightLayout:
-    """The tensors a weights folder must hold: HF name -> shape."""
-
-    shapes: dict[str, tuple[int, ...]]
-    tied: dict[str, str]
-    """Name -> the name whose tensor it shares (``lm_head.weight`` -> the embedding). vLLM
-    loads only the second, so the first may be absent, and if present must be equal."""
-
-    @classmethod
-    def of_model(cls, model: Path) -> "WeightLayout":
-        """The layout of the checkpoint in the HF model folder ``model``."""
-        shapes = {name: shape for name, (shape, _, _) in _headers(model).items()}
-        config = json.loads((model / "config.json").read_text())
-        embed = shapes.get("model.embed_tokens.weight")
-        if config.get("tie_word_embeddings") and embed is not None:
-            shapes["lm_head.weight"] = embed
-            return cls(shapes, {"lm_head.weight": "model.embed_tokens.weight"})
-        return cls(shapes, {})
-
-    def check(self, folder: Path) -> list[Path]:
-        """The safetensors files (absolute paths) of ``folder`` if they hold exactly this
-        layout in a float dtype, else ``EngineError`` saying what is wrong. Reads the headers,
-        and the tensors of tied names given twice."""
-        found = _headers(folder)
-        problems = []
-        missing = sorted(set(self.shapes) - set(self.tied) - set(found))
-        if missing:
-            problems.append(f"missing {_some(missing)}")
-        unknown = sorted(set(found) - set(self.shapes))
-        if unknown:
-            problems.append(f"unknown {_some(unknown)}")
-        for name, (shape, dtype, _) in sorted(found.items()):
-            expected = self.shapes.get(name)
-            if expected is not None and shape != expected:
-                problems.append(f"{name} has shape {list(shape)}, expected {list(expected)}")
-            if dtype not in FLOAT_DTYPES:
-                problems.append(f"{name} has dtype {dtype}, expected a float dtype")
-        if not problems:  # every tied source is there
-            problems = [
-                f"tied weights {name} and {source} differ"
-                for name, source in self.tied.items()
-                if name in found and not _same(found, name, source)
-            ]
-        if problems:
-            raise EngineError(f"weights in {folder} do not fit the model: {'; '.join(problems)}")
-        return sorted(folder.resolve().glob("*.safetensors"))
-
-
-_Header = tuple[tuple[int, ...], str, Path]
-"""Shape, dtype and file of a tensor in a safetensors file."""
-
-
-def _headers(folder: Path) -> dict[str, _Header]:
-    """Name -> header of every tensor in the ``*.safetensors`` files of ``folder``."""
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise EngineError(f"no *.safetensors files in {folder}")
-    found: dict[str, _Header] = {}
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (not a dict)
-                    if name in found:
-                        raise EngineError(f"tensor {name} appears twice in {folder}")
-                    tensor = f.get_slice(name)
-                    found[name] = (tuple(tensor.get_shape()), tensor.get_dtype(), file)
-        except (SafetensorError, OSError) as exc:
-            raise EngineError(f"cannot read {file} as safetensors: {exc}") from exc
-    return found
-
-
-def _same(found: dict[str, _Header], a: str, b: str) -> bool:
-    """Whether the tensors named ``a`` and ``b`` hold the same values."""
-    tensor_a, tensor_b = (_tensor(found, name) for name in (a, b))
-    return torch.equal(tensor_a.to(tensor_b.dtype), tensor_b)
-
-
-def _tensor(found: dict[str, _Header], name: str) -> torch.Tensor:
-    with safe_open(found[name][2], framework="pt") as f:
-        return f.get_tensor(name)
-
-
-def _some(names: list[str], limit: int = 5) -> str:
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
+    return VLLMEngine(llm, layout, config.version, rpc_dir, sleep_mode)
 
 
 def vllm_params(params: SamplingParams) -> VllmSamplingParams:
@@ -269,8 +191,15 @@ def _rpc_dir() -> Path:
 class VLLMEngine:
     """A running vLLM ``AsyncLLM``; see the module docstring. Made by ``start``."""
 
-    def __init__(self, llm: AsyncLLM, layout: WeightLayout, version: int, rpc_dir: Path) -> None:
+    def __init__(
+        self, llm: AsyncLLM, layout: WeightLayout, version: int, rpc_dir: Path, sleep_mode: bool
+    ) -> None:
         self._llm = llm
+        self._sleep_mode = sleep_mode
+        """vLLM's sleep mode is on: ``sleep`` frees the GPU's memory (CUDA only)."""
+        self._asleep = False
+        self._pending: tuple[int, list[Path]] | None = None
+        """Weights loaded asleep: (version, files), reloaded at ``wake``."""
         self._layout = layout
         self._version = version
         self._rpc_dir = rpc_dir
@@ -278,7 +207,7 @@ class VLLMEngine:
         self._paused = False
         self._closed = False
         self._control = asyncio.Lock()
-        """Serializes pause, resume and load_weights."""
+        """Serializes pause, resume, sleep, wake and load_weights."""
 
     @property
     def version(self) -> int:
@@ -401,6 +330,7 @@ class VLLMEngine:
     async def resume(self) -> None:
         self._check_usable()
         async with self._control:
+            check_awake(ENGINE, self._asleep)
             if not self._paused:
                 return
             try:
@@ -408,6 +338,40 @@ class VLLMEngine:
             except Exception as exc:
                 raise self._error(exc, "resuming") from exc
             self._paused = False
+
+    async def sleep(self) -> None:
+        self._check_usable()
+        async with self._control:
+            if self._asleep:
+                return
+            check_sleepable(ENGINE, self._paused)
+            for request_id in list(self._streams):
+                await self.abort(request_id)
+            if self._sleep_mode:
+                try:
+                    await self._llm.sleep(level=1)  # weights to host memory, KV cache freed
+                except Exception as exc:
+                    raise self._error(exc, "going to sleep") from exc
+            self._asleep = True
+
+    async def wake(self) -> None:
+        self._check_usable()
+        async with self._control:
+            if not self._asleep:
+                return
+            if self._sleep_mode:
+                try:
+                    await self._llm.wake_up(tags=["weights"])
+                    if self._pending is not None:
+                        version, files = self._pending
+                        self._pending = None
+                        await self._reload(version, files)
+                    await self._llm.wake_up(tags=["kv_cache"])
+                    # awake, vLLM schedules again: paused still, as before the sleep
+                    await self._llm.pause_generation(mode="keep", clear_cache=False)
+                except Exception as exc:
+                    raise self._error(exc, "waking up") from exc
+            self._asleep = False
 
     async def load_weights(self, version: int, path: Path) -> None:
         self._check_usable()
@@ -417,25 +381,34 @@ class VLLMEngine:
             ENGINE_WEIGHT_LOADS.labels(ENGINE, "rejected").inc()
             raise
         async with self._control:
-            paused_here = not self._paused
-            try:
-                if paused_here:
-                    await self._llm.pause_generation(mode="keep", clear_cache=False)
-                await self._llm.collective_rpc(
-                    "sf_reload_weights", kwargs={"files": [str(f) for f in files]}
-                )
-                await self._llm.reset_prefix_cache(reset_running_requests=True)
-                await self._llm.update_weight_version(str(version))
+            if self._asleep and self._sleep_mode:  # the weights are off the device: at wake
+                self._pending = (version, files)
                 self._version = version
-            except Exception as exc:
-                ENGINE_WEIGHT_LOADS.labels(ENGINE, "failed").inc()
-                raise self._error(exc, f"loading weights version {version} from {path}") from exc
-            finally:
-                # Paused by this call: never leave generation paused, whatever happened.
-                if paused_here and self._alive:
-                    await self._llm.resume_generation()
+            else:
+                paused_here = not self._paused
+                try:
+                    if paused_here:
+                        await self._llm.pause_generation(mode="keep", clear_cache=False)
+                    await self._reload(version, files)
+                    self._version = version
+                except Exception as exc:
+                    ENGINE_WEIGHT_LOADS.labels(ENGINE, "failed").inc()
+                    doing = f"loading weights version {version} from {path}"
+                    raise self._error(exc, doing) from exc
+                finally:
+                    # Paused by this call: never leave generation paused, whatever happened.
+                    if paused_here and self._alive:
+                        await self._llm.resume_generation()
         ENGINE_WEIGHT_LOADS.labels(ENGINE, "loaded").inc()
         log.info(kv("vllm_weights_loaded", version=version, path=path, files=len(files)))
+
+    async def _reload(self, version: int, files: list[Path]) -> None:
+        """The weights of ``files`` (checked) into the model, labelled ``version``; the KV
+        computed by the old weights dropped."""
+        paths = [str(f) for f in files]
+        await self._llm.collective_rpc("sf_reload_weights", kwargs={"files": paths})
+        await self._llm.reset_prefix_cache(reset_running_requests=True)
+        await self._llm.update_weight_version(str(version))
 
     async def close(self) -> None:
         if self._closed:

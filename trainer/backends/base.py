@@ -140,6 +140,16 @@ class TrainerBackend(Protocol):
         """Drop the gradients accumulated since the last ``apply`` (a step abandoned)."""
         ...
 
+    def offload(self) -> None:
+        """Hand the device's memory over (a colocated worker lent to rollout): model, gradients
+        and optimizer state move to host memory until ``onload``; whatever reads or loads the
+        state meanwhile works on them there. On a CPU there is nothing to hand over."""
+        ...
+
+    def onload(self) -> None:
+        """Bring back what ``offload`` moved, before the next step."""
+        ...
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights under Hugging Face names, as CPU tensors, for publication. They
         may be the model's own (a model on CPU is not copied): read them before the next

@@ -207,6 +207,14 @@ class MegatronBackend:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def offload(self) -> None:
+        raise BackendError(
+            "the megatron backend cannot hand its GPU memory over yet: set [worker] "
+            "lend_memory = false for a colocated worker that trains with it"
+        )
+
+    onload = offload
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         tensors = {k: v.detach() for k, v in megatron_tensors(self.model).items()}
         if self._parallel.tensor_parallel > 1:

@@ -212,6 +212,25 @@ class TorchBackend:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def offload(self) -> None:
+        if self._device.type != "cpu":
+            self._move(torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self._device.type != "cpu":
+            self._move(self._device)
+
+    def _move(self, device: torch.device) -> None:
+        """Model (its gradients with it), reference model and AdamW state to ``device``; the
+        parameters stay the optimizer's own objects."""
+        for model in filter(None, (self.model, self._reference)):
+            model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.to(device)
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         state = {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
         if self._tied:
