@@ -84,11 +84,11 @@ def _dp_rank(rank: int, init: str, model: str, out: str) -> None:
 
 
 def test_two_rank_data_parallel_step_equals_one_rank(tiny_model_dir, tmp_path):
+    from tests.support import free_port
     from trainer.backends import build_backend
-    from trainer.ranks import _free_port
     from trainer.step import train_step
 
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     torch.multiprocessing.spawn(
         _dp_rank, args=(init, str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True
     )
@@ -102,6 +102,30 @@ def test_two_rank_data_parallel_step_equals_one_rank(tiny_model_dir, tmp_path):
     for name, tensor in one.items():
         assert torch.equal(ranks[0][name], ranks[1][name]), name
         assert torch.allclose(ranks[0][name], tensor, atol=1e-5, rtol=0), name
+
+
+def test_a_trainer_of_two_local_ranks_steps_as_one_rank(tiny_model_dir):
+    """``world_size = 2``: rank 0 starts the other rank as a local process, which joins through
+    rank 0's store (on a port the OS picked as it bound it), and the two train their shards: the
+    step is one rank's."""
+    from trainer.backends import build_backend
+    from trainer.ranks import RankGroup
+    from trainer.step import train_step
+
+    single = build_backend(tiny_model_dir, DP_CONFIG)
+    before = checkpoint.snapshot(single.hf_state_dict())
+    train_step(single, dp_items(), 0, DP_CONFIG)
+    one = single.hf_state_dict()
+    two = RankGroup(tiny_model_dir, DP_CONFIG.model_copy(update={"world_size": 2, "threads": 1}))
+    try:
+        assert two.distributed and two.local_world_size == 2
+        two.step(dp_items(), 0)
+        got = two.backend.hf_state_dict()
+    finally:
+        two.close()
+    assert max(float((one[k] - before[k]).abs().max()) for k in one) > 1e-3
+    for name, tensor in one.items():
+        assert torch.allclose(got[name], tensor, atol=1e-5, rtol=0), name
 
 
 # -- the service, in process --------------------------------------------------------------------

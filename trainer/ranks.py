@@ -17,7 +17,6 @@ import json
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -67,18 +66,27 @@ class RankGroup:
         self.training.set()
         self._followers: list[multiprocessing.Process] = []
         if config.world_size > 1:
-            init = f"tcp://127.0.0.1:{_free_port()}"
+            # rank 0's store, on a loopback port the OS picks as it binds it: a port chosen
+            # first and bound later could be taken by another process in between
+            self._store = dist.TCPStore(
+                "127.0.0.1",
+                0,
+                config.world_size,
+                is_master=True,
+                timeout=JOIN_TIMEOUT,
+                wait_for_workers=False,
+            )
             ctx = multiprocessing.get_context("spawn")
             for rank in range(1, config.world_size):
                 p = ctx.Process(
                     target=follow,
-                    args=(rank, init, model, config, os.getpid()),
+                    args=(rank, self._store.port, model, config, os.getpid()),
                     name=f"trainer-rank{rank}",
                     daemon=True,
                 )
                 p.start()
                 self._followers.append(p)
-            _init(0, init, config)
+            _init(0, self._store, config)
         self.backend: TrainerBackend = build_backend(model, config)
         self._accumulation = Accumulation()  # rank 0's part of a step computed ahead
 
@@ -289,12 +297,14 @@ class RankGroup:
         return _comm_device()
 
 
-def follow(rank: int, init: str, model: Path, config: TrainerConfig, parent: int) -> None:
-    """A follower rank's whole life: join, build the backend, run rank 0's commands."""
+def follow(rank: int, port: int, model: Path, config: TrainerConfig, parent: int) -> None:
+    """A follower rank's whole life: join (rank 0's store on ``port``), build the backend, run
+    rank 0's commands."""
     setup_logging()
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     set_threads(config)
-    _init(rank, init, config)
+    store = dist.TCPStore("127.0.0.1", port, config.world_size, timeout=JOIN_TIMEOUT)
+    _init(rank, store, config)
     backend = build_backend(model, config)
     comm = _comm_device()
     accumulation = Accumulation()
@@ -340,11 +350,11 @@ def _items(command: dict) -> list[TrainItem]:
     ]
 
 
-def _init(rank: int, init: str, config: TrainerConfig) -> None:
+def _init(rank: int, store: dist.Store, config: TrainerConfig) -> None:
     use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     dist.init_process_group(
         "nccl" if use_cuda else "gloo",
-        init_method=init,
+        store=store,
         rank=rank,
         world_size=config.world_size,
         timeout=JOIN_TIMEOUT,
@@ -382,9 +392,3 @@ def _exit_with_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(1.0)
     os._exit(1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
