@@ -51,7 +51,7 @@ class Colocated:
 
 async def serve_colocated(c: Colocated, stop: asyncio.Event) -> None:
     """Run the worker and its trainer until ``stop`` (or until either part ends)."""
-    lend = lends_memory(c)  # a bad setting fails before anything starts
+    lend = lends_memory(c)
     metrics = serve_metrics(*METRICS, TRAINER_METRICS, port=c.metrics_port)
     engine = await start_engine(c.engine)
     try:
@@ -127,17 +127,13 @@ async def _serve(
 
 def lends_memory(c: Colocated) -> bool:
     """``[worker] lend_memory``; unset: on where the trainer runs on CUDA with the torch backend
-    (the one that can hand its memory over)."""
-    if c.worker.lend_memory is None:
-        device = c.trainer.device
-        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        return cuda and c.trainer.backend.kind == "torch"
-    if c.worker.lend_memory and c.trainer.world_size > 1:
-        raise ValueError(
-            "[worker] lend_memory hands over this process's memory only: it needs "
-            f"[trainer] world_size = 1 (it is {c.trainer.world_size}), one rank per worker"
-        )
-    return c.worker.lend_memory
+    (the one that can hand its memory over). The run config refuses it where it cannot be done
+    whole (``RunConfig``)."""
+    if c.worker.lend_memory is not None:
+        return c.worker.lend_memory
+    device = c.trainer.device
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return cuda and c.trainer.backend.kind == "torch" and c.trainer.world_size == 1
 
 
 async def _part(part: Awaitable[None], stop: asyncio.Event) -> None:

@@ -276,6 +276,23 @@ class RunConfig(BaseModel):
             raise ValueError(str(exc)) from exc
         return self
 
+    @model_validator(mode="after")
+    def _memory_lent_whole(self) -> "RunConfig":
+        """A worker asked to lend the device's memory hands all of its trainer's over."""
+        if not self.worker.lend_memory:
+            return self
+        if self.trainer.backend.kind == "megatron":
+            raise ValueError(
+                "worker.lend_memory: the megatron backend cannot hand its GPU memory over yet "
+                "(set lend_memory = false)"
+            )
+        if self.trainer.world_size > 1:
+            raise ValueError(
+                "worker.lend_memory hands over this process's memory only: it needs "
+                f"trainer.world_size = 1 (it is {self.trainer.world_size}), one rank per worker"
+            )
+        return self
+
     output_dir: Path | None = Field(
         default=None, description="summary and reward curve; default: <state dir>/runs/<run>"
     )

@@ -14,6 +14,8 @@ from broker.config import ProvisionConfig
 from colocate.worker import Colocated, lends_memory
 from rollout.engines import EngineConfig
 from rollout.worker_config import WorkerConfig
+from seamlessflow.config import load_config
+from seamlessflow.exceptions import ConfigError
 from tests.test_step import items
 from trainer.backends import build_backend
 from trainer.config import MegatronBackendConfig, TrainerConfig
@@ -43,9 +45,26 @@ def test_which_colocated_workers_lend_the_devices_memory(tmp_path: Path) -> None
     assert lends_memory(_colocated(tmp_path, unset, auto)) is torch.cuda.is_available()
     megatron = {"device": "auto", "backend": MegatronBackendConfig()}
     assert lends_memory(_colocated(tmp_path, unset, megatron)) is False  # it cannot offload
-    # Other ranks of this worker (local processes) would keep their memory: refused, named.
-    with pytest.raises(ValueError, match=r"needs \[trainer\] world_size = 1 \(it is 2\)"):
-        lends_memory(_colocated(tmp_path, on, {"device": "cpu", "world_size": 2}))
+    several = {"device": "auto", "world_size": 2}
+    assert lends_memory(_colocated(tmp_path, unset, several)) is False  # the others' would stay
+
+
+@pytest.mark.parametrize(
+    ("trainer", "error"),
+    [
+        ("[trainer.backend]\nkind = 'megatron'", "the megatron backend cannot hand its GPU memory"),
+        ("[trainer]\nworld_size = 2", r"needs trainer.world_size = 1 \(it is 2\)"),
+    ],
+)
+def test_lending_memory_that_cannot_be_lent_whole_is_refused(
+    tmp_path: Path, trainer: str, error: str
+) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(f"[worker]\nlend_memory = true\n{trainer}\n")
+    with pytest.raises(ConfigError, match=error):
+        load_config(config)
+    config.write_text(f"[worker]\nlend_memory = false\n{trainer}\n")
+    load_config(config)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
