@@ -162,7 +162,7 @@ class EmulatedEngine(InProcessEngine):
             self._send_all()
 
     async def load_weights(self, version: int, path: Path) -> None:
-        self._check_open()
+        self._check_loadable()
         seconds = self._settings.weight_load_s
         if seconds is None:
             seconds = self._workload.weight_sync_s

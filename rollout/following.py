@@ -63,6 +63,11 @@ class Served(Protocol):
 
     def in_flight(self) -> int: ...
 
+    def lent(self) -> bool:
+        """Its engine sleeps (the device's memory lent to training): a version waits for the
+        reclaim, which loads the newest."""
+        ...
+
     async def quarantine(self) -> None:
         """Stop routing to the worker and abort what it has in flight."""
         ...
@@ -167,9 +172,12 @@ class WeightFollower:
             await self._wait_for_wave(event.version)
             async with self._weights_folder(event, local) as folder:
                 fetched = time.monotonic()
-                self._tried_version = event.version
                 try:
                     async with self._lock:
+                        if self._worker.lent():  # asleep: the reclaim loads the newest version
+                            log.info(kv("weights_deferred", version=event.version))
+                            return
+                        self._tried_version = event.version
                         INTERRUPTIONS.labels("weight_update").inc(self._worker.in_flight())
                         await self._show(WeightsState.LOADING)
                         await self._engine.pause()

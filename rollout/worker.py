@@ -93,6 +93,7 @@ class RolloutWorker:
     ) -> None:
         self._nc = nc
         self._sleeps_idle = sleeps_idle  # a colocated worker lending the device's memory
+        self._asleep = False
         self._js = nc.jetstream()
         self._names = names
         self._engine = engine
@@ -162,22 +163,27 @@ class RolloutWorker:
 
     # -- roles ------------------------------------------------------------------------------
     async def take(self, role: Role) -> None:
-        """``RoleHolder``'s switch: serve ``gen.req`` as ``rollout``, nothing as ``idle`` (where
-        ``sleeps_idle``, the engine sleeps: its device memory is handed over to training)."""
+        """``RoleHolder``'s switch: serve ``gen.req`` as ``rollout``, nothing as ``idle``. Where
+        ``sleeps_idle``, the engine sleeps while idle (its device memory handed over to
+        training) and loads no weights; the reclaim wakes it and loads the newest version."""
         if role not in (Role.ROLLOUT, Role.IDLE):
             raise ValueError(f"a rollout worker cannot hold the role {role.value!r}")
         if role is Role.IDLE:  # first stop routing and abort: never wait for responses
             await self._stop_serving("interrupted: worker reclaimed", cause="reclaimed", wait=False)
+        elif self._asleep:
+            async with self._engine_lock:
+                await self._engine.wake()
+                self._asleep = False
+            await self._weights.load_latest()  # a version published while it slept
         async with self._engine_lock:
             if role is Role.ROLLOUT:
-                if self._sleeps_idle:
-                    await self._engine.wake()
                 await self._engine.resume()
                 await self._start_serving()
             else:
                 await self._engine.pause()
                 if self._sleeps_idle:
                     await self._engine.sleep()
+                    self._asleep = True
 
     async def _start_serving(self) -> None:
         if self._ending is not None:  # reclaimed before the last ingress ended: one at a time
@@ -342,6 +348,9 @@ class RolloutWorker:
 
     def in_flight(self) -> int:
         return len(self._attempts)
+
+    def lent(self) -> bool:
+        return self._asleep
 
     async def quarantine(self) -> None:
         await self._stop_serving("interrupted: worker quarantined", cause="quarantined")

@@ -546,19 +546,19 @@ async def check_pause_load_resume_switches_version_mid_request(
             await restore_weights(engine, model_dir)
 
 
-async def check_sleep_aborts_holds_requests_and_wakes_on_weights_loaded_asleep(
+async def check_sleep_aborts_holds_requests_and_refuses_resume_and_loads(
     engine: Engine, model_dir: Path
 ) -> None:
     """A colocated worker lent to training: ``sleep`` only paused; it ends what still runs;
-    a request made asleep waits; ``resume`` is refused until ``wake``; weights loaded asleep are
-    what serves after it."""
+    a request made asleep waits; ``resume`` and ``load_weights`` are refused until ``wake``;
+    awake, a load and a resume serve the waiting request on the new weights."""
     await expect_engine_error(engine.sleep(), "sleep while serving")
     long = GREEDY.model_copy(update={"max_tokens": 100})
     running = await Stream(engine, PROMPT, long).until(2)
     params = GREEDY.model_copy(update={"max_tokens": 20})
     with tempfile.TemporaryDirectory() as tmp:
         new = write_perturbed_weights(model_dir, Path(tmp), seed=5)
-        version = engine.version + 1
+        version = engine.version
         await engine.pause()
         try:
             free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
@@ -571,13 +571,16 @@ async def check_sleep_aborts_holds_requests_and_wakes_on_weights_loaded_asleep(
             assert engine.num_running == 0, f"num_running {engine.num_running} asleep"
             waiting = Stream(engine, PROMPT, params)
             await expect_engine_error(engine.resume(), "resume while asleep")
-            await engine.load_weights(version, Path(tmp))
-            assert engine.version == version, f"version {engine.version}, loaded {version}"
+            await expect_engine_error(
+                engine.load_weights(version + 1, Path(tmp)), "load while asleep"
+            )
+            assert engine.version == version, f"version {engine.version} after a refused load"
             assert await quiet(waiting, "asleep") == 0
             await engine.wake()
+            await engine.load_weights(version + 1, Path(tmp))
             await engine.resume()
             await waiting.done()
-            assert {c.version for c in waiting.chunks} == {version}
+            assert {c.version for c in waiting.chunks} == {version + 1}
             await new.assert_greedy(waiting, "made asleep")
             await new.assert_logprobs(waiting, "after_wake")
         finally:
@@ -662,7 +665,7 @@ CHECKS = [
     check_abort_ends_stream_and_frees_request,
     check_pause_resume_continues_exactly,
     check_pause_load_resume_switches_version_mid_request,
-    check_sleep_aborts_holds_requests_and_wakes_on_weights_loaded_asleep,
+    check_sleep_aborts_holds_requests_and_refuses_resume_and_loads,
     check_concurrent_requests,
     check_bad_input_raises_engine_error,
     check_close_with_requests_in_flight,  # closes the engine: last

@@ -1,6 +1,6 @@
 """A colocated worker hands the device's memory over at each role switch (``[worker]
 lend_memory``): which workers do, and the trainer's side of it on CUDA. The engine's side is in
-the engine contract (``check_sleep_aborts_holds_requests_and_wakes_on_weights_loaded_asleep``),
+the engine contract (``check_sleep_aborts_holds_requests_and_refuses_resume_and_loads``),
 the worker's in ``tests/test_worker.py`` (a lend that sleeps) and ``tests/test_run.py`` (a
 colocated run lending at every switch). What frees memory only does so on a GPU: the CUDA tests
 here run where one is."""

@@ -348,14 +348,14 @@ async def test_a_stopping_worker_hands_requests_back_unfailed(nc, js, names):
 
 @pytest.mark.parametrize("sleeps_idle", [False, True], ids=["warm", "lending-memory"])
 async def test_a_lend_does_not_wait_for_the_pending_fetch_and_a_reclaim_serves_what_came(
-    nc, js, names, tiny_model_dir, monkeypatch, sleeps_idle
+    nc, js, names, tiny_model_dir, tmp_path, monkeypatch, sleeps_idle
 ):
     """Lent (``take(idle)``), the worker stops routing, aborts and pauses its engine without
     waiting for its ingress's pending fetch (up to ``FETCH_TIMEOUT_S``; 30 s here, so that the
     fetch is surely still pending): that ingress hands back what the fetch brings and ends by
     itself, and the reclaim serves the request. In process, with a real hf engine. A worker
     lending the device's memory (a colocated one's ``sleeps_idle``) also puts its engine to
-    sleep, and the reclaim wakes it before serving."""
+    sleep; the reclaim wakes it and loads the version published meanwhile before serving."""
     monkeypatch.setattr(rollout.worker, "FETCH_TIMEOUT_S", 30.0)
     engine = await start_engine(EngineConfig(tiny_model_dir, 2048, settings=HFEngineConfig()))
     config = WorkerConfig(worker_id="w-lent")
@@ -368,9 +368,15 @@ async def test_a_lend_does_not_wait_for_the_pending_fetch_and_a_reclaim_serves_w
         assert ingress is not None
         await eventually(lambda: _pulls_waiting(js, names), watch=ingress)  # fetching, idle
         await asyncio.wait_for(worker.take(Role.IDLE), 10)  # waiting for the fetch: 30 s
-        if sleeps_idle:  # asleep: only a wake lets it resume
+        weights = None
+        if sleeps_idle:  # asleep: only a wake lets it resume; a version waits for the reclaim
             with pytest.raises(EngineError, match="asleep"):
                 await engine.resume()
+            weights = perturbed_weights(tiny_model_dir, seed=1)
+            folder = local_folder(tmp_path, names, 1)
+            folder.mkdir(parents=True)
+            (folder / LOCAL_BLOB).write_bytes(weights)
+            await announce_local(js, names, 1, folder)
         assert not ingress.done()  # its fetch is still pending
         returned0 = _ingress_count("returned")
         call = await Call(nc, names, "c-lent", max_tokens=4, temperature=0).start()
@@ -380,7 +386,8 @@ async def test_a_lend_does_not_wait_for_the_pending_fetch_and_a_reclaim_serves_w
         await worker.take(Role.ROLLOUT)
         last = await call.finished()
         assert last.finish_reason is FinishReason.LENGTH
-        assert call.tokens == greedy(tiny_model_dir, PROMPT, 4)
+        assert engine.version == (1 if sleeps_idle else 0)
+        assert call.tokens == greedy(tiny_model_dir, PROMPT, 4, weights)
     finally:
         await worker._stop_serving("test over", cause="stopping")
         await engine.close()

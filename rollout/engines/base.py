@@ -112,12 +112,12 @@ class Engine(Protocol):
         """Hand the device's memory over (a colocated worker lent to training): paused
         (``EngineError`` otherwise), it aborts what still runs and frees what it holds on the
         device (KV cache; the weights kept in host memory) until ``wake``. Requests wait
-        meanwhile, and ``resume`` is refused; weights loaded meanwhile serve after ``wake``. An
-        engine on a CPU has no device memory to free."""
+        meanwhile; ``resume`` and ``load_weights`` are refused. An engine on a CPU has no device
+        memory to free."""
         ...
 
     async def wake(self) -> None:
-        """Take the memory back (and the weights loaded asleep); paused still."""
+        """Take the memory back; paused still."""
         ...
 
     async def load_weights(self, version: int, path: Path) -> None: ...
@@ -130,9 +130,9 @@ def check_sleepable(engine: str, paused: bool) -> None:
         raise EngineError(f"the {engine} engine sleeps only paused: pause it first")
 
 
-def check_awake(engine: str, asleep: bool) -> None:
+def check_awake(engine: str, asleep: bool, doing: str) -> None:
     if asleep:
-        raise EngineError(f"the {engine} engine is asleep: wake it before resuming")
+        raise EngineError(f"the {engine} engine is asleep: wake it before {doing}")
 
 
 class InProcessEngine:
@@ -180,7 +180,7 @@ class InProcessEngine:
                 self._release(request, FinishReason.ABORT)
 
     async def resume(self) -> None:
-        check_awake(self.name, self._asleep)
+        check_awake(self.name, self._asleep, "resuming")
         self._paused = False
         self._wake.set()
 
@@ -243,3 +243,7 @@ class InProcessEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineError(f"the {self.name} engine is closed")
+
+    def _check_loadable(self) -> None:
+        self._check_open()
+        check_awake(self.name, self._asleep, "loading weights")

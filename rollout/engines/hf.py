@@ -134,7 +134,7 @@ class HFEngine(InProcessEngine):
             pass
 
     async def load_weights(self, version: int, path: Path) -> None:
-        self._check_open()
+        self._check_loadable()
         started = time.perf_counter()
         try:
             # Reading and checking (tied copies compared) are off the event loop.

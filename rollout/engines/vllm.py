@@ -23,8 +23,8 @@ starts an EngineCore process (scheduler) and a Worker process (the model) with m
   weights.
 - **Sleep** (a colocated worker lent to training) uses vLLM's sleep mode where it frees
   memory (CUDA; ``VLLMEngineConfig.sleep_mode``): level 1, the weights to host memory and the
-  KV cache freed. Weights loaded asleep wait for ``wake``, which brings the weights back,
-  reloads them, then the KV cache. On a CPU vLLM's sleep frees nothing, so it is not called.
+  KV cache freed. No weights load asleep (the worker loads the newest version once it woke).
+  On a CPU vLLM's sleep frees nothing, so it is not called.
 - **Shutdown** with requests in flight leaves their streams waiting forever: ``close`` aborts
   them first.
 """
@@ -198,8 +198,6 @@ class VLLMEngine:
         self._sleep_mode = sleep_mode
         """vLLM's sleep mode is on: ``sleep`` frees the GPU's memory (CUDA only)."""
         self._asleep = False
-        self._pending: tuple[int, list[Path]] | None = None
-        """Weights loaded asleep: (version, files), reloaded at ``wake``."""
         self._layout = layout
         self._version = version
         self._rpc_dir = rpc_dir
@@ -330,7 +328,7 @@ class VLLMEngine:
     async def resume(self) -> None:
         self._check_usable()
         async with self._control:
-            check_awake(ENGINE, self._asleep)
+            check_awake(ENGINE, self._asleep, "resuming")
             if not self._paused:
                 return
             try:
@@ -361,12 +359,7 @@ class VLLMEngine:
                 return
             if self._sleep_mode:
                 try:
-                    await self._llm.wake_up(tags=["weights"])
-                    if self._pending is not None:
-                        version, files = self._pending
-                        self._pending = None
-                        await self._reload(version, files)
-                    await self._llm.wake_up(tags=["kv_cache"])
+                    await self._llm.wake_up()
                     # awake, vLLM schedules again: paused still, as before the sleep
                     await self._llm.pause_generation(mode="keep", clear_cache=False)
                 except Exception as exc:
@@ -381,34 +374,25 @@ class VLLMEngine:
             ENGINE_WEIGHT_LOADS.labels(ENGINE, "rejected").inc()
             raise
         async with self._control:
-            if self._asleep and self._sleep_mode:  # the weights are off the device: at wake
-                self._pending = (version, files)
+            check_awake(ENGINE, self._asleep, "loading weights")
+            paused_here = not self._paused
+            try:
+                if paused_here:
+                    await self._llm.pause_generation(mode="keep", clear_cache=False)
+                paths = [str(f) for f in files]
+                await self._llm.collective_rpc("sf_reload_weights", kwargs={"files": paths})
+                await self._llm.reset_prefix_cache(reset_running_requests=True)
+                await self._llm.update_weight_version(str(version))
                 self._version = version
-            else:
-                paused_here = not self._paused
-                try:
-                    if paused_here:
-                        await self._llm.pause_generation(mode="keep", clear_cache=False)
-                    await self._reload(version, files)
-                    self._version = version
-                except Exception as exc:
-                    ENGINE_WEIGHT_LOADS.labels(ENGINE, "failed").inc()
-                    doing = f"loading weights version {version} from {path}"
-                    raise self._error(exc, doing) from exc
-                finally:
-                    # Paused by this call: never leave generation paused, whatever happened.
-                    if paused_here and self._alive:
-                        await self._llm.resume_generation()
+            except Exception as exc:
+                ENGINE_WEIGHT_LOADS.labels(ENGINE, "failed").inc()
+                raise self._error(exc, f"loading weights version {version} from {path}") from exc
+            finally:
+                # Paused by this call: never leave generation paused, whatever happened.
+                if paused_here and self._alive:
+                    await self._llm.resume_generation()
         ENGINE_WEIGHT_LOADS.labels(ENGINE, "loaded").inc()
         log.info(kv("vllm_weights_loaded", version=version, path=path, files=len(files)))
-
-    async def _reload(self, version: int, files: list[Path]) -> None:
-        """The weights of ``files`` (checked) into the model, labelled ``version``; the KV
-        computed by the old weights dropped."""
-        paths = [str(f) for f in files]
-        await self._llm.collective_rpc("sf_reload_weights", kwargs={"files": paths})
-        await self._llm.reset_prefix_cache(reset_running_requests=True)
-        await self._llm.update_weight_version(str(version))
 
     async def close(self) -> None:
         if self._closed:
