@@ -23,6 +23,7 @@ from broker.roles import membership
 from broker.subjects import RunNames
 from common.metrics import serve_metrics
 from rollout.engines import Engine, EngineConfig, start_engine
+from rollout.metrics import MEMORY_HANDOVER
 from rollout.serve import METRICS, announce, worker_registration
 from rollout.worker import RolloutWorker
 from rollout.worker_config import WorkerConfig
@@ -91,12 +92,14 @@ async def _serve(
             if role is Role.TRAIN:
                 await rollout.take(Role.IDLE)  # lending memory: the engine sleeps
                 if lend:
-                    await asyncio.to_thread(ranks.onload)
+                    with MEMORY_HANDOVER.labels("trainer_onload").time():
+                        await asyncio.to_thread(ranks.onload)
                 await trainer.take(Role.TRAIN)
             else:
                 await trainer.take(Role.IDLE)  # the step in progress commits first
                 if lend:
-                    await asyncio.to_thread(ranks.offload)
+                    with MEMORY_HANDOVER.labels("trainer_offload").time():
+                        await asyncio.to_thread(ranks.offload)
                 await rollout.take(role)
 
         ready = partial(announce, c.run, c.engine, c.worker, metrics_url)

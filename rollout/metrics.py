@@ -37,6 +37,14 @@ INTERRUPTIONS = Counter(
 )
 for _cause in ("weight_update", "stopping", "cancelled", "reclaimed", "quarantined"):  # at 0
     INTERRUPTIONS.labels(_cause)
+MEMORY_HANDOVER = Histogram(
+    "sf_rollout_memory_handover_seconds",
+    "A worker lending the device's memory at its role switches ([worker] lend_memory): seconds "
+    "of each step (engine_sleep, engine_wake, trainer_offload, trainer_onload)",
+    ["step"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    registry=REGISTRY,
+)
 VERSION = Gauge("sf_rollout_weight_version", "Weight version the engine serves", registry=REGISTRY)
 QUARANTINES = Counter(
     "sf_rollout_quarantines",

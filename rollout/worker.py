@@ -54,7 +54,7 @@ from broker.subjects import Durable, RunNames
 from common.log import kv
 from rollout.engines import Engine, EngineError, GenerationChunk
 from rollout.following import WeightFollower
-from rollout.metrics import INTERRUPTIONS, QUEUE_WAIT, REQUESTS, RUNNING, TOKENS
+from rollout.metrics import INTERRUPTIONS, MEMORY_HANDOVER, QUEUE_WAIT, REQUESTS, RUNNING, TOKENS
 from rollout.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,8 @@ class RolloutWorker:
             await self._stop_serving("interrupted: worker reclaimed", cause="reclaimed", wait=False)
         elif self._asleep:
             async with self._engine_lock:
-                await self._engine.wake()
+                with MEMORY_HANDOVER.labels("engine_wake").time():
+                    await self._engine.wake()
                 self._asleep = False
             await self._weights.load_latest()  # a version published while it slept
         async with self._engine_lock:
@@ -181,8 +182,9 @@ class RolloutWorker:
                 await self._start_serving()
             else:
                 await self._engine.pause()
-                if self._sleeps_idle:
-                    await self._engine.sleep()
+                if self._sleeps_idle and not self._asleep:
+                    with MEMORY_HANDOVER.labels("engine_sleep").time():
+                        await self._engine.sleep()
                     self._asleep = True
 
     async def _start_serving(self) -> None:

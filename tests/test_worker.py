@@ -26,6 +26,7 @@ from broker.subjects import Durable, RunNames
 from broker.weights import LOCAL_BLOB, announce_local, host_id, local_folder, publish_weights
 from rollout.engines import EngineConfig, HFEngineConfig, start_engine
 from rollout.exceptions import EngineError
+from rollout.metrics import REGISTRY as ROLLOUT_METRICS
 from rollout.worker import RolloutWorker
 from rollout.worker_config import WorkerConfig
 from seamlessflow.processes import worker_process
@@ -362,6 +363,7 @@ async def test_a_lend_does_not_wait_for_the_pending_fetch_and_a_reclaim_serves_w
     worker = RolloutWorker(
         nc, names, engine, config, SMALL_RUN.gen, nats_url="", sleeps_idle=sleeps_idle
     )
+    handovers0 = [_handovers(step) for step in ("engine_sleep", "engine_wake")]
     try:
         await worker.take(Role.ROLLOUT)
         ingress = worker._serving
@@ -388,6 +390,8 @@ async def test_a_lend_does_not_wait_for_the_pending_fetch_and_a_reclaim_serves_w
         assert last.finish_reason is FinishReason.LENGTH
         assert engine.version == (1 if sleeps_idle else 0)
         assert call.tokens == greedy(tiny_model_dir, PROMPT, 4, weights)
+        handovers = [_handovers(step) for step in ("engine_sleep", "engine_wake")]
+        assert handovers == [n + sleeps_idle for n in handovers0]  # each timed on /metrics
     finally:
         await worker._stop_serving("test over", cause="stopping")
         await engine.close()
@@ -396,6 +400,13 @@ async def test_a_lend_does_not_wait_for_the_pending_fetch_and_a_reclaim_serves_w
 async def _pulls_waiting(js, names: RunNames) -> bool:
     info = await js.consumer_info(names.gen_stream, Durable.ROLLOUT)
     return (info.num_waiting or 0) > 0
+
+
+def _handovers(step: str) -> float:
+    labels = {"step": step}
+    return (
+        ROLLOUT_METRICS.get_sample_value("sf_rollout_memory_handover_seconds_count", labels) or 0.0
+    )
 
 
 def _ingress_count(outcome: str) -> float:
