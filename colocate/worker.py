@@ -11,7 +11,6 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from functools import partial
 
-import torch
 from nats.aio.client import Client as NATS
 
 from broker.client import session
@@ -30,6 +29,7 @@ from rollout.worker_config import WorkerConfig
 from trainer.config import TrainerConfig
 from trainer.group import GroupLink
 from trainer.metrics import REGISTRY as TRAINER_METRICS
+from trainer.ranks import uses_cuda
 from trainer.serve import close_ranks, open_ranks
 from trainer.service import Trainer
 from trainer.watch import ServingWatch
@@ -134,9 +134,8 @@ def lends_memory(c: Colocated) -> bool:
     whole (``RunConfig``)."""
     if c.worker.lend_memory is not None:
         return c.worker.lend_memory
-    device = c.trainer.device
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    return cuda and c.trainer.backend.kind == "torch" and c.trainer.world_size == 1
+    torch_backend = c.trainer.backend.kind == "torch"
+    return uses_cuda(c.trainer) and torch_backend and c.trainer.world_size == 1
 
 
 async def _part(part: Awaitable[None], stop: asyncio.Event) -> None:

@@ -143,6 +143,14 @@ class WeightFollower:
             WEIGHT_ERRORS.inc()
             log.error(kv("weights_load_failed", version=event.version, error=exc))
 
+    def _deferred(self, event: WeightsPublished) -> bool:
+        """Whether the worker is lent (its engine asleep): then nothing is fetched or loaded, and
+        the reclaim loads the newest version."""
+        if self._worker.lent():
+            log.info(kv("weights_deferred", version=event.version))
+            return True
+        return False
+
     async def _newest(self, event: WeightsPublished) -> bool:
         """Whether ``event`` is newer than any version tried and not superseded."""
         if event.version <= max(self._engine.version, self._tried_version):
@@ -159,7 +167,7 @@ class WeightFollower:
         """Fetch and load ``event``'s version if it is newer than any tried before (a version
         that failed is not tried again). Called at start, then from the weights subscription,
         whose callbacks run one at a time: loads never overlap."""
-        if not await self._newest(event):
+        if not await self._newest(event) or self._deferred(event):
             return
         local = local_copy(event) if event.host is not None else None
         if event.host is not None and local is None:
@@ -174,8 +182,7 @@ class WeightFollower:
                 fetched = time.monotonic()
                 try:
                     async with self._lock:
-                        if self._worker.lent():  # asleep: the reclaim loads the newest version
-                            log.info(kv("weights_deferred", version=event.version))
+                        if self._deferred(event):  # lent while it fetched
                             return
                         self._tried_version = event.version
                         INTERRUPTIONS.labels("weight_update").inc(self._worker.in_flight())

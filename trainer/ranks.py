@@ -350,8 +350,13 @@ def _items(command: dict) -> list[TrainItem]:
     ]
 
 
+def uses_cuda(config: TrainerConfig) -> bool:
+    """Whether ``config``'s trainer runs on CUDA (``device`` cuda, or auto with a GPU)."""
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
 def _init(rank: int, store: dist.Store, config: TrainerConfig) -> None:
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    use_cuda = uses_cuda(config)
     dist.init_process_group(
         "nccl" if use_cuda else "gloo",
         store=store,

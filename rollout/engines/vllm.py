@@ -35,7 +35,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -309,20 +309,14 @@ class VLLMEngine:
         if stream is None:
             return
         stream.aborted = True
-        try:
-            await self._llm.abort(request_id)
-        except Exception as exc:
-            raise self._error(exc, f"aborting request {request_id!r}") from exc
+        await self._call(f"aborting request {request_id!r}", self._llm.abort(request_id))
 
     async def pause(self) -> None:
         self._check_usable()
         async with self._control:
             if self._paused:
                 return
-            try:
-                await self._llm.pause_generation(mode="keep", clear_cache=False)
-            except Exception as exc:
-                raise self._error(exc, "pausing") from exc
+            await self._call("pausing", self._llm.pause_generation(mode="keep", clear_cache=False))
             self._paused = True
 
     async def resume(self) -> None:
@@ -331,10 +325,7 @@ class VLLMEngine:
             check_awake(ENGINE, self._asleep, "resuming")
             if not self._paused:
                 return
-            try:
-                await self._llm.resume_generation()
-            except Exception as exc:
-                raise self._error(exc, "resuming") from exc
+            await self._call("resuming", self._llm.resume_generation())
             self._paused = False
 
     async def sleep(self) -> None:
@@ -345,11 +336,8 @@ class VLLMEngine:
             check_sleepable(ENGINE, self._paused)
             for request_id in list(self._streams):
                 await self.abort(request_id)
-            if self._sleep_mode:
-                try:
-                    await self._llm.sleep(level=1)  # weights to host memory, KV cache freed
-                except Exception as exc:
-                    raise self._error(exc, "going to sleep") from exc
+            if self._sleep_mode:  # level 1: weights to host memory, KV cache freed
+                await self._call("going to sleep", self._llm.sleep(level=1))
             self._asleep = True
 
     async def wake(self) -> None:
@@ -358,12 +346,10 @@ class VLLMEngine:
             if not self._asleep:
                 return
             if self._sleep_mode:
-                try:
-                    await self._llm.wake_up()
-                    # awake, vLLM schedules again: paused still, as before the sleep
-                    await self._llm.pause_generation(mode="keep", clear_cache=False)
-                except Exception as exc:
-                    raise self._error(exc, "waking up") from exc
+                await self._call("waking up", self._llm.wake_up())
+                # awake, vLLM schedules again: paused still, as before the sleep
+                pause = self._llm.pause_generation(mode="keep", clear_cache=False)
+                await self._call("pausing after the wake", pause)
             self._asleep = False
 
     async def load_weights(self, version: int, path: Path) -> None:
@@ -429,6 +415,13 @@ class VLLMEngine:
             raise EngineError("the vLLM engine is closed")
         if self._llm.errored:
             raise EngineError("the vLLM engine died; start a new one")
+
+    async def _call(self, doing: str, call: Awaitable[object]) -> None:
+        """Await one vLLM call; its failure as ``_error`` says."""
+        try:
+            await call
+        except Exception as exc:
+            raise self._error(exc, doing) from exc
 
     def _error(self, exc: Exception, doing: str) -> EngineError:
         """A vLLM error met while ``doing`` something, as an ``EngineError``."""
