@@ -18,10 +18,10 @@ again), as it does in a run. The worker runs with one torch thread, as every lau
 waits for the step in flight). No weights change between switches: a reclaim after a real step also
 loads the step's weights (``bench/weights.py`` measures that part).
 
-``--step-tokens 2048,256`` (vLLM) measures one worker per step budget
+``--step-tokens 2048,256`` measures one worker per step budget
 (``worker.engine.max_num_batched_tokens``), one after the other in the same run: a lend waits for
-the engine step in flight, and the budget bounds it. ``calls/s`` is the load's completed calls
-over the run's wall time: what the budget costs in throughput.
+the engine step in flight (hf: the forward in flight), and the budget bounds it. ``calls/s`` is
+the load's completed calls over the run's wall time: what the budget costs in throughput.
 
 ``--mode engine`` measures the engine alone, in this process, per step budget: rounds of
 ``--load`` requests (random prompts of 40-90 tokens, as a lend's continuations re-read theirs,
@@ -314,11 +314,9 @@ def main() -> None:
         "--step-tokens",
         type=lambda text: [int(n) for n in text.split(",")],
         default=None,
-        help="vLLM step budgets to compare, one worker each (default: the engine's default)",
+        help="step budgets to compare, one worker each (default: the engine's default)",
     )
     args = parser.parse_args()
-    if args.step_tokens and args.engine != "vllm":
-        parser.error("--step-tokens is a vLLM setting")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = resolve_model(args.model)
     loadavg_before = os.getloadavg()[0]

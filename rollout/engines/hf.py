@@ -121,6 +121,7 @@ class HFEngine(InProcessEngine):
         self._shapes, self._aliases = _parameter_layout(model)
         self._requests: dict[str, _Request] = {}
         self._seeds = itertools.count(config.settings.seed)
+        self._step_tokens: int = config.settings.step_tokens("cpu")  # set on a CPU, as hf runs
         self._scheduler = asyncio.create_task(self._schedule(), name="hf-engine-scheduler")
 
     async def abort(self, request_id: str) -> None:
@@ -246,21 +247,42 @@ class HFEngine(InProcessEngine):
 
     def _step(self, batch: list[_Request]) -> list[tuple[int, float] | None]:
         """The next (token, logprob) of each request; ``None`` for one aborted before its turn
-        (a lend aborts every request, then pauses: it waits for one forward, not the batch)."""
+        (a lend aborts every request, then pauses: it waits for one forward, not the batch) or
+        still prefilling (its prompt is longer than what the step's budget left it)."""
         with torch.inference_mode():
-            return [None if request.done else self._next_token(request) for request in batch]
+            return [
+                None if request.done or not tokens else self._next_token(request, tokens)
+                for request, tokens in zip(batch, self._chunks(batch), strict=True)
+            ]
 
-    def _next_token(self, request: _Request) -> tuple[int, float]:
+    def _chunks(self, batch: list[_Request]) -> list[int]:
+        """Tokens each request computes this step. A decoding request computes its one; the
+        ones prefilling share what is left of the step budget, oldest first (vLLM's chunked
+        prefill), so a step, and a pause waiting for it, is bounded."""
+        todo = [len(r.prompt_ids) + len(r.output_ids) - r.cached for r in batch]
+        left = self._step_tokens - todo.count(1)
+        chunks = []
+        for tokens in todo:
+            if tokens > 1:
+                tokens = min(tokens, max(left, 0))
+                left -= tokens
+            chunks.append(tokens)
+        return chunks
+
+    def _next_token(self, request: _Request, tokens: int) -> tuple[int, float] | None:
         ids = request.prompt_ids + request.output_ids
         if request.cache is None:  # a new request, or one whose KV a weight load dropped
             ENGINE_PROMPT_TOKENS.labels(ENGINE, "prefilled").inc(len(ids))
+        end = request.cached + tokens
         out = self._model(
-            input_ids=torch.tensor([ids[request.cached :]]),
+            input_ids=torch.tensor([ids[request.cached : end]]),
             past_key_values=request.cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        request.cache, request.cached = out.past_key_values, len(ids)
+        request.cache, request.cached = out.past_key_values, end
+        if end < len(ids):
+            return None  # the rest of the prompt in the next steps
         return _sample(out.logits[0, -1].float(), request.params, request.generator)
 
     def _copy_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
