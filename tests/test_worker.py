@@ -356,7 +356,8 @@ async def test_a_lend_does_not_wait_for_the_pending_fetch_and_a_reclaim_serves_w
     fetch is surely still pending): that ingress hands back what the fetch brings and ends by
     itself, and the reclaim serves the request. In process, with a real hf engine. A worker
     lending the device's memory (a colocated one's ``sleeps_idle``) also puts its engine to
-    sleep; the reclaim wakes it and loads the version published meanwhile before serving."""
+    sleep, fetches no version meanwhile, and its reclaim wakes the engine and loads the version
+    published meanwhile before serving."""
     monkeypatch.setattr(rollout.worker, "FETCH_TIMEOUT_S", 30.0)
     engine = await start_engine(EngineConfig(tiny_model_dir, 2048, settings=HFEngineConfig()))
     config = WorkerConfig(worker_id="w-lent")
@@ -375,6 +376,10 @@ async def test_a_lend_does_not_wait_for_the_pending_fetch_and_a_reclaim_serves_w
             with pytest.raises(EngineError, match="asleep"):
                 await engine.resume()
             weights = perturbed_weights(tiny_model_dir, seed=1)
+            # A version in the object store is not even fetched while lent (this worker has no
+            # URL to fetch it from: a fetch would fail or wait forever).
+            stored = await publish_weights(js, names, 1, weights)
+            await asyncio.wait_for(worker._weights._load(stored), 10)
             folder = local_folder(tmp_path, names, 1)
             folder.mkdir(parents=True)
             (folder / LOCAL_BLOB).write_bytes(weights)
