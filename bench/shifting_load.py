@@ -24,7 +24,9 @@ that only moves devices between roles), and the multiplexed arm's trainer idle, 
 lends.
 
 Usage: nice -n 10 python -m bench.shifting_load [--seeds 3] [--steps 40] [--devices 32]
-(about 5 minutes on one core). Prints tables, writes bench/results/shifting_load.json.
+[--order completion|admission|overlap] [--order-wait-s 25] (about 5 minutes on one core). Prints
+tables, writes bench/results/shifting_load.json (shifting_load-<order>-<wait>s.json for another
+order).
 """
 
 import argparse
@@ -34,7 +36,7 @@ from dataclasses import replace
 
 from bench.machine import machine
 from bench.output import write_results
-from emulation.sim import Arm, Cluster, split_candidates
+from emulation.sim import Arm, Cluster, Order, split_candidates
 from emulation.workload import (
     AgentModel,
     EngineCost,
@@ -108,10 +110,15 @@ WORKLOADS = {"growing": growing, "growing_no_kv": growing_no_kv, "phased": phase
 
 
 # -- runs ----------------------------------------------------------------------------------------
-def run(w: Workload, arm: str, devices: int, steps: int, k: int, probe_s: float = 0.0) -> dict:
-    """One run of ``arm`` with ``k`` trainer devices: its result, the step timeline and, with
-    ``probe_s``, the lends so far and the devices lent, sampled every ``probe_s`` seconds."""
-    c = Cluster(w, Arm(arm), devices=devices, trainer_devices=k, steps=steps, staleness=STALENESS)
+def run(
+    w: Workload, arm: str, devices: int, steps: int, k: int, order: dict, probe_s: float = 0.0
+) -> dict:
+    """One run of ``arm`` with ``k`` trainer devices and the trainer's ``order`` (``Cluster``'s
+    ``order`` and ``order_wait_s``): its result, the step timeline and, with ``probe_s``, the
+    lends so far and the devices lent, sampled every ``probe_s`` seconds."""
+    c = Cluster(
+        w, Arm(arm), devices=devices, trainer_devices=k, steps=steps, staleness=STALENESS, **order
+    )
     samples: list[tuple[float, int, int]] = []
 
     def probe() -> None:
@@ -140,11 +147,11 @@ SUMMARY = (
 """What the JSON keeps of each run of a sweep."""
 
 
-def sweep(w: Workload, arm: str, devices: int, steps: int) -> dict[int, dict]:
+def sweep(w: Workload, arm: str, devices: int, steps: int, order: dict) -> dict[int, dict]:
     """Every trainer split's run (``SUMMARY``)."""
     out = {}
     for k in split_candidates(devices):
-        r = run(w, arm, devices, steps, k)
+        r = run(w, arm, devices, steps, k, order)
         out[k] = {key: r[key] for key in SUMMARY}
     return out
 
@@ -153,13 +160,15 @@ def best(runs: dict[int, dict]) -> int:
     return min(runs, key=lambda k: runs[k]["time_s"])
 
 
-def compare(name: str, devices: int, steps: int, seed: int, switches: list[float]) -> dict:
+def compare(
+    name: str, devices: int, steps: int, seed: int, switches: list[float], order: dict
+) -> dict:
     """One seed: the static sweeps (a short run of the first 10% of the steps, and the whole
     run), then per switch cost the multiplexed arm at the split its own short sweep picks."""
     w = WORKLOADS[name](steps, seed=seed)
     short = max(1, steps // WINDOWS)
-    early = sweep(w, "partial_rollout", devices, short)
-    whole = sweep(w, "partial_rollout", devices, steps)
+    early = sweep(w, "partial_rollout", devices, short, order)
+    whole = sweep(w, "partial_rollout", devices, steps, order)
     out = {
         "seed": seed,
         "static": {
@@ -173,8 +182,8 @@ def compare(name: str, devices: int, steps: int, seed: int, switches: list[float
     }
     for switch_s in switches:
         ws = WORKLOADS[name](steps, seed=seed, switch_s=switch_s)
-        mux_early = sweep(ws, "multiplexed", devices, short)
-        r = run(ws, "multiplexed", devices, steps, best(mux_early))
+        mux_early = sweep(ws, "multiplexed", devices, short, order)
+        r = run(ws, "multiplexed", devices, steps, best(mux_early), order)
         out["multiplexed"][str(switch_s)] = {
             "split": best(mux_early),
             "sweep_early": mux_early,
@@ -209,18 +218,20 @@ def windows(r: dict, steps: int, k: int) -> list[dict]:
     return out
 
 
-def diagnose(name: str, devices: int, steps: int, switch_s: float, mux_split: int) -> dict:
+def diagnose(
+    name: str, devices: int, steps: int, switch_s: float, mux_split: int, order: dict
+) -> dict:
     """Seed 0: the static arm's window times per split (where the best split moves, and the
     sum of the best window times: a split moved for free at every window, the bound of any
     mechanism that only moves devices between roles), and the multiplexed arm per window."""
     w = WORKLOADS[name](steps, seed=0, switch_s=switch_s)
     per_split = {
-        k: windows(run(w, "partial_rollout", devices, steps, k), steps, k)
+        k: windows(run(w, "partial_rollout", devices, steps, k, order), steps, k)
         for k in split_candidates(devices)
     }
     n = len(per_split[mux_split])
     best_k = [min(per_split, key=lambda k: per_split[k][i]["time_s"]) for i in range(n)]
-    mux = run(w, "multiplexed", devices, steps, mux_split, probe_s=2.0)
+    mux = run(w, "multiplexed", devices, steps, mux_split, order, probe_s=2.0)
     return {
         "best_static_split_per_window": best_k,
         "oracle_moving_split_s": sum(per_split[k][i]["time_s"] for i, k in enumerate(best_k)),
@@ -309,7 +320,15 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=32)
     parser.add_argument("--switch", type=float, nargs="+", default=[5.0, 0.5])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument(
+        "--order",
+        type=Order,
+        default=Order.COMPLETION,
+        help="the trainer's order in every arm (emulation.sim.Order; overlap: no length bias)",
+    )
+    parser.add_argument("--order-wait-s", type=float, default=25.0, help="its wait bound")
     args = parser.parse_args()
+    order = {"order": args.order, "order_wait_s": args.order_wait_s}
     started = time.perf_counter()
     results: dict = {
         "machine": machine(),
@@ -319,12 +338,15 @@ def main() -> None:
             "staleness": STALENESS,
             "seeds": args.seeds,
             "switch_s": args.switch,
+            "order": args.order.value,
+            "order_wait_s": args.order_wait_s,
         },
         "workloads": {},
     }
     for name in args.workloads:
         rows = [
-            compare(name, args.devices, args.steps, seed, args.switch) for seed in range(args.seeds)
+            compare(name, args.devices, args.steps, seed, args.switch, order)
+            for seed in range(args.seeds)
         ]
         p = {
             "workload": WORKLOADS[name](args.steps).to_dict(),
@@ -337,12 +359,14 @@ def main() -> None:
                 args.steps,
                 args.switch[0],
                 rows[0]["multiplexed"][str(args.switch[0])]["split"],
+                order,
             ),
         }
         results["workloads"][name] = p
         print_workload(name, p)
     results["wall_s"] = time.perf_counter() - started
-    path = write_results("shifting_load.json", results)
+    suffix = "" if args.order is Order.COMPLETION else f"-{args.order}-{args.order_wait_s:g}s"
+    path = write_results(f"shifting_load{suffix}.json", results)
     print(f"\nwrote {path} in {results['wall_s']:.0f}s")
 
 
