@@ -400,6 +400,14 @@ class WorkerRegistered(Message):
         description="trainer: samples its steps took (trained or dropped), held unacked until "
         "their checkpoint is durable; admission does not count them as outstanding",
     )
+    order_waiting: int = Field(
+        default=0,
+        ge=0,
+        lt=MAX_SAFE_INT,
+        description="trainer: earlier admitted tasks its next step waits for (admission order); "
+        "the scheduler counts them as missing groups, so a lendable trainer worker is lent to "
+        "generate them",
+    )
     started_at: Timestamp | None = Field(
         default=None, description="when this registration began: a new one re-admits it"
     )

@@ -88,6 +88,9 @@ class AdmissionState:
     """Groups' worth of samples ever published to the trainer (it grows as rollout works)."""
     unbuilt_groups: int = 0
     """Ended sessions the trajectory manager has not built yet, in groups (rounded up)."""
+    awaited_groups: int = 0
+    """Earlier admitted tasks the trainer's next step waits for (its registry entry's
+    ``order_waiting``): missing, however many later groups are complete."""
 
     @property
     def outstanding(self) -> int:
@@ -95,7 +98,7 @@ class AdmissionState:
 
     def missing_groups(self, groups_per_step: int) -> int:
         """Groups the trainer still lacks for its next batch (<= 0: a batch is ready)."""
-        return groups_per_step - self.unsettled_groups
+        return max(groups_per_step - self.unsettled_groups, self.awaited_groups)
 
     @property
     def room(self) -> int:
@@ -111,11 +114,13 @@ def admission_state(
     limit: int,
     group_size: float,
     trained: int = 0,
+    awaited: int = 0,
 ) -> AdmissionState:
     """The state from the ``agents``, ``trajectory`` and ``trainer`` consumers' counts; a group is
     ``group_size`` sessions, each of the samples per session the trajectory manager made so far
     (1 until it has made any). ``trained`` of the trainer's unacked samples are trained already
-    and held only until their checkpoint is durable: not unsettled."""
+    and held only until their checkpoint is durable: not unsettled. ``awaited``: the trainer's
+    ``order_waiting``."""
     sessions_per_group = max(1.0, group_size)
     published = (trainer.delivered.stream_seq if trainer.delivered else 0) + (
         trainer.num_pending or 0
@@ -131,6 +136,7 @@ def admission_state(
         unsettled_groups=_groups(max(0, _unsettled(trainer) - trained), per_group),
         unbuilt_groups=_groups(_unsettled(trajectory), sessions_per_group),
         groups_total=published / per_group,
+        awaited_groups=awaited,
     )
 
 
@@ -167,6 +173,8 @@ class Admission:
         self.trained_unacked = 0
         """The live trainer entries' ``trained_unacked`` (the scheduler's tick sets it): samples
         held only until their checkpoint is durable."""
+        self.order_waiting = 0
+        """The live trainer entries' ``order_waiting`` (the scheduler's tick sets it)."""
         self.set_limit(limit)
 
     @property
@@ -221,7 +229,13 @@ class Admission:
         limit = self.limit or 0
         trained = self.trained_unacked
         state = admission_state(
-            agents, trajectory, trainer, limit=limit, group_size=group_size, trained=trained
+            agents,
+            trajectory,
+            trainer,
+            limit=limit,
+            group_size=group_size,
+            trained=trained,
+            awaited=self.order_waiting,
         )
         OUTSTANDING.set(state.outstanding)
         return state

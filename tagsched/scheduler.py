@@ -273,9 +273,9 @@ class Scheduler:
             self._store.change(fenced=kept)
         await self._store.flush()  # LeaseLostError once another scheduler wrote the state
         live = self.live()
-        self._admission.trained_unacked = sum(
-            w.trained_unacked for w in live.values() if w.trainer is not None
-        )
+        trainers = [w for w in live.values() if w.trainer is not None]
+        self._admission.trained_unacked = sum(w.trained_unacked for w in trainers)
+        self._admission.order_waiting = sum(w.order_waiting for w in trainers)
         try:
             self.assignment = assign(self._spec, live, await self._group.members())
         except UnsatisfiableSpecError as exc:

@@ -1,9 +1,13 @@
 """Admission order (``trainer.order``): which earlier admitted tasks a step waits for."""
 
+from types import SimpleNamespace
+
+import trainer.waits
 from broker.messages import Admitted, SampleReady
 from trainer.batcher import Batcher, Outcome, plan_step
 from trainer.config import TrainerConfig
 from trainer.order import AdmissionOrder
+from trainer.waits import OrderWait
 
 
 def stamp(ticket: int, version: int = 0) -> Admitted:
@@ -97,3 +101,27 @@ def run(ordered: bool) -> dict[int, Outcome]:
 def test_a_long_group_is_dropped_in_completion_order_and_trained_in_admission_order():
     assert run(ordered=False)[1] is Outcome.STALE_DROPPED
     assert set(run(ordered=True).values()) == {Outcome.TRAINED}
+
+
+def test_the_tasks_a_step_waits_for_are_told_until_they_come_or_are_given_up(monkeypatch):
+    """``OrderWait.refresh`` (as samples come, and while the trainer is lent) tells the trainer's
+    registry entry how many earlier tasks its step waits for once a batch's worth is complete,
+    so the scheduler lends a colocated trainer's worker to generate them. (Without it the worker
+    stayed in ``train`` with a batch "ready", nothing generated the task, and the wait ran out:
+    60 s, then its group dropped as stale.) Once the task comes, or is given up, it tells 0."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(trainer.waits, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    config = TrainerConfig(groups_per_step=2, max_staleness=0, order_wait_s=10)
+    for arrives in (True, False):
+        batcher, wait, told = Batcher(AdmissionOrder(wait_s=10)), OrderWait(config, None), []
+        wait.on_waiting = told.append
+        for ticket in (2, 3):  # ticket 1, admitted first, is still generating
+            batcher.add(group(ticket, 0)[0])
+            wait.refresh(batcher, version=1)
+        assert told == [1]  # told once a batch's worth (2 groups) is complete
+        if arrives:
+            batcher.add(group(1, 0)[0])
+        else:
+            clock.now += 10  # order_wait_s: given up
+        wait.refresh(batcher, version=1)
+        assert told == [1, 0] and batcher.order.given_up == (0 if arrives else 1)

@@ -348,16 +348,16 @@ def test_admission_limit_refuses_a_pace_past_the_staleness_bound():
         admission_limit(steps_ahead=3, groups_per_step=4, max_staleness=1)
 
 
+def consumer(unacked: int, delivered: int) -> ConsumerInfo:
+    seq = SequenceInfo(consumer_seq=delivered, stream_seq=delivered)
+    config = ConsumerConfig()
+    return ConsumerInfo("c", "s", config, None, seq, num_pending=0, num_ack_pending=unacked)
+
+
 def test_samples_held_only_for_their_checkpoint_are_not_outstanding():
     """Two groups of 8 samples taken by the trainer's last step and held unacked while its
     checkpoint is written: outstanding and 'a batch is ready' without the trainer's count (the
     lend of a colocated trainer waited the whole write so), settled with it."""
-
-    def consumer(unacked: int, delivered: int) -> ConsumerInfo:
-        seq = SequenceInfo(consumer_seq=delivered, stream_seq=delivered)
-        config = ConsumerConfig()
-        return ConsumerInfo("c", "s", config, None, seq, num_pending=0, num_ack_pending=unacked)
-
     agents, trajectory, trainer = consumer(0, 0), consumer(0, 16), consumer(16, 16)
     held = admission_state(agents, trajectory, trainer, limit=8, group_size=8)
     assert (held.unsettled_groups, held.missing_groups(2), held.room) == (2, 0, 6)
@@ -365,6 +365,18 @@ def test_samples_held_only_for_their_checkpoint_are_not_outstanding():
     assert (trained.unsettled_groups, trained.missing_groups(2), trained.room) == (0, 2, 8)
     half = admission_state(agents, trajectory, trainer, limit=8, group_size=8, trained=8)
     assert half.unsettled_groups == 1
+
+
+def test_tasks_the_trainer_waits_for_are_missing_however_many_groups_are_complete():
+    """A batch's worth of groups at the trainer, whose step waits for an earlier admitted task
+    (its entry's ``order_waiting``): 'a batch is ready' without the count, so a colocated
+    trainer's worker was kept in ``train`` and nothing generated the task until the wait ran out;
+    one group missing with it, so the worker is lent for it."""
+    agents, trajectory, trainer = consumer(0, 0), consumer(0, 16), consumer(16, 16)
+    ready = admission_state(agents, trajectory, trainer, limit=8, group_size=8)
+    assert ready.missing_groups(2) == 0
+    waiting = admission_state(agents, trajectory, trainer, limit=8, group_size=8, awaited=1)
+    assert waiting.missing_groups(2) == 1 and waiting.outstanding == ready.outstanding
 
 
 # -- admission on a real broker ----------------------------------------------------------------

@@ -78,6 +78,9 @@ from trainer.watch import ServingWatch
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+LENT_CHECK_S = 5.0
+"""While lent, how often the trainer gives up the earlier tasks it waited for too long (its
+registry entry keeps the worker lent for them until then)."""
 
 
 class Trainer(AheadSteps):
@@ -160,6 +163,7 @@ class Trainer(AheadSteps):
                 raise InvalidMessageError(str(exc)) from exc  # dead-lettered with the reason
             future = self._waiting[sample.sample_id] = asyncio.get_running_loop().create_future()
             HELD.inc()
+            self._order_wait.refresh(self._batcher, self.version)
             self._wake.set()
         # 3. Wait for the commit (the ingress keeps the message in progress meanwhile); shielded,
         # so that a cancelled handler leaves the future to ``_release``.
@@ -248,7 +252,8 @@ class Trainer(AheadSteps):
                     GROUPS_EXPIRED.inc(expired)
                     log.warning(kv("groups_expired", groups=expired, after_s=timeout))
                 if not self._may_step.is_set():  # lent or idle: wait to be given the role back
-                    await wait_first(self._may_step.wait(), stop.wait())
+                    await wait_first(self._may_step.wait(), stop.wait(), timeout=LENT_CHECK_S)
+                    self._order_wait.refresh(self._batcher, self.version)  # one given up?
                     continue
                 if not self._formed.is_set():  # the trainer group is (re-)forming
                     await wait_first(self._formed.wait(), stop.wait())
@@ -409,6 +414,8 @@ class Trainer(AheadSteps):
         self._provision = provision
         # samples held only for their checkpoint: admission leaves them out of what is outstanding
         self._commits.on_trained_unacked = lambda n: roles.registration.put_soon(trained_unacked=n)
+        # earlier tasks a step waits for: the scheduler lends this worker for them (colocated)
+        self._order_wait.on_waiting = lambda n: roles.registration.put_soon(order_waiting=n)
         names = self._names
         await durable_info(self._js, names, names.samples_stream, Durable.TRAINER)
         if not self._grouped:  # else once it is the group's rank 0: ``resume``

@@ -5,6 +5,7 @@
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from common.log import kv
 from common.staleness import StalenessMode
@@ -23,6 +24,10 @@ class OrderWait:
         self._config = config
         self._wake = wake
         self._waited_for = 0  # the admission ticket a step last waited for (logged once)
+        self._waiting = 0
+        self.on_waiting: Callable[[int], None] = lambda n: None
+        """Told how many earlier tasks the next step waits for, each time it changes (the
+        trainer's registry entry: the scheduler lends a colocated trainer's worker for them)."""
 
     @property
     def _applies(self) -> bool:
@@ -43,18 +48,13 @@ class OrderWait:
         until a sample comes or a wait runs out) for the earlier admitted tasks a step at
         ``version`` would put past the staleness bound (``trainer.order``). Returns whether it
         waited."""
-        config = self._config
-        if not self._applies or complete < config.groups_per_step:
+        if not self._applies or complete < self._config.groups_per_step:
+            self._tell(0)
             return False
-        order = batcher.order
-        before = order.given_up
-        blocking = order.blocking(version, config.max_staleness, time.monotonic())
-        if gave_up := order.given_up - before:
-            ORDER_GIVEN_UP.inc(gave_up)
-            log.warning(kv("order_given_up", tickets=gave_up, after_s=config.order_wait_s))
+        blocking = self._blocking(batcher, version)
         if not blocking:
             return False
-        deadline = order.deadline()
+        deadline = batcher.order.deadline()
         assert deadline is not None
         if blocking[0] != self._waited_for:  # once per ticket, not per sample that wakes it
             self._waited_for = blocking[0]
@@ -64,6 +64,32 @@ class OrderWait:
         await wait_first(self._wake.wait(), stop.wait(), timeout=max(0.0, deadline - started))
         ORDER_WAIT.inc(time.monotonic() - started)
         return True
+
+    def refresh(self, batcher: Batcher, version: int) -> None:
+        """As a sample comes, and while the trainer is lent: the earlier tasks a step at
+        ``version`` waits for (those waited for ``order_wait_s`` given up), told while a batch's
+        worth is complete (the scheduler counts fewer groups as missing itself). A trainer
+        worker lent for them is reclaimed once they have come or are given up."""
+        if not self._applies or batcher.complete_groups < self._config.groups_per_step:
+            self._tell(0)
+        else:
+            self._blocking(batcher, version)
+
+    def _blocking(self, batcher: Batcher, version: int) -> list[int]:
+        """``AdmissionOrder.blocking`` (it gives up the tickets waited for too long), told."""
+        order = batcher.order
+        before = order.given_up
+        blocking = order.blocking(version, self._config.max_staleness, time.monotonic())
+        if gave_up := order.given_up - before:
+            ORDER_GIVEN_UP.inc(gave_up)
+            log.warning(kv("order_given_up", tickets=gave_up, after_s=self._config.order_wait_s))
+        self._tell(len(blocking))
+        return blocking
+
+    def _tell(self, waiting: int) -> None:
+        if waiting != self._waiting:
+            self._waiting = waiting
+            self.on_waiting(waiting)
 
 
 async def wait_first(*waits, timeout: float | None = None) -> None:  # noqa: ASYNC109
