@@ -253,7 +253,7 @@ async def test_hf_pause_waits_for_one_chunk_of_a_long_prefill(tiny_model_dir: Pa
         await engine.resume()
         chunk = await asyncio.wait_for(first, 30)
         assert len(chunk.token_ids) == 1
-        assert lengths == [8] * 8
+        assert lengths[:8] == [8] * 8  # the prompt in 8 chunks (its second token may follow)
     finally:
         gate.set()
         hook.remove()
