@@ -48,10 +48,7 @@ class OrderWait:
         until a sample comes or a wait runs out) for the earlier admitted tasks a step at
         ``version`` would put past the staleness bound (``trainer.order``). Returns whether it
         waited."""
-        if not self._applies or complete < self._config.groups_per_step:
-            self._tell(0)
-            return False
-        blocking = self._blocking(batcher, version)
+        blocking = self._blocking(batcher, version, complete)
         if not blocking:
             return False
         deadline = batcher.order.deadline()
@@ -70,13 +67,14 @@ class OrderWait:
         ``version`` waits for (those waited for ``order_wait_s`` given up), told while a batch's
         worth is complete (the scheduler counts fewer groups as missing itself). A trainer
         worker lent for them is reclaimed once they have come or are given up."""
-        if not self._applies or batcher.complete_groups < self._config.groups_per_step:
-            self._tell(0)
-        else:
-            self._blocking(batcher, version)
+        self._blocking(batcher, version, batcher.complete_groups)
 
-    def _blocking(self, batcher: Batcher, version: int) -> list[int]:
-        """``AdmissionOrder.blocking`` (it gives up the tickets waited for too long), told."""
+    def _blocking(self, batcher: Batcher, version: int, complete: int) -> list[int]:
+        """With a batch's worth ``complete``, in drop mode: ``AdmissionOrder.blocking`` (it
+        gives up the tickets waited for too long); else none. Told either way."""
+        if not self._applies or complete < self._config.groups_per_step:
+            self._tell(0)
+            return []
         order = batcher.order
         before = order.given_up
         blocking = order.blocking(version, self._config.max_staleness, time.monotonic())
