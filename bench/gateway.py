@@ -108,6 +108,8 @@ LATENCY_ROWS = [
     ("  b - a (of the quantiles)", "overhead_ms"),
     ("  b / a (of the quantiles)", "overhead_ratio"),
     ("  b - a (paired by round)", "paired_overhead_ms"),
+    ("(b)'s own engine seconds (its record)", "plane_engine_ms"),
+    ("  b - its own engine seconds", "inband_overhead_ms"),
     ("(a) first token", "engine_ttft_ms"),
     ("(b) first token, streaming", "plane_stream_ttft_ms"),
     ("  b - a (of the quantiles)", "ttft_overhead_ms"),
@@ -271,12 +273,16 @@ async def models_call(http: httpx.AsyncClient) -> tuple[float]:
 
 
 async def plane_call(
-    client: openai.AsyncOpenAI, prompt_ids: list[int], max_tokens: int
+    client: openai.AsyncOpenAI, prompt_ids: list[int], max_tokens: int, session_id: str
 ) -> tuple[float, int]:
-    """(seconds, tokens) of one non-streaming call through the gateway."""
+    """(seconds, tokens) of one non-streaming call through the gateway, in ``session_id``."""
     start = time.perf_counter()
     response = await client.completions.create(
-        model=SERVED, prompt=prompt_ids, max_tokens=max_tokens, temperature=0
+        model=SERVED,
+        prompt=prompt_ids,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_headers={SESSION_HEADER: session_id},
     )
     return time.perf_counter() - start, response.usage.completion_tokens
 
@@ -326,11 +332,14 @@ def _check_tokens(where: str, got: int, wanted: int) -> None:
 async def bench_latency(
     engine: Engine,
     plane: Plane,
+    records: RecordReader,
     prompt_ids: list[int],
     stop_ids: list[int],
     s: Settings,
 ) -> dict:
     k = s.latency_tokens
+    tag = uuid.uuid4().hex[:8]
+    sessions = [f"bench-{tag}-latency-{n}" for n in range(s.warmup + s.calls)]
     params = SamplingParams(max_tokens=k, temperature=0, stop_token_ids=stop_ids)
     raw: dict[str, list[float]] = {
         "engine_ms": [],
@@ -351,13 +360,13 @@ async def bench_latency(
         lambda: nats_call(plane.nc, plane.names, prompt_ids, params),
         lambda: core_call(plane.nc, plane.js, plane.names, prompt_ids, params),
         lambda: http_call(plane.http, prompt_ids, k),
-        lambda: plane_call(plane.client, prompt_ids, k),
+        lambda: plane_call(plane.client, prompt_ids, k, sessions[i]),
         lambda: plane_stream(plane.client, prompt_ids, k),
         lambda: http_call(plane.keyed, prompt_ids, k),
         lambda: models_call(plane.http),
         lambda: models_call(plane.keyed),
     ]
-    for i in range(s.warmup + s.calls):
+    for i in range(s.warmup + s.calls):  # (b) reads ``i``: its round's session
         # Each round starts at the next variant: a call right after another process's torch
         # call runs beside that one's still-spinning OpenMP threads (a few ms on 2 cores), so
         # no variant may always come first or right after the in-process engine.
@@ -384,6 +393,11 @@ async def bench_latency(
             measured += (n_total, n_start, c_total, h_total, k_total, m_total, mk_total)
             for key, seconds in zip(raw, measured, strict=True):
                 raw[key].append(1000 * seconds)
+    # The engine's own seconds on each (b) call, as its worker told them (CallRecorded.engine_s):
+    # what the plane added to that very call, without another engine call's spread.
+    found = {r.session_id: r for r in await records.wait_for(set(sessions), len(sessions))}
+    raw["plane_engine_ms"] = [1000 * found[sid].engine_s for sid in sessions[s.warmup :]]
+    raw["inband_overhead_ms"] = _minus(raw["plane_ms"], raw["plane_engine_ms"])
     # Rounds run back to back, so a round's difference is the overhead under the same load.
     raw["paired_overhead_ms"] = _minus(raw["plane_ms"], raw["engine_ms"])
     raw["paired_ttft_overhead_ms"] = _minus(raw["plane_stream_ttft_ms"], raw["engine_ttft_ms"])
@@ -439,6 +453,8 @@ async def bench_throughput(
     plane_s = time.perf_counter() - start
 
     found = await records.wait_for(set(ids), sessions * s.turns)
+    # what the plane added to each call at this concurrency, by the gateway's clock
+    added = [1000 * (r.finished_at - r.started_at - r.engine_s) for r in found]
     calls = {
         i: sorted((r for r in found if r.session_id == i), key=lambda r: r.started_at) for i in ids
     }
@@ -464,6 +480,7 @@ async def bench_throughput(
         "engine_s": engine_s,
         "engine_tok_s": engine_tokens / engine_s,
         "plane_over_engine": (plane_tokens / plane_s) / (engine_tokens / engine_s),
+        "gateway_added_ms": {q: percentile(added, q) for q in QUANTILES},
     }
 
 
@@ -530,8 +547,8 @@ async def measure(nats_url: str, engine: Engine, model: Path, s: Settings, scrat
         names = RunNames(RUN)
         js = nc.jetstream(timeout=gateway_config.nats_timeout_s)
         plane = Plane(client, http, keyed, nc, js, names)
-        latency = await bench_latency(engine, plane, prompt_ids, stop_ids, s)
         records = RecordReader(nc.jetstream(), names)
+        latency = await bench_latency(engine, plane, records, prompt_ids, stop_ids, s)
         throughput = [
             await bench_throughput(engine, client, records, stop_ids, n, s) for n in s.sessions
         ]
@@ -573,13 +590,14 @@ def print_report(result: dict) -> None:
     print()
     print(
         f"{'sessions':>8}{'calls':>7}{'prompt':>8}{'engine tok':>11}{'engine tok/s':>14}"
-        f"{'plane tok':>11}{'plane tok/s':>13}{'plane/engine':>14}"
+        f"{'plane tok':>11}{'plane tok/s':>13}{'plane/engine':>14}{'gateway added p50/p99 ms':>26}"
     )
     for r in result["throughput"]:
         print(
             f"{r['sessions']:>8}{r['calls']:>7}{r['prompt_tokens_mean']:>8.0f}"
             f"{r['engine_tokens']:>11}{r['engine_tok_s']:>14.1f}{r['plane_tokens']:>11}"
             f"{r['plane_tok_s']:>13.1f}{r['plane_over_engine']:>14.2f}"
+            f"{r['gateway_added_ms'][50]:>16.2f} / {r['gateway_added_ms'][99]:.2f}"
         )
 
 

@@ -214,6 +214,11 @@ class TokensGenerated(Message):
     logprobs: list[float] = Field(default_factory=list, description="one per token")
     finish_reason: FinishReasonField | None = None
     error: str | None = Field(default=None, max_length=4096)
+    engine_s: Seconds | None = Field(
+        default=None,
+        description="on the chunk that ends the attempt: seconds from the worker's call into its "
+        "engine to the engine's last chunk",
+    )
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> Self:
@@ -250,6 +255,12 @@ class CallRecorded(Message):
     started_at: Timestamp
     finished_at: Timestamp
     interruptions: int = Field(default=0, ge=0, lt=MAX_SAFE_INT)
+    engine_s: Seconds | None = Field(
+        default=None,
+        description="the engines' seconds on the call (``TokensGenerated.engine_s`` summed over "
+        "its attempts); the rest of finished_at - started_at is the data plane's. None: no "
+        "attempt told it",
+    )
 
     @model_validator(mode="after")
     def _per_token_lists_align(self) -> Self:

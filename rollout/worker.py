@@ -77,6 +77,8 @@ class _Attempt:
     tokens_sent_at: float = -math.inf
     flusher: asyncio.Task | None = None
     """Sends ``held`` when ``stream_interval_s`` has passed, if nothing else sent it first."""
+    engine_s: float | None = None
+    """Set when the engine ended the attempt: its seconds, from the call into it."""
 
 
 class RolloutWorker:
@@ -227,11 +229,14 @@ class RolloutWorker:
         RUNNING.inc()
         keepalive = asyncio.create_task(self._keepalive(attempt))
         finish = FinishReason.ERROR
+        called = time.monotonic()
         try:
             await self._send(attempt, GenerationChunk([], [], self._engine.version))
             stream = self._engine.generate(_request_id(request), request.prompt_ids, request.params)
             async for chunk in stream:
                 TOKENS.inc(len(chunk.token_ids))
+                if chunk.finish_reason is not None:
+                    attempt.engine_s = time.monotonic() - called
                 error = None
                 if chunk.finish_reason is FinishReason.ABORT:
                     error = attempt.abort_reason or "aborted by the engine"
@@ -239,6 +244,7 @@ class RolloutWorker:
                 finish = chunk.finish_reason or finish
         except EngineError as exc:
             log.warning(kv("generation_failed", call=request.call_id, error=exc))
+            attempt.engine_s = time.monotonic() - called
             final = GenerationChunk([], [], self._engine.version, FinishReason.ERROR)
             await self._forward(attempt, final, str(exc))
         finally:
@@ -307,6 +313,7 @@ class RolloutWorker:
             logprobs=chunk.logprobs,
             finish_reason=chunk.finish_reason,
             error=error[:4096] if error else None,
+            engine_s=attempt.engine_s if chunk.finish_reason is not None else None,
         )
         attempt.seq += 1
         attempt.last_sent = time.monotonic()

@@ -41,6 +41,7 @@ def call(session: str, n: int, version: int = 0) -> CallRecorded:
         finish_reason="stop",
         started_at=100.0 + n,
         finished_at=101.0 + n,
+        engine_s=0.5 if n else None,
     )
 
 
@@ -100,6 +101,7 @@ def test_the_tables_of_hand_built_messages_skip_the_bad_ones(tmp_path):
     ]
     assert rows[1]["prompt_ids"] == [1, 2, 4] and rows[1]["output_versions"] == [0, 1]
     assert rows[1]["output_logprobs"] == [-0.25, -1.5] and rows[1]["finish_reason"] == "stop"
+    assert [r["engine_s"] for r in rows] == [None, 0.5, None]
     assert rows[1]["prompt_text"] == "1 2 4" and rows[1]["output_text"] == "7 8"
     s1, s2 = read(out, "sessions")
     assert (s1["session_id"], s1["ended"], s1["reward"], s1["end_seq"]) == ("s1", True, 0.5, 6)

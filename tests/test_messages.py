@@ -201,6 +201,14 @@ def test_a_reward_function_is_named_module_function():
             codec.decode(TaskSubmitted, msgpack.packb({**task, "reward": {"function": bad}}))
 
 
+def test_an_engines_seconds_are_a_duration():
+    assert (
+        codec.decode(TokensGenerated, _chunk(finish_reason="stop", engine_s=0.25)).engine_s == 0.25
+    )
+    with pytest.raises(InvalidMessageError, match="engine_s: Input should be greater than"):
+        codec.decode(TokensGenerated, _chunk(finish_reason="stop", engine_s=-0.5))
+
+
 def test_enums_travel_as_strings_and_are_checked():
     ok = codec.decode(TokensGenerated, _chunk(finish_reason="length"))
     assert ok.finish_reason == "length"

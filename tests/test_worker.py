@@ -100,9 +100,14 @@ async def test_worker_streams_token_exact_chunks_and_acks(worker, nc, js, names,
     assert entry.tags == ["rollout", f"node={entry.host}"]  # its config's and its node's
     assert entry.metrics_url == worker.metrics_url
 
+    sent = time.monotonic()
     call = await Call(nc, names, "c1", max_tokens=12, temperature=0).start()
     last = await call.finished()
+    took = time.monotonic() - sent
     assert [c.seq for c in call.chunks] == list(range(len(call.chunks)))
+    # The engine's seconds come on the last chunk only, within the call as seen from here.
+    assert 0 < last.engine_s < took
+    assert [c.engine_s for c in call.chunks[:-1]] == [None] * (len(call.chunks) - 1)
     assert call.chunks[0].token_ids == []  # "started", sent before the first token
     assert last.finish_reason is FinishReason.LENGTH and last.error is None
     assert {c.worker_id for c in call.chunks} == {"w1"} and {c.version for c in call.chunks} == {0}

@@ -92,6 +92,14 @@ CALL_SECONDS = Histogram(
     registry=REGISTRY,
 )
 
+OVERHEAD_SECONDS = Histogram(
+    "sf_gateway_overhead_seconds",
+    "What the data plane added to a call ended by its engine (stop or length): its duration "
+    "less the engines' own seconds on it (CallRecorded.engine_s)",
+    buckets=(0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5),
+    registry=REGISTRY,
+)
+
 RECORD_ATTEMPTS = 3
 """Publishes of a CallRecorded (0.5 s, then 1 s apart) before the call fails."""
 
@@ -172,6 +180,10 @@ class Call:
         self.output_versions: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.continuations = 0
+        self.engine_s: float | None = None
+        """The engines' seconds on the call, summed over the attempts that told it."""
+        self._timed_end = False
+        """The engine ended the call (stop or length), telling its seconds."""
         self._queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._sub: Subscription | None = None
         self._attempt: _Attempt | None = None
@@ -259,9 +271,12 @@ class Call:
         attempt.last_chunk_at = time.monotonic()
         self._taken = True
         tokens = self._accept(chunk)
+        if chunk.engine_s is not None:
+            self.engine_s = (self.engine_s or 0.0) + chunk.engine_s
         match chunk.finish_reason:
             case FinishReason.STOP | FinishReason.LENGTH:
                 self.finish_reason = chunk.finish_reason
+                self._timed_end = chunk.engine_s is not None
             case FinishReason.ERROR:
                 self.finish_reason = FinishReason.ERROR
                 raise GenerationFailedError(
@@ -418,8 +433,12 @@ class Call:
             started_at=self._started_at,
             finished_at=finished_at,
             interruptions=self.continuations + _version_changes(self.output_versions),
+            engine_s=self.engine_s,
         )
-        CALL_SECONDS.labels(self.finish_reason.value).observe(finished_at - self._started_at)
+        seconds = finished_at - self._started_at
+        CALL_SECONDS.labels(self.finish_reason.value).observe(seconds)
+        if self._timed_end:
+            OVERHEAD_SECONDS.observe(max(0.0, seconds - self.engine_s))
         payload, headers = codec.encode(record), codec.headers(msg_id=self.call_id)
         subject = self.names.traj_calls(self.session_id)
         for attempt in range(RECORD_ATTEMPTS):
