@@ -110,6 +110,8 @@ LATENCY_ROWS = [
     ("  b - a (paired by round)", "paired_overhead_ms"),
     ("(b)'s own engine seconds (its record)", "plane_engine_ms"),
     ("  b - its own engine seconds", "inband_overhead_ms"),
+    ("    of which the gateway's call", "inband_call_ms"),
+    ("    the rest: HTTP, SDK, record stored", "inband_rest_ms"),
     ("(a) first token", "engine_ttft_ms"),
     ("(b) first token, streaming", "plane_stream_ttft_ms"),
     ("  b - a (of the quantiles)", "ttft_overhead_ms"),
@@ -396,8 +398,12 @@ async def bench_latency(
     # The engine's own seconds on each (b) call, as its worker told them (CallRecorded.engine_s):
     # what the plane added to that very call, without another engine call's spread.
     found = {r.session_id: r for r in await records.wait_for(set(sessions), len(sessions))}
-    raw["plane_engine_ms"] = [1000 * found[sid].engine_s for sid in sessions[s.warmup :]]
+    timed = [found[sid] for sid in sessions[s.warmup :]]
+    raw["plane_engine_ms"] = [1000 * r.engine_s for r in timed]
     raw["inband_overhead_ms"] = _minus(raw["plane_ms"], raw["plane_engine_ms"])
+    # of which the gateway's call (request published -> last chunk, CallRecorded's clock)
+    raw["inband_call_ms"] = [1000 * (r.finished_at - r.started_at - r.engine_s) for r in timed]
+    raw["inband_rest_ms"] = _minus(raw["inband_overhead_ms"], raw["inband_call_ms"])
     # Rounds run back to back, so a round's difference is the overhead under the same load.
     raw["paired_overhead_ms"] = _minus(raw["plane_ms"], raw["engine_ms"])
     raw["paired_ttft_overhead_ms"] = _minus(raw["plane_stream_ttft_ms"], raw["engine_ttft_ms"])
