@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -36,6 +37,13 @@ from broker.subjects import RunNames
 from common.log import kv
 
 log = logging.getLogger(__name__)
+
+CURRENT_STALL_S = 5.0
+"""A watch whose current entries stop coming this long before they are complete is given up
+(a broker error: watchers start again, a read tries once more). nats-py lost them once in a
+while on a 2.9 server (a read of a registry rewritten every 50 ms waited forever)."""
+READ_TRIES = 2
+"""Watches a one-off read opens before a stall of its current entries is its error."""
 
 
 def node_name() -> str:
@@ -320,27 +328,28 @@ async def _current_then_changes(
     with its arrival (``time.monotonic()``). nats-py's end-of-current marker (``None``) can come
     before entries its consumer delivered already (they were on their way when it asked the
     server how many were pending): the current entries end once as many have arrived as the
-    consumer had delivered when the marker came."""
-    current: list[tuple[KeyValue.Entry, float]] | None = []
-    received, owed = 0, None
-    async for entry in watcher:
+    consumer had delivered when the marker came. Raises ``NatsTimeoutError`` when they stall
+    for ``CURRENT_STALL_S``."""
+    updates = aiter(watcher)
+    current: list[tuple[KeyValue.Entry, float]] = []
+    owed: int | None = None
+    while owed is None or len(current) < owed:
+        try:
+            entry = await asyncio.wait_for(anext(updates), CURRENT_STALL_S)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            log.warning(kv("registry_current_stalled", received=len(current), owed=owed))
+            raise NatsTimeoutError from None
         if entry is not None:
-            received += 1
-            if current is None:
-                yield entry, time.monotonic()
-                continue
             current.append((entry, time.monotonic()))
-            if owed is None or received < owed:
-                continue
-        elif current is None:
-            continue
-        else:
+        elif owed is None:
             delivered = (await watcher._sub.consumer_info()).delivered
             owed = delivered.consumer_seq if delivered is not None else 0
-            if received < owed:
-                continue
-        yield current
-        current = None
+    yield current
+    async for entry in updates:
+        if entry is not None:
+            yield entry, time.monotonic()
 
 
 def _sighting(
@@ -374,6 +383,24 @@ async def read_registry(js: JetStreamContext, names: RunNames) -> list[Sighting]
     """The registry's entries now, by worker id, each dated by the server like
     ``watch_registry``'s current entries (for one-off readers: ``seamlessflow status``, a weight
     wave). One that expired may linger until the bucket drops it: its age says so."""
+    for tries in range(1, READ_TRIES + 1):
+        try:
+            current, clock = await _read_current(js, names)
+            break
+        except NatsTimeoutError:
+            if tries == READ_TRIES:
+                raise
+    found: dict[str, Sighting] = {}
+    for entry, arrived in current:  # in order: a key's later write (or delete) wins
+        if (sighting := _sighting(entry, arrived, clock)) is not None:
+            found[sighting.worker_id] = sighting
+    return [found[k] for k in sorted(found) if found[k].entry is not None]
+
+
+async def _read_current(
+    js: JetStreamContext, names: RunNames
+) -> tuple[list[tuple[KeyValue.Entry, float]], tuple[float, float] | None]:
+    """One watch's current entries, and the server's clock to date them."""
     bucket = await js.key_value(names.workers_kv)
     opened = time.monotonic()
     watcher = await bucket.watchall()
@@ -386,8 +413,4 @@ async def read_registry(js: JetStreamContext, names: RunNames) -> list[Sighting]
         clock = await _server_clock(js, names, watcher, opened) if current else None
     finally:
         await watcher.stop()
-    found: dict[str, Sighting] = {}
-    for entry, arrived in current:  # in order: a key's later write (or delete) wins
-        if (sighting := _sighting(entry, arrived, clock)) is not None:
-            found[sighting.worker_id] = sighting
-    return [found[k] for k in sorted(found) if found[k].entry is not None]
+    return current, clock

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 from nats.errors import Error as NatsError
+from nats.js.kv import KeyValue
 
+from broker import registry
 from broker.client import session
 from broker.messages import Role, WorkerRegistered
 from broker.provision import provision_run
@@ -340,6 +342,36 @@ async def test_a_read_finds_the_current_entries_while_they_are_rewritten(js, sho
     finally:
         beat.cancel()
         await asyncio.gather(beat, return_exceptions=True)
+
+
+class _MarkerLost(asyncio.Queue):
+    """FAULT INJECTION (named fake): a watcher's update queue that loses nats-py's
+    end-of-current marker, as a watch on a 2.9 server once did (a read waited forever); it
+    cannot be made to happen on demand."""
+
+    def put_nowait(self, item) -> None:
+        if item is not None:
+            super().put_nowait(item)
+
+
+async def test_a_read_whose_current_entries_stall_watches_again(js, short_ttl, monkeypatch):
+    names = short_ttl
+    await (await Registration.open(js, names, "w-1", tags=["rollout"], role=Role.ROLLOUT)).put()
+    monkeypatch.setattr(registry, "CURRENT_STALL_S", 0.5)
+    made: list[KeyValue.KeyWatcher] = []
+
+    class FirstLosesItsMarker(KeyValue.KeyWatcher):
+        def __init__(self, js) -> None:
+            super().__init__(js)
+            if not made:
+                self._updates = _MarkerLost(maxsize=256)
+            made.append(self)
+
+    monkeypatch.setattr(KeyValue, "KeyWatcher", FirstLosesItsMarker)
+    started = time.monotonic()
+    found = await asyncio.wait_for(read_registry(js, names), 10)
+    assert [x.worker_id for x in found] == ["w-1"]
+    assert len(made) == 2 and 0.5 <= time.monotonic() - started < 5
 
 
 async def test_a_summary_waits_for_the_broker_to_read_the_registry_then_goes_without(
