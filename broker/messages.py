@@ -262,6 +262,14 @@ class CallRecorded(Message):
         "attempt told it",
     )
 
+    @property
+    def added_s(self) -> float | None:
+        """What the data plane added to the call: its duration less the engines' seconds on it;
+        None when no attempt told them."""
+        if self.engine_s is None:
+            return None
+        return self.finished_at - self.started_at - self.engine_s
+
     @model_validator(mode="after")
     def _per_token_lists_align(self) -> Self:
         n = len(self.output_ids)

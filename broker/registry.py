@@ -330,24 +330,23 @@ async def _current_then_changes(
     server how many were pending): the current entries end once as many have arrived as the
     consumer had delivered when the marker came. Raises ``NatsTimeoutError`` when they stall
     for ``CURRENT_STALL_S``."""
-    updates = aiter(watcher)
     current: list[tuple[KeyValue.Entry, float]] = []
     owed: int | None = None
     while owed is None or len(current) < owed:
         try:
-            entry = await asyncio.wait_for(anext(updates), CURRENT_STALL_S)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
+            entry = await watcher.updates(CURRENT_STALL_S)
+        except NatsTimeoutError:
             log.warning(kv("registry_current_stalled", received=len(current), owed=owed))
-            raise NatsTimeoutError from None
+            raise
+        if entry is KeyValue.KeyWatcher.STOP_ITER:  # stopped
+            return
         if entry is not None:
             current.append((entry, time.monotonic()))
         elif owed is None:
             delivered = (await watcher._sub.consumer_info()).delivered
             owed = delivered.consumer_seq if delivered is not None else 0
     yield current
-    async for entry in updates:
+    async for entry in watcher:
         if entry is not None:
             yield entry, time.monotonic()
 

@@ -435,10 +435,9 @@ class Call:
             interruptions=self.continuations + _version_changes(self.output_versions),
             engine_s=self.engine_s,
         )
-        seconds = finished_at - self._started_at
-        CALL_SECONDS.labels(self.finish_reason.value).observe(seconds)
+        CALL_SECONDS.labels(self.finish_reason.value).observe(finished_at - self._started_at)
         if self._timed_end:
-            OVERHEAD_SECONDS.observe(max(0.0, seconds - self.engine_s))
+            OVERHEAD_SECONDS.observe(max(0.0, record.added_s))
         payload, headers = codec.encode(record), codec.headers(msg_id=self.call_id)
         subject = self.names.traj_calls(self.session_id)
         for attempt in range(RECORD_ATTEMPTS):
