@@ -178,9 +178,15 @@ class RoleHolder:
         return self._registration.entry.epoch
 
     async def start(self) -> None:
+        """Serve role-change requests, then write the entry (waiting while JetStream cannot
+        answer), then hold the role from that write. The entry tells the scheduler it may ask,
+        and it asks at once: a request before the subscription found no responder, and the
+        worker was fenced on its first role change (a loaded CI machine's ``seamlessflow run``
+        saw it)."""
         subject = self._names.ctl_role(self._registration.worker_id)
         self._sub = await self._nc.subscribe(subject, cb=self._on_request)
         await self._nc.flush()  # the server knows the subscription before anyone is told
+        await retry(self._registration.put, what="registration")
         self._tasks = [asyncio.create_task(self._tick()), asyncio.create_task(self._hold())]
 
     async def stop(self) -> None:
@@ -352,24 +358,23 @@ class RoleHolder:
 async def membership(
     nc: NATS, names: RunNames, registration: Registration, switch: Switch, *, heartbeat_s: float
 ) -> AsyncIterator[RoleHolder]:
-    """A process's membership of the run: take the entry's role (``switch``), write the entry,
-    serve role-change requests, renew the entry every ``heartbeat_s`` (reading the scheduler's
+    """A process's membership of the run: take the entry's role (``switch``), serve role-change
+    requests, write the entry, renew the entry every ``heartbeat_s`` (reading the scheduler's
     fences after each), hold the role as a lease. On the way out, normal or not: stop the
     heartbeats, stop the role requests, delete the entry, in that order, each step taken even if
     one before it raised."""
     async with contextlib.AsyncExitStack() as leave:  # runs its callbacks last-in, first-out
         await switch(registration.entry.role)
         # A process joining while JetStream cannot answer (leaders moving after an outage) waits
-        # for it to register, rather than exiting.
-        await retry(registration.put, what="registration")
-        leave.push_async_callback(registration.delete)
+        # for it, rather than exiting.
         ttl = await retry(registration.ttl, what="registry_ttl")
         js = nc.jetstream()
         state = await retry(lambda: run_bucket(js, names, names.state_kv), what="state_bucket")
         lease_s = ttl * ROLE_LEASE_SHARE
         roles = RoleHolder(nc, names, registration, switch, lease_s=lease_s, state=state)
+        leave.push_async_callback(registration.delete)
         leave.push_async_callback(roles.stop)
-        await roles.start()
+        await roles.start()  # writes the entry
         heartbeat = asyncio.create_task(registration.keep_alive(heartbeat_s, roles.check_fence))
         leave.push_async_callback(_cancel, heartbeat)
         yield roles

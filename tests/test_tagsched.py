@@ -581,6 +581,36 @@ async def test_membership_takes_the_role_serves_requests_and_leaves_in_order(nc,
         await nc.request(names.ctl_role("m1"), b"", timeout=5)
 
 
+async def test_a_role_change_sent_as_the_entry_appears_is_answered(nc, js, names):
+    """A scheduler asks for a role change as soon as it sees a worker's entry: the worker
+    serves requests before it writes the entry, so the first request finds it listening. (It
+    subscribed after the write: the request found no responder, and the scheduler fenced the
+    worker on its first lend.)"""
+
+    async def switch(role: Role) -> None:
+        pass
+
+    bucket = await js.key_value(names.workers_kv)
+    watcher = await bucket.watch("m3")
+    registration = await Registration.open(js, names, "m3", tags=["rollout"], role=Role.IDLE)
+    left = asyncio.Event()
+
+    async def member() -> None:
+        async with membership(nc, names, registration, switch, heartbeat_s=0.1):
+            await left.wait()
+
+    task = asyncio.create_task(member())
+    try:
+        while (found := await watcher.updates(timeout=10)) is None or not found.value:
+            pass
+        ack = await ask(nc, names, "m3", Role.ROLLOUT, 1)  # at once, as the scheduler's tick
+        assert (ack.ok, ack.role, ack.epoch) == (True, Role.ROLLOUT, 1)
+    finally:
+        left.set()
+        await task
+        await watcher.stop()
+
+
 @pytest.mark.newest_nats  # starts worker processes: slow, and not about the server
 async def test_a_worker_changes_role_by_epoch_and_refuses_stale_ones(
     broker, nc, js, names, tiny_model_dir
