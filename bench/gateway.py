@@ -357,25 +357,25 @@ async def bench_latency(
         "models_ms": [],
         "models_keyed_ms": [],
     }
-    variants = [
-        lambda: engine_call(engine, prompt_ids, params),
-        lambda: nats_call(plane.nc, plane.names, prompt_ids, params),
-        lambda: core_call(plane.nc, plane.js, plane.names, prompt_ids, params),
-        lambda: http_call(plane.http, prompt_ids, k),
-        lambda: plane_call(plane.client, prompt_ids, k, sessions[i]),
-        lambda: plane_stream(plane.client, prompt_ids, k),
-        lambda: http_call(plane.keyed, prompt_ids, k),
-        lambda: models_call(plane.http),
-        lambda: models_call(plane.keyed),
+    variants = [  # each called with its round (b: the round's session)
+        lambda i: engine_call(engine, prompt_ids, params),
+        lambda i: nats_call(plane.nc, plane.names, prompt_ids, params),
+        lambda i: core_call(plane.nc, plane.js, plane.names, prompt_ids, params),
+        lambda i: http_call(plane.http, prompt_ids, k),
+        lambda i: plane_call(plane.client, prompt_ids, k, sessions[i]),
+        lambda i: plane_stream(plane.client, prompt_ids, k),
+        lambda i: http_call(plane.keyed, prompt_ids, k),
+        lambda i: models_call(plane.http),
+        lambda i: models_call(plane.keyed),
     ]
-    for i in range(s.warmup + s.calls):  # (b) reads ``i``: its round's session
+    for i in range(s.warmup + s.calls):
         # Each round starts at the next variant: a call right after another process's torch
         # call runs beside that one's still-spinning OpenMP threads (a few ms on 2 cores), so
         # no variant may always come first or right after the in-process engine.
         results: list[tuple] = [()] * len(variants)
         for j in range(len(variants)):
             v = (i + j) % len(variants)
-            results[v] = await variants[v]()
+            results[v] = await variants[v](i)
         (e_total, e_first, e_tokens), (n_total, n_start, n_tokens) = results[:2]
         (c_total, c_tokens), (h_total, h_tokens), (p_total, p_tokens) = results[2:5]
         s_total, s_first, s_tokens = results[5]

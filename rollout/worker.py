@@ -229,9 +229,9 @@ class RolloutWorker:
         RUNNING.inc()
         keepalive = asyncio.create_task(self._keepalive(attempt))
         finish = FinishReason.ERROR
-        called = time.monotonic()
         try:
             await self._send(attempt, GenerationChunk([], [], self._engine.version))
+            called = time.monotonic()  # the engine's seconds: from here to its last chunk
             stream = self._engine.generate(_request_id(request), request.prompt_ids, request.params)
             async for chunk in stream:
                 TOKENS.inc(len(chunk.token_ids))
