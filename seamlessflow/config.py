@@ -66,7 +66,11 @@ class RolloutConfig(_Section):
         "(at least one), of which the scheduler's spec picks the trainer group",
     )
     threads: int = Field(
-        default=1, ge=1, description="torch threads per worker (with cpus.placement = 'none')"
+        default=1,
+        ge=1,
+        description="torch threads per worker (with cpus.placement = 'none'); colocated layout: "
+        "its engine's (unless [worker.engine] threads is set), while it trains on its share of "
+        "the CPUs",
     )
 
 

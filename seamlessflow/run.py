@@ -343,7 +343,8 @@ class Services:
         trainer's CPUs and ``rollout.workers`` rollout workers on the rollout CPUs; multiplexed,
         the trainer is a worker tagged ``train,rollout`` on the trainer's CPUs (lent to rollout
         while it waits: those CPUs generate then); colocated, ``rollout.workers`` workers tagged
-        both run anywhere, sharing the CPUs, time-shared between training and rollout: those
+        both run anywhere, sharing the CPUs (training on their share, generating on
+        ``rollout.threads``), time-shared between training and rollout: those
         the scheduler assigns ``train`` (``[layout.train] count``, one by default) form the
         trainer group (``trainer.group``; only its rank 0 takes samples), the rest generate.
         Whatever holds a trainer checkpoints to ``checkpoint_dir`` unless the config sets one
@@ -359,6 +360,12 @@ class Services:
             }
             if "train" in tags:
                 changes["trainer"] = {**checkpoints, "threads": where.threads}
+            if layout is Layout.COLOCATED and getattr(cfg.worker.engine, "threads", 0) is None:
+                # It trains on all its CPUs but generates beside the broker, the gateway and the
+                # agents on the same CPUs, where an engine on as many torch threads stalls
+                # (docs/performance.md, "A colocated worker's engine threads"): its engine (one
+                # with a threads option, unset) gets a rollout worker's threads.
+                changes["worker"]["engine"] = {"threads": cfg.rollout.threads}
             return self.child(name, "worker", changes, where)
 
         if layout is Layout.COLOCATED:

@@ -104,6 +104,11 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
     assert all((out / f).stat().st_mode & 0o777 == 0o600 for f in ("agents.key", "metrics.key"))
     if layout != "disaggregated":
         assert children["trainer"].worker.tags == ["train", "rollout"]
+    # A colocated worker trains on all the CPUs but generates on a rollout worker's threads
+    # (on as many as it trains with, its engine stalls beside the data plane's processes);
+    # the others' engines take their process's threads, one per CPU of its set.
+    engine_threads = 1 if layout == "colocated" else None
+    assert all(children[w].worker.engine.threads == engine_threads for w in workers)
 
     names = RunNames(run_name)
     weights = await stream_messages(js, names.weights_stream, WeightsPublished)

@@ -48,7 +48,8 @@ class HFEngineConfig(_EngineOptions):
         default=None,
         ge=1,
         description="torch threads, set on the engine's own thread (which runs every forward); "
-        "unset: OMP_NUM_THREADS (the launchers give each worker 1), else one per core. Torch "
+        "unset: OMP_NUM_THREADS (the launchers give each rollout worker 1; `seamlessflow run` "
+        "sets a colocated worker's engine to [rollout] threads), else one per core. Torch "
         "threads on every core of a small machine stall whenever the worker's event loop, the "
         "broker or the gateway takes a core from them",
     )
