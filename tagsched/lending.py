@@ -8,6 +8,13 @@ rollout while the trainer would otherwise wait for a batch:
 - **reclaim** when the batch *will be* ready within the measured reclaim time, not when it is,
   so the trainer starts as the last group lands.
 
+Where the lent workers are all the rollout there is (a colocated layout whose every worker
+trains), neither gate holds: the batch only grows while they generate, so they are lent
+whenever a group is missing and reclaimed only once the batch is ready. (With the gates, a
+reclaim ahead of the batch aborted the groups that were to complete it, and the trainer then
+waited, with nobody generating, until the falling rate made a lend worth its cost again:
+docs/performance.md, "The colocated layout in the simulator, and a lending bug it found".)
+
 The wait is the missing groups over the rate groups have been arriving at (an exponential
 moving average of the sample stream's growth).
 """
@@ -73,10 +80,16 @@ def trainer_roles(
     the policy says so (lendable workers only), training otherwise. ``lent``: the workers lent
     now. The scheduler's tick and the cluster simulator both decide with this."""
     desired: dict[str, tuple[Role, str]] = {}
+    alone = not assignment.rollout  # no worker generates but those lent
     for wid in assignment.train:
-        lend = wid in assignment.lendable and policy.lent(
-            now_lent=wid in lent, missing_groups=missing_groups, groups_per_s=groups_per_s
-        )
+        if wid not in assignment.lendable:
+            lend = False
+        elif alone:
+            lend = missing_groups > 0
+        else:
+            lend = policy.lent(
+                now_lent=wid in lent, missing_groups=missing_groups, groups_per_s=groups_per_s
+            )
         if lend:
             reason = f"lent: {missing_groups:g} group(s) missing, {groups_per_s:.2f}/s"
             desired[wid] = (Role.ROLLOUT, reason)

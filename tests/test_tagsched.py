@@ -44,10 +44,11 @@ from seamlessflow.submit import submit_tasks
 from tagsched.admission import Admission, Stamper, admission_limit, admission_state
 from tagsched.config import LayoutConfig, SchedulerConfig
 from tagsched.exceptions import AdmissionError, LeaseLostError, UnsatisfiableSpecError
-from tagsched.lending import LendingPolicy, RateMeter
+from tagsched.lending import LendingPolicy, RateMeter, trainer_roles
 from tagsched.metrics import REGISTRY
 from tagsched.scheduler import Scheduler
 from tagsched.spec import (
+    Assignment,
     Demand,
     Layout,
     PlacementSpec,
@@ -332,6 +333,31 @@ def test_lending_needs_a_gain_over_the_switch_cost_and_reclaims_ahead_of_the_bat
     assert policy.switch_cost() == 5.0 and policy.reclaim_cost() == 3.0
     assert not policy.lent(now_lent=False, missing_groups=9, groups_per_s=1.0)  # 9 s < 10 s
     assert not policy.lent(now_lent=True, missing_groups=2.5, groups_per_s=1.0)
+
+
+def test_lent_workers_that_are_all_the_rollout_stay_lent_until_the_batch_is_ready():
+    """A colocated layout whose every worker trains: nobody else completes the batch, so the
+    gates do not apply: lent while a group is missing, however near the batch or costly the
+    switch, and reclaimed once it is ready. Beside a rollout worker the gates hold as before."""
+    policy = LendingPolicy(gain=2.0, assumed_cost_s=1.0)
+    alone = Assignment(train=["t"], lendable=["t"])
+    beside = Assignment(train=["t"], rollout=["r"], lendable=["t"])
+
+    def role(assignment: Assignment, lent: set[str], missing: float, rate: float) -> Role:
+        desired = trainer_roles(assignment, policy, lent, missing_groups=missing, groups_per_s=rate)
+        return desired["t"][0]
+
+    # 1.5 s to the batch < 2 x 1 s: beside a rollout worker not worth a lend; alone, lent.
+    assert role(beside, set(), 1.5, 1.0) is Role.TRAIN
+    assert role(alone, set(), 1.5, 1.0) is Role.ROLLOUT
+    # The batch 0.4 s away: beside, reclaimed ahead of it; alone, kept to complete it.
+    assert role(beside, {"t"}, 0.4, 1.0) is Role.TRAIN
+    assert role(alone, {"t"}, 0.4, 1.0) is Role.ROLLOUT
+    # Ready: both train.
+    assert role(beside, {"t"}, 0, 5.0) is Role.TRAIN
+    assert role(alone, {"t"}, 0, 5.0) is Role.TRAIN
+    # Not lendable: trains, alone or not.
+    assert role(Assignment(train=["t"]), set(), 4, 0.0) is Role.TRAIN
 
 
 def test_rate_meter_follows_a_steady_count():
