@@ -121,7 +121,7 @@ def point(
     """Every arm on ``seeds`` seeds, each async arm at its own best split (swept on seed 0),
     and lending at the partial_rollout arm's split."""
     splits = {"sync_colocated": devices}
-    for arm in (Arm.DISAGGREGATED, Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED):
+    for arm in (Arm.DISAGGREGATED, Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED, Arm.COLOCATED):
         splits[str(arm)] = best_split(w, devices, steps, staleness, arm=arm, stale=stale)
     splits[STATIC_LENDING] = splits["partial_rollout"]
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}

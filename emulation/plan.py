@@ -23,8 +23,9 @@ and ``costs``, see ``seamlessflow.report.run_costs``) into the simulator's ``Wor
   sessions' first calls as the agent's start latency (0 from a run without it).
 
 ``sweep`` then runs the simulator (``emulation.sim.simulate``) over every arm, trainer split
-(``split_candidates``) and staleness ``0..k`` at each device count; ``recommend`` picks the
-most samples/s among the arms ``seamlessflow run`` has (the fresher staleness on a tie).
+(``split_candidates``; the colocated layout also every device training) and staleness ``0..k``
+at each device count, and the synchronous baseline once; ``recommend`` picks the most
+samples/s among the arms ``seamlessflow run`` has (the fresher staleness on a tie).
 """
 
 from __future__ import annotations
@@ -51,13 +52,13 @@ from tagsched.config import SchedulerConfig
 LINEAR_PHASES = ("proximal", "reference", "forward", "backward")
 """The trainer phases whose time grows with the tokens trained (``trainer.step.PHASES``)."""
 LAYOUT_OF = {
-    Arm.SYNC_COLOCATED: "colocated",
+    Arm.COLOCATED: "colocated",
     Arm.PARTIAL_ROLLOUT: "disaggregated",
     Arm.MULTIPLEXED: "multiplexed",
 }
 """The ``[layout] kind`` that runs each arm. The simulator's ``disaggregated`` arm (in-flight
 work drained on the old weights before a load) has none: seamlessflow's workers always continue
-on the new weights."""
+on the new weights; nor has ``sync_colocated`` (synchronous, the baseline)."""
 ARM_OF = {layout: arm for arm, layout in LAYOUT_OF.items()}
 
 
@@ -98,7 +99,7 @@ class Candidate:
 
     @property
     def layout(self) -> str:
-        return LAYOUT_OF.get(self.arm, "(simulator only)")
+        return LAYOUT_OF.get(self.arm, "(simulator)")
 
 
 def load_summary(path: Path) -> dict[str, Any]:
@@ -163,7 +164,7 @@ def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | 
         raise PlanError(f"{at['costs']} 'layout' is {layout!r}: not one of {sorted(ARM_OF)}")
     workers = _need(costs, "rollout workers", at["costs"])
     arm = ARM_OF[layout]
-    devices = max(1, workers) if arm is Arm.SYNC_COLOCATED else workers + 1
+    devices = max(1, workers) if arm is Arm.COLOCATED else workers + 1
     engine = fit_engine(_need(costs, "engine load", at["costs"]), at["costs"])
     calls = _need(costs, "calls per sample", at["costs"])
     turns = max(1, round(calls))
@@ -193,7 +194,7 @@ def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | 
         workload=workload,
         arm=arm,
         devices=devices,
-        trainer_devices=devices if arm is Arm.SYNC_COLOCATED else 1,
+        trainer_devices=1,  # seamlessflow run's: [layout.train] count, one by default
         staleness=staleness,
         measured_s_per_step=costs.get("step seconds (steady)") or summary.get("seconds", 0) / steps,
         assumed=tuple(assumed),
@@ -263,10 +264,12 @@ class ClusterShape:
 
     def allows(self, arm: Arm, trainer: int) -> bool:
         """Whether ``arm`` can have ``trainer`` trainer devices here: every device trains and
-        generates (colocated), or each does one role its tags allow, the trainer's also
-        ``rollout`` when it is lent (multiplexed)."""
+        generates (colocated: ``trainer`` of them train; synchronous: all), or each does one
+        role its tags allow, the trainer's also ``rollout`` when it is lent (multiplexed)."""
         if arm is Arm.SYNC_COLOCATED:
             return self.train == self.rollout == 0
+        if arm is Arm.COLOCATED:
+            return self.train == self.rollout == 0 and 1 <= trainer <= self.both
         if arm is Arm.MULTIPLEXED:
             return self.train == 0 and 1 <= trainer <= self.both
         return self.train <= trainer <= self.train + self.both and trainer < self.devices
@@ -299,18 +302,20 @@ class ClusterShape:
 def sweep(
     workload: Workload, cluster: ClusterShape | int, max_staleness: int, steps: int
 ) -> list[Candidate]:
-    """Every arm at every trainer split the cluster's tags allow (``split_candidates``, and
-    the fewest its train-only devices need) and staleness ``0..max``; the synchronous arm once
-    (every device trains, staleness 0). An int is that many devices tagged both."""
+    """Every arm at every trainer split the cluster's tags allow (``split_candidates``, the
+    fewest its train-only devices need, and for the colocated layout every device) and
+    staleness ``0..max``; the synchronous arm once (every device trains, staleness 0). An int
+    is that many devices tagged both."""
     if isinstance(cluster, int):
         cluster = ClusterShape(both=cluster)
     n = cluster.devices
     out = []
     if cluster.allows(Arm.SYNC_COLOCATED, n):
         out.append(predict(workload, Arm.SYNC_COLOCATED, n, n, 0, steps))
-    splits = sorted({*split_candidates(n), max(1, cluster.train)}) if n > 1 else []
-    for arm in (Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED, Arm.DISAGGREGATED):
-        for split in (k for k in splits if cluster.allows(arm, k)):
+    splits = {*split_candidates(n), max(1, cluster.train)} if n > 1 else set()
+    for arm in (Arm.COLOCATED, Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED, Arm.DISAGGREGATED):
+        every = {n} if arm is Arm.COLOCATED else set()
+        for split in (k for k in sorted(splits | every) if cluster.allows(arm, k)):
             for staleness in range(max_staleness + 1):
                 out.append(predict(workload, arm, n, split, staleness, steps))
     return out
@@ -449,13 +454,13 @@ def main(args: argparse.Namespace) -> int:
 
 def predictions(found: Fit, steps: int) -> dict[str, Candidate]:
     """What the fit predicts for each layout at the run's own shape (devices, split,
-    staleness): the colocated layout on its workers, the others with one trainer device."""
+    staleness): the colocated layout on its workers (one trains), the others with one trainer
+    device and the run's rollout workers."""
     out = {}
     for arm, layout in LAYOUT_OF.items():
-        if arm is Arm.SYNC_COLOCATED:
-            n = found.devices - (found.arm is not Arm.SYNC_COLOCATED)
-            out[layout] = predict(found.workload, arm, max(1, n), max(1, n), 0, steps)
+        if arm is Arm.COLOCATED:
+            n = max(1, found.devices - (found.arm is not Arm.COLOCATED))
         else:
-            n = found.devices + (found.arm is Arm.SYNC_COLOCATED)
-            out[layout] = predict(found.workload, arm, n, 1, found.staleness, steps)
+            n = found.devices + (found.arm is Arm.COLOCATED)
+        out[layout] = predict(found.workload, arm, n, 1, found.staleness, steps)
     return out

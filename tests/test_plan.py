@@ -132,7 +132,7 @@ def test_plan_prints_a_table_and_a_recommendation_and_plots(summary: Path, tmp_p
     assert "samples/s" in lines[header] and "idle" in lines[header]
     rows = lines[header + 1 : next(i for i, x in enumerate(lines) if x.startswith("recommended"))]
     arms = {row.split()[1] for row in rows}
-    assert {"sync_colocated", "partial_rollout", "multiplexed"} <= arms
+    assert {"sync_colocated", "colocated", "partial_rollout", "multiplexed"} <= arms
     (rec,) = [x for x in lines if x.startswith("recommended: [layout] kind = ")]
     assert "samples/s" in rec and "staleness" in rec
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -51,6 +51,34 @@ def test_every_arm_trains_what_was_asked_within_the_bound(arm, staleness, order)
         assert r.order == order
 
 
+def test_a_colocated_layout_pays_its_switches_and_no_more():
+    """``colocated``, the real layout: every device trains and is lent to rollout while the
+    batch is incomplete (a step ahead admitted, interrupted at the reclaim). Groups come fast
+    here, so with 0.5 s switches the lending gates would reclaim ahead of the batch and then
+    wait, nobody generating, for the rate to fall (9.9 s a step against 3.2); now a step pays
+    its lend and its reclaim."""
+
+    def quick(switch_s: float) -> Workload:
+        return Workload(
+            lengths=LengthModel(median=4, sigma=0.3, cap=8),
+            engine=EngineCost(a_s=0.02, b_s=0.003, max_batch=64),
+            trainer=TrainerCost(a_s=0.1, s_per_token=0.002),
+            agent=AgentModel(turns=2, env_latency_s=0.05),
+            switch=SwitchCost(warm_s=switch_s),
+            weight_sync_s=0.05,
+            group_size=8,
+            groups_per_step=8,
+        )
+
+    for devices in (1, 2):
+        fast, slow = (
+            simulate(quick(s), Arm.COLOCATED, devices, 20, 1, devices) for s in (0.01, 0.5)
+        )
+        assert (fast.trainer_devices, fast.trained_samples) == (devices, 20 * 64)
+        assert fast.lends >= 20 and fast.staleness_max <= 1
+        assert slow.time_s / 20 < fast.time_s / 20 + 4 * 0.5
+
+
 def test_a_start_latency_delays_first_generations_and_sync_steps_hide_it():
     """Tasks take time to reach their first call (``AgentModel.start_latency_s``, fitted by
     ``seamlessflow plan`` from a run; drawn from its own random stream, so the lengths are the

@@ -39,14 +39,20 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
   (the sync barrier of a rollout side without partial rollout, as in verl's fully-async
   trainer); with it, each pauses its generations (KV kept), loads, and they continue on the new
   weights (what ``rollout.following`` does);
-- **lending** (multiplexed; ``emulation.sim.lending``): a lend or a reclaim takes
+- **lending** (multiplexed and colocated; ``emulation.sim.lending``): a lend or a reclaim takes
   ``switch.warm_s``; a trainer device is not switched during a step. A reclaimed device aborts
   its generations, which continue on other engines after a re-prefill of their prefix
   (``switch.reprefill``) or start over;
 - **verl's rhythm** (``rhythm``, disaggregated arms only): its rollouter's admission and a
   weight sync every ``sync_every`` steps replace the scheduler's admission and the update after
   every step (``emulation.sim.rhythm``);
-- **sync colocated**: every device generates, then all train: the phases switch when the batch
+- **colocated** (the real layout, ``[layout] kind = "colocated"``): every device is tagged
+  both; ``trainer_devices`` of them train and are lent to rollout while the batch is
+  incomplete, as the multiplexed trainer is, and the rest generate. Admission runs a step
+  ahead (``staleness + 1`` steps), so the next step's groups generate in this step's tail and
+  are interrupted at the reclaim, to continue (re-prefilled) after the step;
+- **sync colocated** (verl-style synchronous training, the baseline): every device generates,
+  then all train: the phases switch when the batch
   is complete (``warm_s``) and back after the step (``warm_s`` plus ``weight_sync_s``). A step's
   tasks are taken a step ahead (prompts prefetched, as the real colocated layout's admission a
   step ahead does): their agents' start latency runs during the step before. It is
@@ -101,7 +107,7 @@ class Cluster(Lending):
         self.arm = arm
         self.steps = steps
         self.staleness = 0 if arm is Arm.SYNC_COLOCATED else staleness
-        self.partial = arm in (Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED)
+        self.partial = arm in (Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED, Arm.COLOCATED)
         self.loop = Loop()
         self.rng = random.Random(workload.seed)
         self.start_rng = random.Random(workload.seed + 1)  # the same lengths with or without
@@ -443,7 +449,7 @@ class Cluster(Lending):
         for wid in self.engines:
             self._offer(wid)
         self._admit()
-        if self.placement.assignment.lendable and self.arm is Arm.MULTIPLEXED:
+        if self.placement.assignment.lendable and self.arm in (Arm.MULTIPLEXED, Arm.COLOCATED):
             self._tick()
         self.loop.run(max_time_s)
         if self.version < self.steps:

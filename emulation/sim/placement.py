@@ -12,10 +12,16 @@ from tagsched.spec import Assignment, Layout, assign, layout_spec
 
 
 class Arm(StrEnum):
+    """``sync_colocated``: synchronous, every device trains then generates (the baseline);
+    ``colocated``: the real colocated layout (trainer devices lent while the batch is
+    incomplete); the others as the layouts of the same names, ``partial_rollout`` the
+    disaggregated layout with partial rollout (seamlessflow's)."""
+
     SYNC_COLOCATED = "sync_colocated"
     DISAGGREGATED = "disaggregated"
     PARTIAL_ROLLOUT = "partial_rollout"
     MULTIPLEXED = "multiplexed"
+    COLOCATED = "colocated"
 
 
 ARMS = tuple(Arm)
@@ -25,6 +31,7 @@ _LAYOUT = {
     Arm.DISAGGREGATED: Layout.DISAGGREGATED,
     Arm.PARTIAL_ROLLOUT: Layout.DISAGGREGATED,
     Arm.MULTIPLEXED: Layout.MULTIPLEXED,
+    Arm.COLOCATED: Layout.COLOCATED,
 }
 
 
@@ -54,7 +61,7 @@ def place(arm: Arm, *, devices: int, trainer_devices: int, waves: int) -> Placem
     trainer's."""
     if not 1 <= trainer_devices <= devices:
         raise ValueError(f"trainer_devices must be in [1, {devices}], got {trainer_devices}")
-    if arm is not Arm.SYNC_COLOCATED and trainer_devices == devices:
+    if arm not in (Arm.SYNC_COLOCATED, Arm.COLOCATED) and trainer_devices == devices:
         raise ValueError(f"{arm} needs a device for rollout besides the trainer's")
     workers = {}
     for i in range(devices):
@@ -79,7 +86,7 @@ def place(arm: Arm, *, devices: int, trainer_devices: int, waves: int) -> Placem
 
 
 def _tags(arm: Arm, i: int, trainer_devices: int) -> list[str]:
-    if arm is Arm.SYNC_COLOCATED:
+    if arm in (Arm.SYNC_COLOCATED, Arm.COLOCATED):
         return ["train", "rollout"]
     if i < trainer_devices:
         return ["train", "rollout"] if arm is Arm.MULTIPLEXED else ["train"]
