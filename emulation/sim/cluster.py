@@ -52,11 +52,11 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
   ahead (``staleness + 1`` steps), so the next step's groups generate in this step's tail and
   are interrupted at the reclaim, to continue (re-prefilled) after the step;
 - **sync colocated** (verl-style synchronous training, the baseline): every device generates,
-  then all train: the phases switch when the batch
-  is complete (``warm_s``) and back after the step (``warm_s`` plus ``weight_sync_s``). A step's
-  tasks are taken a step ahead (prompts prefetched, as the real colocated layout's admission a
-  step ahead does): their agents' start latency runs during the step before. It is
-  synchronous, so its staleness bound is 0 whatever is asked and lending has no choice to make.
+  then all train: the phases switch when the batch is complete (``warm_s``) and back after the
+  step (``warm_s`` plus ``weight_sync_s``). A step's tasks are taken a step ahead (prompts
+  prefetched, as the real colocated layout's admission a step ahead does): their agents' start
+  latency runs during the step before. It is synchronous, so its staleness bound is 0 whatever
+  is asked and lending has no choice to make.
 """
 
 from __future__ import annotations
