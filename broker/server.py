@@ -109,6 +109,8 @@ class EmbeddedBroker:
         self.authority = authority(self.config, self.tls)
         self._jetstream: tuple[int, int] | None = None
         """JetStream's storage and memory, set when it starts: the run accounts that fit."""
+        self.refused: dict[str, str] = {}
+        """Runs whose accounts do not fit its JetStream (not served), each with the reason."""
 
     @property
     def pid(self) -> int | None:
@@ -256,21 +258,21 @@ class EmbeddedBroker:
         self.conf_path.write_text(json.dumps(conf, indent=2))
 
     def _served_runs(self) -> list[str]:
-        """The runs whose accounts fit the server's JetStream."""
+        """The runs whose accounts fit the server's JetStream; the others in ``refused``, each
+        with the reason."""
         assert self.authority is not None and self._jetstream is not None
         served, refused = self.authority.fitting(*self._jetstream)
         RUNS_REFUSED.set(len(refused))
+        storage, memory = self._jetstream
+        reason = (
+            f"each run's account reserves {self.config.account.max_file} bytes of storage and "
+            f"{self.config.account.max_memory} of memory ([broker.account]); this server has "
+            f"{storage} and {memory} for JetStream"
+        )
+        self.refused = dict.fromkeys(refused, reason)
         if refused:
-            storage, memory = self._jetstream
             log.error(
-                kv(
-                    "broker_runs_refused",
-                    runs=",".join(refused),
-                    served=len(served),
-                    reason=f"each run's account reserves {self.config.account.max_file} bytes "
-                    f"of storage and {self.config.account.max_memory} of memory "
-                    f"([broker.account]); this server has {storage} and {memory} for JetStream",
-                )
+                kv("broker_runs_refused", runs=",".join(refused), served=len(served), reason=reason)
             )
         return served
 

@@ -24,7 +24,7 @@ from broker import codec
 from broker.auth import IDENTITIES_ENV, Authority, run_identities
 from broker.config import EmbeddedBrokerConfig
 from broker.control import SchedulerState, TrainerGroup
-from broker.exceptions import InvalidMessageError, RetryStoppedError
+from broker.exceptions import BrokerStartError, InvalidMessageError, RetryStoppedError
 from broker.messages import Message, Role, WorkerRegistered
 from broker.metrics import SERVER_REGISTRY, StreamDepthCollector
 from broker.permissions import Principal
@@ -92,6 +92,12 @@ async def local_broker(
     ca = embedded.tls.ca if embedded.tls else None
     # Started from this (main) thread: the server is tied to it and dies with it.
     with embedded:
+        if run in embedded.refused:
+            raise BrokerStartError(
+                f"the embedded broker cannot serve run {run!r}: {embedded.refused[run]}. Free "
+                "disk (JetStream takes its storage from the state directory's disk) or lower "
+                "[broker.account] max_file and max_memory"
+            )
         async with broker_metrics(embedded.monitoring_url, config.metrics_port) as metrics:
             yield Broker(embedded.url, metrics.url, identities, ca)
 

@@ -232,6 +232,26 @@ def test_run_refuses_a_bad_config(tmp_path: Path):
     assert "group_size" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_run_its_broker_cannot_serve_says_why(tmp_path: Path):
+    """A run's account that does not fit the embedded broker's JetStream (a disk with less
+    free than ``[broker.account] max_file``) is not served: the run stops with that reason,
+    not with its identity refused."""
+    config = tmp_path / "run.toml"
+    out = tmp_path / "out"
+    config.write_text(f'output_dir = "{out}"\n[broker.account]\nmax_file = {1 << 60}\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "seamlessflow.cli", "run", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    error = done.stderr.splitlines()[-1]
+    assert "cannot serve run" in error and f"reserves {1 << 60} bytes of storage" in error
+    assert "[broker.account] max_file" in error and "Traceback" not in done.stderr
+
+
 def test_the_trainer_must_score_at_the_agents_sampling_temperature(tmp_path: Path):
     config = tmp_path / "run.toml"
     config.write_text("[agents]\ntemperature = 0.7\n")
