@@ -61,7 +61,7 @@ def place(arm: Arm, *, devices: int, trainer_devices: int, waves: int) -> Placem
     trainer's."""
     if not 1 <= trainer_devices <= devices:
         raise ValueError(f"trainer_devices must be in [1, {devices}], got {trainer_devices}")
-    if arm not in (Arm.SYNC_COLOCATED, Arm.COLOCATED) and trainer_devices == devices:
+    if _LAYOUT[arm] is not Layout.COLOCATED and trainer_devices == devices:
         raise ValueError(f"{arm} needs a device for rollout besides the trainer's")
     workers = {}
     for i in range(devices):
@@ -86,7 +86,7 @@ def place(arm: Arm, *, devices: int, trainer_devices: int, waves: int) -> Placem
 
 
 def _tags(arm: Arm, i: int, trainer_devices: int) -> list[str]:
-    if arm in (Arm.SYNC_COLOCATED, Arm.COLOCATED):
+    if _LAYOUT[arm] is Layout.COLOCATED:
         return ["train", "rollout"]
     if i < trainer_devices:
         return ["train", "rollout"] if arm is Arm.MULTIPLEXED else ["train"]
