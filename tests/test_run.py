@@ -106,9 +106,11 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
         assert children["trainer"].worker.tags == ["train", "rollout"]
     # A colocated worker trains on all the CPUs but generates on a rollout worker's threads
     # (on as many as it trains with, its engine stalls beside the data plane's processes);
-    # the others' engines take their process's threads, one per CPU of its set.
+    # the others' engines take their process's threads, one per CPU of its set. (A
+    # disaggregated trainer runs no engine.)
+    engines = ["rollout-0"] if layout == "disaggregated" else workers
     engine_threads = 1 if layout == "colocated" else None
-    assert all(children[w].worker.engine.threads == engine_threads for w in workers)
+    assert all(children[w].worker.engine.threads == engine_threads for w in engines)
 
     names = RunNames(run_name)
     weights = await stream_messages(js, names.weights_stream, WeightsPublished)
