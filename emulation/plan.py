@@ -144,9 +144,13 @@ def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | 
     linear /= steps
     publish = trainer.get("weight publish seconds, in the step (mean)", 0.0)
     stall = trainer.get("checkpoint stall seconds (mean)", 0.0)
-    trainer_cost = TrainerCost(
+    trainer_devices = costs.get("trainer workers")
+    if trainer_devices is None:
+        assumed.append("trainer workers: not in the summary (written before they were), 1")
+        trainer_devices = 1
+    trainer_cost = TrainerCost(  # the phases are rank 0's, over its share of the step's tokens
         a_s=max(0.0, per_step - linear) + publish + stall,
-        s_per_token=linear / tokens if tokens else 0.0,
+        s_per_token=linear * trainer_devices / tokens if tokens else 0.0,
     )
     serving = trainer.get("optimizer step -> all workers serving, seconds (mean)")
     if serving is None:
@@ -194,7 +198,7 @@ def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | 
         workload=workload,
         arm=arm,
         devices=devices,
-        trainer_devices=1,  # seamlessflow run's: [layout.train] count, one by default
+        trainer_devices=trainer_devices,
         staleness=staleness,
         measured_s_per_step=costs.get("step seconds (steady)") or summary.get("seconds", 0) / steps,
         assumed=tuple(assumed),
@@ -454,13 +458,16 @@ def main(args: argparse.Namespace) -> int:
 
 def predictions(found: Fit, steps: int) -> dict[str, Candidate]:
     """What the fit predicts for each layout at the run's own shape (devices, split,
-    staleness): the colocated layout on its workers (one trains), the others with one trainer
-    device and the run's rollout workers."""
+    staleness), as ``seamlessflow run`` lays it out: the colocated layout on its workers (the
+    run's trainer workers train, one if the run was not colocated), the others with one
+    trainer device and the run's rollout workers."""
+    colocated = found.arm is Arm.COLOCATED
     out = {}
     for arm, layout in LAYOUT_OF.items():
         if arm is Arm.COLOCATED:
-            n = max(1, found.devices - (found.arm is not Arm.COLOCATED))
+            n = max(1, found.devices - (not colocated))
+            trainer = min(n, found.trainer_devices) if colocated else 1
         else:
-            n = found.devices + (found.arm is Arm.COLOCATED)
-        out[layout] = predict(found.workload, arm, n, 1, found.staleness, steps)
+            n, trainer = found.devices + colocated, 1
+        out[layout] = predict(found.workload, arm, n, trainer, found.staleness, steps)
     return out

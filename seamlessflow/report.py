@@ -296,6 +296,7 @@ def run_costs(config: RunConfig, stats: RunStats, trainer: dict[str, float]) -> 
     return {
         "layout": str(config.layout.kind),
         "rollout workers": config.rollout.workers,
+        "trainer workers": trainer_workers(config),
         "group size": config.tasks.group_size,
         "groups per step": config.trainer.groups_per_step,
         "steps ahead": config.scheduler.steps_ahead,
@@ -310,9 +311,19 @@ def run_costs(config: RunConfig, stats: RunStats, trainer: dict[str, float]) -> 
         "engine load": engine_load(
             [(start, end, n) for _, start, end, n in spans],
             config.rollout.workers + USUAL_ENGINES[config.layout.kind],
-            serving_windows(config.layout.kind, config.rollout.workers, stats.versions_at, trainer),
+            serving_windows(config, stats.versions_at, trainer),
         ),
     }
+
+
+def trainer_workers(config: RunConfig) -> int:
+    """The workers ``seamlessflow run`` trains on: colocated, ``[layout.train] count`` of its
+    ``rollout.workers`` (all of them for ``rest``); otherwise its one trainer process."""
+    if config.layout.kind is not Layout.COLOCATED:
+        return 1
+    workers = max(1, config.rollout.workers)
+    count = config.layout.spec().train.count
+    return workers if count is None else max(1, min(count, workers))
 
 
 def steady_step_s(versions_at: list[tuple[int, float]]) -> float | None:
@@ -324,12 +335,12 @@ def steady_step_s(versions_at: list[tuple[int, float]]) -> float | None:
 
 
 def serving_windows(
-    layout: Layout, workers: int, versions_at: list[tuple[int, float]], trainer: dict[str, float]
+    config: RunConfig, versions_at: list[tuple[int, float]], trainer: dict[str, float]
 ) -> list[tuple[float, float, int]]:
     """``(start, end, engines serving)`` where fewer of the run's engines serve than its
     layout's usual (``USUAL_ENGINES``): per version announced at ``t``, its step before it (the
     trainer's mean step, and the in-step publish and checkpoint stall: a colocated trainer's
-    worker and a multiplexed trainer's own engine do not serve), and the weight load after it
+    workers and a multiplexed trainer's own engine do not serve), and the weight load after it
     (every engine paused: optimizer step -> all serving, less the publish and stall)."""
     step = trainer.get("step seconds (mean)")
     if step is None:
@@ -338,7 +349,9 @@ def serving_windows(
     in_step += trainer.get("checkpoint stall seconds (mean)", 0.0)
     serving = trainer.get("optimizer step -> all workers serving, seconds (mean)", in_step)
     load = max(0.0, serving - in_step)
-    training = max(0, workers - 1) if layout is Layout.COLOCATED else workers
+    workers = config.rollout.workers
+    colocated = config.layout.kind is Layout.COLOCATED
+    training = max(0, workers - trainer_workers(config)) if colocated else workers
     windows = []
     for _, t in versions_at:
         windows += [(t - in_step - step, t, training), (t, t + load, 0)]

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from emulation.plan import ClusterShape, Fit, PlanError, fit, load_summary, sweep
+from emulation.plan import ClusterShape, Fit, PlanError, fit, load_summary, predictions, sweep
 from emulation.sim import Arm
 from emulation.workload import EngineCost, TrainerCost
-from seamlessflow.report import engine_load
+from seamlessflow.config import RunConfig, override
+from seamlessflow.report import engine_load, serving_windows, trainer_workers
 from tests.test_cli import NO_TORCH
 
 ENGINE = EngineCost(a_s=0.02, b_s=0.004, prefill_s_per_token=0.0, max_batch=16)
@@ -188,6 +189,54 @@ def test_a_missing_cost_is_named_with_its_file_and_section():
     summary["costs"]["layout"] = "sideways"
     with pytest.raises(PlanError, match="'sideways': not one of"):
         fit(summary, "run.json")
+
+
+@pytest.mark.newest_nats
+@pytest.mark.timeout(300)
+def test_a_colocated_run_training_on_several_workers_is_planned_with_as_many(fitted: Fit):
+    def colocated(count: int | str) -> RunConfig:
+        layout = {"kind": "colocated", "train": {"count": count}}
+        return override(RunConfig(), {"layout": layout, "rollout": {"workers": 3}})
+
+    assert [trainer_workers(colocated(c)) for c in (1, 2, "rest", 5)] == [1, 2, 3, 3]
+    assert trainer_workers(override(RunConfig(), {"rollout": {"workers": 3}})) == 1
+    # While two of the three train, one engine serves (then none, loading the weights).
+    trainer = {
+        "step seconds (mean)": 2.0,
+        "optimizer step -> all workers serving, seconds (mean)": 0.5,
+    }
+    assert serving_windows(colocated(2), [(1, 10.0)], trainer) == [(8.0, 10.0, 1), (10.0, 10.5, 0)]
+
+    phases = {f"phase seconds: {p}": 1.0 for p in ("proximal", "reference", "forward", "backward")}
+    costs = {
+        "layout": "colocated",
+        "rollout workers": 3,
+        "group size": 4,
+        "groups per step": 2,
+        "steps ahead": 2,
+        "max staleness": 1,
+        "max tokens": 32,
+        "calls per sample": 1.0,
+        "call tokens median": 12.0,
+        "call tokens log sd": 0.5,
+        "engine load": [[2.0, 1.0, 40.0]],
+    }
+    trainer = {"steps": 2, "step seconds (mean)": 3.0, "loss tokens": 400.0, **phases}
+    summary = {"trainer": trainer, "scheduler": {}, "costs": costs}
+    old = fit(summary)  # a summary from before "trainer workers": one, and said so
+    assert old.trainer_devices == 1 and any("trainer workers" in a for a in old.assumed)
+    two = fit({**summary, "costs": {**costs, "trainer workers": 2}})
+    assert (two.arm, two.devices, two.trainer_devices) == (Arm.COLOCATED, 3, 2)
+    assert not any("trainer workers" in a for a in two.assumed)
+    # Rank 0's 2 s of per-token phases a step were over half the step's 200 tokens: on two
+    # devices the step is what the run measured, on one its per-token part doubles.
+    assert two.workload.trainer.step_s(200, 2) == pytest.approx(3.0)
+    assert two.workload.trainer.step_s(200, 1) == pytest.approx(5.0)
+    assert old.workload.trainer.step_s(200, 1) == pytest.approx(3.0)
+    predicted = predictions(two, 8)
+    assert predicted["colocated"].trainer_devices == 2
+    assert predicted["disaggregated"].trainer_devices == 1
+    assert predictions(fitted, 8)["colocated"].trainer_devices == 1  # from a disaggregated run
 
 
 def test_engine_load_leaves_out_what_the_engines_did_not_serve():
