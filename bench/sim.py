@@ -12,12 +12,13 @@ completion order, the simulator's trainer before; admission order, the real trai
 admission order with the complete groups computed while the step waits), the partial_rollout
 and multiplexed arms each at its own split, and overlap's wait bound swept.
 
-Sweeps around the main (agentic, long-tailed) scenario: switch cost (0.1x to 10x of 5 s, with
-the trainer's idle window and the lends per step: the crossover), tail heaviness (sigma),
-rollout/train work ratio (1 to 6), staleness bound (0 to 4); and a scale check from 8 to 1024
-devices. verl's published setting, with its own rhythm: ``bench/verl.py``.
+Sweeps around the main (agentic, long-tailed) scenario: switch cost (0.1 to 50 s, with the
+trainer's idle window, the lends per step, and the multiplexed arm's device idle and reclaim p99
+over its step: the crossover), tail heaviness (sigma), rollout/train work ratio (1 to 6),
+staleness bound (0 to 4); and a scale check from 8 to 1024 devices. verl's published setting,
+with its own rhythm: ``bench/verl.py``.
 
-Usage: python -m bench.sim [--seeds 3] [--steps 20] [--quick]  (about 8 min on one core).
+Usage: python -m bench.sim [--seeds 3] [--steps 20] [--quick]  (about 10 min on one core).
 Prints tables, writes bench/results/sim.json and docs/images/sim-*.png. ``--order-only``: the
 issue 22 section alone (about 3 min), to bench/results/sim-order.json and sim-order.png.
 """
@@ -479,7 +480,7 @@ def main() -> None:
     print_order(results["order"])
 
     sweeps = {
-        "switch_s": [0.5, 1.5, 5.0, 15.0, 50.0],
+        "switch_s": [0.1, 0.3, 0.5, 1.5, 5.0, 15.0, 50.0],  # 0.1-0.3: real engines' switches
         "sigma": [0.5, 0.99, 1.5],
         "ratio": [1.0, 2.0, 3.0, 4.0, 6.0],
         "staleness": [0, 1, 2, 3, 4],
@@ -526,16 +527,17 @@ def main() -> None:
     print("\n== switch cost sweep: multiplexed at its own split vs the best static split")
     print(
         f"{'switch s':>9}{'idle window s':>15}{'lends/step':>12}{'lend@static':>13}"
-        f"{'steady':>8}{'mux own':>9}"
+        f"{'steady':>8}{'mux own':>9}{'mux idle':>10}{'reclaim p99/step':>18}"
     )
     for r in results["sweeps"]["switch_s"]:
         a, g = r["point"]["arms"], r["point"]["gains"]
-        static, ref = a[STATIC_LENDING], a["partial_rollout"]
+        static, ref, mux = a[STATIC_LENDING], a["partial_rollout"], a["multiplexed"]
         print(
             f"{r['value']:>9g}{ref['trainer_wait_s_mean']:>15.1f}"
             f"{static['lends'] / steps:>12.2f}{g[LENDING_ONLY]['mean']:>12.2f}x"
             f"{static['steady_samples_per_s'] / ref['steady_samples_per_s']:>7.2f}x"
-            f"{g[MULTIPLEXING]['mean']:>8.2f}x"
+            f"{g[MULTIPLEXING]['mean']:>8.2f}x{mux['idle']['all']:>10.3f}"
+            f"{mux['reclaim_p99_s'] / mux['step_s_mean']:>18.3f}"
         )
 
     # scale: 8 to 1024 devices, one group per device per step, one seed, each arm's best split
