@@ -1,11 +1,11 @@
 """``seamlessflow plan``: a layout, split and staleness for a cluster, from a short run's costs.
 
 ``fit`` reads what a run measured (its ``summary.json``: the trainer's and scheduler's numbers
-and ``costs``, see ``seamlessflow.report.run_costs``) into the simulator's ``Workload``:
+and ``costs``, see ``seamlessflow.costs.run_costs``) into the simulator's ``Workload``:
 
 - **engine** (``EngineCost.a_s``, ``b_s``): per level of calls in flight per serving engine
   (``batch``), the run's engines made ``tokens`` in ``seconds`` (the trainer's steps and the
-  weight loads left out where they stop engines: ``seamlessflow.report.engine_load``); a
+  weight loads left out where they stop engines: ``seamlessflow.costs.engine_load``); a
   decode iteration of ``batch`` residents took ``batch * seconds / tokens``. A line
   through those points, weighted by tokens (prefill and queueing folded in: the cost as the
   calls saw it);
@@ -14,8 +14,10 @@ and ``costs``, see ``seamlessflow.report.run_costs``) into the simulator's ``Wor
   step plus what the step's path adds (the in-step weight publish, the checkpoint stall);
 - **weight sync**: optimizer step -> every worker serving, less the publish and stall already
   in the trainer's step;
-- **switch**: the scheduler's mean lend and reclaim seconds (a run without lends has none: the
-  scheduler's own assumption, ``SchedulerConfig.switch_cost_s``, stands in, and says so);
+- **switch**: the scheduler's mean lend and reclaim seconds. A run without lends has none: the
+  engines' pause before and resume after a weight load stand in (a lend's and a reclaim's
+  engine part, from the summary's ``rollout``), else the scheduler's own assumption,
+  ``SchedulerConfig.switch_cost_s``; either says so;
 - **shape and lengths**: group size, groups per step, turns (calls per sample, rounded; the
   median tokens per call scaled so that a sample has the tokens its calls had), tokens per call
   (lognormal: median and log sd, capped at the answer's ``max tokens``), the mean gap between a
@@ -159,6 +161,14 @@ def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | 
     weight_sync_s = max(0.0, serving - publish - stall)
 
     switch_s = _switch_s(scheduler) if switch_s is None else switch_s
+    engine_switch_s = _engine_switch_s(summary.get("rollout") or {})
+    if switch_s is None and engine_switch_s is not None:
+        switch_s = engine_switch_s
+        assumed.append(
+            f"switch: no lend or reclaim in the run; the engines' pause and resume at weight "
+            f"loads, {switch_s:.3g} s (a switch's engine part; where a lend also hands memory "
+            "over, as on a GPU, give --switch-s)"
+        )
     if switch_s is None:
         switch_s = SchedulerConfig.model_fields["switch_cost_s"].default
         assumed.append(f"switch: no lend or reclaim in the run, {switch_s:g} s (the scheduler's)")
@@ -213,6 +223,13 @@ def _switch_s(scheduler: dict[str, Any]) -> float | None:
         if n and (mean := scheduler.get(f"{what} seconds (mean)")) is not None:
             count, total = count + n, total + n * mean
     return total / count if count else None
+
+
+def _engine_switch_s(rollout: dict[str, Any]) -> float | None:
+    """The mean of the engines' pause (a lend's engine part) and resume (a reclaim's) at the
+    run's weight loads; None unless both were measured."""
+    pause, resume = (rollout.get(f"engine {step} seconds (mean)") for step in ("pause", "resume"))
+    return None if pause is None or resume is None else (pause + resume) / 2
 
 
 def fit_engine(load: list[list[float]], where: str) -> EngineCost:

@@ -39,6 +39,7 @@ from broker.weights import fetch_weights_apart, latest_weights, local_copy
 from common.log import kv
 from rollout.engines import Engine, EngineError
 from rollout.metrics import (
+    ENGINE_PAUSE,
     INTERRUPTIONS,
     QUARANTINED,
     QUARANTINES,
@@ -187,12 +188,14 @@ class WeightFollower:
                         self._tried_version = event.version
                         INTERRUPTIONS.labels("weight_update").inc(self._worker.in_flight())
                         await self._show(WeightsState.LOADING)
-                        await self._engine.pause()
+                        with ENGINE_PAUSE.labels("pause").time():
+                            await self._engine.pause()
                         try:
                             await self._load_within_deadline(event.version, folder)
                         finally:
                             if self._worker.serving():  # an idle worker's engine stays paused
-                                await self._engine.resume()
+                                with ENGINE_PAUSE.labels("resume").time():
+                                    await self._engine.resume()
                 finally:
                     await self._rejoin()
         finally:

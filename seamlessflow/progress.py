@@ -19,7 +19,7 @@ TOKENS_WINDOW_S = 10.0
 REWARD_WINDOW = 64
 """The progress line's reward mean is over this many latest sessions."""
 CALL_SPANS = 100_000
-"""The summary's engine costs (``seamlessflow.report.run_costs``) are read from this many latest
+"""The summary's engine costs (``seamlessflow.costs.run_costs``) are read from this many latest
 calls."""
 TOOL_CALLS = "tool_calls"
 """The ``SessionEnded`` metric that counts a session's tool calls (``rollout.agents.calculator``,

@@ -8,12 +8,8 @@ the weights stream, each part's node from the scrape targets and the worker regi
 trainer's and schedulers' numbers from their /metrics.
 """
 
-import bisect
 import json
-import math
-import statistics
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +24,10 @@ from broker.subjects import RunNames
 from broker.weights import latest_weights
 from common.metrics import metric_sum, scrape
 from seamlessflow.config import RunConfig
+from seamlessflow.costs import run_costs
 from seamlessflow.export import Collected, read_source, sources
 from seamlessflow.launcher import workers_and_leader
 from seamlessflow.progress import RunStats
-from tagsched.spec import Layout
 
 EDGE = 10
 """The summary compares the mean reward of the first and the last this-many policy versions."""
@@ -64,6 +60,8 @@ class RunSummary:
     """Read from the trainer's /metrics at the end (see ``trainer_report``)."""
     scheduler: dict[str, float]
     """Read from the scheduler's /metrics at the end (see ``scheduler_report``)."""
+    rollout: dict[str, float]
+    """Read from every worker's /metrics at the end (see ``rollout_report``)."""
     summary_path: str
     curve_path: str
     stopped_by: str
@@ -146,6 +144,25 @@ def scheduler_report(samples: list[Sample]) -> dict[str, float]:
     return report
 
 
+def rollout_report(samples: list[Sample]) -> dict[str, float]:
+    """What the workers' weight loads took, over all of them: loads, and the engine's pause
+    before a load and resume after it (mean seconds; the engine's part of a lend and of a
+    reclaim)."""
+    loads = metric_sum(samples, "sf_rollout_weight_load_seconds_count")
+    report = {"weight loads": loads}
+    if loads:
+        report["weight load seconds (mean)"] = (
+            metric_sum(samples, "sf_rollout_weight_load_seconds_sum") / loads
+        )
+    for step in ("pause", "resume"):
+        name = "sf_rollout_engine_pause_seconds"
+        if count := metric_sum(samples, f"{name}_count", step=step):
+            report[f"engine {step} seconds (mean)"] = (
+                metric_sum(samples, f"{name}_sum", step=step) / count
+            )
+    return report
+
+
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 
 
@@ -200,7 +217,8 @@ async def report_run(
         stats.on_call(call, now)
     for _, sample in collected.samples:
         stats.on_sample(sample, now)
-    metrics = {kind: await _scrape_kind(groups, kind) for kind in ("trainer", "scheduler")}
+    kinds = ("trainer", "scheduler", "worker")
+    metrics = {kind: await _scrape_kind(groups, kind) for kind in kinds}
     return summarize(
         config,
         stats,
@@ -209,6 +227,7 @@ async def report_run(
         stopped_by,
         trainer_report(metrics["trainer"]),
         scheduler_report(metrics["scheduler"]),
+        rollout_report(metrics["worker"]),
         nodes=node_parts(groups, workers, node_name()),
         scheduler_lease=leader,
     )
@@ -236,6 +255,7 @@ def summarize(
     stopped_by: str,
     trainer: dict[str, float],
     scheduler: dict[str, float],
+    rollout: dict[str, float],
     *,
     nodes: dict[str, list[str]],
     scheduler_lease: str | None,
@@ -258,6 +278,7 @@ def summarize(
         tool_curve=tools,
         trainer=trainer,
         scheduler=scheduler,
+        rollout=rollout,
         summary_path=str(out / "summary.json"),
         curve_path=str(out / "reward_curve.png"),
         stopped_by=stopped_by,
@@ -272,142 +293,6 @@ def summarize(
         curve, Path(summary.curve_path), title=f"seamlessflow run {config.run!r}", tools=tools
     )
     return summary
-
-
-def run_costs(config: RunConfig, stats: RunStats, trainer: dict[str, float]) -> dict[str, Any]:
-    """The run's shape (layout, workers, batch, admission and staleness bounds, the answer's
-    token cap), its seconds per step after the first quarter of its steps (start-up left out),
-    and its calls as the engines saw them: tokens per call (median and the standard
-    deviation of their log), the mean gap between a session's calls (the environment's
-    latency), the mean time from a task's admission to each of its sessions' first call (the
-    scheduler's clock against the gateway's), and ``engine load`` (``engine_load``: resident
-    calls per engine, seconds and tokens, over the latest ``progress.CALL_SPANS`` calls,
-    leaving out what ``trainer``'s timing says the engines did not serve)."""
-    spans = [(sid, start, end, n) for sid, start, end, n in stats.call_spans if end > start]
-    lengths = [n for *_, n in spans if n > 0]
-    logs = [math.log(n) for n in lengths]
-    gaps, last_end, starts = [], {}, []
-    for sid, start, end, _ in sorted(spans, key=lambda span: span[1]):
-        if sid in last_end:
-            gaps.append(max(0.0, start - last_end[sid]))
-        elif sid in stats.admitted_at:  # the session's first call
-            starts.append(max(0.0, start - stats.admitted_at[sid]))
-        last_end[sid] = end
-    return {
-        "layout": str(config.layout.kind),
-        "rollout workers": config.rollout.workers,
-        "trainer workers": trainer_workers(config),
-        "group size": config.tasks.group_size,
-        "groups per step": config.trainer.groups_per_step,
-        "steps ahead": config.scheduler.steps_ahead,
-        "max staleness": config.trainer.max_staleness,
-        "max tokens": config.tasks.max_tokens,
-        "step seconds (steady)": steady_step_s(stats.versions_at),
-        "calls per sample": stats.calls / stats.samples if stats.samples else None,
-        "call tokens median": statistics.median(lengths) if lengths else None,
-        "call tokens log sd": statistics.pstdev(logs) if logs else None,
-        "environment latency seconds (mean)": statistics.fmean(gaps) if gaps else None,
-        "admission to first call seconds (mean)": statistics.fmean(starts) if starts else None,
-        "engine load": engine_load(
-            [(start, end, n) for _, start, end, n in spans],
-            config.rollout.workers + USUAL_ENGINES[config.layout.kind],
-            serving_windows(config, stats.versions_at, trainer),
-        ),
-    }
-
-
-def trainer_workers(config: RunConfig) -> int:
-    """The workers ``seamlessflow run`` trains on: colocated, ``[layout.train] count`` of its
-    ``rollout.workers`` (all of them for ``rest``); otherwise its one trainer process."""
-    if config.layout.kind is not Layout.COLOCATED:
-        return 1
-    workers = max(1, config.rollout.workers)
-    count = config.layout.spec().train.count
-    return workers if count is None else max(1, min(count, workers))
-
-
-def steady_step_s(versions_at: list[tuple[int, float]]) -> float | None:
-    """Seconds per version between the first quarter's last announcement and the last one."""
-    if len(versions_at) < 4:
-        return None
-    (v0, t0), (v1, t1) = versions_at[len(versions_at) // 4 - 1], versions_at[-1]
-    return (t1 - t0) / (v1 - v0)
-
-
-def serving_windows(
-    config: RunConfig, versions_at: list[tuple[int, float]], trainer: dict[str, float]
-) -> list[tuple[float, float, int]]:
-    """``(start, end, engines serving)`` where fewer of the run's engines serve than its
-    layout's usual (``USUAL_ENGINES``): per version announced at ``t``, its step before it (the
-    trainer's mean step, and the in-step publish and checkpoint stall: a colocated trainer's
-    workers and a multiplexed trainer's own engine do not serve), and the weight load after it
-    (every engine paused: optimizer step -> all serving, less the publish and stall)."""
-    step = trainer.get("step seconds (mean)")
-    if step is None:
-        return []
-    in_step = trainer.get("weight publish seconds, in the step (mean)", 0.0)
-    in_step += trainer.get("checkpoint stall seconds (mean)", 0.0)
-    serving = trainer.get("optimizer step -> all workers serving, seconds (mean)", in_step)
-    load = max(0.0, serving - in_step)
-    workers = config.rollout.workers
-    colocated = config.layout.kind is Layout.COLOCATED
-    training = max(0, workers - trainer_workers(config)) if colocated else workers
-    windows = []
-    for _, t in versions_at:
-        windows += [(t - in_step - step, t, training), (t, t + load, 0)]
-    return windows
-
-
-USUAL_ENGINES = {Layout.DISAGGREGATED: 0, Layout.MULTIPLEXED: 1, Layout.COLOCATED: 0}
-"""Engines that serve besides the rollout workers', outside the trainer's steps (the
-multiplexed trainer's own, lent while it waits for a batch)."""
-
-
-def engine_load(
-    spans: list[tuple[float, float, int]],
-    engines: int,
-    windows: list[tuple[float, float, int]] = (),
-) -> list[list[float]]:
-    """``[calls in flight per serving engine, seconds, tokens]`` per level, from ``(started,
-    finished, tokens)`` calls on ``engines`` engines, fewer in ``windows`` (``serving_windows``;
-    none: no level, and no tokens). A call's tokens come at an even rate over its serving time."""
-    stops = sorted((a, b) for a, b, n in windows if n == 0 and b > a)
-    merged: list[list[float]] = []
-    for a, b in stops:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    starts, before = [a for a, _ in merged], [0.0]
-    for a, b in merged:
-        before.append(before[-1] + b - a)
-
-    def stopped(t: float) -> float:  # stopped seconds before t
-        i = bisect.bisect_right(starts, t)
-        return before[i - 1] + min(t, merged[i - 1][1]) - merged[i - 1][0] if i else 0.0
-
-    events = []
-    for start, end, n in spans:
-        serving = end - start - (stopped(end) - stopped(start))
-        if serving > 0:
-            events += [(start, 1, 1, n / serving), (end, 1, -1, -n / serving)]
-    for a, b, n in windows:
-        events += [(a, 0, 1, n), (b, 0, -1, n)]
-    events.sort()
-    levels: dict[tuple[int, int], list[float]] = {}
-    calls, rate, before_t, fewer = 0, 0.0, None, Counter()
-    for t, kind, step, change in events:
-        serving = min((n for n, c in fewer.items() if c), default=engines)
-        if calls and serving and before_t is not None and t > before_t:
-            level = levels.setdefault((calls, serving), [0.0, 0.0])
-            level[0] += t - before_t
-            level[1] += rate * (t - before_t)
-        if kind:
-            calls, rate = calls + step, rate + change
-        else:
-            fewer[change] += step
-        before_t = t
-    return sorted([round(k / n, 3), round(s, 4), round(x, 2)] for (k, n), (s, x) in levels.items())
 
 
 def mean_over(points: list[tuple[int, float, int]]) -> float | None:
@@ -493,6 +378,7 @@ def print_summary(summary: RunSummary) -> None:
         ),
         *((f"trainer: {k}", fmt_stat(v)) for k, v in summary.trainer.items()),
         *((f"scheduler: {k}", fmt_stat(v)) for k, v in summary.scheduler.items()),
+        *((f"rollout: {k}", fmt_stat(v)) for k, v in summary.rollout.items()),
         ("scheduler lease", summary.scheduler_lease or "-"),
         *((f"node {node}", ", ".join(parts)) for node, parts in summary.nodes.items()),
         ("summary", summary.summary_path),

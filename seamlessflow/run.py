@@ -70,6 +70,7 @@ from seamlessflow.report import (
     RunSummary,
     node_parts,
     print_summary,
+    rollout_report,
     scheduler_report,
     summarize,
     trainer_report,
@@ -139,8 +140,10 @@ async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
             await services.start(targets)
             stats.started_at = time.time()
             stopped_by = await _watch(nc, names, config, services, stats, stop)
-            trainer = await _report(services, "trainer", trainer_report)
-            scheduler = await _report(services, "scheduler", scheduler_report)
+            trainer = await _report([services.named("trainer")], trainer_report)
+            scheduler = await _report([services.named("scheduler")], scheduler_report)
+            engines = [p for p in services.running if p.command == "worker"]
+            rollout = await _report(engines, rollout_report)
             workers, leader = await workers_and_leader(js, names)
             nodes = node_parts(targets.groups(), workers, node_name())
         finally:
@@ -158,6 +161,7 @@ async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
         stopped_by,
         trainer,
         scheduler,
+        rollout,
         nodes=nodes,
         scheduler_lease=leader,
     )
@@ -212,13 +216,16 @@ async def _watch(
             await sub.unsubscribe()
 
 
-async def _report(services: "Services", name: str, report: Callable) -> dict[str, float]:
-    """``report`` of the /metrics of the process ``name``; empty if they cannot be read."""
-    try:
-        return report(await scrape(services.named(name).metrics_url))
-    except httpx.HTTPError as exc:
-        log.warning(kv("metrics_unreadable", process=name, error=exc))
-        return {}
+async def _report(procs: list[ServiceProcess], report: Callable) -> dict[str, float]:
+    """``report`` of the /metrics of ``procs`` together, leaving out those that cannot be read;
+    empty if none can."""
+    samples = []
+    for proc in procs:
+        try:
+            samples += await scrape(proc.metrics_url)
+        except httpx.HTTPError as exc:
+            log.warning(kv("metrics_unreadable", process=proc.name, error=exc))
+    return report(samples) if samples else {}
 
 
 def _feed(schema: type[Message], handle: Callable) -> Callable:

@@ -18,7 +18,7 @@ from emulation.plan import ClusterShape, Fit, PlanError, fit, load_summary, pred
 from emulation.sim import Arm
 from emulation.workload import EngineCost, TrainerCost
 from seamlessflow.config import RunConfig, override
-from seamlessflow.report import engine_load, serving_windows, trainer_workers
+from seamlessflow.costs import engine_load, serving_windows, trainer_workers
 from tests.test_cli import NO_TORCH
 
 ENGINE = EngineCost(a_s=0.02, b_s=0.004, prefill_s_per_token=0.0, max_batch=16)
@@ -115,7 +115,13 @@ def test_the_fit_finds_the_emulated_costs_in_a_real_runs_summary(summary: Path, 
     # tasks stream, the agent runner and the gateway, fitted as the agent's start latency.
     assert 0 < costs["admission to first call seconds (mean)"] < 5
     assert w.agent.start_latency_s == costs["admission to first call seconds (mean)"]
-    assert any("switch" in note for note in fitted.assumed)  # no lend in a disaggregated run
+    # No lend in a disaggregated run: its engines' pause and resume at the weight loads (each
+    # worker's /metrics) stand in for a switch, and the fit says so.
+    rollout = json.loads(summary.read_text())["rollout"]
+    pause, resume = rollout["engine pause seconds (mean)"], rollout["engine resume seconds (mean)"]
+    assert rollout["weight loads"] >= 3 and 0 < pause < 0.5 and 0 < resume < 0.5, rollout
+    assert w.switch.warm_s == pytest.approx((pause + resume) / 2)
+    assert any("pause and resume at weight loads" in note for note in fitted.assumed)
     given = fit(load_summary(summary), str(summary), switch_s=0.05)  # measured elsewhere
     assert given.workload.switch.warm_s == 0.05 and not given.assumed
 
@@ -225,6 +231,8 @@ def test_a_colocated_run_training_on_several_workers_is_planned_with_as_many(fit
     summary = {"trainer": trainer, "scheduler": {}, "costs": costs}
     old = fit(summary)  # a summary from before "trainer workers": one, and said so
     assert old.trainer_devices == 1 and any("trainer workers" in a for a in old.assumed)
+    # ... and before "rollout": no switch measured at all, the scheduler's assumption
+    assert any("(the scheduler's)" in a for a in old.assumed)
     two = fit({**summary, "costs": {**costs, "trainer workers": 2}})
     assert (two.arm, two.devices, two.trainer_devices) == (Arm.COLOCATED, 3, 2)
     assert not any("trainer workers" in a for a in two.assumed)
