@@ -5,7 +5,7 @@ Slurm job's, which runs ``seamlessflow report`` before it stops them), ``report_
 same summary from the run itself while its parts are still up: rewards, calls and samples from
 the run's streams (read by ephemeral consumers, like ``seamlessflow export``), the version from
 the weights stream, each part's node from the scrape targets and the worker registry, and the
-trainer's and schedulers' numbers from their /metrics.
+trainer's, the schedulers' and the workers' numbers from their /metrics.
 """
 
 import json
