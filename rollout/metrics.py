@@ -32,7 +32,7 @@ ENGINE_PAUSE = Histogram(
     "The engine's pause at a token boundary before a weight load, and its resume after (step): "
     "the engine's part of a lend and of a reclaim, measured where no worker is lent",
     ["step"],
-    buckets=(1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+    buckets=(1e-6, 1e-5, 1e-4, 1e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
     registry=REGISTRY,
 )
 for _step in ("pause", "resume"):  # at 0

@@ -14,7 +14,7 @@ from trainer.step import PHASES, StepStats
 
 log = logging.getLogger(__name__)
 
-_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
 STEPS = Counter("sf_trainer_steps", "Training steps committed", registry=REGISTRY)
