@@ -5,6 +5,8 @@ a process serves the registries of the parts it runs, plus its own process/platf
 a trainer exports no ``sf_rollout_*`` family, a gateway no ``sf_trainer_*``.
 """
 
+import asyncio
+import logging
 import os
 from dataclasses import dataclass
 from threading import Thread
@@ -20,6 +22,10 @@ from prometheus_client import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+from common.log import kv
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,6 +78,28 @@ async def scrape(url: str, key: str | None = None) -> list[Sample]:
     return [sample for family in text_string_to_metric_families(body) for sample in family.samples]
 
 
+async def scrape_all(urls: list[str]) -> list[Sample]:
+    """The samples of every ``/metrics`` endpoint of ``urls`` together, read at once; one that
+    cannot be read is left out (a WARNING line)."""
+    found: list[Sample] = []
+    read = await asyncio.gather(*map(scrape, urls), return_exceptions=True)
+    for url, samples in zip(urls, read, strict=True):
+        if isinstance(samples, httpx.HTTPError):
+            log.warning(kv("metrics_unreadable", url=url, error=samples))
+        elif isinstance(samples, BaseException):
+            raise samples
+        else:
+            found += samples
+    return found
+
+
 def metric_sum(samples: list[Sample], name: str, **labels: str) -> float:
     """The sum of the samples named ``name`` that carry at least ``labels``."""
     return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+
+def metric_mean(samples: list[Sample], name: str, **labels: str) -> float | None:
+    """The mean observation of the histogram (or summary) ``name`` over the samples that carry
+    at least ``labels``; None without any."""
+    count = metric_sum(samples, f"{name}_count", **labels)
+    return metric_sum(samples, f"{name}_sum", **labels) / count if count else None

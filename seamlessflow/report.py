@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from prometheus_client.samples import Sample
 
 from broker.client import session
@@ -22,7 +21,7 @@ from broker.permissions import Principal
 from broker.registry import Sighting, node_name
 from broker.subjects import RunNames
 from broker.weights import latest_weights
-from common.metrics import metric_sum, scrape
+from common.metrics import metric_mean, metric_sum, scrape_all
 from seamlessflow.config import RunConfig
 from seamlessflow.costs import run_costs
 from seamlessflow.export import Collected, read_source, sources
@@ -102,14 +101,11 @@ def trainer_report(samples: list[Sample]) -> dict[str, float]:
     """Means of the trainer's timing and mismatch histograms, its samples by outcome, and what
     waiting in admission order cost."""
     report = {}
-    for label, name in TRAINER_MEANS.items():
-        count = metric_sum(samples, f"{name}_count")
-        if count:
-            report[label] = metric_sum(samples, f"{name}_sum") / count
-    publish = "sf_trainer_weight_publish_seconds"
-    if count := metric_sum(samples, f"{publish}_count", path="local"):
-        in_step = metric_sum(samples, f"{publish}_sum", path="local") / count
-        report["weight publish seconds, in the step (mean)"] = in_step
+    means = {label: metric_mean(samples, name) for label, name in TRAINER_MEANS.items()}
+    means["weight publish seconds, in the step (mean)"] = metric_mean(
+        samples, "sf_trainer_weight_publish_seconds", path="local"
+    )
+    report.update((label, mean) for label, mean in means.items() if mean is not None)
     report["steps"] = metric_sum(samples, "sf_trainer_steps_total")
     report["loss tokens"] = metric_sum(samples, "sf_trainer_tokens_total")
     report["loss tokens dropped"] = metric_sum(samples, "sf_trainer_tokens_dropped_total")
@@ -136,10 +132,9 @@ def scheduler_report(samples: list[Sample]) -> dict[str, float]:
         ("lends", "sf_scheduler_lend_seconds"),
         ("reclaims", "sf_scheduler_reclaim_seconds"),
     ):
-        count = metric_sum(samples, f"{name}_count")
-        report[what] = count
-        if count:
-            report[f"{what[:-1]} seconds (mean)"] = metric_sum(samples, f"{name}_sum") / count
+        report[what] = metric_sum(samples, f"{name}_count")
+        if (mean := metric_mean(samples, name)) is not None:
+            report[f"{what[:-1]} seconds (mean)"] = mean
     report["workers fenced"] = metric_sum(samples, "sf_scheduler_fenced_total")
     return report
 
@@ -148,18 +143,12 @@ def rollout_report(samples: list[Sample]) -> dict[str, float]:
     """What the workers' weight loads took, over all of them: loads, and the engine's pause
     before a load and resume after it (mean seconds; the engine's part of a lend and of a
     reclaim)."""
-    loads = metric_sum(samples, "sf_rollout_weight_load_seconds_count")
-    report = {"weight loads": loads}
-    if loads:
-        report["weight load seconds (mean)"] = (
-            metric_sum(samples, "sf_rollout_weight_load_seconds_sum") / loads
-        )
+    report = {"weight loads": metric_sum(samples, "sf_rollout_weight_load_seconds_count")}
+    means = {"weight load seconds (mean)": metric_mean(samples, "sf_rollout_weight_load_seconds")}
     for step in ("pause", "resume"):
-        name = "sf_rollout_engine_pause_seconds"
-        if count := metric_sum(samples, f"{name}_count", step=step):
-            report[f"engine {step} seconds (mean)"] = (
-                metric_sum(samples, f"{name}_sum", step=step) / count
-            )
+        pause = metric_mean(samples, "sf_rollout_engine_pause_seconds", step=step)
+        means[f"engine {step} seconds (mean)"] = pause
+    report.update((label, mean) for label, mean in means.items() if mean is not None)
     return report
 
 
@@ -235,16 +224,13 @@ async def report_run(
 
 async def _scrape_kind(groups: list[dict[str, Any]], kind: str) -> list[Sample]:
     """The /metrics samples of every target of ``kind``; one that does not answer is left out."""
-    found: list[Sample] = []
-    for group in groups:
-        if group["labels"]["job"] == f"seamlessflow-{kind}":
-            path = group["labels"].get("__metrics_path__", "/metrics")
-            for target in group["targets"]:
-                try:
-                    found += await scrape(f"http://{target}{path}")
-                except httpx.HTTPError:
-                    continue
-    return found
+    urls = [
+        f"http://{target}{group['labels'].get('__metrics_path__', '/metrics')}"
+        for group in groups
+        if group["labels"]["job"] == f"seamlessflow-{kind}"
+        for target in group["targets"]
+    ]
+    return await scrape_all(urls)
 
 
 def summarize(

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import httpx
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -56,7 +55,7 @@ from broker.tls import CA_ENV
 from broker.weights import latest_weights
 from common.exceptions import SeamlessFlowError
 from common.log import kv
-from common.metrics import scrape
+from common.metrics import scrape_all
 from common.paths import default_state_dir
 from rollout.gateway.keys import RunKeys, write_run_keys
 from seamlessflow.config import RunConfig, override
@@ -219,12 +218,7 @@ async def _watch(
 async def _report(procs: list[ServiceProcess], report: Callable) -> dict[str, float]:
     """``report`` of the /metrics of ``procs`` together, leaving out those that cannot be read;
     empty if none can."""
-    samples = []
-    for proc in procs:
-        try:
-            samples += await scrape(proc.metrics_url)
-        except httpx.HTTPError as exc:
-            log.warning(kv("metrics_unreadable", process=proc.name, error=exc))
+    samples = await scrape_all([proc.metrics_url for proc in procs])
     return report(samples) if samples else {}
 
 

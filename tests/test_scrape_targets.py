@@ -5,12 +5,14 @@ import contextlib
 import json
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 
 from broker.messages import Role
 from broker.registry import Registration
 from common.exceptions import SeamlessFlowError
+from common.metrics import metric_mean, scrape_all, serve_metrics
 from seamlessflow.targets import ScrapeTargets
-from tests.support import eventually
+from tests.support import eventually, free_port
 
 
 async def test_targets_follow_workers_as_they_register_and_leave(js, names, tmp_path):
@@ -70,3 +72,21 @@ def test_targets_refuse_a_bad_url_or_kind(tmp_path):
     with pytest.raises(SeamlessFlowError, match="unknown process kind 'planner'"):
         targets.add("http://127.0.0.1:9460/metrics", "planner")
     assert json.loads((tmp_path / "t.json").read_text()) == []
+
+
+def test_scrape_all_reads_every_endpoint_together_and_leaves_out_one_that_is_down(caplog):
+    endpoints = []
+    for seconds in (1.0, 3.0):
+        registry = CollectorRegistry()
+        Histogram("sf_test_seconds", "test", registry=registry).observe(seconds)
+        endpoints.append(serve_metrics(registry))
+    down = f"http://127.0.0.1:{free_port()}/metrics"  # nothing listens there
+    try:
+        urls = [endpoints[0].url, down, endpoints[1].url]
+        samples = asyncio.run(scrape_all(urls))
+    finally:
+        for endpoint in endpoints:
+            endpoint.server.shutdown()
+    assert metric_mean(samples, "sf_test_seconds") == 2.0  # both live ones, summed
+    assert metric_mean(samples, "sf_test_absent") is None
+    assert any("metrics_unreadable" in r.message and down in r.message for r in caplog.records)
