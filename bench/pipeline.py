@@ -64,7 +64,6 @@ import random
 import sys
 import tempfile
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,14 +129,18 @@ ARMS = {
 async def emulated_agent(ctx):
     """``agent.turns`` chat calls with an environment latency between them; stops early when the
     verifier accepts a reply (the tiny model's arithmetic). Each call's seed is ``group *
-    group_size + member`` with the group a hash of (task, turn): the emulated engine draws the
-    group's lengths from it, and the hf engine samples each member differently."""
+    group_size + member`` with the group ``Workload.draw_seed`` of the task's number and the
+    turn: the emulated engine draws the lengths the simulator draws for that group (the
+    scheduler admits tasks in the feed's order), and the hf engine samples each member
+    differently."""
     from rollout.agents.agents import AgentResult, complete, max_tokens_of, openai_messages
 
     workload = Workload.from_dict(json.loads(os.environ[WORKLOAD_ENV]))
     n = ctx.task.group_size
     member = int(ctx.session_id[len(ctx.task.task_id) + 1 :].split("-")[0]) % n
     rng = random.Random(ctx.session_id)
+    first, i = ctx.task.task_id[1:].split("-")  # the run's feed numbers its tasks t<first>-<i>
+    index = int(first) + int(i)
     max_tokens = max_tokens_of(ctx.task, ctx.max_tokens)
     messages = openai_messages(ctx.task.messages)
     answer = ""
@@ -148,7 +151,7 @@ async def emulated_agent(ctx):
                 {"role": "assistant", "content": answer},
                 {"role": "user", "content": "wrong"},
             ]
-        group = zlib.crc32(f"{ctx.task.task_id}/{turn}".encode())
+        group = workload.draw_seed(index, turn)
         message = await complete(ctx, messages, max_tokens, seed=group * n + member)
         answer = message.content or ""
         if ctx.verify(answer):

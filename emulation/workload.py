@@ -31,6 +31,7 @@ import dataclasses
 import json
 import math
 import random
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,6 +257,15 @@ class Workload:
     @property
     def samples_per_step(self) -> int:
         return self.group_size * self.groups_per_step
+
+    def draw_seed(self, group: int, turn: int) -> int:
+        """The seed of ``random.Random`` that draws the lengths of the ``group``-th admitted
+        group's ``turn`` (``LengthModel.sample_group``). The simulator draws from it, and the
+        emulated engine draws a request with sampling seed ``s`` from ``s // group_size``, so
+        an agent that sends ``draw_seed(group, turn) * group_size + member`` gets the
+        simulator's lengths: the two run the same realization of the workload, and two arms of
+        the simulator at one seed see the same lengths (common random numbers)."""
+        return zlib.crc32(f"{self.seed}/{group}/{turn}".encode())
 
     def to_dict(self) -> dict:
         """Plain nested dict (JSON-ready); ``from_dict`` reads it back."""

@@ -24,7 +24,7 @@ class TaskFeed:
         self._names = names
         self._config = config.tasks
         self._rng = random.Random(config.tasks.seed)
-        self._next = 0
+        self._submitted = 0
 
     async def top_up(self) -> None:
         if self._config.env == "none":
@@ -33,8 +33,9 @@ class TaskFeed:
         missing = self._config.backlog - waiting.num_pending
         if missing <= 0:
             return
-        tasks = self._tasks(missing, prefix=f"t{self._next}")
-        self._next += 1
+        # ids t<first>-<i>: the feed's (first + i)-th task, in submission order
+        tasks = self._tasks(missing, prefix=f"t{self._submitted}")
+        self._submitted += missing
         try:
             await submit_tasks(self._js, self._names, tasks, progress=False)
         except BrokerError as exc:

@@ -1,12 +1,14 @@
 """The cluster simulator (emulation.sim): invariants of every arm and the lending policy's
 behaviour at the two ends of the switch-cost range. Small clusters, a few seconds in all."""
 
+import random
 from dataclasses import replace
 
 import pytest
 
 from common.staleness import StalenessMode
 from emulation.sim import ARMS, Arm, Order, Rhythm, best_split, simulate
+from emulation.sim.cluster import Cluster
 from emulation.workload import (
     AgentModel,
     EngineCost,
@@ -204,3 +206,41 @@ def test_in_drop_mode_overlapping_the_order_wait_trains_long_groups_at_no_loss_o
     assert before.order_wait_s_per_step == 0
     assert real.samples_per_s < 0.95 * before.samples_per_s
     assert overlap.samples_per_s >= before.samples_per_s
+
+
+def test_every_arm_draws_a_groups_lengths_from_its_admission_number_as_the_emulated_agent_does():
+    """Common random numbers: the simulator draws the ``g``-th admitted group's lengths for a
+    turn from ``Workload.draw_seed(g, turn)``, whatever the arm, split and timing; the emulated
+    engine draws a request seeded ``draw_seed(g, turn) * group_size + member`` from
+    ``random.Random(seed // group_size)`` (``tests/test_emulated.py`` checks that rule), which
+    is what the benchmark agent sends. So two arms compare on one realization of the workload,
+    and the emulated cluster runs that realization too. Before, one generator drew lengths and
+    environment latencies in event order, so each arm saw other lengths for the same group."""
+    w = agentic()
+    trained: dict[Arm, dict[int, list[list[int]]]] = {}
+    for arm, trainer_devices, staleness in (
+        (Arm.PARTIAL_ROLLOUT, 4, 1),
+        (Arm.SYNC_COLOCATED, 16, 0),
+    ):
+        cluster = Cluster(
+            w, arm, devices=16, trainer_devices=trainer_devices, steps=4, staleness=staleness
+        )
+        take, groups = cluster.batches.take, trained.setdefault(arm, {})
+
+        def spied(version: int, take=take, groups=groups):  # a spy: records, changes nothing
+            taken = take(version)
+            for group in taken[0] if taken else []:
+                groups[group.gid] = [sample.lengths for sample in group.samples]
+            return taken
+
+        cluster.batches.take = spied
+        cluster.run()
+    common = trained[Arm.PARTIAL_ROLLOUT].keys() & trained[Arm.SYNC_COLOCATED].keys()
+    assert len(common) >= 2 * w.groups_per_step
+    for gid in common:
+        per_turn = [
+            w.lengths.sample_group(random.Random(w.draw_seed(gid, turn)), w.group_size)
+            for turn in range(w.agent.turns)
+        ]
+        emulated = [[turn[member] for turn in per_turn] for member in range(w.group_size)]
+        assert trained[Arm.PARTIAL_ROLLOUT][gid] == trained[Arm.SYNC_COLOCATED][gid] == emulated

@@ -13,9 +13,11 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
   (``emulation.sim.engine``);
 - **agents**: an admitted group is ``group_size`` samples started at once, each reaching its
   first generation ``agent.start_latency_s`` later; a sample is ``agent.turns`` generations with
-  an environment latency between them; its lengths are drawn
-  at admission from ``LengthModel.sample_group`` (per turn, for the group, at the trainer's
-  version), the agent and lengths of the workload's phase at that version (``Workload.at``).
+  an environment latency between them; its lengths are drawn at admission from
+  ``LengthModel.sample_group`` (per turn, for the group, at the trainer's version, seeded by
+  ``Workload.draw_seed`` of its admission number and turn: every arm, and the emulated
+  cluster's benchmark agent, draws the same lengths for the same group), the agent and lengths
+  of the workload's phase at that version (``Workload.at``).
   Admission is immediate whenever the admission state has room;
 - **routing**: a generation goes to the serving engine with the fewest residents that has a
   free slot (``max_batch``), else waits in one FIFO queue (re-placed generations go first);
@@ -109,8 +111,8 @@ class Cluster(Lending):
         self.staleness = 0 if arm is Arm.SYNC_COLOCATED else staleness
         self.partial = arm in (Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED, Arm.COLOCATED)
         self.loop = Loop()
-        self.rng = random.Random(workload.seed)
-        self.start_rng = random.Random(workload.seed + 1)  # the same lengths with or without
+        self.rng = random.Random(workload.seed)  # environment latencies
+        self.start_rng = random.Random(workload.seed + 1)  # start latencies
         self.config = SchedulerConfig(scheduler_id="sim")
         self.m = Measurements()
 
@@ -201,8 +203,10 @@ class Cluster(Lending):
     def _start_group(self) -> None:
         w = self.w.at(self.version)
         per_turn = [
-            w.lengths.sample_group(self.rng, w.group_size, self.version)
-            for _ in range(w.agent.turns)
+            w.lengths.sample_group(
+                random.Random(w.draw_seed(self.next_gid, turn)), w.group_size, self.version
+            )
+            for turn in range(w.agent.turns)
         ]
         group = _Group(self.next_gid)
         if self.batches.tickets is not None:
@@ -211,7 +215,6 @@ class Cluster(Lending):
         self.in_flight += 1
         for i in range(w.group_size):
             sample = _Sample(group, [turn[i] for turn in per_turn], agent=w.agent)
-            self.m.drawn_tokens.append(sum(sample.lengths))
             group.samples.append(sample)
             if w.agent.start_latency_s:
                 self.loop.after(self._start_latency(w.agent), self._next_turn, sample)
@@ -461,6 +464,7 @@ class Cluster(Lending):
     def _result(self, wall_s: float) -> SimResult:
         t = self.loop.now
         self.m.dropped, self.m.dropped_tokens = self.batches.dropped, self.batches.dropped_tokens
+        self.m.dropped_samples = self.batches.dropped * self.w.group_size
         # each trainer device is busy for every step and every group computed ahead
         trained_s = sum(self.m.step_times) + self.m.computed_s
         idle = idle_by_pool(self.engines, self.placement, trained_s, t)

@@ -48,7 +48,11 @@ class SimResult:
     reprefill_token_fraction: float
     dropped_groups: int
     length_bias: float
-    """Mean tokens of a trained sample over the mean drawn for every admitted sample."""
+    """Mean tokens of a trained sample over the mean of every sample whose fate was decided:
+    trained, or dropped as stale (as ``bench/pipeline.py`` measures the emulated cluster).
+    Groups still generating or waiting for their step when the run ends are in neither: their
+    share is the run's end, not a bias (in a short run they are the long ones, and counting
+    them put completion order's drops and the end of the run in one figure)."""
     trained_samples: int
     wall_s: float
     order: str = "completion"
@@ -86,8 +90,6 @@ class RunShape:
 class Measurements:
     """A run's tallies, kept by the event loop as it goes."""
 
-    drawn_tokens: list[int] = field(default_factory=list)
-    """Tokens drawn for every admitted sample."""
     trained_tokens: list[int] = field(default_factory=list)
     """Tokens of every trained sample."""
     staleness: list[int] = field(default_factory=list)
@@ -107,6 +109,7 @@ class Measurements:
     dropped_tokens: int = 0
     reprefilled: int = 0
     dropped: int = 0
+    dropped_samples: int = 0
     lends: int = 0
     reclaims: int = 0
 
@@ -141,12 +144,19 @@ class Measurements:
             aborted_token_fraction=(self.dropped_tokens + self.lost) / generated,
             reprefill_token_fraction=self.reprefilled / generated,
             dropped_groups=self.dropped,
-            length_bias=statistics.fmean(self.trained_tokens) / statistics.fmean(self.drawn_tokens),
+            length_bias=self._length_bias(),
             trained_samples=len(self.trained_tokens),
             wall_s=wall_s,
             order=shape.order,
             order_wait_s_per_step=sum(self.order_waits) / shape.steps,
         )
+
+    def _length_bias(self) -> float:
+        trained = sum(self.trained_tokens)
+        decided = (trained + self.dropped_tokens) / (
+            len(self.trained_tokens) + self.dropped_samples
+        )
+        return trained / len(self.trained_tokens) / decided
 
     def _steady_rate(self, shape: RunShape, t: float) -> float:
         first = shape.steps // 4
