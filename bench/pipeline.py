@@ -459,7 +459,7 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
     return {
         "s_per_step": round(samples_per_step / r.steady_samples_per_s, 3),
         "samples_per_s": round(r.steady_samples_per_s, 3),
-        "trained_tokens_per_s": round(r.tokens_per_s, 1),
+        "trained_tokens_per_s": round(r.steady_tokens_per_s, 1),
         "idle": {k: round(v, 3) for k, v in r.idle.items()},
         "reclaim_p50_s": round(r.reclaim_p50_s, 3),
         "reclaim_p99_s": round(r.reclaim_p99_s, 3),

@@ -361,6 +361,7 @@ class Cluster(Lending):
             for s in group.samples:
                 self.m.trained_tokens.append(s.tokens)
                 self.m.staleness.append(lag(self.version, s.versions))
+        self.m.step_tokens.append(sum(s.tokens for group in batch for s in group.samples))
         seconds = self.w.trainer.step_s(tokens, len(self.placement.train_ids))
         self.m.step_times.append(seconds)
         self.loop.after(seconds, self._trained)

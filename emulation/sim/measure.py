@@ -26,6 +26,9 @@ class SimResult:
     generated_tokens_per_s: float
     steady_samples_per_s: float
     """Trained samples per second after the first quarter of the steps (start-up excluded)."""
+    steady_tokens_per_s: float
+    """Trained tokens per second over the same steps (``tokens_per_s`` counts the start-up's
+    time: over ``steady_samples_per_s`` it is not a sample's length)."""
     idle: dict[str, float]
     """Per pool (``train``: the trainer's devices, lent or not; ``rollout``, absent when empty;
     ``all``): the share of device time doing no work (waiting, switching, loading weights)."""
@@ -92,6 +95,8 @@ class Measurements:
 
     trained_tokens: list[int] = field(default_factory=list)
     """Tokens of every trained sample."""
+    step_tokens: list[int] = field(default_factory=list)
+    """Tokens of every step's samples."""
     staleness: list[int] = field(default_factory=list)
     """Lag of every trained sample when trained."""
     reclaim_delays: list[float] = field(default_factory=list)
@@ -118,6 +123,7 @@ class Measurements:
     ) -> SimResult:
         """The run's record at time ``t``, when its last step ended."""
         generated = self.generated + self.lost
+        steady_samples, steady_tokens = self._steady_rates(shape, t)
         return SimResult(
             arm=shape.arm,
             devices=shape.devices,
@@ -129,7 +135,8 @@ class Measurements:
             samples_per_s=len(self.trained_tokens) / t,
             tokens_per_s=sum(self.trained_tokens) / t,
             generated_tokens_per_s=generated / t,
-            steady_samples_per_s=self._steady_rate(shape, t),
+            steady_samples_per_s=steady_samples,
+            steady_tokens_per_s=steady_tokens,
             idle=idle,
             mean_batch=mean_batch,
             staleness_mean=statistics.fmean(self.staleness),
@@ -158,12 +165,14 @@ class Measurements:
         )
         return trained / len(self.trained_tokens) / decided
 
-    def _steady_rate(self, shape: RunShape, t: float) -> float:
+    def _steady_rates(self, shape: RunShape, t: float) -> tuple[float, float]:
+        """Trained samples and tokens per second after the first quarter of the steps."""
         first = shape.steps // 4
         if first == 0 or first >= shape.steps:
-            return len(self.trained_tokens) / t
+            return len(self.trained_tokens) / t, sum(self.trained_tokens) / t
         span = self.step_ends[-1] - self.step_ends[first - 1]
-        return (shape.steps - first) * shape.samples_per_step / span
+        samples = (shape.steps - first) * shape.samples_per_step
+        return samples / span, sum(self.step_tokens[first:]) / span
 
 
 def idle_by_pool(
