@@ -296,13 +296,15 @@ class Scrapes:
         self.targets = targets
         self.first: dict[str, list] = {}
         self.last: dict[str, list] = {}
+        self.running: dict[str, list[float]] = {}
+        """Per rollout worker, its generation attempts in progress at each scrape after the mark."""
         self._marked = False
 
     def mark(self) -> None:
         self._marked = True
 
     async def follow(self) -> None:
-        from common.metrics import scrape
+        from common.metrics import metric_sum, scrape
 
         while True:
             await asyncio.sleep(SCRAPE_S)
@@ -321,6 +323,9 @@ class Scrapes:
                     self.last[key] = samples
                     if self._marked:
                         self.first.setdefault(key, samples)
+                        if any(s.name == "sf_rollout_requests_running" for s in samples):
+                            running = metric_sum(samples, "sf_rollout_requests_running")
+                            self.running.setdefault(key, []).append(running)
 
 
 def measure(
@@ -377,6 +382,12 @@ def measure(
         "idle_mean": round(sum(values) / len(values), 3) if values else None,
         "idle_max": max(values) if values else None,
         "idle_per_worker": idle,
+        # a rollout worker's attempts in progress (resident and waiting), mean over the scrapes
+        "running_mean": round(
+            sum(sum(v) / len(v) for v in scrapes.running.values()) / len(scrapes.running), 1
+        )
+        if scrapes.running
+        else None,
         "lends": summary["scheduler"].get("lends", 0),
         "reclaims": summary["scheduler"].get("reclaims", 0),
         "reclaim_p50_s": _quantile(scheduler, "sf_scheduler_reclaim_seconds", 0.5),
@@ -461,6 +472,7 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
         "samples_per_s": round(r.steady_samples_per_s, 3),
         "trained_tokens_per_s": round(r.steady_tokens_per_s, 1),
         "idle": {k: round(v, 3) for k, v in r.idle.items()},
+        "mean_batch": round(r.mean_batch, 1),
         "reclaim_p50_s": round(r.reclaim_p50_s, 3),
         "reclaim_p99_s": round(r.reclaim_p99_s, 3),
         "lends": r.lends,
