@@ -75,6 +75,11 @@ REPO = Path(__file__).resolve().parent.parent
 WORKLOAD_ENV = "SF_BENCH_WORKLOAD"
 """The agent's workload (JSON), passed to the agent runner through its environment."""
 SCRAPE_S = 2.0
+MEAN_GAUGES = {
+    "sf_rollout_requests_running": "running",  # a worker's attempts in progress
+    "sf_scheduler_admission_outstanding": "outstanding",  # groups admitted, not yet acked
+}
+"""Gauges the row reports as their mean over the scrapes after the warm-up, by row key."""
 
 WORKLOAD = Workload.from_dict(
     {
@@ -296,12 +301,18 @@ class Scrapes:
         self.targets = targets
         self.first: dict[str, list] = {}
         self.last: dict[str, list] = {}
-        self.running: dict[str, list[float]] = {}
-        """Per rollout worker, its generation attempts in progress at each scrape after the mark."""
+        self.gauges: dict[str, dict[str, list[float]]] = {name: {} for name in MEAN_GAUGES}
+        """Per gauge of ``MEAN_GAUGES``, per process exporting it: its value at each scrape
+        after the mark."""
         self._marked = False
 
     def mark(self) -> None:
         self._marked = True
+
+    def mean(self, gauge: str) -> float | None:
+        """``gauge``'s mean over the scrapes after the mark, per process, then over processes."""
+        series = [sum(v) / len(v) for v in self.gauges[gauge].values()]
+        return round(sum(series) / len(series), 1) if series else None
 
     async def follow(self) -> None:
         from common.metrics import metric_sum, scrape
@@ -323,9 +334,9 @@ class Scrapes:
                     self.last[key] = samples
                     if self._marked:
                         self.first.setdefault(key, samples)
-                        if any(s.name == "sf_rollout_requests_running" for s in samples):
-                            running = metric_sum(samples, "sf_rollout_requests_running")
-                            self.running.setdefault(key, []).append(running)
+                        for name, series in self.gauges.items():
+                            if any(s.name == name for s in samples):
+                                series.setdefault(key, []).append(metric_sum(samples, name))
 
 
 def measure(
@@ -382,12 +393,8 @@ def measure(
         "idle_mean": round(sum(values) / len(values), 3) if values else None,
         "idle_max": max(values) if values else None,
         "idle_per_worker": idle,
-        # a rollout worker's attempts in progress (resident and waiting), mean over the scrapes
-        "running_mean": round(
-            sum(sum(v) / len(v) for v in scrapes.running.values()) / len(scrapes.running), 1
-        )
-        if scrapes.running
-        else None,
+        **{f"{name}_mean": scrapes.mean(gauge) for gauge, name in MEAN_GAUGES.items()},
+        "rollout": summary.get("rollout"),  # the workers' weight loads, pause and resume
         "lends": summary["scheduler"].get("lends", 0),
         "reclaims": summary["scheduler"].get("reclaims", 0),
         "reclaim_p50_s": _quantile(scheduler, "sf_scheduler_reclaim_seconds", 0.5),
