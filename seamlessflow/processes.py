@@ -127,6 +127,10 @@ class ServiceProcess:
             self.metrics_url = handshake["metrics_url"]
             ready.set()
 
+    def tail(self, lines: int = 20) -> str:
+        """Its last ``lines`` lines of output."""
+        return "".join(list(self.output)[-lines:])
+
     def restart(self) -> None:
         """Start the command again; the process must have exited. Its output goes on in
         ``output``, after a line saying so."""

@@ -469,6 +469,8 @@ class _Supervised:
             self._due = None
             self.restarts += 1
             self._announced = False
+            # why it exited, for whoever reads the run (its output is read by now: the backoff)
+            print(f"--- {self.proc.name}'s last lines ---\n{self.proc.tail()}", end="", flush=True)
             self.proc.restart()
         return False
 

@@ -52,13 +52,17 @@ def test_a_killed_child_is_restarted_and_serves_again(broker, names):
         proc.stop()
 
 
-def test_a_child_that_keeps_failing_is_given_up_after_max_restarts():
+def test_a_child_that_keeps_failing_is_given_up_after_max_restarts(capsys):
     cfg = SuperviseConfig(max_restarts=2, backoff_s=0.1, backoff_max_s=0.2)
     proc = ServiceProcess("broken", "trajectory", "--no-such-flag")  # argparse: exit code 2
     supervised = _Supervised(proc)
     _tick_until(supervised, cfg, lambda: supervised.failures > cfg.max_restarts, 60)
     assert supervised.restarts == cfg.max_restarts
     assert proc.proc.returncode == 2
+    # each restart shows why the child exited (CI once saw only "exited with code 1")
+    printed = capsys.readouterr().out
+    assert printed.count("--- broken's last lines ---") == cfg.max_restarts
+    assert "error: the following arguments are required: --nats" in printed
     time.sleep(0.5)
     supervised.tick(cfg)
     assert supervised.restarts == cfg.max_restarts  # not restarted again: the run ends
