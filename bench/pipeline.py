@@ -139,13 +139,13 @@ async def emulated_agent(ctx):
     scheduler admits tasks in the feed's order), and the hf engine samples each member
     differently."""
     from rollout.agents.agents import AgentResult, complete, max_tokens_of, openai_messages
+    from seamlessflow.feed import task_number
 
     workload = Workload.from_dict(json.loads(os.environ[WORKLOAD_ENV]))
     n = ctx.task.group_size
     member = int(ctx.session_id[len(ctx.task.task_id) + 1 :].split("-")[0]) % n
     rng = random.Random(ctx.session_id)
-    first, i = ctx.task.task_id[1:].split("-")  # the run's feed numbers its tasks t<first>-<i>
-    index = int(first) + int(i)
+    index = task_number(ctx.task.task_id)  # the scheduler admits them in that order
     max_tokens = max_tokens_of(ctx.task, ctx.max_tokens)
     messages = openai_messages(ctx.task.messages)
     answer = ""

@@ -33,8 +33,7 @@ class TaskFeed:
         missing = self._config.backlog - waiting.num_pending
         if missing <= 0:
             return
-        # ids t<first>-<i>: the feed's (first + i)-th task, in submission order
-        tasks = self._tasks(missing, prefix=f"t{self._submitted}")
+        tasks = self._tasks(missing, prefix=f"t{self._submitted}")  # see task_number
         self._submitted += missing
         try:
             await submit_tasks(self._js, self._names, tasks, progress=False)
@@ -60,3 +59,10 @@ class TaskFeed:
         return arithmetic.arithmetic_tasks(
             self._rng, n, max_operand=c.max_operand, prefix=prefix, **shared
         )
+
+
+def task_number(task_id: str) -> int:
+    """Which of the feed's tasks ``task_id`` is (0, 1, ... in submission order): it names them
+    ``t<first>-<i>``, the ``i``-th of a batch whose first is the feed's ``first``-th task."""
+    first, i = task_id.removeprefix("t").split("-")
+    return int(first) + int(i)

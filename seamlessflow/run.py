@@ -409,10 +409,9 @@ class Services:
             if s.tick(cfg) and self._targets is not None:  # serving again: a new /metrics
                 self._targets.add(s.proc.metrics_url, s.proc.command)
             if s.failures > cfg.max_restarts:
-                tail = "".join(list(s.proc.output)[-40:])
                 raise RunFailedError(
                     f"{s.proc.name} exited {s.failures} times in a row (last code "
-                    f"{s.proc.proc.returncode}); giving up:\n{tail}"
+                    f"{s.proc.proc.returncode}); giving up:\n{s.proc.tail(40)}"
                 )
 
     def status(self) -> str:
