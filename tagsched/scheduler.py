@@ -166,12 +166,7 @@ class Scheduler:
         stamp = Stamper(self._store, self.live, self._entry_changed, self._config.wave_wait_s)
         admitting = asyncio.create_task(self._admission.run(admission_stop, stamp))
         try:
-            await asyncio.wait_for(initial.wait(), self._lease_s)
-            # Continue above every epoch handed out: stored, or (a state lost) in the registry.
-            epoch = max([state.epoch, *(w.epoch for w in self._workers.values())])
-            if epoch > state.epoch:
-                self._store.change(epoch=epoch)
-            renewed = time.monotonic()
+            renewed, read = time.monotonic(), False
             while not stop.is_set():
                 for task in (watching, admitting):
                     if task.done():
@@ -181,7 +176,18 @@ class Scheduler:
                     if time.monotonic() - renewed >= lease.period:
                         await lease.renew()  # LeaseLostError once another holds it
                         renewed = time.monotonic()
-                    await self._tick()
+                    # No tick before the registry's current entries are read, however long
+                    # JetStream takes to serve them (leaders being elected): the lease is renewed
+                    # meanwhile.
+                    if not read and initial.is_set():
+                        read = True
+                        # Continue above every epoch handed out: stored, or (a state lost) in
+                        # the registry.
+                        epoch = max([state.epoch, *(w.epoch for w in self._workers.values())])
+                        if epoch > state.epoch:
+                            self._store.change(epoch=epoch)
+                    if read:
+                        await self._tick()
                 except TRANSIENT as exc:  # a broker restart: the next tick tries again
                     log.warning(kv("scheduler_tick_failed", error=f"{type(exc).__name__}: {exc}"))
                 with contextlib.suppress(TimeoutError):

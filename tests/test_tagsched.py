@@ -1005,6 +1005,46 @@ async def test_a_scheduler_places_roles_by_the_users_tags(nc, js, names, caplog)
         await asyncio.wait_for(running, 30)
 
 
+async def test_a_scheduler_waits_for_the_registry_however_long_it_takes_and_then_leads(
+    nc, js, names
+):
+    """The registry's bucket is gone when the scheduler starts leading (as when JetStream is
+    still electing its leader after a node was lost): the scheduler keeps its lease and waits,
+    well past the lease's length, and once the registry answers it places the workers. (It used
+    to give up after one lease length: the process exited.)"""
+    await js.delete_key_value(names.workers_kv)
+    s = scheduler(nc, names, layout(train={"count": 1}, rollout={"count": "rest"}), tick_s=0.1)
+    stop = asyncio.Event()
+    running = asyncio.create_task(s.run(stop))
+    roles: dict[str, list[Role]] = {"t": [], "r": []}
+
+    def switch(wid: str):
+        async def take(role: Role) -> None:
+            roles[wid].append(role)
+
+        return take
+
+    try:
+        await asyncio.sleep(3 * SMALL_RUN.scheduler_lease_s)
+        assert not running.done(), running.exception()
+        assert REGISTRY.get_sample_value("sf_scheduler_leader") == 1
+        await provision_run(js, names.run, SMALL_RUN)  # the registry is back
+        async with contextlib.AsyncExitStack() as members:
+            for wid, tag in (("t", "train"), ("r", "rollout")):
+                registration = await Registration.open(js, names, wid, tags=[tag], role=Role.IDLE)
+                member = membership(nc, names, registration, switch(wid), heartbeat_s=0.2)
+                await members.enter_async_context(member)
+            want = {"t": [Role.TRAIN], "r": [Role.ROLLOUT]}
+            await eventually(
+                lambda: {wid: taken[-1:] for wid, taken in roles.items()} == want,
+                watch=running,
+                timeout=30,
+            )
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+
+
 # -- the scheduler process ---------------------------------------------------------------------
 
 
