@@ -24,11 +24,17 @@ class TaskFeed:
         self._names = names
         self._config = config.tasks
         self._rng = random.Random(config.tasks.seed)
-        self._submitted = 0
+        self._submitted: int | None = None  # read from the stream at the first top-up
 
     async def top_up(self) -> None:
         if self._config.env == "none":
             return
+        if self._submitted is None:
+            # Number on from every task the run's stream was ever given: a restarted run's ids
+            # are new, not its first run's (which JetStream would drop as duplicates, or which
+            # would name two tasks alike in the trajectories).
+            stream = await self._js.stream_info(self._names.tasks_stream)
+            self._submitted = stream.state.last_seq
         waiting = await self._js.consumer_info(self._names.tasks_stream, Durable.SCHEDULER)
         missing = self._config.backlog - waiting.num_pending
         if missing <= 0:
@@ -62,7 +68,8 @@ class TaskFeed:
 
 
 def task_number(task_id: str) -> int:
-    """Which of the feed's tasks ``task_id`` is (0, 1, ... in submission order): it names them
-    ``t<first>-<i>``, the ``i``-th of a batch whose first is the feed's ``first``-th task."""
+    """Which of the run's tasks ``task_id`` is (0, 1, ... in submission order, counting every
+    task its stream was given): the feed names them ``t<first>-<i>``, the ``i``-th of a batch
+    whose first is the stream's ``first``-th task."""
     first, i = task_id.removeprefix("t").split("-")
     return int(first) + int(i)

@@ -12,15 +12,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from nats.errors import TimeoutError as NatsTimeoutError
 from safetensors.torch import load, load_file
 
-from broker.messages import Role, SampleReady, SessionEnded, WeightsPublished, WorkerRegistered
+from broker import codec
+from broker.messages import (
+    Role,
+    SampleReady,
+    SessionEnded,
+    TaskSubmitted,
+    WeightsPublished,
+    WorkerRegistered,
+)
 from broker.registry import Sighting
-from broker.subjects import RunNames
+from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights
 from rollout.engines import VLLMEngineConfig
 from seamlessflow.config import RunConfig, load_config, override
 from seamlessflow.exceptions import ConfigError
+from seamlessflow.feed import TaskFeed, task_number
 from seamlessflow.progress import RunStats
 from seamlessflow.report import node_parts
 from seamlessflow.targets import target_group
@@ -303,3 +313,23 @@ def test_a_colocated_run_may_have_several_workers(tmp_path: Path):
     assert load_config(config).rollout.workers == 2
     config.write_text('[layout]\nkind = "multiplexed"\n[rollout]\nworkers = 2\n')
     assert load_config(config).rollout.workers == 2
+
+
+async def test_a_restarted_runs_task_feed_numbers_on_from_the_tasks_stream(nc, js, names):
+    """A second feed on the same run (the run restarted) names new tasks: none is dropped as a
+    duplicate of the first feed's, whose ids it does not reuse. (Each feed numbered from 0: its
+    first tasks had the ids of the first run's, and JetStream dropped them.)"""
+    config = RunConfig.model_validate({"run": names.run, "tasks": {"backlog": 3}})
+    scheduler = await js.pull_subscribe_bind(Durable.SCHEDULER, names.tasks_stream)
+    ids = []
+    for _ in range(2):  # the run, then the run restarted
+        await TaskFeed(nc, names, config).top_up()
+        try:
+            taken = await scheduler.fetch(3, timeout=5)  # the scheduler admits them all
+        except NatsTimeoutError:
+            taken = []
+        for msg in taken:
+            await msg.ack_sync()
+        ids.append([codec.decode(TaskSubmitted, m.data).task_id for m in taken])
+    assert len(ids[1]) == 3 and not set(ids[0]) & set(ids[1]), ids
+    assert [task_number(t) for t in ids[0] + ids[1]] == list(range(6))
