@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -47,6 +47,7 @@ from rollout.agents.exceptions import AgentLoadError, InvalidTaskError
 from rollout.agents.runner import AgentRunner
 from rollout.agents.sessions import group_id, session_id
 from rollout.agents.verifiers import bind, exact_match, last_number, number
+from rollout.gateway.calls import REGISTRY as GATEWAY_METRICS
 from seamlessflow.config import load_config
 from seamlessflow.processes import ServiceProcess
 from seamlessflow.submit import submit_tasks
@@ -336,6 +337,29 @@ async def test_arithmetic_groups_end_with_verified_rewards(stack, js, tok):
     after = {o: sample("sf_agents_attempts_total", outcome=o) for o in ("correct", "wrong")}
     assert sum(after.values()) - sum(before.values()) == 6
     assert sample("sf_agents_turns_count") - turns_before == 6
+
+
+@pytest.mark.newest_nats
+async def test_the_runner_makes_as_many_calls_at_once_as_it_runs_attempts(stack, js):
+    """13 tasks of 8 attempts at once, each one long call: the gateway has more than 100 of them
+    open at once (httpx's default pool, which the runner used to have, held calls past the
+    100th back in the runner until one ended: that wait was counted as the agent's own time)."""
+    names = stack.names
+    prefix = unique("pool")
+    tasks = [chat_task(f"{prefix}-{i}", group_size=8, max_tokens="400") for i in range(13)]
+    most = 0.0
+    async with runner(js, names, stack.url, max_tasks=13, shutdown_grace_s=0.0):
+        await submit_tasks(js, names, tasks, progress=False)
+        with suppress(TimeoutError):
+            async with asyncio.timeout(30):
+                while most <= 100:
+                    most = max(most, GATEWAY_METRICS.get_sample_value("sf_gateway_calls_open"))
+                    await asyncio.sleep(0.01)
+    # The runner stopped mid-call: the gateway ends every call, and the tasks it handed back
+    # go, so that the module's other tests find the stack as it was.
+    await eventually(lambda: GATEWAY_METRICS.get_sample_value("sf_gateway_calls_open") == 0)
+    await js.purge_stream(names.tasks_stream)
+    assert most > 100, most
 
 
 @pytest.mark.newest_nats

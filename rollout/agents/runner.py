@@ -155,7 +155,12 @@ class AgentRunner:
             self._agent = CommandAgent(config.command)
         self._calls = CallLog()  # the calls of sessions whose task has a reward function
         self._http = httpx.AsyncClient(
-            timeout=config.request_timeout_s, event_hooks={"request": [self._calls.on_request]}
+            timeout=config.request_timeout_s,
+            # No pool limit of its own: the calls in flight are the attempts running, at most
+            # max_tasks groups (httpx's default of 100 connections held the rest back, each
+            # call waiting for one before it reached the gateway), and each keeps its connection.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            event_hooks={"request": [self._calls.on_request]},
         )
         self._client = openai.AsyncOpenAI(
             base_url=self.gateway_url, api_key=self._api_key, max_retries=0, http_client=self._http

@@ -29,7 +29,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.errors import NotFoundError
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker import codec
@@ -97,6 +97,12 @@ OVERHEAD_SECONDS = Histogram(
     "What the data plane added to a call ended by its engine (stop or length): its duration "
     "less the engines' own seconds on it (CallRecorded.engine_s)",
     buckets=(0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5),
+    registry=REGISTRY,
+)
+
+OPEN = Gauge(
+    "sf_gateway_calls_open",
+    "Calls in progress: from their request's publication (queued or running) to their record",
     registry=REGISTRY,
 )
 
@@ -201,6 +207,7 @@ class Call:
         """Subscribe, publish attempt 0 and wait until a worker starts it. When none does, the
         request is off the queue before the error is raised: no worker starts it afterwards."""
         self._started_at = time.time()
+        OPEN.inc()
         _check_connected(self.nc)
         self._sub = await self.nc.subscribe(self.names.gen_out(self.call_id), cb=self._queue.put)
         await self._publish_attempt(0)
@@ -235,15 +242,18 @@ class Call:
         """Cancel what still runs (an unfinished call ends with ABORT), stop listening, and
         publish the call's record if a worker ever took it (``GenerationUnavailableError`` if it
         cannot be stored)."""
-        if not self.finished:
-            self.finish_reason = FinishReason.ABORT
-            self._cancel_reason = "call abandoned"
-        if self._cancel_reason is not None and self._attempt is not None:
-            await self._cancel_attempt(self._cancel_reason)
-        if self._sub is not None:
-            await _quietly(self._sub.unsubscribe())
-        if self._taken:
-            await self._record()
+        try:
+            if not self.finished:
+                self.finish_reason = FinishReason.ABORT
+                self._cancel_reason = "call abandoned"
+            if self._cancel_reason is not None and self._attempt is not None:
+                await self._cancel_attempt(self._cancel_reason)
+            if self._sub is not None:
+                await _quietly(self._sub.unsubscribe())
+            if self._taken:
+                await self._record()
+        finally:
+            OPEN.dec()
 
     # -- one event ------------------------------------------------------------------------
 
