@@ -37,8 +37,10 @@ Per arm: seconds per step over ``--steps`` steps after ``--warmup`` (timed by we
 arrivals on the broker), trained samples/s, trained (loss) tokens/s, the idle fraction of every
 worker (``sf_worker_role_seconds``, idle over all, between the end of the warm-up and the last
 scrape), lends and reclaims with the reclaim latency p50/p99 (``sf_scheduler_reclaim_seconds``
-buckets, interpolated), and, for the emulated cluster, the simulator's prediction at the same
-workload and the ratio measured/simulated (``emulation.sim``, when it is importable).
+buckets, interpolated), what the data plane added to each call (``plane_ms_per_call``: the
+gateway's ``sf_gateway_overhead_seconds``, mean after the warm-up), and, for the emulated
+cluster, the simulator's prediction at the same workload and the ratio measured/simulated
+(``emulation.sim``, when it is importable).
 
 ``--orders`` runs each arm once per trainer order (``ORDERS``, issue 22 item 1): ``completion``
 (no order wait: steps take the oldest complete groups, long ones overtaken), ``admission`` (the
@@ -326,8 +328,10 @@ class Scrapes:
             for group in groups:
                 job = group["labels"]["job"].removeprefix("seamlessflow-")
                 for target in group["targets"]:
+                    key_file = self.targets.parent / "metrics.key"  # the gateway checks keys
+                    key = key_file.read_text().strip() if job == "gateway" else None
                     try:
-                        samples = await scrape(f"http://{target}/metrics")
+                        samples = await scrape(f"http://{target}/metrics", key)
                     except Exception:  # a process stopping or not serving yet
                         continue
                     key = f"{job}@{target}"
@@ -376,6 +380,13 @@ def measure(
         idle_s = _delta(first, last, "sf_worker_role_seconds_total", state="idle")
         idle[key] = round(idle_s / total, 3) if total else None
     scheduler = next((s for k, s in scrapes.last.items() if k.startswith("scheduler@")), [])
+    gateway = next((k for k in scrapes.last if k.startswith("gateway@")), None)
+    overhead = None  # what the data plane added to each call after the warm-up, mean
+    if gateway is not None and gateway in scrapes.first:
+        first, last = scrapes.first[gateway], scrapes.last[gateway]
+        calls = _delta(first, last, "sf_gateway_overhead_seconds_count")
+        added = _delta(first, last, "sf_gateway_overhead_seconds_sum")
+        overhead = round(1000 * added / calls, 1) if calls else None
     dropped = metric_sum(trainer, "sf_trainer_samples_dropped_total")
     dropped_tokens = metric_sum(trainer, "sf_trainer_tokens_dropped_total")
     trained_tokens = metric_sum(trainer, "sf_trainer_tokens_total")
@@ -395,6 +406,10 @@ def measure(
         "idle_per_worker": idle,
         **{f"{name}_mean": scrapes.mean(gauge) for gauge, name in MEAN_GAUGES.items()},
         "rollout": summary.get("rollout"),  # the workers' weight loads, pause and resume
+        "plane_ms_per_call": overhead,
+        # the agent's latencies as the calls' records show them (the workload's are modelled)
+        "env_latency_s": summary.get("costs", {}).get("environment latency seconds (mean)"),
+        "start_latency_s": summary.get("costs", {}).get("admission to first call seconds (mean)"),
         "lends": summary["scheduler"].get("lends", 0),
         "reclaims": summary["scheduler"].get("reclaims", 0),
         "reclaim_p50_s": _quantile(scheduler, "sf_scheduler_reclaim_seconds", 0.5),
