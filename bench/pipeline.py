@@ -329,7 +329,9 @@ class Scrapes:
                 job = group["labels"]["job"].removeprefix("seamlessflow-")
                 for target in group["targets"]:
                     key_file = self.targets.parent / "metrics.key"  # the gateway checks keys
-                    key = key_file.read_text().strip() if job == "gateway" else None
+                    key = None
+                    if job == "gateway" and key_file.is_file():
+                        key = key_file.read_text().strip()
                     try:
                         samples = await scrape(f"http://{target}/metrics", key)
                     except Exception:  # a process stopping or not serving yet
