@@ -307,6 +307,7 @@ class Scrapes:
         """Per gauge of ``MEAN_GAUGES``, per process exporting it: its value at each scrape
         after the mark."""
         self._marked = False
+        self._key: str | None = None  # the run's /metrics key, once it has written one
 
     def mark(self) -> None:
         self._marked = True
@@ -318,9 +319,13 @@ class Scrapes:
 
     async def follow(self) -> None:
         from common.metrics import metric_sum, scrape
+        from rollout.gateway.keys import read_key_file
 
+        key_file = self.targets.parent / "metrics.key"  # the gateway's /metrics wants it
         while True:
             await asyncio.sleep(SCRAPE_S)
+            if self._key is None and key_file.is_file():
+                self._key = read_key_file(key_file)
             try:
                 groups = json.loads(self.targets.read_text())
             except (OSError, ValueError):
@@ -328,21 +333,17 @@ class Scrapes:
             for group in groups:
                 job = group["labels"]["job"].removeprefix("seamlessflow-")
                 for target in group["targets"]:
-                    key_file = self.targets.parent / "metrics.key"  # the gateway checks keys
-                    key = None
-                    if job == "gateway" and key_file.is_file():
-                        key = key_file.read_text().strip()
                     try:
-                        samples = await scrape(f"http://{target}/metrics", key)
+                        samples = await scrape(f"http://{target}/metrics", self._key)
                     except Exception:  # a process stopping or not serving yet
                         continue
-                    key = f"{job}@{target}"
-                    self.last[key] = samples
+                    process = f"{job}@{target}"
+                    self.last[process] = samples
                     if self._marked:
-                        self.first.setdefault(key, samples)
+                        self.first.setdefault(process, samples)
                         for name, series in self.gauges.items():
                             if any(s.name == name for s in samples):
-                                series.setdefault(key, []).append(metric_sum(samples, name))
+                                series.setdefault(process, []).append(metric_sum(samples, name))
 
 
 def measure(
@@ -382,6 +383,7 @@ def measure(
         idle_s = _delta(first, last, "sf_worker_role_seconds_total", state="idle")
         idle[key] = round(idle_s / total, 3) if total else None
     scheduler = next((s for k, s in scrapes.last.items() if k.startswith("scheduler@")), [])
+    costs = summary.get("costs", {})
     gateway = next((k for k in scrapes.last if k.startswith("gateway@")), None)
     overhead = None  # what the data plane added to each call after the warm-up, mean
     if gateway is not None and gateway in scrapes.first:
@@ -410,8 +412,8 @@ def measure(
         "rollout": summary.get("rollout"),  # the workers' weight loads, pause and resume
         "plane_ms_per_call": overhead,
         # the agent's latencies as the calls' records show them (the workload's are modelled)
-        "env_latency_s": summary.get("costs", {}).get("environment latency seconds (mean)"),
-        "start_latency_s": summary.get("costs", {}).get("admission to first call seconds (mean)"),
+        "env_latency_s": costs.get("environment latency seconds (mean)"),
+        "start_latency_s": costs.get("admission to first call seconds (mean)"),
         "lends": summary["scheduler"].get("lends", 0),
         "reclaims": summary["scheduler"].get("reclaims", 0),
         "reclaim_p50_s": _quantile(scheduler, "sf_scheduler_reclaim_seconds", 0.5),
