@@ -45,12 +45,14 @@ cluster, the simulator's prediction at the same workload and the ratio measured/
 ``--orders`` runs each arm once per trainer order (``ORDERS``, issue 22 item 1): ``completion``
 (no order wait: steps take the oldest complete groups, long ones overtaken), ``admission`` (the
 defaults: a step waits, bounded, for an earlier admitted task it would put past the bound) and
-``overlap`` (``trainer.overlap``: the step computed ahead while it waits, wait bound 25 s). Each
+``overlap`` (``trainer.overlap``: the step computed ahead while it waits, wait bound
+``--overlap-wait``, 25 s by default; another bound writes ``pipeline[-drop]-wait<S>.json``). Each
 row then also gives the trained samples' mean length over that of every sample the trainer
 consumed (``length bias``) and the share of consumed loss tokens dropped (``thrown away``).
 
 Usage: flock /tmp/sf-bench.lock python -m bench.pipeline [--cluster emulated|tiny]
-[--arms a,b] [--devices 16] [--steps 8] [--stale drop] [--orders admission,overlap].
+[--arms a,b] [--devices 16] [--steps 8] [--stale drop] [--orders admission,overlap]
+[--overlap-wait 25].
 Prints a table, writes
 bench/results/pipeline.json (one entry per cluster, updated in place), or with ``--stale drop``
 bench/results/pipeline-drop.json: each arm's ``stale_dropped`` is what admission let past the
@@ -116,9 +118,21 @@ class Arm:
 ORDERS = {
     "completion": {"order_wait_s": 0},
     "admission": {},
-    "overlap": {"overlap": True, "order_wait_s": 25.0},
+    "overlap": {"overlap": True},
 }
-"""Trainer settings per order (``--orders``); ``admission`` is the defaults."""
+"""Trainer settings per order (``--orders``); ``admission`` is the defaults, ``overlap`` adds
+``order_wait_s`` from ``--overlap-wait``."""
+OVERLAP_WAIT_S = 25.0
+"""The overlap order's wait bound by default: the simulator's main scenario's (item 1)."""
+
+
+def order_settings(args: argparse.Namespace) -> dict:
+    """The trainer settings of ``args.order``."""
+    settings = dict(ORDERS[args.order])
+    if args.order == "overlap":
+        settings["order_wait_s"] = args.overlap_wait
+    return settings
+
 
 ARMS = {
     arm.name: arm
@@ -185,7 +199,7 @@ def arm_config(arm: Arm, cluster: str, run: str, out: Path, args: argparse.Names
             "groups_per_step": groups,
             "max_staleness": staleness,
             "staleness_mode": args.stale,
-            **ORDERS[args.order],
+            **order_settings(args),
         },
         "scheduler": {"steps_ahead": staleness + 1},
         "layout": {"kind": arm.layout},
@@ -399,6 +413,7 @@ def measure(
     return {
         "arm": arm.name if args.orders == args.order else f"{arm.name}/{args.order}",
         "order": args.order,
+        "order_wait_bound_s": order_settings(args).get("order_wait_s"),
         "layout": arm.layout,
         "steps": args.steps,
         "s_per_step": round(seconds / args.steps, 3),
@@ -490,7 +505,7 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
         trainer_devices,
         stale=StalenessMode(args.stale),
         order=Order(args.order),
-        **{k: v for k, v in ORDERS[args.order].items() if k == "order_wait_s"},
+        **{k: v for k, v in order_settings(args).items() if k == "order_wait_s"},
     )
     samples_per_step = WORKLOAD.samples_per_step
     return {
@@ -529,6 +544,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--orders", default="admission", help=f"trainer orders per arm, of {', '.join(ORDERS)}"
+    )
+    parser.add_argument(
+        "--overlap-wait",
+        type=float,
+        default=OVERLAP_WAIT_S,
+        help="the overlap order's trainer.order_wait_s: how long a step waits for an earlier "
+        "task (other than 25: results in pipeline[-drop]-wait<S>.json)",
     )
     parser.add_argument(
         "--sim-path", type=Path, default=None, help="a checkout with emulation.sim, if not this one"
@@ -579,9 +601,10 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
             f"{row['stale_dropped']:7.0f} {_fmt(row['order_wait_s'], 12)} "
             f"{_fmt(row['length_bias'], 11)} {_fmt(row['thrown_away'], 11)}"
         )
-    path = RESULTS / (
-        "pipeline.json" if args.stale == "downweight" else f"pipeline-{args.stale}.json"
-    )
+    name = "pipeline" if args.stale == "downweight" else f"pipeline-{args.stale}"
+    if args.overlap_wait != OVERLAP_WAIT_S:
+        name += f"-wait{args.overlap_wait:g}"
+    path = RESULTS / f"{name}.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
     arms = results.get(cluster, {}).get("arms", {})  # arms run by other invocations stay
     results[cluster] = {
