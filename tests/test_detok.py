@@ -18,7 +18,7 @@ def run(tok, ids, stop=()) -> tuple[list[str], bool, int]:
     detok = Detokenizer(tok, stop)
     deltas = []
     for fed, token_id in enumerate(ids, start=1):
-        delta = detok.feed(token_id)
+        delta = detok.feed([token_id])
         deltas.append(delta.text)
         if delta.stopped:
             return deltas, True, fed
@@ -85,7 +85,7 @@ def test_context_gives_no_text_of_its_own(tok):
     context = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
     detok = Detokenizer(tok, context=context)
     ids = tok.encode("the end", add_special_tokens=False)
-    assert "".join(detok.feed(t).text for t in ids) == "the end"
+    assert "".join(detok.feed([t]).text for t in ids) == "the end"
 
 
 def test_empty_stop_string_is_refused(tok):
@@ -95,9 +95,9 @@ def test_empty_stop_string_is_refused(tok):
 
 def test_feeding_after_a_stop_is_refused(tok):
     detok = Detokenizer(tok, stop=["a"])
-    assert detok.feed(tok.convert_tokens_to_ids("a")).stopped
+    assert detok.feed([tok.convert_tokens_to_ids("a")]).stopped
     with pytest.raises(ValueError, match="already matched"):
-        detok.feed(tok.convert_tokens_to_ids("b"))
+        detok.feed([tok.convert_tokens_to_ids("b")])
 
 
 @pytest.mark.parametrize(
@@ -137,3 +137,46 @@ def test_stop_strings_cut_at_their_first_appearance(tok, text, stop, merged):
     else:
         assert returned == text
         assert not any(s in text for s in stop)
+
+
+def chunked(ids: list[int], cuts: list[int]) -> list[list[int]]:
+    """``ids`` in chunks ending at ``cuts`` (positions, any order, out of range ignored)."""
+    ends = sorted({c for c in cuts if 0 < c < len(ids)} | {len(ids)})
+    return [ids[start:end] for start, end in zip([0, *ends], ends, strict=False) if end > start]
+
+
+@HYPOTHESIS
+@given(
+    text=st.text(alphabet="ab é日", max_size=30),
+    stop=st.lists(st.text(alphabet="ab é日", min_size=1, max_size=3), max_size=2),
+    merged=st.booleans(),
+    cuts=st.lists(st.integers(0, 60), max_size=8),
+)
+def test_a_chunk_fed_whole_gives_what_its_tokens_give_one_at_a_time(tok, text, stop, merged, cuts):
+    """What the gateway feeds: a worker's chunk of several tokens. The text, where it stops and
+    the tokens taken are those of feeding the same tokens one by one; no delta splits a
+    character."""
+    ids = tok.encode(text, add_special_tokens=False) if merged else byte_tokens(tok, text)
+    one_by_one, stopped, fed = run(tok, ids, stop)
+    detok = Detokenizer(tok, stop)
+    deltas, taken = [], 0
+    for chunk in chunked(ids, cuts):
+        delta = detok.feed(chunk)
+        deltas.append(delta.text)
+        taken += delta.taken
+        if delta.stopped:
+            assert delta.taken <= len(chunk)
+            break
+        assert delta.taken == len(chunk)
+    else:
+        deltas.append(detok.finish())
+    assert "".join(deltas) == "".join(one_by_one)
+    assert (detok.stopped, taken) == (stopped, fed)
+    assert all(REPLACEMENT not in d for d in deltas)
+
+
+def test_a_chunk_ending_inside_a_character_is_held_until_it_is_complete(tok):
+    ids = byte_tokens(tok, "ab日")
+    detok = Detokenizer(tok)
+    assert detok.feed(ids[:-1]).text == ""  # "ab" and two of 日's three bytes
+    assert detok.feed(ids[-1:]).text == "ab日"

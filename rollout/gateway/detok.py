@@ -1,7 +1,7 @@
 """Incremental detokenization with stop strings: token ids in, text deltas out.
 
-Pure core (no NATS). ``Detokenizer.feed`` takes one generated token id at a time and returns the
-text that may be shown now:
+Pure core (no NATS). ``Detokenizer.feed`` takes the generated token ids of a chunk and returns
+the text that may be shown now:
 
 - it never returns part of a UTF-8 character: while the decoded tail ends in U+FFFD (a byte
   sequence not complete yet) the text is held back;
@@ -10,11 +10,14 @@ text that may be shown now:
 - special tokens (eos, chat markers) are not part of the returned text.
 
 Decoding looks at a short window of tokens (TGI/vLLM-style prefix and read offsets), so a long
-output costs O(1) work per token.
+output costs O(1) work per token. Without stop strings a chunk is decoded as a whole: two decodes
+a chunk, not two a token (one decode call has a fixed cost of tens of microseconds with a 49k
+vocabulary, which token by token was most of the gateway's CPU per token; ``bench/gateway.py``).
+With stop strings tokens are taken one at a time, to cut at the one that completed a match.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"
@@ -34,6 +37,8 @@ class Delta:
 
     text: str
     stopped: bool = False
+    taken: int = 0
+    """Tokens of the chunk taken: all of them, or up to the one that completed a stop string."""
 
 
 def partial_suffix_len(text: str, patterns: Sequence[str]) -> int:
@@ -71,13 +76,26 @@ class Detokenizer:
         """Decoded text not returned yet: it may be the start of a stop string."""
         self.stopped = False
 
-    def feed(self, token_id: int) -> Delta:
-        """Add one generated token; return the text that can be shown now."""
+    def feed(self, token_ids: Sequence[int]) -> Delta:
+        """Add generated tokens; return the text that can be shown now. When a stop string
+        matched, the tokens after the one that completed it are not taken (``Delta.taken``).
+        Without stop strings, a chunk whose text ends in a character not complete yet is held
+        back whole until a later chunk completes it (or ``finish``)."""
         if self.stopped:
             raise ValueError("a stop string already matched; feed no more tokens")
-        self._ids.append(token_id)
-        self._pending += self._decoded_delta()
-        return self._release()
+        if not self._stop:
+            self._ids += token_ids
+            self._pending += self._decoded_delta()
+            return replace(self._release(), taken=len(token_ids))
+        text = []
+        for taken, token_id in enumerate(token_ids, start=1):
+            self._ids.append(token_id)
+            self._pending += self._decoded_delta()
+            delta = self._release()
+            text.append(delta.text)
+            if delta.stopped:
+                return Delta("".join(text), stopped=True, taken=taken)
+        return Delta("".join(text), taken=len(token_ids))
 
     def finish(self) -> str:
         """Generation ended without a stop string: return everything held back."""

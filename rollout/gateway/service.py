@@ -356,22 +356,17 @@ class OpenAIService:
         content = []
         async with contextlib.aclosing(call.tokens()) as stream:
             async for tokens in stream:
-                text, kept = "", 0
-                for token_id in tokens.ids:
-                    delta = detok.feed(token_id)
-                    text += delta.text
-                    kept += 1
-                    if delta.stopped:
-                        dropped = len(tokens.ids) - kept
-                        call.end(len(call.output_ids) - dropped, reason="stop string matched")
-                        break
+                delta = detok.feed(tokens.ids)
+                kept = delta.taken
+                if delta.stopped:  # the tokens after the one that completed it are not output
+                    call.end(len(call.output_ids) - len(tokens.ids) + kept, "stop string matched")
                 TOKENS_OUT.inc(kept)
-                text = tools.feed(text) if tools is not None else text
+                text = tools.feed(delta.text) if tools is not None else delta.text
                 content.append(text)
                 events.put_nowait(
                     Event(spec.index, text, tokens.ids[:kept], tokens.logprobs[:kept])
                 )
-                if detok.stopped:
+                if delta.stopped:
                     break
         rest = detok.finish()
         tool_calls: list[ToolCall] = []
