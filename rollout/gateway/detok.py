@@ -10,10 +10,10 @@ the text that may be shown now:
 - special tokens (eos, chat markers) are not part of the returned text.
 
 Decoding looks at a short window of tokens (TGI/vLLM-style prefix and read offsets), so a long
-output costs O(1) work per token. Without stop strings a chunk is decoded as a whole: two decodes
-a chunk, not two a token (one decode call has a fixed cost of tens of microseconds with a 49k
-vocabulary, which token by token was most of the gateway's CPU per token; ``bench/gateway.py``).
-With stop strings tokens are taken one at a time, to cut at the one that completed a match.
+output costs O(1) work per token. A chunk is decoded as a whole: two decodes a chunk, not two a
+token (a decode call costs microseconds whatever its length: ``bench/detok.py``). Only a chunk
+whose text holds a stop string (or, with stop strings, ends inside a character) is decoded again
+a token at a time, to cut at the token that completed the match.
 """
 
 from collections.abc import Sequence
@@ -83,10 +83,16 @@ class Detokenizer:
         back whole until a later chunk completes it (or ``finish``)."""
         if self.stopped:
             raise ValueError("a stop string already matched; feed no more tokens")
-        if not self._stop:
-            self._ids += token_ids
-            self._pending += self._decoded_delta()
+        before = (len(self._ids), self._prefix_offset, self._read_offset, self._prefix_text)
+        self._ids += token_ids
+        delta = self._decoded_delta()  # the whole chunk at once
+        if not self._stop or (delta and not any(s in self._pending + delta for s in self._stop)):
+            self._pending += delta
             return replace(self._release(), taken=len(token_ids))
+        # A stop string is in it, or its text ends inside a character: a token at a time, to
+        # find the token that completed the match.
+        count, self._prefix_offset, self._read_offset, self._prefix_text = before
+        del self._ids[count:]
         text = []
         for taken, token_id in enumerate(token_ids, start=1):
             self._ids.append(token_id)
