@@ -7,6 +7,7 @@ The Python agents below (``flaky_agent``, ``sleepy_agent``) are loaded by the ru
 
 import asyncio
 import logging
+import math
 import random
 import re
 import shutil
@@ -42,6 +43,7 @@ from rollout.agents.arithmetic import (
     arithmetic_task,
     arithmetic_tasks,
 )
+from rollout.agents.clients import TASKS_PER_POOL, GatewayClients
 from rollout.agents.config import AgentsConfig
 from rollout.agents.exceptions import AgentLoadError, InvalidTaskError
 from rollout.agents.runner import AgentRunner
@@ -360,6 +362,24 @@ async def test_the_runner_makes_as_many_calls_at_once_as_it_runs_attempts(stack,
     await eventually(lambda: GATEWAY_METRICS.get_sample_value("sf_gateway_calls_open") == 0)
     await js.purge_stream(names.tasks_stream)
     assert most > 100, most
+
+
+async def test_a_tasks_attempts_share_one_of_a_few_connection_pools():
+    """httpcore's pool costs O(connections x idle ones) per request: the runner spreads its
+    tasks over ceil(max_tasks / TASKS_PER_POOL) pools, a task's attempts all in one."""
+
+    async def ignore(request) -> None:
+        return None
+
+    clients = GatewayClients(
+        "http://127.0.0.1:1/v1", "unused", max_tasks=13, timeout_s=1.0, on_request=ignore
+    )
+    try:
+        chosen = [clients.for_task(f"task-{i}") for i in range(200)]
+        assert len({id(c) for c in chosen}) == math.ceil(13 / TASKS_PER_POOL) == 4
+        assert all(clients.for_task(f"task-{i}") is chosen[i] for i in range(200))
+    finally:
+        await clients.aclose()
 
 
 @pytest.mark.newest_nats

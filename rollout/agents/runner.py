@@ -55,6 +55,7 @@ from common.metrics import serve_metrics
 from common.ready import announce_ready
 from common.rewards import RewardsConfig
 from rollout.agents.agents import Agent, AgentContext, AgentResult, CommandAgent, load_agent
+from rollout.agents.clients import GatewayClients
 from rollout.agents.config import AgentsConfig
 from rollout.agents.environments import agent_for
 from rollout.agents.exceptions import (
@@ -154,16 +155,12 @@ class AgentRunner:
         elif config.command is not None:
             self._agent = CommandAgent(config.command)
         self._calls = CallLog()  # the calls of sessions whose task has a reward function
-        self._http = httpx.AsyncClient(
-            timeout=config.request_timeout_s,
-            # No pool limit of its own: the calls in flight are the attempts running, at most
-            # max_tasks groups (httpx's default of 100 connections held the rest back, each
-            # call waiting for one before it reached the gateway), and each keeps its connection.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-            event_hooks={"request": [self._calls.on_request]},
-        )
-        self._client = openai.AsyncOpenAI(
-            base_url=self.gateway_url, api_key=self._api_key, max_retries=0, http_client=self._http
+        self._clients = GatewayClients(
+            self.gateway_url,
+            self._api_key,
+            max_tasks=config.max_tasks,
+            timeout_s=config.request_timeout_s,
+            on_request=self._calls.on_request,
         )
         self._model = config.model
         self._stop = asyncio.Event()
@@ -176,7 +173,7 @@ class AgentRunner:
         try:
             await self._consume(stop, on_ready)
         finally:
-            await self._client.close()
+            await self._clients.aclose()
             log.info(kv("agents_stopped", run=self._names.run))
 
     async def _consume(self, stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
@@ -279,13 +276,13 @@ class AgentRunner:
     async def _check_gateway(self) -> str:
         """The model name to call, once the gateway says it serves."""
         try:
-            health = await self._http.get(self._health_url)
+            health = await self._clients.http.get(self._health_url)
             if health.status_code != 200:
                 raise GatewayUnavailableError(
                     f"gateway {self._health_url} answered {health.status_code}: {health.text[:200]}"
                 )
             if self._model is None:
-                models = await self._client.models.list()
+                models = await self._clients.first.models.list()
                 self._model = models.data[0].id
         except (httpx.HTTPError, openai.APIError, IndexError) as exc:
             raise GatewayUnavailableError(
@@ -353,7 +350,9 @@ class AgentRunner:
             session_id=sid,
             gateway_url=self.gateway_url,
             api_key=self._api_key,
-            client=self._client.with_options(default_headers=gateway_headers(sid, task.task_id)),
+            client=self._clients.for_task(task.task_id).with_options(
+                default_headers=gateway_headers(sid, task.task_id)
+            ),
             model=model,
             temperature=self._config.temperature,
             max_tokens=self._config.max_tokens,
