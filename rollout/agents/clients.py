@@ -1,14 +1,14 @@
 """The agent runner's clients of the gateway: several HTTP connection pools, not one.
 
 httpcore's pool (1.0.9) does work in proportion to its connections times its idle connections
-on every request it sends and every response it ends: each idle connection counts the idle ones
-again, and each connection's expiry check polls its socket. One pool holding a connection for
-every attempt running (256 in ``bench/pipeline.py``'s emulated cluster) took 39% of the runner's
-event loop there, and blocked it for up to 0.1 s at a time, which every agent's calls and every
-task's start waited out (docs/performance.md, "The agent runner's event loop"). So the attempts
-of a task share one of ``ceil(max_tasks / TASKS_PER_POOL)`` pools, chosen by its task id; each
-pool has no connection limit of its own (a call never waits for a connection), and all share
-one TLS context (making one costs about 40 ms).
+on every request it sends and every response it ends: for each idle connection it counts every
+connection again, and each connection's expiry check polls its socket. One pool holding a
+connection for every attempt running (about 200 in ``bench/pipeline.py``'s emulated cluster) took
+44% of the runner's event loop there (docs/performance.md, "The agent runner's event loop"). So
+the attempts of a task share one of ``ceil(max_tasks / TASKS_PER_POOL)`` pools, chosen by its
+task id; each pool has no connection limit of its own (a call never waits for a connection), and
+all share one TLS context (making one costs about 40 ms). The fix belongs in httpcore
+(encode/httpcore#1035, open, makes the pass linear); once a release has it, one pool will do.
 """
 
 import math
