@@ -18,6 +18,7 @@ from broker import codec
 from broker.config import ConsumerLimits
 from broker.messages import Admitted, MessageRejected, SampleReady, TrainerShape, WeightsPublished
 from broker.provision import provision_run
+from broker.registry import watch_workers
 from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights, host_id, latest_weights, run_instance
 from common.staleness import StalenessMode
@@ -502,6 +503,7 @@ async def test_overlap_computes_a_step_ahead_and_keeps_room_for_an_earlier_task(
         def version(n):
             return lambda: _eq(metric(url, "sf_trainer_version"), n)
 
+        stale = group("s", 2, version=0)  # complete at v2 (lag 2): dropped whole, settled at once
         await publish(js, names, *stamped("t1", 1, 0))
         await eventually(ahead(1), watch=serving)  # computed, its step not complete
         assert await metric(url, "sf_trainer_version") == 0
@@ -516,13 +518,21 @@ async def test_overlap_computes_a_step_ahead_and_keeps_room_for_an_earlier_task(
             await metric(url, "sf_trainer_groups_ahead"),
             await metric(url, "sf_trainer_version"),
         ) == (1, 1)
+
+        # Waiting for ticket 3, it says so in its entry (the scheduler lends for it), and goes on
+        # saying so as samples of other tasks come: t4 computed ahead still counts.
+        async def one_more_held() -> None:  # t4, t5 and this one: 5 held
+            await publish(js, names, stale[0])
+            await eventually(lambda: _consumer_settled_but(js, names, 5), watch=serving)
+
+        told = await _order_waiting_told(js, names, one_more_held())
+        assert told and set(told) == {1}, told
         await publish(js, names, *stamped("t3", 3, 0))
         await eventually(version(2), watch=serving)
         waited = await metric(url, "sf_trainer_order_wait_seconds_total") - waited
         assert waited > 0  # for ticket 3 (the time depends on the machine)
         await eventually(ahead(1), watch=serving)  # t5 (v1, lag 1 at v2), for the next step
-        stale = group("s", 2, version=0)  # lag 2 at v2: dropped whole, settled at once
-        await publish(js, names, *stale)
+        await publish(js, names, *stale)  # complete now (stale[0] again: a duplicate, dropped)
         await eventually(lambda: _consumer_settled_but(js, names, 2), watch=serving, timeout=30)
         await publish(js, names, *stamped("t6", 6, 2))
         await eventually(version(3), watch=serving)
@@ -537,6 +547,26 @@ async def test_overlap_computes_a_step_ahead_and_keeps_room_for_an_earlier_task(
     assert steps == [
         (1, ["t1", "t2"], 0), (2, ["t3", "t4"], 0), (2, ["s"], 2), (3, ["t5", "t6"], 0)
     ]  # fmt: skip
+
+
+async def _order_waiting_told(js, names: RunNames, meanwhile) -> list[int]:
+    """The ``order_waiting`` of trainer-o's registry entry: now, and each write while
+    ``meanwhile`` is awaited and for a second after (the trainer's loop answering it)."""
+    told: list[int] = []
+
+    async def watch() -> None:
+        async for worker_id, entry in watch_workers(js, names):
+            if worker_id == "trainer-o" and entry is not None:
+                told.append(entry.order_waiting)
+
+    watching = asyncio.create_task(watch())
+    try:
+        await eventually(lambda: bool(told), watch=watching)
+        await meanwhile
+        await asyncio.sleep(1.0)
+    finally:
+        watching.cancel()
+    return told
 
 
 async def _consumer_settled_but(js, names: RunNames, pending: int) -> bool:

@@ -50,10 +50,14 @@ class AheadSteps:
                 elif self._room_ahead():
                     await self._compute(self._batcher.take(1)[0])
             return True
-        complete = self._ahead.trained + self._batcher.complete_groups
-        if await self._order_wait.wait(self._batcher, self.version, stop, complete):
+        if await self._order_wait.wait(self._batcher, self.version, stop, self._complete):
             return True
         return self._room_ahead()  # tasks given up: room again
+
+    @property
+    def _complete(self) -> int:
+        """Complete groups for the next step: those computed ahead and those in the batcher."""
+        return self._ahead.trained + self._batcher.complete_groups
 
     def _room_ahead(self) -> bool:
         """A complete group, and room for it beside those computed and those reserved for the

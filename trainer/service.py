@@ -163,7 +163,7 @@ class Trainer(AheadSteps):
                 raise InvalidMessageError(str(exc)) from exc  # dead-lettered with the reason
             future = self._waiting[sample.sample_id] = asyncio.get_running_loop().create_future()
             HELD.inc()
-            self._order_wait.refresh(self._batcher, self.version)
+            self._order_wait.refresh(self._batcher, self.version, self._complete)
             self._wake.set()
         # 3. Wait for the commit (the ingress keeps the message in progress meanwhile); shielded,
         # so that a cancelled handler leaves the future to ``_release``.
@@ -253,7 +253,8 @@ class Trainer(AheadSteps):
                     log.warning(kv("groups_expired", groups=expired, after_s=timeout))
                 if not self._may_step.is_set():  # lent or idle: wait to be given the role back
                     await wait_first(self._may_step.wait(), stop.wait(), timeout=LENT_CHECK_S)
-                    self._order_wait.refresh(self._batcher, self.version)  # one given up?
+                    # a task given up while lent?
+                    self._order_wait.refresh(self._batcher, self.version, self._complete)
                     continue
                 if not self._formed.is_set():  # the trainer group is (re-)forming
                     await wait_first(self._formed.wait(), stop.wait())
@@ -262,8 +263,7 @@ class Trainer(AheadSteps):
                     if not await self._ahead_turn(stop):
                         await self._sleep(stop)
                     continue
-                complete = self._batcher.complete_groups
-                if await self._order_wait.wait(self._batcher, self.version, stop, complete):
+                if await self._order_wait.wait(self._batcher, self.version, stop, self._complete):
                     continue
                 groups = self._batcher.take(self._config.groups_per_step)
                 if groups is None:

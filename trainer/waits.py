@@ -62,12 +62,14 @@ class OrderWait:
         ORDER_WAIT.inc(time.monotonic() - started)
         return True
 
-    def refresh(self, batcher: Batcher, version: int) -> None:
+    def refresh(self, batcher: Batcher, version: int, complete: int) -> None:
         """As a sample comes, and while the trainer is lent: the earlier tasks a step at
         ``version`` waits for (those waited for ``order_wait_s`` given up), told while a batch's
-        worth is complete (the scheduler counts fewer groups as missing itself). A trainer
-        worker lent for them is reclaimed once they have come or are given up."""
-        self._blocking(batcher, version, batcher.complete_groups)
+        worth is ``complete`` (the scheduler counts fewer groups as missing itself; with
+        ``overlap`` the groups computed ahead count, or every sample of a later task would tell
+        none and the scheduler reclaim a worker lent for them). A trainer worker lent for them
+        is reclaimed once they have come or are given up."""
+        self._blocking(batcher, version, complete)
 
     def _blocking(self, batcher: Batcher, version: int, complete: int) -> list[int]:
         """With a batch's worth ``complete``, in drop mode: ``AdmissionOrder.blocking`` (it
