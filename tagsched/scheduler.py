@@ -131,8 +131,19 @@ class Scheduler:
     async def run(self, stop: asyncio.Event, on_ready=lambda: None) -> None:
         """Stand by until this scheduler holds the lease, lead until it is lost or ``stop``."""
         scheduler_id = self._config.scheduler_id
-        lease = await Lease.open(self._js, self._names, scheduler_id, self._lease_s)
-        self._store = await StateStore.open(self._js, self._names, scheduler_id)
+        try:  # a broker restarting as the scheduler starts: wait for it, unless stopped
+            lease = await retry(
+                lambda: Lease.open(self._js, self._names, scheduler_id, self._lease_s),
+                what="scheduler_lease_open",
+                stop=stop,
+            )
+            self._store = await retry(
+                lambda: StateStore.open(self._js, self._names, scheduler_id),
+                what="scheduler_state_open",
+                stop=stop,
+            )
+        except RetryStoppedError:
+            return
         on_ready()
         while await lease.acquire(stop):
             LEADER.set(1)

@@ -18,6 +18,7 @@ from nats.errors import NoRespondersError
 from nats.js.api import ConsumerConfig, ConsumerInfo, SequenceInfo
 
 from broker import codec
+from broker.client import session
 from broker.messages import (
     ChatMessage,
     Role,
@@ -34,6 +35,7 @@ from broker.node_tags import gpu_tags, query_gpus, with_node_tags
 from broker.provision import provision_run
 from broker.registry import Registration, node_name
 from broker.roles import membership
+from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
 from rollout.gateway import Gateway
 from seamlessflow.config import load_config
@@ -61,11 +63,14 @@ from tests.support import (
     MODEL,
     SMALL_RUN,
     admitting,
+    broker_config,
     building,
     consumer_settled,
     eventually,
+    free_port,
     gateway_config,
     metric,
+    own_run,
     publish_call,
     record,
     registered,
@@ -1043,6 +1048,38 @@ async def test_a_scheduler_waits_for_the_registry_however_long_it_takes_and_then
     finally:
         stop.set()
         await asyncio.wait_for(running, 30)
+
+
+async def test_a_scheduler_started_while_the_broker_is_away_waits_for_it_and_leads(
+    tmp_path, nats_binary
+):
+    """The broker goes away just as the scheduler starts (a restart): opening its lease and its
+    state waits for the broker instead of failing the process, and once the broker is back the
+    scheduler says it is ready and leads. (Those two lookups failed at the first timeout.)"""
+    cfg = broker_config(tmp_path, nats_binary).model_copy(update={"port": free_port()})
+    names = RunNames("sched-away")
+    server = EmbeddedBroker(cfg)
+    admin = own_run(server, names.run)
+    server.start()
+    stop, ready = asyncio.Event(), asyncio.Event()
+    try:
+        async with session(server.url, "test", identity_file=admin) as nc:
+            await provision_run(nc.jetstream(), names.run, SMALL_RUN)
+            server.stop()
+            s = scheduler(nc, names, layout(train={"count": 1}), tick_s=0.1)
+            running = asyncio.create_task(s.run(stop, on_ready=ready.set))
+            await asyncio.sleep(8.0)  # past a JetStream request's timeout (5 s)
+            assert not running.done(), running.exception()
+            assert not ready.is_set()
+            server = EmbeddedBroker(cfg).start()
+            await eventually(ready.is_set, watch=running, timeout=30)
+            leading = lambda: REGISTRY.get_sample_value("sf_scheduler_leader") == 1  # noqa: E731
+            await eventually(leading, watch=running, timeout=30)
+            stop.set()
+            await asyncio.wait_for(running, 30)
+    finally:
+        stop.set()
+        server.stop()
 
 
 # -- the scheduler process ---------------------------------------------------------------------
