@@ -375,6 +375,11 @@ class TrainerShape(BaseModel):
     groups_per_step: int = Field(ge=1, lt=MAX_SAFE_INT)
     max_staleness: int = Field(ge=0, lt=MAX_SAFE_INT)
     staleness_mode: Literal["drop", "downweight"] = "drop"
+    overlap: bool = Field(
+        default=False,
+        description="computes a step ahead, a group as it completes (trainer.overlap): its "
+        "workers are lent to rollout only where nobody else generates",
+    )
 
 
 class WorkerRegistered(Message):

@@ -8,6 +8,13 @@ rollout while the trainer would otherwise wait for a batch:
 - **reclaim** when the batch *will be* ready within the measured reclaim time, not when it is,
   so the trainer starts as the last group lands.
 
+A trainer that computes a step ahead (``trainer.overlap``) is not idle while it waits for a
+batch: it computes each group as it completes, and a lend stops that until the reclaim, after
+which the groups that came meanwhile are computed with the batch complete. Its workers are lent
+only where they are all the rollout there is (below). (Measured in the emulated cluster: lending
+such a trainer cost 7-18% samples/s; docs/performance.md, "Lending a trainer that computes
+ahead".)
+
 Where the lent workers are all the rollout there is (a colocated layout whose every worker
 trains), neither gate holds: the batch only grows while they generate, so they are lent
 whenever a group is missing and reclaimed only once the batch is ready. (With the gates, a
@@ -75,10 +82,12 @@ def trainer_roles(
     *,
     missing_groups: float,
     groups_per_s: float,
+    computes_ahead: bool = False,
 ) -> dict[str, tuple[Role, str]]:
     """The role each trainer worker should hold now, with the reason: lent to rollout while
-    the policy says so (lendable workers only), training otherwise. ``lent``: the workers lent
-    now. The scheduler's tick and the cluster simulator both decide with this."""
+    the policy says so (lendable workers only; a trainer that ``computes_ahead`` only where
+    they are all the rollout), training otherwise. ``lent``: the workers lent now. The
+    scheduler's tick and the cluster simulator both decide with this."""
     desired: dict[str, tuple[Role, str]] = {}
     alone = not assignment.rollout  # no worker generates but those lent
     for wid in assignment.train:
@@ -86,6 +95,8 @@ def trainer_roles(
             lend = False
         elif alone:
             lend = missing_groups > 0
+        elif computes_ahead:
+            lend = False
         else:
             lend = policy.lent(
                 now_lent=wid in lent, missing_groups=missing_groups, groups_per_s=groups_per_s

@@ -309,7 +309,12 @@ class Scheduler:
         # No trainer registered yet: nothing to lend (as if its batch were ready).
         missing = state.missing_groups(self.trainer.groups_per_step) if self.trainer else 0
         desired = trainer_roles(
-            self.assignment, self._policy, self._lent, missing_groups=missing, groups_per_s=rate
+            self.assignment,
+            self._policy,
+            self._lent,
+            missing_groups=missing,
+            groups_per_s=rate,
+            computes_ahead=self.trainer is not None and self.trainer.overlap,
         )
         for wid in self.assignment.rollout:
             desired[wid] = (Role.ROLLOUT, "rollout")

@@ -365,6 +365,32 @@ def test_lent_workers_that_are_all_the_rollout_stay_lent_until_the_batch_is_read
     assert role(Assignment(train=["t"]), set(), 4, 0.0) is Role.TRAIN
 
 
+def test_a_trainer_computing_ahead_is_lent_only_where_nobody_else_generates():
+    """``trainer.overlap``: the trainer computes each group as it completes, so while other
+    workers generate, its worker is not lent however far off the batch (one lent before is
+    reclaimed); where its workers are all the rollout, they are lent as before."""
+    policy = LendingPolicy(gain=2.0, assumed_cost_s=1.0)
+    alone = Assignment(train=["t"], lendable=["t"])
+    beside = Assignment(train=["t"], rollout=["r"], lendable=["t"])
+
+    def role(assignment: Assignment, lent: set[str], computes_ahead: bool) -> Role:
+        desired = trainer_roles(
+            assignment,
+            policy,
+            lent,
+            missing_groups=8,  # 16 s off at 0.5 groups/s: far over a switch there and back
+            groups_per_s=0.5,
+            computes_ahead=computes_ahead,
+        )
+        return desired["t"][0]
+
+    assert role(beside, set(), computes_ahead=False) is Role.ROLLOUT
+    assert role(beside, set(), computes_ahead=True) is Role.TRAIN
+    assert role(beside, {"t"}, computes_ahead=True) is Role.TRAIN
+    assert role(alone, set(), computes_ahead=True) is Role.ROLLOUT
+    assert role(alone, {"t"}, computes_ahead=True) is Role.ROLLOUT
+
+
 def test_rate_meter_follows_a_steady_count():
     meter = RateMeter(window_s=1.0)
     for second in range(20):

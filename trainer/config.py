@@ -191,7 +191,8 @@ class TrainerConfig(BaseModel):
         description="compute a step's gradients a group at a time as groups complete, the "
         "oldest first, and commit once groups_per_step are computed: the wait for a step's last "
         "(longest) groups overlaps its compute, and order_wait_s bounds only idle waiting; needs "
-        "minibatches = 1",
+        "minibatches = 1. The scheduler then lends the trainer's workers only where they are "
+        "all the rollout (colocated)",
     )
     max_pending_samples: int = Field(
         default=4096, ge=1, description="samples held un-acked while their groups fill"
@@ -221,6 +222,7 @@ class TrainerConfig(BaseModel):
             groups_per_step=self.groups_per_step,
             max_staleness=self.max_staleness,
             staleness_mode=self.staleness_mode.value,
+            overlap=self.overlap,
         )
 
     @model_validator(mode="after")

@@ -5,6 +5,7 @@ or reclaimed; a switch takes ``switch.warm_s``, and a reclaimed device's generat
 other engines (after a re-prefill of their prefix, or from the start)."""
 
 from broker.messages import Role
+from emulation.sim.order import Order
 from tagsched.lending import trainer_roles
 
 
@@ -21,6 +22,7 @@ class Lending:
             self.lent,
             missing_groups=state.missing_groups(self.w.groups_per_step),
             groups_per_s=rate,
+            computes_ahead=self.batches.order is Order.OVERLAP,
         )
         for wid, (role, _) in desired.items():
             if self.role[wid] is role or wid in self.switching:
