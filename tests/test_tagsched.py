@@ -1099,8 +1099,11 @@ async def test_a_scheduler_started_while_the_broker_is_away_waits_for_it_and_lea
             assert not ready.is_set()
             server = EmbeddedBroker(cfg).start()
             await eventually(ready.is_set, watch=running, timeout=30)
-            leading = lambda: REGISTRY.get_sample_value("sf_scheduler_leader") == 1  # noqa: E731
-            await eventually(leading, watch=running, timeout=30)
+            await eventually(
+                lambda: REGISTRY.get_sample_value("sf_scheduler_leader") == 1,
+                watch=running,
+                timeout=30,
+            )
             stop.set()
             await asyncio.wait_for(running, 30)
     finally:

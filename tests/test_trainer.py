@@ -408,7 +408,9 @@ async def test_a_stopping_trainer_hands_a_held_sample_back_once(
         stop.set()
         await serving
     sub = await js.pull_subscribe_bind(Durable.TRAINER, names.samples_stream)
-    (msg,) = await sub.fetch(1, timeout=10)
+    # A delivery to the pull in flight when fetching stopped comes back after ack_wait (15 s).
+    ack_wait = SMALL_RUN.trainer.ack_wait_s
+    (msg,) = await sub.fetch(1, timeout=ack_wait + 10)
     assert codec.decode(SampleReady, msg.data).sample_id == held.sample_id
     # The trainer's, maybe one more to the pull in flight when fetching stopped, and this one.
     assert msg.metadata.num_delivered <= 3
