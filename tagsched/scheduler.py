@@ -441,5 +441,5 @@ class Scheduler:
 def _describe(shape: TrainerShape) -> str:
     return (
         f"groups_per_step={shape.groups_per_step} max_staleness={shape.max_staleness} "
-        f"staleness_mode={shape.staleness_mode}"
+        f"staleness_mode={shape.staleness_mode} overlap={str(shape.overlap).lower()}"
     )
