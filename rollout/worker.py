@@ -318,6 +318,10 @@ class RolloutWorker:
         attempt.seq += 1
         attempt.last_sent = time.monotonic()
         await self._nc.publish(attempt.request.reply_to, codec.encode(message))
+        if chunk.finish_reason is not None:
+            # The caller waits for this one. The connection writes on its next loop turn: let
+            # it, before the attempt's bookkeeping and ack (which would hold it 0.4 ms here).
+            await asyncio.sleep(0)
 
     async def _keepalive(self, attempt: _Attempt) -> None:
         """Keep the message from being redelivered, and the requester from thinking we died:
