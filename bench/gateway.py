@@ -11,9 +11,11 @@ OpenAI SDK -> gateway -> NATS -> rollout worker subprocess -> engine (b), in one
    (n) the generation protocol straight over NATS (publish ``GenerationRequested``, read the
    ``TokensGenerated`` chunks: the worker and the broker; not ``streamed``, as (b) asks), (c)
    a ``rollout.gateway.calls.Call`` (adds the gateway's call: its request, continuation
-   bookkeeping and the ``CallRecorded`` it stores before answering), (h) plain HTTP to the
-   gateway with httpx (adds the HTTP server, request validation, detokenization and the
-   response), then (b) through the OpenAI SDK.
+   bookkeeping and the ``CallRecorded`` it stores before answering), (r) the request written
+   on a kept-alive socket, no client library (adds the gateway's HTTP server, request
+   validation, detokenization and the response; each call in its own session, so its record
+   gives its engine's seconds too), (h) the same with httpx (adds the HTTP client), then (b)
+   through the OpenAI SDK.
    The cost of the gateway's keys (``rollout.gateway.keys``): (h') the plain HTTP call to a
    second gateway, on the same run, that checks bearer keys, paired with (h); and, without
    generation's noise, ``GET /v1/models`` on each (m', m).
@@ -112,6 +114,8 @@ LATENCY_ROWS = [
     ("  b - its own engine seconds", "inband_overhead_ms"),
     ("    of which the gateway's call", "inband_call_ms"),
     ("    the rest: HTTP, SDK, record stored", "inband_rest_ms"),
+    ("(r) raw HTTP -> gateway -> worker", "raw_http_ms"),
+    ("  r - its own engine seconds", "raw_inband_overhead_ms"),
     ("(a) first token", "engine_ttft_ms"),
     ("(b) first token, streaming", "plane_stream_ttft_ms"),
     ("  b - a (of the quantiles)", "ttft_overhead_ms"),
@@ -125,7 +129,8 @@ BREAKDOWN_ROWS = [
     ("worker + broker (n - a)", "hop_worker_ms"),
     ("  request stored -> worker's first chunk", "nats_start_ms"),
     ("gateway call, record stored (c - n)", "hop_call_ms"),
-    ("HTTP, validation, detok, JSON (h - c)", "hop_http_ms"),
+    ("gateway's HTTP, validation, JSON (r - c)", "hop_server_ms"),
+    ("httpx client (h - r)", "hop_httpx_ms"),
     ("OpenAI SDK client (b - h)", "hop_sdk_ms"),
     ("all: b - a", "paired_overhead_ms"),
     ("key check, a call (h' - h)", "auth_call_ms"),
@@ -158,9 +163,46 @@ class Plane:
     http: httpx.AsyncClient
     keyed: httpx.AsyncClient
     """Plain HTTP to the gateway that checks keys, sending its key."""
+    raw: "RawHTTP"
     nc: NATS
     js: JetStreamContext
     names: RunNames
+
+
+class RawHTTP:
+    """HTTP/1.1 written and read on one kept-alive connection, with no client library: the
+    gateway's side of a call without the caller's (httpx's request and response handling, the
+    SDK's models). ``async with``; ``base_url`` as the SDK's (``http://host:port/v1``)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.url = httpx.URL(base_url)
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def __aenter__(self) -> "RawHTTP":
+        self._reader, self._writer = await asyncio.open_connection(self.url.host, self.url.port)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self._writer is not None
+        self._writer.close()
+        await self._writer.wait_closed()
+
+    async def post(self, path: str, body: dict, headers: dict[str, str]) -> dict:
+        """POST ``body`` as JSON to ``{base}/{path}``; the response's JSON (raises unless 200)."""
+        assert self._reader is not None and self._writer is not None
+        data = json.dumps(body).encode()
+        lines = [f"POST {self.url.path.rstrip('/')}/{path} HTTP/1.1", f"Host: {self.url.host}"]
+        lines += ["Content-Type: application/json", f"Content-Length: {len(data)}"]
+        lines += [f"{name}: {value}" for name, value in headers.items()]
+        self._writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + data)
+        status, *fields = (await self._reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
+        found = dict(field.partition(":")[::2] for field in fields if field)
+        length = next(int(v) for k, v in found.items() if k.lower() == "content-length")
+        answer = await self._reader.readexactly(length)
+        if status.split(" ")[1] != "200":
+            raise RuntimeError(f"{path}: {status}: {answer.decode(errors='replace')}")
+        return json.loads(answer)
 
 
 class RecordReader:
@@ -267,6 +309,16 @@ async def http_call(
     return time.perf_counter() - start, response.json()["usage"]["completion_tokens"]
 
 
+async def raw_call(
+    raw: RawHTTP, prompt_ids: list[int], max_tokens: int, session_id: str
+) -> tuple[float, int]:
+    """(seconds, tokens) of one non-streaming call written on the socket, in ``session_id``."""
+    body = {"model": SERVED, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0}
+    start = time.perf_counter()
+    answer = await raw.post("completions", body, {SESSION_HEADER: session_id})
+    return time.perf_counter() - start, answer["usage"]["completion_tokens"]
+
+
 async def models_call(http: httpx.AsyncClient) -> tuple[float]:
     """(seconds,) of ``GET /v1/models``: the HTTP path and the key check, no generation."""
     start = time.perf_counter()
@@ -342,6 +394,7 @@ async def bench_latency(
     k = s.latency_tokens
     tag = uuid.uuid4().hex[:8]
     sessions = [f"bench-{tag}-latency-{n}" for n in range(s.warmup + s.calls)]
+    raw_sessions = [f"bench-{tag}-raw-{n}" for n in range(s.warmup + s.calls)]
     params = SamplingParams(max_tokens=k, temperature=0, stop_token_ids=stop_ids)
     raw: dict[str, list[float]] = {
         "engine_ms": [],
@@ -356,6 +409,7 @@ async def bench_latency(
         "http_keyed_ms": [],
         "models_ms": [],
         "models_keyed_ms": [],
+        "raw_http_ms": [],
     }
     variants = [  # each called with its round (b: the round's session)
         lambda i: engine_call(engine, prompt_ids, params),
@@ -367,6 +421,7 @@ async def bench_latency(
         lambda i: http_call(plane.keyed, prompt_ids, k),
         lambda i: models_call(plane.http),
         lambda i: models_call(plane.keyed),
+        lambda i: raw_call(plane.raw, prompt_ids, k, raw_sessions[i]),
     ]
     for i in range(s.warmup + s.calls):
         # Each round starts at the next variant: a call right after another process's torch
@@ -379,7 +434,7 @@ async def bench_latency(
         (e_total, e_first, e_tokens), (n_total, n_start, n_tokens) = results[:2]
         (c_total, c_tokens), (h_total, h_tokens), (p_total, p_tokens) = results[2:5]
         s_total, s_first, s_tokens = results[5]
-        (k_total, k_tokens), (m_total,), (mk_total,) = results[6:9]
+        (k_total, k_tokens), (m_total,), (mk_total,), (r_total, r_tokens) = results[6:10]
         for where, got in (
             ("engine.generate", e_tokens),
             ("the generation protocol", n_tokens),
@@ -388,19 +443,24 @@ async def bench_latency(
             ("the data plane", p_tokens),
             ("the data plane (stream)", s_tokens),
             ("the gateway with keys (plain HTTP)", k_tokens),
+            ("the gateway (raw HTTP)", r_tokens),
         ):
             _check_tokens(where, got, k)
         if i >= s.warmup:
             measured = (e_total, p_total, e_first, s_first, s_total)
-            measured += (n_total, n_start, c_total, h_total, k_total, m_total, mk_total)
+            measured += (n_total, n_start, c_total, h_total, k_total, m_total, mk_total, r_total)
             for key, seconds in zip(raw, measured, strict=True):
                 raw[key].append(1000 * seconds)
     # The engine's own seconds on each (b) call, as its worker told them (CallRecorded.engine_s):
     # what the plane added to that very call, without another engine call's spread.
-    found = {r.session_id: r for r in await records.wait_for(set(sessions), len(sessions))}
+    wanted = set(sessions) | set(raw_sessions)
+    found = {r.session_id: r for r in await records.wait_for(wanted, len(wanted))}
     timed = [found[sid] for sid in sessions[s.warmup :]]
     raw["plane_engine_ms"] = [1000 * r.engine_s for r in timed]
     raw["inband_overhead_ms"] = _minus(raw["plane_ms"], raw["plane_engine_ms"])
+    # the same for (r): what the gateway, the broker and the worker add, no client library
+    raw_engine_ms = [1000 * found[sid].engine_s for sid in raw_sessions[s.warmup :]]
+    raw["raw_inband_overhead_ms"] = _minus(raw["raw_http_ms"], raw_engine_ms)
     # of which the gateway's call (request published -> last chunk, CallRecorded's clock)
     raw["inband_call_ms"] = [1000 * r.added_s for r in timed]
     raw["inband_rest_ms"] = _minus(raw["inband_overhead_ms"], raw["inband_call_ms"])
@@ -412,7 +472,8 @@ async def bench_latency(
     for hop, a, b in (
         ("worker", "engine_ms", "nats_ms"),
         ("call", "nats_ms", "core_ms"),
-        ("http", "core_ms", "http_ms"),
+        ("server", "core_ms", "raw_http_ms"),
+        ("httpx", "raw_http_ms", "http_ms"),
         ("sdk", "http_ms", "plane_ms"),
     ):
         raw[f"hop_{hop}_ms"] = _minus(raw[b], raw[a])
@@ -548,11 +609,12 @@ async def measure(nats_url: str, engine: Engine, model: Path, s: Settings, scrat
         openai.AsyncOpenAI(base_url=gateway.url, api_key="x", max_retries=0) as client,
         httpx.AsyncClient(base_url=gateway.url) as http,
         httpx.AsyncClient(base_url=keyed_gateway.url, headers=auth) as keyed,
+        RawHTTP(gateway.url) as raw,
         session(nats_url, "bench-records") as nc,
     ):
         names = RunNames(RUN)
         js = nc.jetstream(timeout=gateway_config.nats_timeout_s)
-        plane = Plane(client, http, keyed, nc, js, names)
+        plane = Plane(client, http, keyed, raw, nc, js, names)
         records = RecordReader(nc.jetstream(), names)
         latency = await bench_latency(engine, plane, records, prompt_ids, stop_ids, s)
         throughput = [
