@@ -257,6 +257,11 @@ class Ingress(Generic[M]):
     def _room(self) -> int:
         if self._concurrency == 1:
             return self._batch
+        if not self._running:
+            # Idle: wait for one. A fetch of several ends only with the server's "no more"
+            # after what it delivered (0.15-0.2 ms later here); the rest of a burst comes with
+            # the next fetch, at once.
+            return 1
         # A fetch can return more than asked (messages of an earlier, expired pull request),
         # so more than ``concurrency`` may be running: then there is no room at all.
         return max(0, min(self._batch, self._concurrency - len(self._running)))
