@@ -711,11 +711,13 @@ async def test_role_changes_under_load_lose_and_duplicate_no_generation(
     broker, nc, js, names, tiny_model_dir, openai_client
 ):
     """Two workers, 12 greedy calls; one worker is moved idle and back every 0.3 s. Every call
-    ends with all its tokens, each the same as an uninterrupted call's."""
+    ends with all its tokens, each the same as an uninterrupted call's. The calls start on w1
+    alone (w2 idle until then), so that the first move finds w1 generating them."""
     workers = [worker_process(broker.url, names.run, tiny_model_dir, f"w{i}") for i in (1, 2)]
     flips = 0
     try:
         await asyncio.gather(*(asyncio.to_thread(w.wait_ready) for w in workers))
+        assert (await ask(nc, names, "w2", Role.IDLE, 1)).ok
         async with Gateway(gateway_config(tiny_model_dir, names.run), broker.url) as gw:
             client = openai_client(gw.url)
 
@@ -730,6 +732,7 @@ async def test_role_changes_under_load_lose_and_duplicate_no_generation(
                 return await metric(workers[0].metrics_url, "sf_rollout_requests_running") > 0
 
             await eventually(w1_generating)
+            assert (await ask(nc, names, "w2", Role.ROLLOUT, 2)).ok
             epoch = 0
             while not calls.done():
                 epoch += 1
