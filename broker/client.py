@@ -5,6 +5,7 @@ import contextlib
 import logging
 import os
 import ssl
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,8 +19,9 @@ from broker.exceptions import (
     BrokerError,
     BrokerTlsError,
     BrokerUnavailableError,
+    StoppedWaitingError,
 )
-from broker.metrics import REFUSED
+from broker.metrics import NATS_RETRIES, REFUSED
 from broker.permissions import Principal
 from broker.tls import CA_ENV, client_context
 from common.log import kv
@@ -34,12 +36,16 @@ MAX_OUTSTANDING_PINGS = 2
 cluster after about (``MAX_OUTSTANDING_PINGS`` + 1) * ``PING_INTERVAL_S``; nats.py's defaults
 (120 s, 2) kept a client on a cut-off server for up to 6 minutes."""
 
+WAIT_LOG_S = 30.0
+"""How often a service waiting for its broker at start says it still waits."""
+
 
 async def connect(
     url: str,
     name: str,
     *,
-    give_up_after: float = 5.0,
+    give_up_after: float | None = 5.0,
+    stop: asyncio.Event | None = None,
     principal: Principal | None = None,
     identity_file: Path | None = None,
     ca_file: Path | None = None,
@@ -48,6 +54,10 @@ async def connect(
     client reconnects forever. ``url`` may list several servers of a cluster, comma-separated
     (``nats://a:4222,nats://b:4222``): the client connects to any and moves to another when its
     server goes away (it also learns the cluster's other servers from the one it reaches).
+
+    ``give_up_after=None`` (a long-running service): wait for the broker as long as it takes,
+    as the service would once connected (it was started first, or the broker is restarting),
+    saying so every ``WAIT_LOG_S``; until ``stop`` is set, which raises ``StoppedWaitingError``.
 
     It connects as ``identity_file``, else the file named by ``$SEAMLESSFLOW_NATS_IDENTITY``,
     else ``principal``'s file in ``$SEAMLESSFLOW_NATS_IDENTITIES`` (``broker.auth``), else
@@ -70,8 +80,17 @@ async def connect(
     if ca:
         options["tls"] = client_context(ca, identity.cert if identity else None)
     refused: asyncio.Future[BrokerError] = asyncio.get_running_loop().create_future()
+    up = False
+    attempts = 0
 
     async def error_cb(exc: Exception) -> None:
+        nonlocal attempts
+        if not up and isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError):
+            attempts += 1  # not there yet: one line, not one per attempt (2 a second)
+            NATS_RETRIES.labels("connect").inc()
+            if attempts == 1:
+                log.warning(kv("nats_waiting", client=name, url=url, error=_error(exc)))
+            return
         text = str(exc).lower()
         fatal: BrokerError | None = None
         if "authorization violation" in text:
@@ -87,7 +106,7 @@ async def connect(
             REFUSED.labels("permissions").inc()
         if fatal is not None and not refused.done():  # the first refusal is the answer
             refused.set_result(fatal)
-        log.warning(kv("nats_error", client=name, error=f"{type(exc).__name__}: {exc}"))
+        log.warning(kv("nats_error", client=name, error=_error(exc)))
 
     async def disconnected_cb() -> None:
         log.info(kv("nats_disconnected", client=name, url=url))
@@ -103,7 +122,7 @@ async def connect(
         nc.connect(
             [server.strip() for server in url.split(",") if server.strip()],
             name=name,
-            connect_timeout=min(give_up_after, 2.0),
+            connect_timeout=min(give_up_after or 2.0, 2.0),
             allow_reconnect=True,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
@@ -116,7 +135,21 @@ async def connect(
             **options,
         )
     )
-    await asyncio.wait({connecting, refused}, timeout=give_up_after, return_when=FIRST)
+    stopping = asyncio.ensure_future(stop.wait() if stop else asyncio.Future())
+    started = time.monotonic()
+    try:
+        while True:
+            done, _ = await asyncio.wait(
+                {connecting, refused, stopping},
+                timeout=WAIT_LOG_S if give_up_after is None else give_up_after,
+                return_when=FIRST,
+            )
+            if done or give_up_after is not None:
+                break
+            waited = round(time.monotonic() - started)
+            log.warning(kv("nats_waiting", client=name, url=url, waited_s=waited))
+    finally:
+        stopping.cancel()
     if not connecting.done() or refused.done():
         connecting.cancel()
         with contextlib.suppress(asyncio.CancelledError, NatsError, OSError):
@@ -124,13 +157,23 @@ async def connect(
         await nc.close()
         if refused.done():
             raise refused.result()
+        if give_up_after is None:
+            raise StoppedWaitingError(f"stopped while waiting for NATS at {url}")
         raise _unavailable(url, give_up_after, TimeoutError("no answer"))
     try:
         connecting.result()
     except (NatsError, OSError) as exc:
         await nc.close()
         raise _unavailable(url, give_up_after, exc) from exc
+    up = True
+    if attempts:
+        after = round(time.monotonic() - started, 1)
+        log.info(kv("nats_connected", client=name, url=url, tries=attempts + 1, after_s=after))
     return nc
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _refused(url: str, path: Path | None, identity: Identity | None) -> AuthorizationError:
@@ -145,9 +188,12 @@ def _refused(url: str, path: Path | None, identity: Identity | None) -> Authoriz
     )
 
 
-def _unavailable(url: str, give_up_after: float, exc: BaseException) -> BrokerUnavailableError:
+def _unavailable(
+    url: str, give_up_after: float | None, exc: BaseException
+) -> BrokerUnavailableError:
+    within = "" if give_up_after is None else f" within {give_up_after:g}s"
     return BrokerUnavailableError(
-        f"cannot reach NATS at {url} within {give_up_after:g}s ({type(exc).__name__}: {exc}); "
+        f"cannot reach NATS at {url}{within} ({_error(exc)}); "
         "start one with `seamlessflow broker` or pass --nats URL / SEAMLESSFLOW_NATS_URL"
     )
 
@@ -170,7 +216,8 @@ async def session(
     url: str,
     name: str,
     *,
-    give_up_after: float = 5.0,
+    give_up_after: float | None = 5.0,
+    stop: asyncio.Event | None = None,
     principal: Principal | None = None,
     identity_file: Path | None = None,
     ca_file: Path | None = None,
@@ -180,6 +227,7 @@ async def session(
         url,
         name,
         give_up_after=give_up_after,
+        stop=stop,
         principal=principal,
         identity_file=identity_file,
         ca_file=ca_file,

@@ -51,6 +51,10 @@ class RetryStoppedError(UnavailableError):
     """The caller stopped while an operation was still failing for a broker outage."""
 
 
+class StoppedWaitingError(RetryStoppedError):
+    """A service was stopped while it still waited for its broker at start: nothing ran yet."""
+
+
 class WeightsIntegrityError(BrokerError):
     """A weight blob is missing, or its size or checksum differs from its event."""
 

@@ -4,18 +4,35 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from broker.provision import ConsumerStatus, StreamStatus
 from common.log import kv
 
 log = logging.getLogger(__name__)
 
 REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
+
+
+@dataclass(frozen=True)
+class ConsumerStatus:
+    name: str
+    pending: int
+    ack_pending: int
+    redelivered: int
+
+
+@dataclass(frozen=True)
+class StreamStatus:
+    name: str
+    messages: int
+    bytes: int
+    consumers: list[ConsumerStatus]
+
 
 INGRESS_MESSAGES = Counter(
     "sf_ingress_messages",

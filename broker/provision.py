@@ -5,6 +5,7 @@ creates what is missing, leaves what already matches, and raises ``ProvisionConf
 naming every differing setting when something exists with another configuration.
 """
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from nats.js.kv import KeyValue
 
 from broker.config import ConsumerLimits, ProvisionConfig, StreamLimits
 from broker.exceptions import BrokerError, ProvisionConflictError, RunNotProvisionedError
+from broker.metrics import ConsumerStatus, StreamStatus
+from broker.retry import retry
 from broker.subjects import Durable, RunNames
 from common.log import kv
 
@@ -282,22 +285,6 @@ async def _ensure_consumer(
 
 
 @dataclass(frozen=True)
-class ConsumerStatus:
-    name: str
-    pending: int
-    ack_pending: int
-    redelivered: int
-
-
-@dataclass(frozen=True)
-class StreamStatus:
-    name: str
-    messages: int
-    bytes: int
-    consumers: list[ConsumerStatus]
-
-
-@dataclass(frozen=True)
 class RunStatus:
     run: str
     streams: list[StreamStatus]
@@ -340,12 +327,16 @@ async def run_bucket(js: JetStreamContext, names: RunNames, bucket: str) -> KeyV
 
 
 async def durable_info(
-    js: JetStreamContext, names: RunNames, stream: str, durable: str
+    js: JetStreamContext, names: RunNames, stream: str, durable: str, *, stop: asyncio.Event
 ) -> ConsumerInfo:
     """The info of one of the run's durable consumers; ``RunNotProvisionedError`` when it is
-    missing. Long-running consumers call it before saying they are ready."""
-    return await _provisioned(
-        names, f"consumer {durable} on stream {stream}", js.consumer_info(stream, durable)
+    missing. Long-running consumers call it before saying they are ready: a broker that is away
+    (restarting) is waited for until ``stop``."""
+    what = f"consumer {durable} on stream {stream}"
+    return await retry(
+        lambda: _provisioned(names, what, js.consumer_info(stream, durable)),
+        what="durable_info",
+        stop=stop,
     )
 
 

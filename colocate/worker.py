@@ -57,7 +57,11 @@ async def serve_colocated(c: Colocated, stop: asyncio.Event) -> None:
     engine = await start_engine(c.engine)
     try:
         async with session(
-            c.url, f"seamlessflow-worker-{c.worker.worker_id}", principal=Principal.TRAINER
+            c.url,
+            f"seamlessflow-worker-{c.worker.worker_id}",
+            give_up_after=None,
+            stop=stop,
+            principal=Principal.TRAINER,
         ) as nc:
             await _serve(nc, c, engine, metrics.url, stop, lend)
     finally:

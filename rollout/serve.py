@@ -79,7 +79,11 @@ async def serve_worker(
     engine = await start_engine(engine_config)
     try:
         async with session(
-            url, f"seamlessflow-worker-{config.worker_id}", principal=Principal.WORKER
+            url,
+            f"seamlessflow-worker-{config.worker_id}",
+            give_up_after=None,
+            stop=stop,
+            principal=Principal.WORKER,
         ) as nc:
             names = RunNames(run)
             worker = RolloutWorker(nc, names, engine, config, provision.gen, nats_url=url)

@@ -24,7 +24,12 @@ from broker import codec
 from broker.auth import IDENTITIES_ENV, Authority, run_identities
 from broker.config import EmbeddedBrokerConfig
 from broker.control import SchedulerState, TrainerGroup
-from broker.exceptions import BrokerStartError, InvalidMessageError, RetryStoppedError
+from broker.exceptions import (
+    BrokerStartError,
+    InvalidMessageError,
+    RetryStoppedError,
+    StoppedWaitingError,
+)
 from broker.messages import Message, Role, WorkerRegistered
 from broker.metrics import SERVER_REGISTRY, StreamDepthCollector
 from broker.permissions import Principal
@@ -52,8 +57,13 @@ def stop_on_signals() -> asyncio.Event:
 
 
 async def serve_until_signalled(serve, *args) -> None:
-    """``await serve(*args, stop)`` with ``stop`` set by SIGINT/SIGTERM."""
-    await serve(*args, stop_on_signals())
+    """``await serve(*args, stop)`` with ``stop`` set by SIGINT/SIGTERM. Stopped while it still
+    waited for the broker at start is a clean stop: nothing ran."""
+    stop = stop_on_signals()
+    try:
+        await serve(*args, stop)
+    except StoppedWaitingError as exc:
+        print(exc, flush=True)
 
 
 @dataclass(frozen=True)

@@ -42,11 +42,15 @@ async def serve_scheduler(
     metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
     try:
         async with session(
-            url, f"seamlessflow-{config.scheduler_id}", principal=Principal.SCHEDULER
+            url,
+            f"seamlessflow-{config.scheduler_id}",
+            give_up_after=None,
+            stop=stop,
+            principal=Principal.SCHEDULER,
         ) as nc:
             js = nc.jetstream()
             names = RunNames(run)
-            await durable_info(js, names, names.tasks_stream, Durable.SCHEDULER)
+            await durable_info(js, names, names.tasks_stream, Durable.SCHEDULER, stop=stop)
             admission = Admission(js, names, provision.tasks)
             scheduler = Scheduler(
                 nc,

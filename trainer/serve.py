@@ -69,7 +69,11 @@ async def serve_trainer(
     ranks, start = await open_ranks(model, config)
     try:
         async with session(
-            url, f"seamlessflow-{config.worker_id}", principal=Principal.TRAINER
+            url,
+            f"seamlessflow-{config.worker_id}",
+            give_up_after=None,
+            stop=stop,
+            principal=Principal.TRAINER,
         ) as nc:
             js = nc.jetstream()
             names = RunNames(run)

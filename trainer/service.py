@@ -417,7 +417,7 @@ class Trainer(AheadSteps):
         # earlier tasks a step waits for: the scheduler lends this worker for them (colocated)
         self._order_wait.on_waiting = lambda n: roles.registration.put_soon(order_waiting=n)
         names = self._names
-        await durable_info(self._js, names, names.samples_stream, Durable.TRAINER)
+        await durable_info(self._js, names, names.samples_stream, Durable.TRAINER, stop=stop)
         if not self._grouped:  # else once it is the group's rank 0: ``resume``
             await self.publish_if_missing()
         consuming = asyncio.create_task(self._consume(stop))

@@ -145,7 +145,8 @@ class TrajectoryManager:
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
         """Handle ended sessions until ``stop`` is set; ``on_ready`` once the durable is found."""
-        await durable_info(self._js, self._names, self._names.traj_stream, Durable.TRAJECTORY)
+        names = self._names
+        await durable_info(self._js, names, names.traj_stream, Durable.TRAJECTORY, stop=stop)
         on_ready()
         await self._ingress.run(stop)
 
@@ -286,7 +287,11 @@ async def serve_trajectory(
     metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
     try:
         async with session(
-            url, f"seamlessflow-trajectory-{run}", principal=Principal.TRAJECTORY
+            url,
+            f"seamlessflow-trajectory-{run}",
+            give_up_after=None,
+            stop=stop,
+            principal=Principal.TRAJECTORY,
         ) as nc:
             manager = TrajectoryManager(
                 nc.jetstream(), RunNames(run), provision.traj, config, rewards

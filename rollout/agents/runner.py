@@ -178,7 +178,7 @@ class AgentRunner:
 
     async def _consume(self, stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
         names = self._names
-        await durable_info(self._js, names, names.tasks_stream, Durable.AGENTS)
+        await durable_info(self._js, names, names.tasks_stream, Durable.AGENTS, stop=stop)
         self._stop = stop
         ingress = tasks_ingress(
             self._js,
@@ -481,7 +481,9 @@ async def serve_agents(
     """Run the agent runner of ``run`` until ``stop`` is set, serving /metrics."""
     metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
     try:
-        async with session(url, "seamlessflow-agents", principal=Principal.AGENTS) as nc:
+        async with session(
+            url, "seamlessflow-agents", give_up_after=None, stop=stop, principal=Principal.AGENTS
+        ) as nc:
             runner = AgentRunner(
                 nc.jetstream(), RunNames(run), provision.tasks, config, gateway_url, rewards
             )

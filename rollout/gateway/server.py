@@ -46,9 +46,13 @@ def default_stop_token_ids(model_path: Path, tokenizer: Any) -> list[int]:
 class Gateway:
     """A running gateway (NATS connection, tokenizer, HTTP server), as ``async with``."""
 
-    def __init__(self, config: GatewayConfig, nats_url: str) -> None:
+    def __init__(
+        self, config: GatewayConfig, nats_url: str, stop: asyncio.Event | None = None
+    ) -> None:
         self.config = config
         self.nats_url = nats_url
+        self._stop = stop
+        """Given (a service): wait for the broker at start until it is set."""
         self.service: OpenAIService | None = None
         self._server: _Server | None = None
         self._serving: asyncio.Task | None = None
@@ -91,7 +95,13 @@ class Gateway:
         stop_ids = config.stop_token_ids
         if stop_ids is None:
             stop_ids = default_stop_token_ids(config.model_path, tokenizer)
-        nc = await connect(self.nats_url, "seamlessflow-gateway", principal=Principal.GATEWAY)
+        nc = await connect(
+            self.nats_url,
+            "seamlessflow-gateway",
+            give_up_after=None if self._stop else 5.0,
+            stop=self._stop,
+            principal=Principal.GATEWAY,
+        )
         try:
             js = nc.jetstream(timeout=config.nats_timeout_s)
             await _check_provisioned(js, RunNames(config.run))
@@ -177,7 +187,7 @@ async def _check_provisioned(js: JetStreamContext, names: RunNames) -> None:
 
 async def serve_gateway(config: GatewayConfig, nats_url: str, stop: asyncio.Event) -> None:
     """Serve the gateway until ``stop`` is set."""
-    async with Gateway(config, nats_url) as gateway:
+    async with Gateway(config, nats_url, stop) as gateway:
         metrics = f"http://{config.host}:{gateway.port}/metrics"
         announce_ready("gateway", metrics, url=gateway.url, model=config.model, run=config.run)
         await stop.wait()
