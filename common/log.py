@@ -20,3 +20,5 @@ def setup_logging(level: str = "INFO") -> None:
         level=level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    if logging.getLogger().level > logging.DEBUG:  # httpx logs every request at INFO
+        logging.getLogger("httpx").setLevel(logging.WARNING)
