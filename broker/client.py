@@ -157,7 +157,7 @@ async def connect(
         await nc.close()
         if refused.done():
             raise refused.result()
-        if give_up_after is None:
+        if stop is not None and stop.is_set():
             raise StoppedWaitingError(f"stopped while waiting for NATS at {url}")
         raise _unavailable(url, give_up_after, TimeoutError("no answer"))
     try:

@@ -94,7 +94,7 @@ async def test_hf_counts_requests_and_weight_loads_by_outcome(tiny_model_dir: Pa
     engine = await start_engine(EngineConfig(model=tiny_model_dir, max_model_len=64))
     try:
         before = {o: _count("sf_engine_requests", o) for o in ("rejected", "length")}
-        prefilled = _prompt_tokens("prefilled")
+        prefilled, cached = _prompt_tokens("prefilled"), _prompt_tokens("cached")
         with pytest.raises(EngineError, match=r"token ids \[9999\] are outside the vocabulary"):
             async for _ in engine.generate("bad", [5, 9999], SamplingParams()):
                 pass
@@ -102,9 +102,9 @@ async def test_hf_counts_requests_and_weight_loads_by_outcome(tiny_model_dir: Pa
         assert chunks[-1].finish_reason == FinishReason.LENGTH
         assert _count("sf_engine_requests", "rejected") == before["rejected"] + 1
         assert _count("sf_engine_requests", "length") == before["length"] + 1
-        # No prefix cache: the whole prompt of the request that ran was prefilled, once.
+        # Nothing to reuse yet: the whole prompt of the request that ran was prefilled, once.
         assert _prompt_tokens("prefilled") == prefilled + 2
-        assert _prompt_tokens("cached") == 0
+        assert _prompt_tokens("cached") == cached
 
         rejected, loaded = (
             _count("sf_engine_weight_loads", "rejected"),
@@ -223,6 +223,50 @@ async def test_hf_prefills_a_long_prompt_over_steps_of_the_budget(tiny_model_dir
     assert [t for c in got for t in c.token_ids] == [t for c in expected for t in c.token_ids]
     got_lp = [lp for c in got for lp in c.logprobs]
     assert got_lp == pytest.approx([lp for c in expected for lp in c.logprobs], abs=1e-4)
+
+
+async def test_hf_reuses_a_prompts_kv_with_the_same_numbers(tiny_model_dir: Path):
+    """A request that starts with ids the engine computed starts from a copy of their KV: the
+    same prompt again (a group's next sample) computes none of it and draws its first token from
+    the stored logits; a longer one computes only what follows a stored prompt, or a finished
+    call's prompt and output (the conversation's next turn). Its tokens and logprobs are those
+    of an engine without the cache; a weight load drops what it kept."""
+    prompt = list(range(5, 25))
+    sampled = [SamplingParams(temperature=1.0, max_tokens=6, seed=seed) for seed in range(4)]
+    plain = await start_engine(
+        EngineConfig(tiny_model_dir, 256, settings=HFEngineConfig(prefix_cache_bytes=0))
+    )
+    cached = await start_engine(EngineConfig(tiny_model_dir, 256, settings=HFEngineConfig()))
+    runs = [(prompt, sampled[0]), (prompt, sampled[1]), ([*prompt, 30, 31, 32], sampled[2])]
+    try:
+        expected = [await _forwards(plain, ids, params) for ids, params in runs]
+        reply = [t for c in expected[0][0] for t in c.token_ids]
+        runs.append(([*prompt, *reply, 40, 41], sampled[3]))  # the next turn of the first call
+        expected.append(await _forwards(plain, *runs[3]))
+        before = _prompt_tokens("cached"), _prompt_tokens("prefilled")
+        got = [await _forwards(cached, ids, params) for ids, params in runs]
+        counted = _prompt_tokens("cached") - before[0], _prompt_tokens("prefilled") - before[1]
+        await cached.load_weights(1, tiny_model_dir)
+        _, after_load = await _forwards(cached, prompt, sampled[0])
+    finally:
+        await plain.close()
+        await cached.close()
+    history = len(prompt) + len(reply) - 1  # the first call's KV: all but its last token
+    assert [lengths[0] for _, lengths in expected] == [20, 20, 23, history + 3]
+    assert got[0][1] == expected[0][1]
+    assert got[1][1] == expected[1][1][1:]  # no forward for the prompt
+    assert got[2][1] == [3, *expected[2][1][1:]]  # what follows the stored prompt only
+    assert got[3][1] == [3, *expected[3][1][1:]]  # the reply's last token and the new turn
+    assert counted == (20 + 20 + history, 20 + 3 + 3)
+    for i, ((chunks, _), (want, _)) in enumerate(zip(got, expected, strict=True)):
+        assert [t for c in chunks for t in c.token_ids] == [t for c in want for t in c.token_ids]
+        got_lp, want_lp = (
+            [lp for c in chunks for lp in c.logprobs],
+            [lp for c in want for lp in c.logprobs],
+        )
+        # the same prompt: the same numbers; a longer one: what follows in its own forward
+        assert got_lp == (want_lp if i < 2 else pytest.approx(want_lp, abs=1e-4))
+    assert after_load[0] == 20  # computed again with the weights loaded
 
 
 async def test_hf_pause_waits_for_one_chunk_of_a_long_prefill(tiny_model_dir: Path):

@@ -46,9 +46,9 @@ ENGINE_REQUESTS = Counter(
 )
 ENGINE_PROMPT_TOKENS = Counter(
     "sf_engine_prompt_tokens",
-    "Prompt tokens by engine and source: prefilled (KV computed; hf: a request's whole prompt, "
-    "and prompt + output again after a weight load) or cached (KV reused from the engine's "
-    "prefix cache: vLLM; hf keeps none, so each turn of a conversation prefills it all)",
+    "Prompt tokens by engine and source: prefilled (KV computed; after a weight load, prompt + "
+    "output again) or cached (KV reused from the engine's prefix cache: vLLM's; hf's holds "
+    "recent prompts whole, so a conversation's next turn reuses the last turn's prompt only)",
     ["engine", "source"],
     registry=REGISTRY,
 )

@@ -53,6 +53,13 @@ class HFEngineConfig(_EngineOptions):
         "threads on every core of a small machine stall whenever the worker's event loop, the "
         "broker or the gateway takes a core from them",
     )
+    prefix_cache_bytes: int = Field(
+        default=256 << 20,
+        ge=0,
+        description="memory for the KV of recent prompts: a request that starts with one (a "
+        "group's samples, a conversation's next turn, a recompute after a weight load) copies "
+        "it instead of prefilling it; 0: none",
+    )
 
 
 class VLLMEngineConfig(_EngineOptions):

@@ -1,5 +1,8 @@
 """The reference engine: a transformers causal LM (float32, or ``settings.dtype``) with a KV cache
-per request.
+per request, and a prefix cache (``_Prefixes``): the KV of recent prompts and of finished calls,
+for the requests that start with them (a group's samples share their prompt; a conversation's
+next turn starts with the last call's prompt and output; a weight load's recompute starts with
+the prompt).
 
 All torch work runs in one dedicated thread, so the event loop stays responsive. A scheduler task
 steps every running request by one token per step (one forward per request, no padding, so a
@@ -14,7 +17,9 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,6 +127,7 @@ class HFEngine(InProcessEngine):
         self._requests: dict[str, _Request] = {}
         self._seeds = itertools.count(config.settings.seed)
         self._step_tokens: int = config.settings.step_tokens("cpu")  # set on a CPU, as hf runs
+        self._prefixes = _Prefixes(config.settings.prefix_cache_bytes)  # engine thread only
         self._scheduler = asyncio.create_task(self._schedule(), name="hf-engine-scheduler")
 
     async def abort(self, request_id: str) -> None:
@@ -225,14 +231,8 @@ class HFEngine(InProcessEngine):
                         self._emit(request, *token)
 
     def _emit(self, request: _Request, token: int, logprob: float) -> None:
+        reason = _ending(request, token, self._config.max_model_len)
         request.output_ids.append(token)
-        reason = None
-        if token in request.stop_ids:
-            reason = FinishReason.STOP
-        elif len(request.output_ids) >= request.params.max_tokens or (
-            len(request.prompt_ids) + len(request.output_ids) >= self._config.max_model_len
-        ):
-            reason = FinishReason.LENGTH
         request.queue.put_nowait(GenerationChunk([token], [logprob], self._version, reason))
         if reason is not None:
             self._release(request, reason)
@@ -272,8 +272,12 @@ class HFEngine(InProcessEngine):
     def _next_token(self, request: _Request, tokens: int) -> tuple[int, float] | None:
         ids = request.prompt_ids + request.output_ids
         if request.cache is None:  # a new request, or one whose KV a weight load dropped
-            ENGINE_PROMPT_TOKENS.labels(ENGINE, "prefilled").inc(len(ids))
-        end = request.cached + tokens
+            request.cache, request.cached, logits = self._prefixes.take(ids)
+            ENGINE_PROMPT_TOKENS.labels(ENGINE, "cached").inc(request.cached)
+            ENGINE_PROMPT_TOKENS.labels(ENGINE, "prefilled").inc(len(ids) - request.cached)
+            if logits is not None:  # all of ``ids``: the next token is drawn as the prompt's was
+                return _sample(logits, request.params, request.generator)
+        end = min(request.cached + tokens, len(ids))
         out = self._model(
             input_ids=torch.tensor([ids[request.cached : end]]),
             past_key_values=request.cache,
@@ -281,12 +285,20 @@ class HFEngine(InProcessEngine):
             logits_to_keep=1,
         )
         request.cache, request.cached = out.past_key_values, end
+        logits = out.logits[0, -1].float()
+        if end == len(request.prompt_ids):
+            self._prefixes.put(request.prompt_ids, request.cache, logits, copy=True)
         if end < len(ids):
             return None  # the rest of the prompt in the next steps
-        return _sample(out.logits[0, -1].float(), request.params, request.generator)
+        sampled = _sample(logits, request.params, request.generator)
+        if _ending(request, sampled[0], self._config.max_model_len) is not None:
+            # its last token: the KV of all before it, for the conversation's next turn
+            self._prefixes.put(ids, request.cache, logits, copy=False)
+        return sampled
 
     def _copy_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
         state = self._model.state_dict()  # views of the parameters
+        self._prefixes.clear()  # computed with the weights before
         with torch.no_grad():
             for name, value in updates:
                 state[name].copy_(value)
@@ -319,6 +331,68 @@ class HFEngine(InProcessEngine):
         if missing:
             raise EngineError(f"missing weights {missing[:5]} ({len(missing)} in all)")
         return updates
+
+
+def _ending(request: _Request, token: int, max_model_len: int) -> FinishReason | None:
+    """How ``request`` ends if ``token`` is its next output token, if it does."""
+    if token in request.stop_ids:
+        return FinishReason.STOP
+    length = len(request.output_ids) + 1
+    if length >= request.params.max_tokens or len(request.prompt_ids) + length >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+class _Prefixes:
+    """The KV of recent prompts, and of finished requests' prompt and output (all but the last
+    token), each with the logits after it; least recently used first out past ``max_bytes``
+    (engine thread only). A request whose ids start with stored ids starts from a copy of their
+    KV, with the numbers their own prefill gave; one whose ids are stored ids draws its next
+    token from the stored logits, as the request that stored them did."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[int, ...], tuple[Cache, torch.Tensor, int]] = OrderedDict()
+        self._bytes = 0
+
+    def put(self, ids: list[int], cache: Cache, logits: torch.Tensor, *, copy: bool) -> None:
+        """Keep ``cache``, the KV of exactly ``ids`` (a copy of it, for a request that goes on
+        with it), and the ``logits`` of the token after them."""
+        key = tuple(ids)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        size = _cache_bytes(cache) + logits.nbytes
+        if size > self.max_bytes:
+            return
+        self._entries[key] = deepcopy(cache) if copy else cache, logits, size
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            _, (*_, dropped) = self._entries.popitem(last=False)
+            self._bytes -= dropped
+
+    def take(self, ids: list[int]) -> tuple[Cache | None, int, torch.Tensor | None]:
+        """A copy of the KV of the longest stored prompt ``ids`` starts with, its length, and
+        its logits if it is all of ``ids``; ``(None, 0, None)`` if none."""
+        best: tuple[int, ...] = ()
+        for key in self._entries:
+            if len(best) < len(key) <= len(ids) and tuple(ids[: len(key)]) == key:
+                best = key
+        if not best:
+            return None, 0, None
+        self._entries.move_to_end(best)
+        cache, logits, _ = self._entries[best]
+        return deepcopy(cache), len(best), logits if len(best) == len(ids) else None
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+
+def _cache_bytes(cache: Cache) -> int:
+    return sum(
+        t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None
+    )
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
