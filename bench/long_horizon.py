@@ -12,8 +12,9 @@ Per turn index (1st call of a game, 2nd, ...), from the client and the run's cal
   fidelity) vs tokenized (``sf_gateway_prompt_tokens_total``).
 
 And for the whole run, the engine's own count: prompt tokens prefilled vs served from its
-prefix cache (``sf_engine_prompt_tokens_total``, the worker's /metrics): the hf engine keeps no
-prefix cache (every turn prefills its whole prompt again); vLLM's caches whole KV blocks.
+prefix cache (``sf_engine_prompt_tokens_total``, the worker's /metrics): the hf engine's keeps
+whole prompts and finished calls (a turn reuses all of the previous call but its last token);
+vLLM's caches whole KV blocks.
 
 Usage: python -m bench.long_horizon [--engine hf|vllm] [--games 16] [--turns 8]
 Prints a table and writes bench/results/long_horizon-<engine>.json.
