@@ -44,7 +44,7 @@ async def connect(
     url: str,
     name: str,
     *,
-    give_up_after: float | None = 5.0,
+    give_up_after: float = 5.0,
     stop: asyncio.Event | None = None,
     principal: Principal | None = None,
     identity_file: Path | None = None,
@@ -55,9 +55,9 @@ async def connect(
     (``nats://a:4222,nats://b:4222``): the client connects to any and moves to another when its
     server goes away (it also learns the cluster's other servers from the one it reaches).
 
-    ``give_up_after=None`` (a long-running service): wait for the broker as long as it takes,
-    as the service would once connected (it was started first, or the broker is restarting),
-    saying so every ``WAIT_LOG_S``; until ``stop`` is set, which raises ``StoppedWaitingError``.
+    With ``stop`` (a long-running service): wait for the broker as long as it takes, as the
+    service would once connected (it was started first, or the broker is restarting), saying so
+    every ``WAIT_LOG_S``, until ``stop`` is set, which raises ``StoppedWaitingError``.
 
     It connects as ``identity_file``, else the file named by ``$SEAMLESSFLOW_NATS_IDENTITY``,
     else ``principal``'s file in ``$SEAMLESSFLOW_NATS_IDENTITIES`` (``broker.auth``), else
@@ -122,7 +122,7 @@ async def connect(
         nc.connect(
             [server.strip() for server in url.split(",") if server.strip()],
             name=name,
-            connect_timeout=min(give_up_after or 2.0, 2.0),
+            connect_timeout=min(give_up_after, 2.0),
             allow_reconnect=True,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
@@ -141,10 +141,10 @@ async def connect(
         while True:
             done, _ = await asyncio.wait(
                 {connecting, refused, stopping},
-                timeout=WAIT_LOG_S if give_up_after is None else give_up_after,
+                timeout=give_up_after if stop is None else WAIT_LOG_S,
                 return_when=FIRST,
             )
-            if done or give_up_after is not None:
+            if done or stop is None:
                 break
             waited = round(time.monotonic() - started)
             log.warning(kv("nats_waiting", client=name, url=url, waited_s=waited))
@@ -188,12 +188,9 @@ def _refused(url: str, path: Path | None, identity: Identity | None) -> Authoriz
     )
 
 
-def _unavailable(
-    url: str, give_up_after: float | None, exc: BaseException
-) -> BrokerUnavailableError:
-    within = "" if give_up_after is None else f" within {give_up_after:g}s"
+def _unavailable(url: str, give_up_after: float, exc: BaseException) -> BrokerUnavailableError:
     return BrokerUnavailableError(
-        f"cannot reach NATS at {url}{within} ({_error(exc)}); "
+        f"cannot reach NATS at {url} within {give_up_after:g}s ({_error(exc)}); "
         "start one with `seamlessflow broker` or pass --nats URL / SEAMLESSFLOW_NATS_URL"
     )
 
@@ -216,7 +213,7 @@ async def session(
     url: str,
     name: str,
     *,
-    give_up_after: float | None = 5.0,
+    give_up_after: float = 5.0,
     stop: asyncio.Event | None = None,
     principal: Principal | None = None,
     identity_file: Path | None = None,

@@ -59,7 +59,6 @@ async def serve_colocated(c: Colocated, stop: asyncio.Event) -> None:
         async with session(
             c.url,
             f"seamlessflow-worker-{c.worker.worker_id}",
-            give_up_after=None,
             stop=stop,
             principal=Principal.TRAINER,
         ) as nc:

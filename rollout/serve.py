@@ -81,7 +81,6 @@ async def serve_worker(
         async with session(
             url,
             f"seamlessflow-worker-{config.worker_id}",
-            give_up_after=None,
             stop=stop,
             principal=Principal.WORKER,
         ) as nc:

@@ -44,7 +44,6 @@ async def serve_scheduler(
         async with session(
             url,
             f"seamlessflow-{config.scheduler_id}",
-            give_up_after=None,
             stop=stop,
             principal=Principal.SCHEDULER,
         ) as nc:

@@ -74,7 +74,7 @@ async def test_services_started_before_their_broker_wait_for_it_then_serve(
     assert codes == {proc.name: 0 for proc in procs}
 
 
-async def test_a_service_stopped_while_it_waits_for_its_broker_exits_cleanly(tmp_path):
+async def test_a_service_stopped_while_it_waits_for_its_broker_exits_cleanly():
     proc = ServiceProcess(
         "trajectory", "trajectory", "--nats", f"nats://127.0.0.1:{free_port()}", "--run", "gone"
     )

@@ -71,7 +71,6 @@ async def serve_trainer(
         async with session(
             url,
             f"seamlessflow-{config.worker_id}",
-            give_up_after=None,
             stop=stop,
             principal=Principal.TRAINER,
         ) as nc:

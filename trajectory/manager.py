@@ -289,7 +289,6 @@ async def serve_trajectory(
         async with session(
             url,
             f"seamlessflow-trajectory-{run}",
-            give_up_after=None,
             stop=stop,
             principal=Principal.TRAJECTORY,
         ) as nc:

@@ -481,9 +481,7 @@ async def serve_agents(
     """Run the agent runner of ``run`` until ``stop`` is set, serving /metrics."""
     metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
     try:
-        async with session(
-            url, "seamlessflow-agents", give_up_after=None, stop=stop, principal=Principal.AGENTS
-        ) as nc:
+        async with session(url, "seamlessflow-agents", stop=stop, principal=Principal.AGENTS) as nc:
             runner = AgentRunner(
                 nc.jetstream(), RunNames(run), provision.tasks, config, gateway_url, rewards
             )

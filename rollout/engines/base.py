@@ -47,8 +47,8 @@ ENGINE_REQUESTS = Counter(
 ENGINE_PROMPT_TOKENS = Counter(
     "sf_engine_prompt_tokens",
     "Prompt tokens by engine and source: prefilled (KV computed; after a weight load, prompt + "
-    "output again) or cached (KV reused from the engine's prefix cache: vLLM's; hf's holds "
-    "recent prompts whole, so a conversation's next turn reuses the last turn's prompt only)",
+    "output again) or cached (KV reused from the engine's prefix cache: vLLM's whole blocks; "
+    "hf's recent prompts and finished calls, a conversation's next turn reusing the last call)",
     ["engine", "source"],
     registry=REGISTRY,
 )

@@ -372,8 +372,8 @@ class _Prefixes:
             self._bytes -= dropped
 
     def take(self, ids: list[int]) -> tuple[Cache | None, int, torch.Tensor | None]:
-        """A copy of the KV of the longest stored prompt ``ids`` starts with, its length, and
-        its logits if it is all of ``ids``; ``(None, 0, None)`` if none."""
+        """A copy of the KV of the longest stored ids ``ids`` starts with, their length, and
+        their logits if they are all of ``ids``; ``(None, 0, None)`` if none."""
         best: tuple[int, ...] = ()
         for key in self._entries:
             if len(best) < len(key) <= len(ids) and tuple(ids[: len(key)]) == key:

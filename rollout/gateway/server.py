@@ -98,7 +98,6 @@ class Gateway:
         nc = await connect(
             self.nats_url,
             "seamlessflow-gateway",
-            give_up_after=None if self._stop else 5.0,
             stop=self._stop,
             principal=Principal.GATEWAY,
         )
