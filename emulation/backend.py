@@ -7,7 +7,8 @@ weight path run at a cluster's timing on a few cores. The model, and its assumpt
   backends off its event loop), where ``tokens`` are the sample tokens (prompt and output, not
   padding) of its training forwards: each training forward sleeps its tokens' part, ``apply``
   the fixed part (optimizer, all-reduce). A step computed ahead in parts (the trainer's
-  ``overlap``) spends the per-token part as its groups arrive.
+  ``overlap``) spends the per-token part as its groups arrive. In a trainer group of several
+  workers (``trainer.group``) each rank models ``devices`` devices and trains its shard.
 - The policy is one float32 vector of ``weight_floats`` values that never moves; every token's
   logprob is its first value, ``-log(16)``: the emulated engine's at its default cycle, so
   behaviour and proximal logprobs agree. Losses and gradient norms are computed for real from
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from emulation.config import EmulatedBackendConfig
 from trainer.backends.base import ApplyStats, TokenBatch
@@ -48,11 +50,16 @@ class EmulatedBackend:
 
     @property
     def dp_rank(self) -> int:
-        return 0
+        return dist.get_rank() if self._grouped else 0
 
     @property
     def dp_size(self) -> int:
-        return 1
+        return dist.get_world_size() if self._grouped else 1
+
+    @property
+    def _grouped(self) -> bool:
+        """A trainer group (``trainer.group``) formed: each rank spends its shard's time."""
+        return dist.is_initialized() and dist.get_world_size() > 1
 
     shares_prefixes = False
 
@@ -95,8 +102,10 @@ class EmulatedBackend:
         return {"emulated.weight": self._weight.detach()}
 
     def state(self) -> dict[str, Any]:
-        return {"weight": self._weight.detach().clone()}
+        """The layout a trainer group sends its members (``trainer.ranks``); no optimizer."""
+        weight = self._weight.detach().clone()
+        return {"model": {"weight": weight}, "optimizer": {"state": {}, "param_groups": []}}
 
     def load_state(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
-            self._weight.copy_(state["weight"])
+            self._weight.copy_(state["model"]["weight"])

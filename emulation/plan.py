@@ -178,7 +178,7 @@ def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | 
         raise PlanError(f"{at['costs']} 'layout' is {layout!r}: not one of {sorted(ARM_OF)}")
     workers = _need(costs, "rollout workers", at["costs"])
     arm = ARM_OF[layout]
-    devices = max(1, workers) if arm is Arm.COLOCATED else workers + 1
+    devices = max(1, workers) if arm is Arm.COLOCATED else workers + trainer_devices
     engine = fit_engine(_need(costs, "engine load", at["costs"]), at["costs"])
     calls = _need(costs, "calls per sample", at["costs"])
     turns = max(1, round(calls))
@@ -476,15 +476,15 @@ def main(args: argparse.Namespace) -> int:
 def predictions(found: Fit, steps: int) -> dict[str, Candidate]:
     """What the fit predicts for each layout at the run's own shape (devices, split,
     staleness), as ``seamlessflow run`` lays it out: the colocated layout on its workers (the
-    run's trainer workers train, one if the run was not colocated), the others with one
-    trainer device and the run's rollout workers."""
-    colocated = found.arm is Arm.COLOCATED
+    run's trainer workers train, one if the run was not colocated), the disaggregated one with
+    one trainer device besides the run's rollout workers, the multiplexed one with the run's
+    trainer workers if it was multiplexed (``[layout.train] count``), else one."""
+    own = found.trainer_devices
+    workers = found.devices if found.arm is Arm.COLOCATED else found.devices - own
     out = {}
     for arm, layout in LAYOUT_OF.items():
-        if arm is Arm.COLOCATED:
-            n = max(1, found.devices - (not colocated))
-            trainer = min(n, found.trainer_devices) if colocated else 1
-        else:
-            n, trainer = found.devices + colocated, 1
+        trainer = own if arm is found.arm else 1  # (a disaggregated run's is 1)
+        n = max(1, workers) if arm is Arm.COLOCATED else workers + trainer
+        trainer = min(n, trainer)
         out[layout] = predict(found.workload, arm, n, trainer, found.staleness, steps)
     return out

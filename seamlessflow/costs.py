@@ -49,7 +49,7 @@ def run_costs(config: RunConfig, stats: RunStats, trainer: dict[str, float]) -> 
         "admission to first call seconds (mean)": statistics.fmean(starts) if starts else None,
         "engine load": engine_load(
             [(start, end, n) for _, start, end, n in spans],
-            config.rollout.workers + USUAL_ENGINES[config.layout.kind],
+            config.rollout.workers + lent_engines(config),
             serving_windows(config, stats.versions_at, trainer),
         ),
     }
@@ -57,12 +57,22 @@ def run_costs(config: RunConfig, stats: RunStats, trainer: dict[str, float]) -> 
 
 def trainer_workers(config: RunConfig) -> int:
     """The workers ``seamlessflow run`` trains on: colocated, ``[layout.train] count`` of its
-    ``rollout.workers`` (all of them for ``rest``); otherwise its one trainer process."""
-    if config.layout.kind is not Layout.COLOCATED:
+    ``rollout.workers`` (all of them for ``rest``); multiplexed, the trainer workers it starts
+    besides the rollout workers (``count``, one for ``rest``); disaggregated, its one trainer
+    process."""
+    kind, count = config.layout.kind, config.layout.spec().train.count
+    if kind is Layout.DISAGGREGATED:
         return 1
+    if kind is Layout.MULTIPLEXED:
+        return max(1, count or 1)
     workers = max(1, config.rollout.workers)
-    count = config.layout.spec().train.count
     return workers if count is None else max(1, min(count, workers))
+
+
+def lent_engines(config: RunConfig) -> int:
+    """Engines that serve besides the rollout workers', outside the trainer's steps: a
+    multiplexed run's trainer workers, lent while they wait for a batch."""
+    return trainer_workers(config) if config.layout.kind is Layout.MULTIPLEXED else 0
 
 
 def steady_step_s(versions_at: list[tuple[int, float]]) -> float | None:
@@ -77,10 +87,11 @@ def serving_windows(
     config: RunConfig, versions_at: list[tuple[int, float]], trainer: dict[str, float]
 ) -> list[tuple[float, float, int]]:
     """``(start, end, engines serving)`` where fewer of the run's engines serve than its
-    layout's usual (``USUAL_ENGINES``): per version announced at ``t``, its step before it (the
-    trainer's mean step, and the in-step publish and checkpoint stall: a colocated trainer's
-    workers and a multiplexed trainer's own engine do not serve), and the weight load after it
-    (every engine paused: optimizer step -> all serving, less the publish and stall)."""
+    layout's usual (the rollout workers' and ``lent_engines``): per version announced at ``t``,
+    its step before it (the trainer's mean step, and the in-step publish and checkpoint stall:
+    a colocated trainer's workers and a multiplexed trainer's own engines do not serve), and
+    the weight load after it (every engine paused: optimizer step -> all serving, less the
+    publish and stall)."""
     step = trainer.get("step seconds (mean)")
     if step is None:
         return []
@@ -95,11 +106,6 @@ def serving_windows(
     for _, t in versions_at:
         windows += [(t - in_step - step, t, training), (t, t + load, 0)]
     return windows
-
-
-USUAL_ENGINES = {Layout.DISAGGREGATED: 0, Layout.MULTIPLEXED: 1, Layout.COLOCATED: 0}
-"""Engines that serve besides the rollout workers', outside the trainer's steps (the
-multiplexed trainer's own, lent while it waits for a batch)."""
 
 
 def engine_load(

@@ -59,6 +59,7 @@ from common.metrics import scrape_all
 from common.paths import default_state_dir
 from rollout.gateway.keys import RunKeys, write_run_keys
 from seamlessflow.config import RunConfig, override
+from seamlessflow.costs import trainer_workers
 from seamlessflow.exceptions import RunFailedError
 from seamlessflow.feed import TaskFeed
 from seamlessflow.launcher import Broker, local_broker, stop_on_signals, workers_and_leader
@@ -342,8 +343,9 @@ class Services:
         """The trainer and the rollout workers, tagged for ``layout`` (``tagsched.spec``) and
         placed on ``cpus`` (``seamlessflow.placement``): disaggregated, a trainer process on the
         trainer's CPUs and ``rollout.workers`` rollout workers on the rollout CPUs; multiplexed,
-        the trainer is a worker tagged ``train,rollout`` on the trainer's CPUs (lent to rollout
-        while it waits: those CPUs generate then); colocated, ``rollout.workers`` workers tagged
+        the trainer is ``[layout.train] count`` workers (one by default) tagged
+        ``train,rollout`` on the trainer's CPUs, one trainer group (lent to rollout while it
+        waits: those CPUs generate then); colocated, ``rollout.workers`` workers tagged
         both run anywhere, sharing the CPUs (training on their share, generating on
         ``rollout.threads``), time-shared between training and rollout: those
         the scheduler assigns ``train`` (``[layout.train] count``, one by default) form the
@@ -389,8 +391,20 @@ class Services:
             for i, where in enumerate(cpus.workers)
         ]
         if layout is Layout.MULTIPLEXED:
-            trainer = worker("trainer", "trainer-0", ["train", "rollout"], Role.TRAIN, cpus.trainer)
-            return [trainer, *rollout]
+            k = trainer_workers(cfg)  # sharing the trainer's CPUs and threads
+            where = CpuSet(cpus.trainer.cpus, max(1, cpus.trainer.threads // k))
+            # trainer-0 is named trainer: the one the progress report reads (the group's rank 0)
+            trainers = [
+                worker(
+                    f"trainer-{i}" if i else "trainer",
+                    f"trainer-{i}",
+                    ["train", "rollout"],
+                    Role.TRAIN,
+                    where,
+                )
+                for i in range(k)
+            ]
+            return [*trainers, *rollout]
         changes = {"trainer": {**checkpoints, "threads": cpus.trainer.threads}}
         return [self.child("trainer", "trainer", changes, cpus.trainer), *rollout]
 

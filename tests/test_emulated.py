@@ -282,6 +282,7 @@ max_tokens = 16
 backlog = 4
 [layout]
 kind = "multiplexed"
+train = {{ count = {trainers} }}
 [stop]
 max_steps = 3
 max_seconds = 60
@@ -298,13 +299,20 @@ dead = {{ max_bytes = 4194304, max_age_s = 3600.0 }}
 
 @pytest.mark.newest_nats
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("overlap", ["false", "true"], ids=["by-step", "overlap"])
-def test_a_run_on_the_emulated_engine_and_trainer_completes(broker, run_name, tmp_path, overlap):
-    """The whole run (multiplexed: the trainer's worker lent and reclaimed), and with the
-    trainer computing each step ahead (``trainer.overlap``)."""
+@pytest.mark.parametrize(
+    ("overlap", "trainers"),
+    [("false", 1), ("true", 1), ("false", 2)],
+    ids=["by-step", "overlap", "trainer-group"],
+)
+def test_a_run_on_the_emulated_engine_and_trainer_completes(
+    broker, run_name, tmp_path, overlap, trainers
+):
+    """The whole run (multiplexed: the trainer's worker lent and reclaimed), with the trainer
+    computing each step ahead (``trainer.overlap``), and with a trainer group of two workers
+    (``[layout.train] count``), each rank training its shard."""
     out = tmp_path / "out"
     config = tmp_path / "run.toml"
-    config.write_text(RUN.format(run=run_name, out=out, overlap=overlap))
+    config.write_text(RUN.format(run=run_name, out=out, overlap=overlap, trainers=trainers))
     done = subprocess.run(
         [sys.executable, "-m", "seamlessflow.cli", "run", str(config), "--nats", broker.url],
         capture_output=True,
@@ -322,3 +330,10 @@ def test_a_run_on_the_emulated_engine_and_trainer_completes(broker, run_name, tm
         "trainer backend emulated": EmulatedBackendConfig.benchmark_only,
     }
     assert "benchmark only: engine emulated" in done.stdout
+    # ``seamlessflow run`` started the trainer's workers (one trainer group) and, by step, the
+    # scheduler lent them while they waited.
+    (parts,) = summary["nodes"].values()
+    assert len([p for p in parts if p.startswith("worker trainer-")]) == trainers, parts
+    assert summary["costs"]["trainer workers"] == trainers
+    if overlap == "false":
+        assert summary["scheduler"]["lends"] >= trainers

@@ -18,7 +18,7 @@ from emulation.plan import ClusterShape, Fit, PlanError, fit, load_summary, pred
 from emulation.sim import Arm
 from emulation.workload import EngineCost, TrainerCost
 from seamlessflow.config import RunConfig, override
-from seamlessflow.costs import engine_load, serving_windows, trainer_workers
+from seamlessflow.costs import engine_load, lent_engines, serving_windows, trainer_workers
 from tests.test_cli import NO_TORCH
 
 ENGINE = EngineCost(a_s=0.02, b_s=0.004, prefill_s_per_token=0.0, max_batch=16)
@@ -197,7 +197,7 @@ def test_a_missing_cost_is_named_with_its_file_and_section():
         fit(summary, "run.json")
 
 
-def test_a_colocated_run_training_on_several_workers_is_planned_with_as_many():
+def test_a_run_training_on_several_workers_is_planned_with_as_many():
     def colocated(count: int | str) -> RunConfig:
         layout = {"kind": "colocated", "train": {"count": count}}
         return override(RunConfig(), {"layout": layout, "rollout": {"workers": 3}})
@@ -244,6 +244,15 @@ def test_a_colocated_run_training_on_several_workers_is_planned_with_as_many():
     assert predicted["disaggregated"].trainer_devices == 1
     disaggregated = fit({**summary, "costs": {**costs, "layout": "disaggregated"}})
     assert predictions(disaggregated, 8)["colocated"].trainer_devices == 1
+    # A multiplexed run starts its trainer group besides the rollout workers: 3 + 2 devices,
+    # the multiplexed prediction on both trainer workers, the others as the run lays them out.
+    multiplexed = {"kind": "multiplexed", "train": {"count": 2}}
+    run = override(RunConfig(), {"layout": multiplexed, "rollout": {"workers": 3}})
+    assert (trainer_workers(run), lent_engines(run)) == (2, 2)
+    mux = fit({**summary, "costs": {**costs, "layout": "multiplexed", "trainer workers": 2}})
+    assert (mux.arm, mux.devices, mux.trainer_devices) == (Arm.MULTIPLEXED, 5, 2)
+    shapes = {k: (c.devices, c.trainer_devices) for k, c in predictions(mux, 8).items()}
+    assert shapes == {"colocated": (3, 1), "disaggregated": (4, 1), "multiplexed": (5, 2)}
 
 
 def test_engine_load_leaves_out_what_the_engines_did_not_serve():

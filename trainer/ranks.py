@@ -205,7 +205,9 @@ class RankGroup:
                 raise GroupBrokenError(f"state transfer failed: {exc}") from exc
 
     def _device(self) -> torch.device:
-        return next(self.backend.model.parameters()).device  # the torch backend's
+        """Where the torch backend's model is; a backend without one (``emulation``) is on CPU."""
+        model = getattr(self.backend, "model", None)
+        return torch.device("cpu") if model is None else next(model.parameters()).device
 
     def ping(self) -> None:
         """Rank 0, between steps: a command that does nothing, so that the others' wait for the
