@@ -186,12 +186,16 @@ async def emulated_agent(ctx):
 def arm_config(arm: Arm, cluster: str, run: str, out: Path, args: argparse.Namespace) -> str:
     """The run TOML of ``arm``: equal devices, staleness bound and samples per step."""
     staleness = 0 if arm.synchronous else args.staleness
-    devices = args.devices
-    workload = WORKLOAD if cluster == "emulated" else None
+    devices, trainers = args.devices, 1 if arm.synchronous else args.trainer_devices
+    workload = args.workload if cluster == "emulated" else None
     groups = workload.groups_per_step if workload else args.tiny_groups
     config = {
-        "model": {"max_model_len": 2048 if workload else 512, "warm_start": {"steps": 0}},
-        "rollout": {"workers": devices - 1},  # and the trainer's process or worker
+        # room for a prompt and the workload's longest answer
+        "model": {
+            "max_model_len": max(2048, workload.lengths.cap + 512) if workload else 512,
+            "warm_start": {"steps": 0},
+        },
+        "rollout": {"workers": devices - trainers},  # and the trainer's process or workers
         # downweight by default: every arm trains every sample (the simulator drops whole groups
         # and the trainer single samples, which would make their samples per step differ);
         # --stale drop shows what admission lets past the bound
@@ -202,7 +206,11 @@ def arm_config(arm: Arm, cluster: str, run: str, out: Path, args: argparse.Names
             **order_settings(args),
         },
         "scheduler": {"steps_ahead": staleness + 1},
-        "layout": {"kind": arm.layout},
+        # a multiplexed trainer is its workers, a disaggregated one a process
+        "layout": {
+            "kind": arm.layout,
+            "train": {"count": trainers if arm.layout == "multiplexed" else 1},
+        },
         "tasks": {
             "group_size": workload.group_size if workload else 8,
             "backlog": 2 * groups * (staleness + 1),
@@ -223,11 +231,10 @@ def arm_config(arm: Arm, cluster: str, run: str, out: Path, args: argparse.Names
             "max_running": 256,
             "engine": {"kind": "emulated", "chunk_s": 0.5, "workload": table},
         }
-        config["trainer"]["backend"] = {
-            "kind": "emulated",
-            "devices": devices if arm.synchronous else 1,
-            "workload": table,
-        }
+        # a multiplexed trainer's workers are one device each (a trainer group), a
+        # disaggregated trainer's process all of its devices
+        modelled = devices if arm.synchronous else 1 if arm.layout == "multiplexed" else trainers
+        config["trainer"]["backend"] = {"kind": "emulated", "devices": modelled, "workload": table}
     else:
         del config["model"]["warm_start"]  # the quickstart's warm start (cached)
     lines = [f'run = "{run}"', f'output_dir = "{out}"']
@@ -263,7 +270,7 @@ async def run_arm(arm: Arm, cluster: str, args: argparse.Namespace, tmp: Path) -
     out = tmp / run
     config = tmp / f"{run}.toml"
     config.write_text(arm_config(arm, cluster, run, out, args))
-    workload = WORKLOAD if cluster == "emulated" else Workload(agent=_agent(TINY_AGENT))
+    workload = args.workload if cluster == "emulated" else Workload(agent=_agent(TINY_AGENT))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", WORKLOAD_ENV: json.dumps(workload.to_dict())}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     arrivals: dict[int, float] = {}
@@ -449,6 +456,7 @@ def measure(
         ),
         "trainer_step_s": summary["trainer"].get("step seconds (mean)"),
         "first_version_s": round(arrivals[min(arrivals)] - started, 1),  # start-up included
+        "version_at_s": {v: round(t - started, 2) for v, t in sorted(arrivals.items())},
         "wall_s": round(time.monotonic() - started, 1),
     }
 
@@ -482,7 +490,7 @@ def _quantile(samples: list, name: str, q: float) -> float | None:
 
 
 def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
-    """The simulator's figures for ``arm`` at ``WORKLOAD``, the same devices, trainer devices,
+    """The simulator's figures for ``arm`` at the run's workload, devices, trainer devices,
     staleness and steps (``emulation.sim.simulate``, run in this process; ``--sim-path`` puts a
     checkout holding it first on the path). Its rates are steady-state (the first quarter of
     the steps left out), like the measured ones after the warm-up. None without a simulator."""
@@ -495,9 +503,9 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
         return None
     steps = args.warmup + args.steps
     staleness = 0 if arm.synchronous else args.staleness
-    trainer_devices = args.devices if arm.synchronous else 1
+    trainer_devices = args.devices if arm.synchronous else args.trainer_devices
     r = simulate(
-        WORKLOAD,
+        args.workload,
         arm.name,
         args.devices,
         steps,
@@ -507,7 +515,7 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
         order=Order(args.order),
         **{k: v for k, v in order_settings(args).items() if k == "order_wait_s"},
     )
-    samples_per_step = WORKLOAD.samples_per_step
+    samples_per_step = args.workload.samples_per_step
     return {
         "s_per_step": round(samples_per_step / r.steady_samples_per_s, 3),
         "samples_per_s": round(r.steady_samples_per_s, 3),
@@ -560,7 +568,8 @@ def main() -> None:
         if cluster not in ("emulated", "tiny"):
             parser.error(f"--cluster: unknown cluster {cluster!r}")
         devices = args.devices if cluster == "emulated" else 2  # this machine's 2 cores
-        run_cluster(cluster, argparse.Namespace(**{**vars(args), "devices": devices}))
+        shape = {"devices": devices, "trainer_devices": 1, "workload": WORKLOAD}
+        run_cluster(cluster, argparse.Namespace(**{**vars(args), **shape}))
 
 
 def run_cluster(cluster: str, args: argparse.Namespace) -> None:
@@ -612,7 +621,7 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "staleness": args.staleness,
-        "workload": WORKLOAD.to_dict() if cluster == "emulated" else {"agent": TINY_AGENT},
+        "workload": args.workload.to_dict() if cluster == "emulated" else {"agent": TINY_AGENT},
         "machine": machine(),
         "arms": {**arms, **{row["arm"]: row for row in rows}},
     }
