@@ -115,7 +115,17 @@ def emulated(args: argparse.Namespace, arm: str, k: int, tmp: Path) -> dict:
     s = settings(args, k)
     row = asyncio.run(pipeline.run_arm(pipeline.ARMS[ARMS[arm]], "emulated", s, tmp))
     at = {int(v): t for v, t in row["version_at_s"].items()}
-    keep = ("s_per_step", "idle_mean", "lends", "reclaim_p99_s", "trainer_step_s", "wall_s")
+    keep = (
+        "s_per_step",
+        "idle_mean",
+        "running_mean",
+        "plane_ms_per_call",
+        "order_wait_s",
+        "lends",
+        "reclaim_p99_s",
+        "trainer_step_s",
+        "wall_s",
+    )
     return {**times(at, args.steps), **{key: row[key] for key in keep}}
 
 
