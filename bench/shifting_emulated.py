@@ -23,8 +23,8 @@ steps. The simulator runs the same protocol on the same workload, seed and train
 (``--sim-only``: only it, seconds).
 
 Usage: flock /tmp/sf-bench.lock python -m bench.shifting_emulated [--splits 2,3,4,5,6]
-[--mux-splits 3,4,5] [--steps 20] [--seed 0] [--sim-only]. Prints tables, writes
-bench/results/shifting_emulated.json (about 4 minutes a run).
+[--mux-splits 3,4,5] [--steps 20] [--seed 0] [--sim-only] [--results NAME]. Prints tables,
+writes bench/results/shifting_emulated.json or NAME (about 4 minutes a run).
 """
 
 import argparse
@@ -167,6 +167,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps, after the first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sim-only", action="store_true")
+    parser.add_argument("--results", default="shifting_emulated.json", help="under bench/results")
     args = parser.parse_args()
     splits = {
         "static": [int(k) for k in args.splits.split(",")],
@@ -198,7 +199,7 @@ def main() -> None:
         results["emulated_over_simulated"] = ratio
         print(f"\nemulated / simulated time to the steps: {ratio}")
     results["wall_s"] = round(time.perf_counter() - started, 1)
-    path = write_results("shifting_emulated.json", results)
+    path = write_results(args.results, results)
     print(f"wrote {path}")
 
 
