@@ -71,7 +71,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.machine import machine
+from bench.machine import CpuShare, machine
 from bench.output import RESULTS, write_results
 from emulation.workload import Workload
 
@@ -288,7 +288,7 @@ async def run_arm(arm: Arm, cluster: str, args: argparse.Namespace, tmp: Path) -
 
             await nc.subscribe(RunNames(run).weights, cb=on_weights)
             command = [sys.executable, "-m", "seamlessflow.cli", "run", str(config)]
-            started = time.monotonic()
+            started, cpu = time.monotonic(), CpuShare()
             proc = await asyncio.create_subprocess_exec(
                 *command,
                 "--nats",
@@ -307,7 +307,8 @@ async def run_arm(arm: Arm, cluster: str, args: argparse.Namespace, tmp: Path) -
     from trainer.checkpoint import read_steps
 
     summary = json.loads((out / "summary.json").read_text())
-    return measure(arm, summary, read_steps(out / CHECKPOINTS), arrivals, scrapes, args, started)
+    row = measure(arm, summary, read_steps(out / CHECKPOINTS), arrivals, scrapes, args, started)
+    return {**row, **cpu.read()}  # the whole run's, start-up included
 
 
 def _agent(spec: dict):
