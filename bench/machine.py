@@ -3,6 +3,8 @@
 import os
 import platform
 
+import psutil
+
 
 def machine(**measured: object) -> dict:
     """This host (platform, Python, CPUs) and its 1-minute load average now, then what the
@@ -17,26 +19,18 @@ def machine(**measured: object) -> dict:
 
 
 class CpuShare:
-    """The share of this machine's CPU time that was busy, and that the host took (steal), from
-    ``/proc/stat`` between ``__init__`` and ``read``: a run slowed by the host or by a saturated
-    machine tells itself apart. Empty where ``/proc/stat`` is not."""
+    """The share of this machine's CPU time that was busy, and that the host took (steal),
+    between ``__init__`` and ``read`` (``psutil.cpu_times``): a run slowed by the host or by a
+    saturated machine tells itself apart."""
 
     def __init__(self) -> None:
-        self._start = _cpu_times()
+        self._start = psutil.cpu_times()
 
     def read(self) -> dict[str, float]:
-        end = _cpu_times()
-        if not end or not self._start:
-            return {}
-        delta = [b - a for a, b in zip(self._start, end, strict=True)]
-        total = sum(delta[:8]) or 1  # user .. steal (guest time is counted in user)
-        idle = delta[3] + delta[4]  # idle, iowait
-        return {"cpu_busy": round(1 - idle / total, 3), "cpu_steal": round(delta[7] / total, 3)}
-
-
-def _cpu_times() -> list[int]:
-    try:
-        with open("/proc/stat") as f:
-            return [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return []
+        end = psutil.cpu_times()
+        delta = {f: getattr(end, f) - getattr(self._start, f) for f in end._fields}
+        # guest time is counted in user already
+        total = sum(v for f, v in delta.items() if not f.startswith("guest")) or 1.0
+        idle = delta["idle"] + delta.get("iowait", 0.0)
+        steal = delta.get("steal", 0.0)
+        return {"cpu_busy": round(1 - idle / total, 3), "cpu_steal": round(steal / total, 3)}

@@ -1,9 +1,9 @@
 """Multiplexing where the load moves (issue 22, item 2), on the emulated cluster.
 
-``bench.shifting_load``'s ``growing`` workload scaled to the emulated cluster (``WORKLOAD`` below:
-16 devices, 16 groups of 8 a step, the median response 64 tokens at the first step and 256 at
-the last, engines with a KV budget of 4096 tokens, about 32 sequences resident at the first
-step's lengths and 8 at the last's, so rollout's share of the work grows), on real processes
+``bench.shifting_load``'s ``growing`` workload scaled to the emulated cluster (``workload``
+below: 16 devices, 16 groups of 8 a step, the median response 64 tokens at the first step and
+256 at the last, engines with a KV budget of 4096 tokens, about 32 sequences resident at the
+first step's lengths and 8 at the last's, so rollout's share of the work grows), on real processes
 (``bench.pipeline``: the real scheduler, trainer, gateway, trajectory manager and NATS; the
 emulated engines and trainer spend the workload's time), at the real engines' switch cost (0.1
 s, ``bench/switch.py``).

@@ -309,7 +309,7 @@ def test_a_run_on_the_emulated_engine_and_trainer_completes(
 ):
     """The whole run (multiplexed: the trainer's worker lent and reclaimed), with the trainer
     computing each step ahead (``trainer.overlap``), and with a trainer group of two workers
-    (``[layout.train] count``), each rank training its shard."""
+    (``[layout.train] count``) that ``seamlessflow run`` starts."""
     out = tmp_path / "out"
     config = tmp_path / "run.toml"
     config.write_text(RUN.format(run=run_name, out=out, overlap=overlap, trainers=trainers))
