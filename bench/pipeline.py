@@ -81,6 +81,7 @@ WORKLOAD_ENV = "SF_BENCH_WORKLOAD"
 SCRAPE_S = 2.0
 MEAN_GAUGES = {
     "sf_rollout_requests_running": "running",  # a worker's attempts in progress
+    "sf_rollout_requests_waiting": "waiting",  # ... its engine has not started
     "sf_scheduler_admission_outstanding": "outstanding",  # groups admitted, not yet acked
 }
 """Gauges the row reports as their mean over the scrapes after the warm-up, by row key."""
@@ -229,6 +230,7 @@ def arm_config(arm: Arm, cluster: str, run: str, out: Path, args: argparse.Names
         config["cpus"] = {"placement": "none"}  # nothing computes
         config["worker"] = {
             "max_running": 256,
+            **({"max_waiting": args.max_waiting} if args.max_waiting else {}),
             "engine": {"kind": "emulated", "chunk_s": 0.5, "workload": table},
         }
         # a multiplexed trainer's workers are one device each (a trainer group), a
@@ -560,6 +562,9 @@ def main() -> None:
         default=OVERLAP_WAIT_S,
         help="the overlap order's trainer.order_wait_s: how long a step waits for an earlier "
         "task (other than 25: results in pipeline[-drop]-wait<S>.json)",
+    )
+    parser.add_argument(
+        "--max-waiting", type=int, help="worker.max_waiting (unset: the worker's default)"
     )
     parser.add_argument(
         "--sim-path", type=Path, default=None, help="a checkout with emulation.sim, if not this one"

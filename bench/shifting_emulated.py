@@ -76,6 +76,7 @@ def settings(args: argparse.Namespace, k: int) -> argparse.Namespace:
         overlap_wait=pipeline.OVERLAP_WAIT_S,
         sim_path=None,
         tiny_groups=0,
+        max_waiting=args.max_waiting,
     )
 
 
@@ -119,6 +120,7 @@ def emulated(args: argparse.Namespace, arm: str, k: int, tmp: Path) -> dict:
         "s_per_step",
         "idle_mean",
         "running_mean",
+        "waiting_mean",
         "plane_ms_per_call",
         "order_wait_s",
         "lends",
@@ -169,6 +171,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps, after the first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sim-only", action="store_true")
+    parser.add_argument(
+        "--max-waiting", type=int, help="worker.max_waiting (unset: the worker's default)"
+    )
     parser.add_argument("--results", default="shifting_emulated.json", help="under bench/results")
     args = parser.parse_args()
     splits = {

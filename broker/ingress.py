@@ -25,7 +25,9 @@ come back within seconds) however long the work takes; handlers need not signal 
 The loop never stops on bad input, and a message is terminated only once its dead letter is
 stored, so nothing is lost. With ``concurrency`` above 1, that many messages are handled at once,
 each in its own task, and the loop fetches only as many as there are free slots, so long handlers
-(a generation) never leave fetched messages waiting while their ack timers run.
+(a generation) never leave fetched messages waiting while their ack timers run. ``room`` bounds
+a fetch further (a rollout worker's: what its engine would start now; read once the handlers of
+what came have run to their first ``await``); ``wake`` says it grew.
 """
 
 import asyncio
@@ -113,6 +115,7 @@ class Ingress(Generic[M]):
         max_payload: int,
         batch: int = 32,
         concurrency: int = 1,
+        room: Callable[[], int] | None = None,
         fetch_timeout: float = 1.0,
         retry_delay: float = 5.0,
         backoff: Backoff = BACKOFF,
@@ -127,6 +130,8 @@ class Ingress(Generic[M]):
         self._max_payload = max_payload
         self._batch = batch
         self._concurrency = concurrency
+        self._handler_room = room
+        self._woken = asyncio.Event()
         self._running: set[asyncio.Task] = set()
         self._fetch_timeout = fetch_timeout
         self._retry_delay = retry_delay
@@ -172,9 +177,12 @@ class Ingress(Generic[M]):
                     await _wait_any(stop, self._resumed)
                     continue
                 # 2. Fetch what there is room for; a timeout only means nothing yet.
+                self._woken.clear()
                 room = self._room()
                 if room == 0:
-                    await asyncio.wait(self._running, return_when=asyncio.FIRST_COMPLETED)
+                    woken = asyncio.ensure_future(self._woken.wait())
+                    await asyncio.wait({woken, *self._running}, return_when=asyncio.FIRST_COMPLETED)
+                    woken.cancel()
                     continue
                 msgs = await self._fetch(sub, room)
                 self._unsettled.update((msg.reply, msg) for msg in msgs)
@@ -186,6 +194,8 @@ class Ingress(Generic[M]):
                         task = asyncio.create_task(self._settle_logged(msg))
                         self._running.add(task)
                         task.add_done_callback(self._running.discard)
+                if msgs and self._handler_room is not None:
+                    await asyncio.sleep(0)  # the handlers take their room before it is read again
             # 4. Let the messages in hand finish.
             if self._running:
                 await asyncio.wait(self._running)
@@ -254,17 +264,22 @@ class Ingress(Generic[M]):
                 await _wait_any(self._stop, self._resumed)
         return not self._stop.is_set()
 
+    def wake(self) -> None:
+        """Say that ``room`` may have grown: a loop waiting for room looks again."""
+        self._woken.set()
+
     def _room(self) -> int:
         if self._concurrency == 1:
             return self._batch
-        if not self._running:
-            # Idle: wait for one. A fetch of several ends only with the server's "no more"
-            # after what it delivered (0.15-0.2 ms later here); the rest of a burst comes with
-            # the next fetch, at once.
-            return 1
         # A fetch can return more than asked (messages of an earlier, expired pull request),
         # so more than ``concurrency`` may be running: then there is no room at all.
-        return max(0, min(self._batch, self._concurrency - len(self._running)))
+        room = max(0, min(self._batch, self._concurrency - len(self._running)))
+        if self._handler_room is not None:
+            room = min(room, max(0, self._handler_room()))
+        # Idle: wait for one. A fetch of several ends only with the server's "no more" after
+        # what it delivered (0.15-0.2 ms later here); the rest of a burst comes with the next
+        # fetch, at once.
+        return min(room, 1) if not self._running else room
 
     async def _settle_logged(self, msg: Msg) -> None:
         try:
@@ -298,14 +313,9 @@ class Ingress(Generic[M]):
         except Exception as exc:  # a decoder bug must not stop the loop: the message is the cause
             await self._reject(msg, f"cannot decode: {type(exc).__name__}: {exc}", content_type)
             return
-        stored_at = meta.timestamp.timestamp()
+        seq, stored_at = meta.sequence.stream, meta.timestamp.timestamp()
         delivery = Delivery(
-            msg.subject,
-            meta.sequence.stream,
-            meta.num_delivered,
-            stored_at,
-            msg,
-            ack_wait=self._ack_wait,
+            msg.subject, seq, meta.num_delivered, stored_at, msg, ack_wait=self._ack_wait
         )
         while True:
             called = time.monotonic()

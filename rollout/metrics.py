@@ -14,6 +14,11 @@ REQUESTS = Counter(
     registry=REGISTRY,
 )
 RUNNING = Gauge("sf_rollout_requests_running", "Generation attempts in progress", registry=REGISTRY)
+WAITING = Gauge(
+    "sf_rollout_requests_waiting",
+    "Generation attempts in progress the engine has not started (no token out yet)",
+    registry=REGISTRY,
+)
 QUEUE_WAIT = Histogram(
     "sf_rollout_queue_wait_seconds",
     "Time from a request being stored on gen.req to this worker starting it",

@@ -12,9 +12,12 @@ wakes the broker and the gateway, and on a small machine that slows the engine i
 not ``streamed`` (the requester reads only the whole response) has its tokens held until the
 finish, a new weight version, or the keepalive, which sends them instead of an empty chunk. The
 JetStream message is kept in progress while the request runs and acknowledged only when it is
-done. A request ends with the engine's finish reason; an attempt the worker gives up (it is
-stopping, or the gateway cancelled it) ends with ``ABORT`` and the reason in ``error``, and the
-gateway continues the call elsewhere.
+done. The worker takes requests from the queue only while fewer than ``max_waiting`` of its
+attempts have no token from the engine yet (queued in the engine, e.g. for KV cache): a backlog
+waits on the shared queue for whichever engine has room, not in one engine's queue. A request
+ends with the engine's finish reason; an attempt the worker gives up (it is stopping, or the
+gateway cancelled it) ends with ``ABORT`` and the reason in ``error``, and the gateway continues
+the call elsewhere.
 
 The worker loads the newest published version first (``load_latest``), so that the registry
 entry it is registered with carries it; whoever opens the membership (``broker.roles``) gives
@@ -54,7 +57,15 @@ from broker.subjects import Durable, RunNames
 from common.log import kv
 from rollout.engines import Engine, EngineError, GenerationChunk
 from rollout.following import WeightFollower
-from rollout.metrics import INTERRUPTIONS, MEMORY_HANDOVER, QUEUE_WAIT, REQUESTS, RUNNING, TOKENS
+from rollout.metrics import (
+    INTERRUPTIONS,
+    MEMORY_HANDOVER,
+    QUEUE_WAIT,
+    REQUESTS,
+    RUNNING,
+    TOKENS,
+    WAITING,
+)
 from rollout.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -79,6 +90,8 @@ class _Attempt:
     """Sends ``held`` when ``stream_interval_s`` has passed, if nothing else sent it first."""
     engine_s: float | None = None
     """Set when the engine ended the attempt: its seconds, from the call into it."""
+    started: bool = False
+    """The engine has sent something for it (it is no longer queued in the engine)."""
 
 
 class RolloutWorker:
@@ -105,6 +118,8 @@ class RolloutWorker:
         self._stopping = False
         self._roles: RoleHolder | None = None  # set by run
         self._serving: asyncio.Task | None = None  # the gen.req ingress, while rollout
+        self._ingress: Ingress[GenerationRequested] | None = None  # the one ``_serving`` runs
+        self._waiting = 0  # attempts the engine has not started
         self._serving_stop = asyncio.Event()
         self._ending: asyncio.Task | None = None  # an ingress stopped (lent) and not ended yet
         self._engine_lock = asyncio.Lock()  # a role switch never resumes a load in progress
@@ -134,6 +149,7 @@ class RolloutWorker:
             max_payload=self._gen_limits.max_payload,
             batch=self._config.max_running,
             concurrency=self._config.max_running,
+            room=lambda: self._config.max_waiting - self._waiting,
             fetch_timeout=FETCH_TIMEOUT_S,
         )
 
@@ -195,7 +211,8 @@ class RolloutWorker:
             await ending
         if self._serving is None and not self._stopping and not self._weights.quarantined:
             self._serving_stop = asyncio.Event()
-            self._serving = asyncio.create_task(self.requests_ingress().run(self._serving_stop))
+            self._ingress = self.requests_ingress()
+            self._serving = asyncio.create_task(self._ingress.run(self._serving_stop))
 
     async def _stop_serving(self, reason: str, *, cause: str, wait: bool = True) -> None:
         """Stop routing to this worker, then abort what is in flight; never wait for responses.
@@ -224,6 +241,8 @@ class RolloutWorker:
             return
         attempt = _Attempt(request, delivery)
         self._attempts[key] = attempt
+        self._waiting += 1
+        WAITING.inc()
         self._note_busy()
         QUEUE_WAIT.observe(max(0.0, time.time() - delivery.published_at))
         RUNNING.inc()
@@ -234,6 +253,7 @@ class RolloutWorker:
             called = time.monotonic()  # the engine's seconds: from here to its last chunk
             stream = self._engine.generate(_request_id(request), request.prompt_ids, request.params)
             async for chunk in stream:
+                self._started(attempt)
                 TOKENS.inc(len(chunk.token_ids))
                 if chunk.finish_reason is not None:
                     attempt.engine_s = time.monotonic() - called
@@ -252,9 +272,20 @@ class RolloutWorker:
             if attempt.flusher is not None:
                 attempt.flusher.cancel()
             del self._attempts[key]
+            self._started(attempt)
             self._note_busy()
             RUNNING.dec()
             REQUESTS.labels(finish.value).inc()
+
+    def _started(self, attempt: _Attempt) -> None:
+        """The engine has started ``attempt`` (or it ended): one fewer waiting, room to take one."""
+        if attempt.started:
+            return
+        attempt.started = True
+        self._waiting -= 1
+        WAITING.dec()
+        if self._ingress is not None:
+            self._ingress.wake()
 
     async def _forward(self, attempt: _Attempt, chunk: GenerationChunk, error: str | None = None):
         """Send the engine's ``chunk`` (with any tokens held before it) now, or hold its tokens

@@ -24,6 +24,13 @@ class WorkerConfig(BaseModel):
         "are added unless given",
     )
     max_running: int = Field(default=32, ge=1, description="requests generated at once")
+    max_waiting: int = Field(
+        default=4,
+        ge=1,
+        description="requests held that the engine has not started (no token out yet, e.g. "
+        "queued for its KV cache): the worker takes more only below this, so a backlog waits "
+        "on the shared queue for whichever worker's engine has room",
+    )
     role: RoleField = Field(
         default=Role.ROLLOUT,
         description="the role it takes at start, until the scheduler asks for another",

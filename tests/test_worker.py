@@ -548,3 +548,62 @@ async def test_workers_pull_generations_in_proportion_to_their_capacity(
     finally:
         for w in workers.values():
             w.stop()
+
+
+ONE_AT_A_TIME = """
+[worker]
+max_running = 8
+max_waiting = 1
+[worker.engine]
+kind = "emulated"
+chunk_s = 0.05
+[worker.engine.workload.engine]
+a_s = 0.01
+b_s = 0.0
+prefill_s_per_token = 0.0
+max_batch = 1
+[worker.engine.workload.lengths]
+median = 100000
+sigma = 0.0
+cap = 100000
+"""
+"""Workers whose engine (the emulated one: 10 ms a token, every request as long as its
+max_tokens) generates one request at a time."""
+
+
+async def test_a_worker_whose_engine_is_full_leaves_the_backlog_to_other_workers(
+    broker, nc, js, names, tiny_model_dir, tmp_path
+):
+    """A worker takes requests only while fewer than ``max_waiting`` of its own have not started
+    in its engine. Busy with a long request on an engine that runs one at a time, a worker with
+    8 free ``max_running`` slots takes one of three more and leaves two on the queue, where a
+    worker started later takes them and ends them while the long one still runs. Before, the
+    first worker took all three (its free slots) to wait in its engine behind the long one."""
+    config = tmp_path / "worker.toml"
+    config.write_text(ONE_AT_A_TIME)
+    args = ("--config", str(config), "--max-model-len", "4096")
+    first = worker_process(broker.url, names.run, tiny_model_dir, "w-first", *args)
+    later = None
+    try:
+        await asyncio.to_thread(first.wait_ready)
+        long = await Call(nc, names, "long", max_tokens=3000).start()  # 30 s
+        await eventually(lambda: bool(long.tokens))
+        short = [await Call(nc, names, f"short{i}", max_tokens=5).start() for i in range(3)]
+
+        async def two_left_on_the_queue() -> bool:
+            info = await js.consumer_info(names.gen_stream, Durable.ROLLOUT)
+            waiting = await metric(first.metrics_url, "sf_rollout_requests_waiting")
+            return (info.num_pending, info.num_ack_pending, waiting) == (2, 2, 1)
+
+        await eventually(two_left_on_the_queue)
+        await asyncio.sleep(1.0)  # and they stay there
+        assert await two_left_on_the_queue()
+        later = worker_process(broker.url, names.run, tiny_model_dir, "w-later", *args)
+        await asyncio.to_thread(later.wait_ready)
+        await eventually(lambda: sum(c.done.is_set() for c in short) == 2)
+        assert sorted(c.chunks[-1].worker_id for c in short if c.done.is_set()) == ["w-later"] * 2
+        assert not long.done.is_set() and {c.worker_id for c in long.chunks} == {"w-first"}
+    finally:
+        first.stop()
+        if later is not None:
+            later.stop()
