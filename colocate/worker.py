@@ -117,6 +117,7 @@ async def _serve(
                 trainer,
                 ranks,
                 c.trainer.collective_timeout_s,
+                roles,
             )
             outcomes = await asyncio.gather(
                 _part(trainer.serve(c.provision, roles, stop), stop),

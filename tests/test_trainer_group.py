@@ -15,6 +15,7 @@
 
 import asyncio
 import itertools
+import json
 import os
 import signal
 import time
@@ -139,7 +140,9 @@ def _group_rank(rank: int, port: int, model: str, out: str, ahead: bool) -> None
             ranks.step(dp_items(), 0)
         ranks.leave()
     else:
-        ranks.follow_group()  # until rank 0 leaves
+        busy: list[bool] = []
+        ranks.follow_group(busy.append)  # until rank 0 leaves
+        Path(f"{out}/busy.json").write_text(json.dumps(busy))
     tensors = {"loss": loss, "grads": grads, **ranks.backend.hf_state_dict()}
     save_file(tensors, f"{out}/rank{rank}.safetensors")
 
@@ -162,6 +165,9 @@ def test_two_ranks_give_one_ranks_loss_gradients_and_step(tiny_model_dir, tmp_pa
     single.step(dp_items(), 0)
     one = {"loss": loss, "grads": grads, **single.backend.hf_state_dict()}
     ranks = [load((tmp_path / f"rank{r}.safetensors").read_bytes()) for r in range(2)]
+    # rank 1 said it was busy while it trained each command (accumulate, accumulate, commit)
+    commands = 3 if ahead else 1
+    assert json.loads((tmp_path / "busy.json").read_text()) == [True, False] * commands
     moved = max(float((one[k] - before[k]).abs().max()) for k in before)
     assert moved > 1e-3  # the step did something, so the comparison below means something
     assert float(grads.abs().max()) > 1e-3

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
+from functools import partial
 
 import torch.distributed as dist
 from nats.errors import Error as NatsError
@@ -37,6 +38,7 @@ from nats.js.kv import KeyValue
 from broker import codec
 from broker.control import TrainerGroup, TrainerRendezvous
 from broker.exceptions import InvalidMessageError
+from broker.roles import RoleHolder
 from broker.subjects import RunNames
 from common.log import kv
 from trainer.exceptions import GroupBrokenError
@@ -68,6 +70,7 @@ class GroupLink:
         trainer: Trainer,
         ranks: RankGroup,
         timeout_s: float,
+        roles: RoleHolder,
     ) -> None:
         self._js = js
         self._names = names
@@ -76,6 +79,7 @@ class GroupLink:
         self._trainer = trainer
         self._ranks = ranks
         self._timeout = timedelta(seconds=timeout_s)
+        self._roles = roles  # a follower's training is its busy time, as rank 0's
         self._group: TrainerGroup | None = None
         self._rendezvous: TrainerRendezvous | None = None
         self._changed = asyncio.Event()  # a new group record or rendezvous
@@ -300,7 +304,7 @@ class GroupLink:
             RENDEZVOUS_SECONDS.observe(time.monotonic() - started)
             gen, attempt = rendezvous.generation, rendezvous.attempt
             log.info(kv("trainer_group_joined", generation=gen, rank=rank, attempt=attempt))
-            self._ranks.follow_group()
+            self._ranks.follow_group(partial(loop.call_soon_threadsafe, self._roles.set_busy))
         except (GroupBrokenError, RuntimeError) as exc:
             error = exc
         loop.call_soon_threadsafe(_settle, done, error)

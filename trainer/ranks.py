@@ -234,9 +234,10 @@ class RankGroup:
                 log.info(kv("trainer_group_leave_failed", error=exc))
             self._destroy()
 
-    def follow_group(self) -> None:
+    def follow_group(self, busy: Callable[[bool], None] = lambda _: None) -> None:
         """A member other than rank 0, after ``join``: run rank 0's commands until it says
-        ``leave`` (returns) or a collective fails (raises ``GroupBrokenError``); left either way."""
+        ``leave`` (returns) or a collective fails (raises ``GroupBrokenError``); left either way.
+        ``busy`` is told when each training command starts (True) and ends (False)."""
         accumulation = Accumulation()
         try:
             while True:
@@ -248,7 +249,11 @@ class RankGroup:
                     if not self.training.wait(wait_s):
                         log.warning(kv("trainer_rank_not_reclaimed", waited_s=wait_s))
                     started = time.monotonic()
-                    accumulation = _obey(self.backend, command, self._config, accumulation)
+                    busy(True)
+                    try:
+                        accumulation = _obey(self.backend, command, self._config, accumulation)
+                    finally:
+                        busy(False)
                     RANK_STEP_SECONDS.observe(time.monotonic() - started)
         except RuntimeError as exc:
             raise GroupBrokenError(f"lost rank 0: {exc}") from exc
