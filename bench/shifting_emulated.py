@@ -130,7 +130,7 @@ def emulated(args: argparse.Namespace, arm: str, k: int, tmp: Path) -> dict:
         "cpu_busy",
         "cpu_steal",
     )
-    return {**times(at, args.steps), **{key: row.get(key) for key in keep}}
+    return {**times(at, args.steps), **{key: row[key] for key in keep}}
 
 
 def verdict(rows: dict[str, dict[int, dict]]) -> dict:
