@@ -102,6 +102,7 @@ def output_dir(config: RunConfig) -> Path:
 
 async def run_rl(config: RunConfig, nats: str | None) -> RunSummary:
     """Run the loop described in the module docstring; return its summary."""
+    trainer_workers(config)  # refuses a train count it would not start, before anything runs
     stop = stop_on_signals()
     out = output_dir(config)
     print(f"seamlessflow run {config.run!r}: preparing the model ...", flush=True)

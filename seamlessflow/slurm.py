@@ -120,6 +120,11 @@ def plan(config: RunConfig) -> Plan:
             f"slurm.rollout.gpus_per_node = {rollout.gpus_per_node} is not shared out evenly "
             f"among workers_per_node = {rollout.workers_per_node}"
         )
+    if (count := config.layout.spec().train.count or 1) > 1:
+        raise ConfigError(
+            f"[layout.train] count = {count}: the job trains on one process on the trainer's "
+            "node (more ranks there: trainer.world_size)"
+        )
     for tag in (*rollout.tags, *trainer.tags):
         if not _SAFE_TAG.match(tag):
             raise ConfigError(f"slurm tag {tag!r}: letters, digits and _.=:/+@- only")

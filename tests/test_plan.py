@@ -19,6 +19,7 @@ from emulation.sim import Arm
 from emulation.workload import EngineCost, TrainerCost
 from seamlessflow.config import RunConfig, override
 from seamlessflow.costs import engine_load, lent_engines, serving_windows, trainer_workers
+from seamlessflow.exceptions import ConfigError
 from tests.test_cli import NO_TORCH
 
 ENGINE = EngineCost(a_s=0.02, b_s=0.004, prefill_s_per_token=0.0, max_batch=16)
@@ -202,8 +203,14 @@ def test_a_run_training_on_several_workers_is_planned_with_as_many():
         layout = {"kind": "colocated", "train": {"count": count}}
         return override(RunConfig(), {"layout": layout, "rollout": {"workers": 3}})
 
-    assert [trainer_workers(colocated(c)) for c in (1, 2, "rest", 5)] == [1, 2, 3, 3]
+    assert [trainer_workers(colocated(c)) for c in (1, 2, "rest")] == [1, 2, 3]
     assert trainer_workers(override(RunConfig(), {"rollout": {"workers": 3}})) == 1
+    # a count it does not start is refused (the scheduler would wait for it)
+    with pytest.raises(ConfigError, match=r"count = 5: .* rollout.workers = 3 colocated"):
+        trainer_workers(colocated(5))
+    disaggregated = {"layout": {"train": {"count": 2}}, "rollout": {"workers": 3}}
+    with pytest.raises(ConfigError, match=r"count = 2: .* one trainer process"):
+        trainer_workers(override(RunConfig(), disaggregated))
     # While two of the three train, one engine serves (then none, loading the weights).
     trainer = {
         "step seconds (mean)": 2.0,

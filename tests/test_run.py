@@ -231,17 +231,31 @@ def test_progress_core_scores_a_session_once_and_tracks_staleness():
     assert stats.tool_calls_mean() == 1.0 and "tool calls 1.00" in stats.line(6.0)
 
 
-def test_run_refuses_a_bad_config(tmp_path: Path):
+@pytest.mark.parametrize(
+    ("toml", "error"),
+    [
+        ("[tasks]\ngroup_size = 0\n", "group_size"),
+        # a trainer group it would not start: the scheduler would wait for it until its
+        # placement timeout
+        ("[layout]\ntrain = { count = 2 }\n", "count = 2: seamlessflow run starts one trainer"),
+        (
+            "[layout]\nkind = 'colocated'\ntrain = { count = 3 }\n[rollout]\nworkers = 2\n",
+            "rollout.workers = 2 colocated workers",
+        ),
+    ],
+    ids=["invalid", "disaggregated-group", "colocated-group"],
+)
+def test_run_refuses_a_bad_config(tmp_path: Path, toml, error):
     config = tmp_path / "bad.toml"
-    config.write_text("[tasks]\ngroup_size = 0\n")
+    config.write_text(toml)
     done = subprocess.run(
         [sys.executable, "-m", "seamlessflow.cli", "run", str(config)],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 2
-    assert "group_size" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert error in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_run_its_broker_cannot_serve_says_why(tmp_path: Path):

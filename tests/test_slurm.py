@@ -349,6 +349,7 @@ def test_a_part_that_keeps_failing_ends_the_job(tmp_path, fakes):
         ({"slurm": {"rollout": {"gpus_per_node": 3, "workers_per_node": 2}}}, "evenly"),
         ({"slurm": {"rollout": {"tags": ["a$b"]}}}, "letters, digits"),
         ({"gateway": {"keys_file": "/keys.toml"}}, "agents.gateway_key_file"),
+        ({"layout": {"kind": "multiplexed", "train": {"count": 2}}}, "count = 2: the job trains"),
     ],
 )
 def test_configs_it_cannot_run_are_refused(changes, error):
