@@ -4,7 +4,9 @@ workers train together, and only the group's rank 0 takes samples). Switching st
 before starting the other: taking ``train`` stops routing to the engine, aborts its generations
 (they continue elsewhere) and pauses it warm; giving ``train`` up lets the step in progress
 commit first. Where it lends the device's memory (``lends_memory``), the engine sleeps while it
-trains and the trainer's state waits in host memory while it generates."""
+trains and the trainer's state waits in host memory while it generates. A worker not tagged
+``rollout`` only trains (a member of a disaggregated layout's trainer group): it starts no
+engine."""
 
 import asyncio
 from collections.abc import Awaitable
@@ -26,6 +28,7 @@ from rollout.metrics import MEMORY_HANDOVER
 from rollout.serve import METRICS, announce, worker_registration
 from rollout.worker import RolloutWorker
 from rollout.worker_config import WorkerConfig
+from tagsched.spec import has_tags
 from trainer.config import TrainerConfig
 from trainer.group import GroupLink
 from trainer.metrics import REGISTRY as TRAINER_METRICS
@@ -54,7 +57,7 @@ async def serve_colocated(c: Colocated, stop: asyncio.Event) -> None:
     """Run the worker and its trainer until ``stop`` (or until either part ends)."""
     lend = lends_memory(c)
     metrics = serve_metrics(*METRICS, TRAINER_METRICS, port=c.metrics_port)
-    engine = await start_engine(c.engine)
+    engine = await start_engine(c.engine) if has_tags(c.worker.tags, ["rollout"]) else None
     try:
         async with session(
             c.url,
@@ -64,35 +67,45 @@ async def serve_colocated(c: Colocated, stop: asyncio.Event) -> None:
         ) as nc:
             await _serve(nc, c, engine, metrics.url, stop, lend)
     finally:
-        await engine.close()
+        if engine is not None:
+            await engine.close()
         metrics.close()
     print(f"worker {c.worker.worker_id} stopped", flush=True)
 
 
 async def _serve(
-    nc: NATS, c: Colocated, engine: Engine, metrics_url: str, stop: asyncio.Event, lend: bool
+    nc: NATS,
+    c: Colocated,
+    engine: Engine | None,
+    metrics_url: str,
+    stop: asyncio.Event,
+    lend: bool,
 ) -> None:
     names = RunNames(c.run)
     js = nc.jetstream()
     ranks, start = await open_ranks(c.engine.model, c.trainer)
     try:
-        rollout = RolloutWorker(
-            nc, names, engine, c.worker, c.provision.gen, nats_url=c.url, sleeps_idle=lend
-        )
         watch = ServingWatch(c.provision.workers_ttl_s)
         trainer = Trainer(js, names, c.trainer, ranks, watch, start, grouped=True)
-        await rollout.load_latest()
+        rollout = None
+        if engine is not None:
+            rollout = RolloutWorker(
+                nc, names, engine, c.worker, c.provision.gen, nats_url=c.url, sleeps_idle=lend
+            )
+            await rollout.load_latest()
         registration = await worker_registration(
             js,
             names,
             c.worker,
-            version=rollout.version,
+            version=trainer.version if rollout is None else rollout.version,
             metrics_url=metrics_url,
             trainer=c.trainer.shape(),
         )
 
         async def switch(role: Role) -> None:
-            if role is Role.TRAIN:
+            if rollout is None:  # only trains: train or idle
+                await trainer.take(role)
+            elif role is Role.TRAIN:
                 await rollout.take(Role.IDLE)  # lending memory: the engine sleeps
                 if lend:
                     with MEMORY_HANDOVER.labels("trainer_onload").time():
@@ -105,7 +118,9 @@ async def _serve(
                         await asyncio.to_thread(ranks.offload)
                 await rollout.take(role)
 
-        ready = partial(announce, c.run, c.engine, c.worker, metrics_url)
+        ready = partial(
+            announce, c.run, c.engine, c.worker, metrics_url, serves=rollout is not None
+        )
         async with membership(
             nc, names, registration, switch, heartbeat_s=c.worker.heartbeat_s
         ) as roles:
@@ -119,11 +134,13 @@ async def _serve(
                 c.trainer.collective_timeout_s,
                 roles,
             )
+            parts = [trainer.serve(c.provision, roles, stop), link.run(stop)]
+            if rollout is None:
+                ready()
+            else:
+                parts.append(rollout.run(roles, stop, ready))
             outcomes = await asyncio.gather(
-                _part(trainer.serve(c.provision, roles, stop), stop),
-                _part(link.run(stop), stop),
-                _part(rollout.run(roles, stop, ready), stop),
-                return_exceptions=True,
+                *(_part(part, stop) for part in parts), return_exceptions=True
             )
         for outcome in outcomes:
             if isinstance(outcome, BaseException):

@@ -476,14 +476,14 @@ def main(args: argparse.Namespace) -> int:
 def predictions(found: Fit, steps: int) -> dict[str, Candidate]:
     """What the fit predicts for each layout at the run's own shape (devices, split,
     staleness), as ``seamlessflow run`` lays it out: the colocated layout on its workers (the
-    run's trainer workers train, one if the run was not colocated), the disaggregated one with
-    one trainer device besides the run's rollout workers, the multiplexed one with the run's
-    trainer workers if it was multiplexed (``[layout.train] count``), else one."""
+    run's trainer workers train, one if the run was not colocated), the disaggregated and
+    multiplexed ones with the run's trainer workers besides its rollout workers if it was one
+    of them (``[layout.train] count`` trainer workers, in either), else one."""
     own = found.trainer_devices
     workers = found.devices if found.arm is Arm.COLOCATED else found.devices - own
     out = {}
     for arm, layout in LAYOUT_OF.items():
-        trainer = own if arm is found.arm else 1  # (a disaggregated run's is 1)
+        trainer = own if arm is found.arm or Arm.COLOCATED not in (arm, found.arm) else 1
         n = max(1, workers) if arm is Arm.COLOCATED else workers + trainer
         trainer = min(n, trainer)
         out[layout] = predict(found.workload, arm, n, trainer, found.staleness, steps)

@@ -50,10 +50,12 @@ async def worker_registration(
     )
 
 
-def announce(run: str, engine: EngineConfig, config: WorkerConfig, metrics_url: str) -> None:
-    """Say the worker serves (``common.ready``)."""
+def announce(
+    run: str, engine: EngineConfig, config: WorkerConfig, metrics_url: str, *, serves: bool = True
+) -> None:
+    """Say the worker serves (``common.ready``); ``serves=False``: it started no engine."""
     tags = ",".join(config.tags)
-    kind = engine.settings.kind
+    kind = engine.settings.kind if serves else "none"
     announce_ready(
         "worker",
         metrics_url,

@@ -59,23 +59,17 @@ def run_costs(config: RunConfig, stats: RunStats, trainer: dict[str, float]) -> 
 def trainer_workers(config: RunConfig) -> int:
     """The workers ``seamlessflow run`` trains on: colocated, ``[layout.train] count`` of its
     ``rollout.workers`` (all of them for ``rest``); multiplexed, the trainer workers it starts
-    besides the rollout workers (``count``, one for ``rest``); disaggregated, its one trainer
-    process. ``ConfigError`` for a count it does not start, which the scheduler would wait for
-    until its placement timeout."""
+    besides the rollout workers, as a disaggregated one does its trainer workers (``count``, one
+    for ``rest``). ``ConfigError`` for a colocated count above its workers, which the scheduler
+    would wait for until its placement timeout."""
     kind, count = config.layout.kind, config.layout.spec().train.count
-    if kind is Layout.MULTIPLEXED:
+    if kind is not Layout.COLOCATED:
         return max(1, count or 1)
-    workers = 1 if kind is Layout.DISAGGREGATED else max(1, config.rollout.workers)
+    workers = max(1, config.rollout.workers)
     if count is not None and count > workers:
         raise ConfigError(
-            f"[layout.train] count = {count}: seamlessflow run starts "
-            + (
-                "one trainer process for a disaggregated run (more ranks on its host: "
-                "trainer.world_size; a trainer group of workers: kind 'multiplexed' or "
-                "'colocated')"
-                if kind is Layout.DISAGGREGATED
-                else f"rollout.workers = {workers} colocated workers, and only they can train"
-            )
+            f"[layout.train] count = {count}: seamlessflow run starts rollout.workers = "
+            f"{workers} colocated workers, and only they can train"
         )
     return workers if count is None else max(1, count)
 

@@ -343,7 +343,9 @@ class Services:
     def _trainer_and_workers(self, layout: Layout, cpus: CpuPlan) -> list[ServiceProcess]:
         """The trainer and the rollout workers, tagged for ``layout`` (``tagsched.spec``) and
         placed on ``cpus`` (``seamlessflow.placement``): disaggregated, a trainer process on the
-        trainer's CPUs and ``rollout.workers`` rollout workers on the rollout CPUs; multiplexed,
+        trainer's CPUs (``[layout.train] count`` workers tagged ``train``, no engine, when the
+        count is above one: one trainer group) and ``rollout.workers`` rollout workers on the
+        rollout CPUs; multiplexed,
         the trainer is ``[layout.train] count`` workers (one by default) tagged
         ``train,rollout`` on the trainer's CPUs, one trainer group (lent to rollout while it
         waits: those CPUs generate then); colocated, ``rollout.workers`` workers tagged
@@ -391,18 +393,13 @@ class Services:
             worker(f"rollout-{i}", f"rollout-{i}", ["rollout"], Role.ROLLOUT, where)
             for i, where in enumerate(cpus.workers)
         ]
-        if layout is Layout.MULTIPLEXED:
-            k = trainer_workers(cfg)  # sharing the trainer's CPUs and threads
-            where = CpuSet(cpus.trainer.cpus, max(1, cpus.trainer.threads // k))
+        k = trainer_workers(cfg)
+        if layout is Layout.MULTIPLEXED or k > 1:
+            where = CpuSet(cpus.trainer.cpus, max(1, cpus.trainer.threads // k))  # shared
+            tags = ["train", "rollout"] if layout is Layout.MULTIPLEXED else ["train"]
             # trainer-0 is named trainer: the one the progress report reads (the group's rank 0)
             trainers = [
-                worker(
-                    f"trainer-{i}" if i else "trainer",
-                    f"trainer-{i}",
-                    ["train", "rollout"],
-                    Role.TRAIN,
-                    where,
-                )
+                worker(f"trainer-{i}" if i else "trainer", f"trainer-{i}", tags, Role.TRAIN, where)
                 for i in range(k)
             ]
             return [*trainers, *rollout]

@@ -281,7 +281,7 @@ group_size = 4
 max_tokens = 16
 backlog = 4
 [layout]
-kind = "multiplexed"
+kind = "{layout}"
 train = {{ count = {trainers} }}
 [stop]
 max_steps = 3
@@ -300,19 +300,27 @@ dead = {{ max_bytes = 4194304, max_age_s = 3600.0 }}
 @pytest.mark.newest_nats
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("overlap", "trainers"),
-    [("false", 1), ("true", 1), ("false", 2)],
-    ids=["by-step", "overlap", "trainer-group"],
+    ("layout", "overlap", "trainers"),
+    [
+        ("multiplexed", "false", 1),
+        ("multiplexed", "true", 1),
+        ("multiplexed", "false", 2),
+        ("disaggregated", "false", 2),
+    ],
+    ids=["by-step", "overlap", "trainer-group", "disaggregated-trainer-group"],
 )
 def test_a_run_on_the_emulated_engine_and_trainer_completes(
-    broker, run_name, tmp_path, overlap, trainers
+    broker, run_name, tmp_path, layout, overlap, trainers
 ):
     """The whole run (multiplexed: the trainer's worker lent and reclaimed), with the trainer
     computing each step ahead (``trainer.overlap``), and with a trainer group of two workers
-    (``[layout.train] count``) that ``seamlessflow run`` starts."""
+    (``[layout.train] count``) that ``seamlessflow run`` starts (disaggregated: workers tagged
+    ``train`` only, which start no engine)."""
     out = tmp_path / "out"
     config = tmp_path / "run.toml"
-    config.write_text(RUN.format(run=run_name, out=out, overlap=overlap, trainers=trainers))
+    config.write_text(
+        RUN.format(run=run_name, out=out, layout=layout, overlap=overlap, trainers=trainers)
+    )
     done = subprocess.run(
         [sys.executable, "-m", "seamlessflow.cli", "run", str(config), "--nats", broker.url],
         capture_output=True,
@@ -335,5 +343,9 @@ def test_a_run_on_the_emulated_engine_and_trainer_completes(
     (parts,) = summary["nodes"].values()
     assert len([p for p in parts if p.startswith("worker trainer-")]) == trainers, parts
     assert summary["costs"]["trainer workers"] == trainers
-    if overlap == "false":
-        assert summary["scheduler"]["lends"] >= trainers
+    if layout == "multiplexed":
+        if overlap == "false":
+            assert summary["scheduler"]["lends"] >= trainers
+    else:  # only the rollout workers' engines loaded the versions: the trainer's have none
+        assert summary["scheduler"]["lends"] == 0
+        assert 0 < summary["rollout"]["weight loads"] <= 2 * summary["steps"]

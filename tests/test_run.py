@@ -237,13 +237,12 @@ def test_progress_core_scores_a_session_once_and_tracks_staleness():
         ("[tasks]\ngroup_size = 0\n", "group_size"),
         # a trainer group it would not start: the scheduler would wait for it until its
         # placement timeout
-        ("[layout]\ntrain = { count = 2 }\n", "count = 2: seamlessflow run starts one trainer"),
         (
             "[layout]\nkind = 'colocated'\ntrain = { count = 3 }\n[rollout]\nworkers = 2\n",
             "rollout.workers = 2 colocated workers",
         ),
     ],
-    ids=["invalid", "disaggregated-group", "colocated-group"],
+    ids=["invalid", "colocated-group"],
 )
 def test_run_refuses_a_bad_config(tmp_path: Path, toml, error):
     config = tmp_path / "bad.toml"
