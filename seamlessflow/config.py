@@ -185,7 +185,8 @@ class SlurmRollout(SlurmNodeKind):
 
 class SlurmConfig(_Section):
     """``seamlessflow slurm``: the sbatch script of a run (``seamlessflow.slurm``). The trainer
-    runs on one node of its own kind, the rollout workers on theirs."""
+    runs on one node of its own kind (``[layout.train] count`` nodes for a trainer group), the
+    rollout workers on theirs."""
 
     job_name: str = Field(default="seamlessflow", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
     time: str = Field(default="1-00:00:00", description="the job's time limit (sbatch --time)")
@@ -215,7 +216,9 @@ class SlurmConfig(_Section):
         default="/tmp/seamlessflow-nats", description="node-local JetStream store (per job)"
     )
     nats_max_file_store: str = Field(default="64G", description="JetStream file store per server")
-    trainer: SlurmNodeKind = Field(default_factory=SlurmNodeKind, description="the trainer's node")
+    trainer: SlurmNodeKind = Field(
+        default_factory=SlurmNodeKind, description="the trainer's node(s)"
+    )
     rollout: SlurmRollout = Field(default_factory=SlurmRollout)
 
     @model_validator(mode="after")

@@ -1,8 +1,9 @@
 """``seamlessflow slurm``: a run as one sbatch script, rendered from its run config.
 
 The job's nodes are the rollout workers' (``[slurm.rollout]``, the first ones) and the
-trainer's (``[slurm.trainer]``, one node); when the two kinds differ (partition, constraint,
-GPUs, memory) the job is heterogeneous, a het-group each. First ``seamlessflow creds`` issues,
+trainer's (``[slurm.trainer]``, one node, or ``[layout.train] count``: a trainer group); when
+the two kinds differ (partition, constraint, GPUs, memory) the job is heterogeneous, a
+het-group each. First ``seamlessflow creds`` issues,
 in the job's folder, the run's identities, the servers' accounts and the gateway's keys
 (``slurm_job.credentials``; all but the keys skipped with ``[broker] insecure``), and each
 part connects as its principal (``slurm_job.as_principal``). NATS servers with JetStream run on
@@ -76,6 +77,11 @@ class Group:
     def array(self) -> str:
         return "ROLLOUT_NODES" if self.role == "rollout" else "TRAIN_NODES"
 
+    @property
+    def list(self) -> str:
+        """The bash variable of their host names, comma-separated (a step's ``--nodelist``)."""
+        return "ROLLOUT_LIST" if self.role == "rollout" else "TRAIN_LIST"
+
     def host(self, index: int) -> str:
         return f"${{{self.array}[{index}]}}"
 
@@ -112,25 +118,21 @@ def plan(config: RunConfig) -> Plan:
     rollout, trainer = slurm.rollout, slurm.trainer
     if config.layout.kind is Layout.COLOCATED and rollout.nodes:
         raise ConfigError(
-            "layout.kind = 'colocated' runs one worker on the trainer's node: set "
-            "slurm.rollout.nodes = 0 (or use 'multiplexed')"
+            "layout.kind = 'colocated' runs its workers on the trainer's nodes (one, or "
+            "[layout.train] count): set slurm.rollout.nodes = 0 (or use 'multiplexed')"
         )
     if rollout.gpus_per_node % rollout.workers_per_node:
         raise ConfigError(
             f"slurm.rollout.gpus_per_node = {rollout.gpus_per_node} is not shared out evenly "
             f"among workers_per_node = {rollout.workers_per_node}"
         )
-    if (count := config.layout.spec().train.count or 1) > 1:
-        raise ConfigError(
-            f"[layout.train] count = {count}: the job trains on one process on the trainer's "
-            "node (more ranks there: trainer.world_size)"
-        )
     for tag in (*rollout.tags, *trainer.tags):
         if not _SAFE_TAG.match(tag):
             raise ConfigError(f"slurm tag {tag!r}: letters, digits and _.=:/+@- only")
     same = _resources(rollout) == _resources(trainer) or not rollout.nodes
     groups = [Group("rollout", rollout, rollout.nodes, None if same else 0)] * bool(rollout.nodes)
-    groups.append(Group("trainer", trainer, 1, None if same else 1))
+    trainers = config.layout.spec().train.count or 1  # a trainer group: a worker a node
+    groups.append(Group("trainer", trainer, trainers, None if same else 1))
     nodes = [(g, i) for g in groups for i in range(g.nodes)]
     count = slurm.nats_servers or (3 if len(nodes) >= 3 else 1)
     if count > len(nodes):
@@ -221,8 +223,9 @@ def _nodes(p: Plan, log_dir: Path, table: dict[str, Any]) -> str:
         for g in p.groups:
             lines.append(f'{g.array}=("${{NODES[@]:{start}:{g.nodes}}}")')
             start += g.nodes
-    if p.group("rollout"):
-        lines.append('ROLLOUT_LIST=$(IFS=,; echo "${ROLLOUT_NODES[*]}")')
+    for g in p.groups:
+        if g.role == "rollout" or g.nodes > 1:  # a step on every node of the group
+            lines.append(f'{g.list}=$(IFS=,; echo "${{{g.array}[*]}}")')
     config = json.dumps(table, indent=2, default=str)
     lines += [
         "SF_STARTED=$(date +%s)",
@@ -294,6 +297,14 @@ def _on(group: Group, index: int, gpus: int = 0) -> list[str]:
     return options + _gpus(group.kind, gpus)
 
 
+def _across(group: Group, per_node: int, gpus: int) -> list[str]:
+    """srun options for ``per_node`` tasks on every node of ``group``, ``gpus`` each."""
+    where = [f"--het-group={group.het}"] if group.het is not None else []
+    where += [f'--nodelist="${group.list}"', f"--nodes={group.nodes}"]
+    where += [f"--ntasks={group.nodes * per_node}", f"--ntasks-per-node={per_node}"]
+    return where + _gpus(group.kind, gpus)
+
+
 def _gpus(kind: SlurmNodeKind, per_task: int) -> list[str]:
     if per_task:
         return [f"--gpus-per-task={per_task}"]
@@ -323,7 +334,8 @@ def _targets(p: Plan, config: RunConfig) -> str:
         (f"{first}:{GATEWAY_PORT}", "gateway"),
         (f"{first}:{METRICS_PORTS['agents']}", "agents"),
     ]
-    hosts.append((f"{trainer.host(0)}:{METRICS_PORTS['trainer']}", _trainer_kind(config)))
+    kind = _trainer_kind(config, trainer)
+    hosts += [(f"{trainer.host(i)}:{METRICS_PORTS['trainer']}", kind) for i in range(trainer.nodes)]
     if rollout := p.group("rollout"):
         for i in range(rollout.nodes):
             for w in range(config.slurm.rollout.workers_per_node):
@@ -336,8 +348,11 @@ def _targets(p: Plan, config: RunConfig) -> str:
     return f'cat > "$SF_JOB_DIR/scrape_targets.json" <<TARGETS_EOF\n{body}\nTARGETS_EOF\n'
 
 
-def _trainer_kind(config: RunConfig) -> str:
-    return "trainer" if config.layout.kind is Layout.DISAGGREGATED else "worker"
+def _trainer_kind(config: RunConfig, trainer: Group) -> str:
+    """``trainer`` for one ``seamlessflow trainer`` process, else ``worker``."""
+    return (
+        "trainer" if config.layout.kind is Layout.DISAGGREGATED and trainer.nodes == 1 else "worker"
+    )
 
 
 def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
@@ -366,7 +381,8 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
     steps.append(_trainer_step(p, config, log_dir))
     trainer = p.group("trainer")
     assert trainer is not None
-    steps.append(f'echo "trainer on {trainer.host(0)}"')
+    where = trainer.host(0) if trainer.nodes == 1 else f"${trainer.list}"
+    steps.append(f'echo "trainer on {where}"')
     if rollout := p.group("rollout"):
         steps.append(_rollout_step(rollout, config))
         per_node = config.slurm.rollout.workers_per_node
@@ -403,17 +419,22 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
 
 def _trainer_step(p: Plan, config: RunConfig, log_dir: Path) -> str:
     """The trainer on its node: ``seamlessflow trainer`` (disaggregated), or a worker tagged
-    train and rollout that holds it (multiplexed, colocated)."""
+    train and rollout that holds it (multiplexed, colocated); a trainer group
+    (``[layout.train] count`` above one) is one worker a node of the trainer's, in one step,
+    tagged ``train`` alone where disaggregated (no engine). They share the checkpoint folder,
+    so a member that becomes rank 0 resumes."""
     group = p.group("trainer")
     assert group is not None
+    kind = config.layout.kind
     checkpoints = config.trainer.checkpoint_dir or log_dir / f"checkpoints-{config.run}"
     args = [f"--checkpoint-dir {shlex.quote(str(checkpoints))}"]
     args.append(f"--metrics-port {METRICS_PORTS['trainer']}")
-    if config.layout.kind is Layout.DISAGGREGATED:
+    if _trainer_kind(config, group) == "trainer":
         command = sf("trainer", *args)
     else:
-        role = "train" if config.layout.kind is Layout.MULTIPLEXED else "idle"
-        tags = ",".join(["train", "rollout", *group.kind.tags, "node=$SLURMD_NODENAME"])
+        role = {Layout.COLOCATED: "idle"}.get(kind, "train")
+        serves = ["rollout"] if kind is not Layout.DISAGGREGATED else []
+        tags = ",".join(["train", *serves, *group.kind.tags, "node=$SLURMD_NODENAME"])
         command = sf(
             "worker",
             f'--tags "{tags}"',
@@ -421,19 +442,17 @@ def _trainer_step(p: Plan, config: RunConfig, log_dir: Path) -> str:
             '--worker-id "trainer-$SLURMD_NODENAME"',
             *args,
         )
-    where = _on(group, 0, group.kind.gpus_per_node)
+    name, where = "trainer", _on(group, 0, group.kind.gpus_per_node)
+    if group.nodes > 1:
+        name, where = "trainer-%N", _across(group, 1, group.kind.gpus_per_node)
     # the trainer's rights, a worker tagged train too (it holds the trainer)
-    return _step("trainer", where, as_principal(config, Principal.TRAINER, supervised(command)))
+    return _step(name, where, as_principal(config, Principal.TRAINER, supervised(command)))
 
 
 def _rollout_step(group: Group, config: RunConfig) -> str:
     """Every rollout worker in one step: ``workers_per_node`` tasks on each rollout node."""
     kind = config.slurm.rollout
-    tasks = group.nodes * kind.workers_per_node
-    where = [f"--het-group={group.het}"] if group.het is not None else []
-    where += ['--nodelist="$ROLLOUT_LIST"', f"--nodes={group.nodes}", f"--ntasks={tasks}"]
-    where.append(f"--ntasks-per-node={kind.workers_per_node}")
-    where += _gpus(kind, kind.gpus_per_node // kind.workers_per_node)
+    where = _across(group, kind.workers_per_node, kind.gpus_per_node // kind.workers_per_node)
     tags = ",".join(["rollout", *kind.tags, "node=$SLURMD_NODENAME"])
     command = sf(
         "worker",

@@ -307,6 +307,40 @@ def test_multiplexed_and_colocated_trainers_are_workers(tmp_path, fakes, monkeyp
     assert worker.tags == ["train", "rollout", "node=n1"] and worker.role.value == "idle"
 
 
+@pytest.mark.parametrize("kind", ["disaggregated", "multiplexed"])
+def test_a_trainer_group_is_a_worker_on_each_trainer_node(tmp_path, fakes, monkeypatch, kind):
+    """``[layout.train] count = 2``: two trainer nodes, one worker each (one step), tagged
+    ``train`` alone where disaggregated (no engine), with the trainer's rights, GPUs and
+    checkpoint folder; both scraped."""
+    table = base_table(
+        trainer={"partition": "h100", "gpus_per_node": 8, "tags": ["gpu=h100"]},
+        rollout={"partition": "a10", "gpus_per_node": 1},
+    )
+    table["layout"] = {"kind": kind, "train": {"count": 2}}
+    script = render(tmp_path, table)
+    assert "#SBATCH --nodes=2" in script.split("#SBATCH hetjob")[1]  # the trainer's het-group
+    job = Job(script, tmp_path, fakes, [["r1"], ["t1", "t2"]])
+    parsed = check_common(job, monkeypatch, nats=3)
+    assert "trainer" not in {a.command for a, _, _ in parsed}
+    serves = ["rollout"] if kind == "multiplexed" else []
+    trainers = [
+        (c, e) for a, c, e in parsed if a.command == "worker" and c.worker.role != "rollout"
+    ]
+    assert sorted(e["SLURMD_NODENAME"] for _, e in trainers) == ["t1", "t2"]
+    for config, env in trainers:
+        node = env["SLURMD_NODENAME"]
+        assert config.worker.tags == ["train", *serves, "gpu=h100", f"node={node}"]
+        assert (config.worker.worker_id, config.worker.role.value) == (f"trainer-{node}", "train")
+        assert config.trainer.checkpoint_dir == job.job_dir.parent / "checkpoints-exp-42"
+    steps = {step["srun"]["--output"].split("/")[-1]: step["srun"] for step in job.calls("srun")}
+    group = steps["trainer-%N.log"]
+    assert (group["--nodes"], group["--ntasks"], group["--gpus-per-task"]) == ("2", "2", "8")
+    assert group["--het-group"] == "1" and group["--nodelist"] == "t1,t2"
+    targets = json.loads((job.job_dir / "scrape_targets.json").read_text())
+    scraped = [t["targets"][0] for t in targets if t["labels"]["job"] == "seamlessflow-worker"]
+    assert {"t1:9404", "t2:9404"} <= set(scraped)
+
+
 def test_an_insecure_run_has_an_open_nats_and_a_gateway_with_keys(tmp_path, fakes, monkeypatch):
     table = base_table()
     table["broker"] = {"insecure": True}
@@ -349,7 +383,6 @@ def test_a_part_that_keeps_failing_ends_the_job(tmp_path, fakes):
         ({"slurm": {"rollout": {"gpus_per_node": 3, "workers_per_node": 2}}}, "evenly"),
         ({"slurm": {"rollout": {"tags": ["a$b"]}}}, "letters, digits"),
         ({"gateway": {"keys_file": "/keys.toml"}}, "agents.gateway_key_file"),
-        ({"layout": {"kind": "multiplexed", "train": {"count": 2}}}, "count = 2: the job trains"),
     ],
 )
 def test_configs_it_cannot_run_are_refused(changes, error):
