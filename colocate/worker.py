@@ -19,7 +19,6 @@ from broker.client import session
 from broker.config import ProvisionConfig
 from broker.messages import Role
 from broker.permissions import Principal
-from broker.registry import node_name
 from broker.roles import membership
 from broker.subjects import RunNames
 from common.metrics import serve_metrics
@@ -30,7 +29,7 @@ from rollout.worker import RolloutWorker
 from rollout.worker_config import WorkerConfig
 from tagsched.spec import has_tags
 from trainer.config import TrainerConfig
-from trainer.group import GroupLink
+from trainer.group import GroupLink, rendezvous_host
 from trainer.metrics import REGISTRY as TRAINER_METRICS
 from trainer.ranks import uses_cuda
 from trainer.serve import close_ranks, open_ranks
@@ -128,7 +127,7 @@ async def _serve(
                 js,
                 names,
                 c.worker.worker_id,
-                node_name(),  # the host its registry entry names
+                rendezvous_host(),  # where the other members reach it
                 trainer,
                 ranks,
                 c.trainer.collective_timeout_s,

@@ -33,7 +33,7 @@ from seamlessflow.targets import job_name
 from tests.support import free_port
 
 ROOT = Path(__file__).parents[1]
-OVERLAYS = ("single-node", "gpu-cluster")
+OVERLAYS = ("single-node", "gpu-cluster", "trainer-group")
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests are checked against
 PARTS = {"trajectory", "scheduler", "gateway", "agents", "trainer", "rollout"}
 # What the downward API and the cluster put in $(VAR) references, for parsing the args.
@@ -149,8 +149,10 @@ def test_every_container_runs_a_seamlessflow_command_that_parses(rendered, tmp_p
         # the settings validate together, as the part itself checks at start.
         assert args.config == Path("/etc/seamlessflow/run.toml")
         settings(objects, pod, args, tmp_path / f"{obj['metadata']['name']}.toml")
+    # the trainer group's members are workers tagged train
+    trainer = set() if overlay == "trainer-group" else {"trainer"}
     assert commands == {
-        "provision", "trajectory", "scheduler", "gateway", "agents", "trainer", "worker"
+        "provision", "trajectory", "scheduler", "gateway", "agents", "worker", *trainer
     }, overlay  # fmt: skip
 
 
@@ -342,7 +344,7 @@ def test_nats_is_a_jetstream_statefulset_with_storage(rendered, tmp_path):
     overlay, objects = rendered
     nats = named(objects, "StatefulSet", "nats")
     replicas = nats["spec"]["replicas"]
-    assert replicas == {"single-node": 1, "gpu-cluster": 3}[overlay]
+    assert replicas == {"single-node": 1, "gpu-cluster": 3, "trainer-group": 3}[overlay]
     assert nats["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     headless = named(objects, "Service", nats["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
@@ -418,6 +420,36 @@ def test_gpu_cluster_pools_are_apart():
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
         pools[name] = pod["nodeSelector"]["seamlessflow.io/pool"]
     assert pools == {"trainer": "train", "rollout": "rollout"}
+
+
+def test_a_trainer_group_is_a_worker_a_pod_on_one_checkpoint_volume(monkeypatch, tmp_path):
+    """trainer-group: as many workers tagged train (alone: no engine) as the scheduler's train
+    count, each its pod's name as its id, rendezvous at its pod's address, one GPU, and every
+    member on one shared (ReadWriteMany) checkpoint volume, so whichever is rank 0 resumes."""
+    objects = render("trainer-group")
+    trainer = named(objects, "StatefulSet", "trainer")
+    pod = trainer["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = parse(objects, container, monkeypatch)
+    config = settings(objects, pod, args, tmp_path / "run.toml")
+    assert args.command == "worker" and config.worker.worker_id == ENV_EXAMPLES["POD_NAME"]
+    assert config.worker.tags == ["train", "node=gpu-node-7"] and config.worker.role == "train"
+    assert config.trainer.world_size == 1  # one rank a member
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    env = {e["name"]: e.get("valueFrom", {}) for e in container["env"]}
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    (scheduler,) = named(objects, "Deployment", "scheduler")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    scheduling = parse(objects, scheduler, monkeypatch)
+    placement = apply_flags(load_config(None), scheduling, scheduling.flags).layout.spec()
+    assert placement.train.count == trainer["spec"]["replicas"] > 1
+    assert "volumeClaimTemplates" not in trainer["spec"]
+    mounts = container["volumeMounts"]
+    (mount,) = [m for m in mounts if m["mountPath"] == str(config.trainer.checkpoint_dir)]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    claim = named(objects, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
 def test_the_dashboards_are_one_configmap():

@@ -40,6 +40,7 @@ from tests.test_liveness import TTL, leading
 from tests.test_trainer import DP_CONFIG, dp_items, group, publish
 from trainer import checkpoint
 from trainer.config import TrainerConfig
+from trainer.group import rendezvous_host
 
 TOLERANCE = 1e-5
 """float32 on CPU: two ranks sum two partial gradients where one rank sums them in one
@@ -461,3 +462,13 @@ def test_a_member_dying_while_a_step_is_computed_ahead_leaves_no_gradient(tiny_m
     torch.multiprocessing.spawn(
         _dying_ahead, args=(free_port(), str(tiny_model_dir)), nprocs=2, join=True
     )
+
+
+def test_rank_0_is_reached_at_its_pods_address_where_kubernetes_gives_it(monkeypatch):
+    """On Kubernetes a pod's ports are on its own address, not its node's (``$NODE_NAME``, what
+    the registry names): the rendezvous host is ``$POD_IP`` there, else the node's name."""
+    monkeypatch.setenv("NODE_NAME", "gpu-node-7")
+    monkeypatch.delenv("POD_IP", raising=False)
+    assert rendezvous_host() == "gpu-node-7"
+    monkeypatch.setenv("POD_IP", "10.4.2.17")
+    assert rendezvous_host() == "10.4.2.17"

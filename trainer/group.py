@@ -4,9 +4,9 @@ data-parallel group (``tagsched.group`` writes ``TrainerGroup``, rank = index in
 - **Rank 0** takes the samples (``Trainer.lead``) and steps; the other members and any worker
   outside the group hand back what they hold and take none.
 - **Rendezvous**, no address given by hand: rank 0 opens a ``torch.distributed`` store on a
-  free port of its host (its registry ``host``) and writes ``TrainerRendezvous`` (generation,
-  attempt, host, port) to the run's state bucket; the other members read it and join (gloo on
-  CPU, nccl on CUDA). Joining waits at most ``collective_timeout_s``.
+  free port of its host (``rendezvous_host``: its pod's address on Kubernetes, else its node's
+  name) and writes ``TrainerRendezvous`` (generation, attempt, host, port) to the run's state
+  bucket; the other members read it and join (gloo on CPU, nccl on CUDA). Joining waits at most ``collective_timeout_s``.
 - **Forming**: rank 0 sends its committed model and optimizer state to every rank, so a member
   that joins starts from exactly it; then each step is broadcast and every rank trains its
   shard (``trainer.ranks``). An idle group is pinged every third of the timeout.
@@ -25,6 +25,7 @@ A worker with ``trainer.world_size > 1`` (local ranks) is refused a place in a g
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from datetime import timedelta
@@ -38,6 +39,7 @@ from nats.js.kv import KeyValue
 from broker import codec
 from broker.control import TrainerGroup, TrainerRendezvous
 from broker.exceptions import InvalidMessageError
+from broker.registry import node_name
 from broker.roles import RoleHolder
 from broker.subjects import RunNames
 from common.log import kv
@@ -317,6 +319,14 @@ def _settle(done: asyncio.Future, error: BaseException | None) -> None:
         done.set_result(None)
     else:
         done.set_exception(error)
+
+
+def rendezvous_host() -> str:
+    """Where the other members reach this process's store: ``$POD_IP`` where the deployment sets
+    it (Kubernetes' downward API ``status.podIP``: a pod's ports are on its own address, not on
+    its node's), else the node's name (``broker.registry.node_name``: Slurm's, a cluster
+    node's, a local run's)."""
+    return os.environ.get("POD_IP") or node_name()
 
 
 def _open_store(world_size: int, timeout: timedelta) -> dist.TCPStore:
