@@ -185,8 +185,8 @@ class SlurmRollout(SlurmNodeKind):
 
 class SlurmConfig(_Section):
     """``seamlessflow slurm``: the sbatch script of a run (``seamlessflow.slurm``). The trainer
-    runs on one node of its own kind (``[layout.train] count`` nodes for a trainer group), the
-    rollout workers on theirs."""
+    runs on one node of its own kind (a trainer group, ``[layout.train] count``: a worker a GPU
+    on as many such nodes as that fills), the rollout workers on theirs."""
 
     job_name: str = Field(default="seamlessflow", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
     time: str = Field(default="1-00:00:00", description="the job's time limit (sbatch --time)")

@@ -72,6 +72,7 @@ class Group:
     kind: SlurmNodeKind
     nodes: int
     het: int | None  # its het-group; None in a homogeneous job
+    per_node: int = 1  # workers on each node
 
     @property
     def array(self) -> str:
@@ -130,9 +131,18 @@ def plan(config: RunConfig) -> Plan:
         if not _SAFE_TAG.match(tag):
             raise ConfigError(f"slurm tag {tag!r}: letters, digits and _.=:/+@- only")
     same = _resources(rollout) == _resources(trainer) or not rollout.nodes
-    groups = [Group("rollout", rollout, rollout.nodes, None if same else 0)] * bool(rollout.nodes)
-    trainers = config.layout.spec().train.count or 1  # a trainer group: a worker a node
-    groups.append(Group("trainer", trainer, trainers, None if same else 1))
+    het = (None, None) if same else (0, 1)
+    groups = [Group("rollout", rollout, rollout.nodes, het[0], rollout.workers_per_node)]
+    groups = groups * bool(rollout.nodes)
+    # A trainer group: a worker a GPU (one rank each), as many a node as the node has GPUs.
+    trainers = config.layout.spec().train.count or 1
+    per_node = min(trainers, trainer.gpus_per_node or 1)
+    if trainers % per_node:
+        raise ConfigError(
+            f"[layout.train] count = {trainers} does not fill whole trainer nodes of "
+            f"{per_node} GPUs (slurm.trainer.gpus_per_node): a worker a GPU"
+        )
+    groups.append(Group("trainer", trainer, trainers // per_node, het[1], per_node))
     nodes = [(g, i) for g in groups for i in range(g.nodes)]
     count = slurm.nats_servers or (3 if len(nodes) >= 3 else 1)
     if count > len(nodes):
@@ -224,7 +234,7 @@ def _nodes(p: Plan, log_dir: Path, table: dict[str, Any]) -> str:
             lines.append(f'{g.array}=("${{NODES[@]:{start}:{g.nodes}}}")')
             start += g.nodes
     for g in p.groups:
-        if g.role == "rollout" or g.nodes > 1:  # a step on every node of the group
+        if g.role == "rollout" or g.nodes * g.per_node > 1:  # a step across the group
             lines.append(f'{g.list}=$(IFS=,; echo "${{{g.array}[*]}}")')
     config = json.dumps(table, indent=2, default=str)
     lines += [
@@ -297,11 +307,11 @@ def _on(group: Group, index: int, gpus: int = 0) -> list[str]:
     return options + _gpus(group.kind, gpus)
 
 
-def _across(group: Group, per_node: int, gpus: int) -> list[str]:
-    """srun options for ``per_node`` tasks on every node of ``group``, ``gpus`` each."""
+def _across(group: Group, gpus: int) -> list[str]:
+    """srun options for ``group.per_node`` tasks on every node of ``group``, ``gpus`` each."""
     where = [f"--het-group={group.het}"] if group.het is not None else []
     where += [f'--nodelist="${group.list}"', f"--nodes={group.nodes}"]
-    where += [f"--ntasks={group.nodes * per_node}", f"--ntasks-per-node={per_node}"]
+    where += [f"--ntasks={group.nodes * group.per_node}", f"--ntasks-per-node={group.per_node}"]
     return where + _gpus(group.kind, gpus)
 
 
@@ -334,12 +344,16 @@ def _targets(p: Plan, config: RunConfig) -> str:
         (f"{first}:{GATEWAY_PORT}", "gateway"),
         (f"{first}:{METRICS_PORTS['agents']}", "agents"),
     ]
-    kind = _trainer_kind(config, trainer)
-    hosts += [(f"{trainer.host(i)}:{METRICS_PORTS['trainer']}", kind) for i in range(trainer.nodes)]
-    if rollout := p.group("rollout"):
-        for i in range(rollout.nodes):
-            for w in range(config.slurm.rollout.workers_per_node):
-                hosts.append((f"{rollout.host(i)}:{WORKER_METRICS_PORT + w}", "worker"))
+    for group, port, kind in (
+        (trainer, METRICS_PORTS["trainer"], _trainer_kind(config, trainer)),
+        (p.group("rollout"), WORKER_METRICS_PORT, "worker"),
+    ):
+        if group is not None:
+            hosts += [
+                (f"{group.host(i)}:{port + w}", kind)
+                for i in range(group.nodes)
+                for w in range(group.per_node)
+            ]
     groups = [
         {"targets": [target], "labels": {"job": f"seamlessflow-{kind}", "run": config.run}}
         for target, kind in hosts
@@ -350,9 +364,8 @@ def _targets(p: Plan, config: RunConfig) -> str:
 
 def _trainer_kind(config: RunConfig, trainer: Group) -> str:
     """``trainer`` for one ``seamlessflow trainer`` process, else ``worker``."""
-    return (
-        "trainer" if config.layout.kind is Layout.DISAGGREGATED and trainer.nodes == 1 else "worker"
-    )
+    one = trainer.nodes * trainer.per_node == 1
+    return "trainer" if config.layout.kind is Layout.DISAGGREGATED and one else "worker"
 
 
 def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
@@ -382,6 +395,8 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
     trainer = p.group("trainer")
     assert trainer is not None
     where = trainer.host(0) if trainer.nodes == 1 else f"${trainer.list}"
+    if trainer.per_node > 1:
+        where += f" ({trainer.per_node} a node)"
     steps.append(f'echo "trainer on {where}"')
     if rollout := p.group("rollout"):
         steps.append(_rollout_step(rollout, config))
@@ -420,15 +435,20 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
 def _trainer_step(p: Plan, config: RunConfig, log_dir: Path) -> str:
     """The trainer on its node: ``seamlessflow trainer`` (disaggregated), or a worker tagged
     train and rollout that holds it (multiplexed, colocated); a trainer group
-    (``[layout.train] count`` above one) is one worker a node of the trainer's, in one step,
-    tagged ``train`` alone where disaggregated (no engine). They share the checkpoint folder,
-    so a member that becomes rank 0 resumes."""
+    (``[layout.train] count`` above one) is one worker a GPU on the trainer's nodes, in one
+    step, tagged ``train`` alone where disaggregated (no engine). They share the checkpoint
+    folder, so a member that becomes rank 0 resumes."""
     group = p.group("trainer")
     assert group is not None
     kind = config.layout.kind
     checkpoints = config.trainer.checkpoint_dir or log_dir / f"checkpoints-{config.run}"
     args = [f"--checkpoint-dir {shlex.quote(str(checkpoints))}"]
-    args.append(f"--metrics-port {METRICS_PORTS['trainer']}")
+    several = group.nodes * group.per_node > 1
+    port = METRICS_PORTS["trainer"]
+    args.append(
+        f"--metrics-port $(({port} + SLURM_LOCALID))" if several else f"--metrics-port {port}"
+    )
+    worker_id = "trainer-$SLURMD_NODENAME" + "-$SLURM_LOCALID" * several
     if _trainer_kind(config, group) == "trainer":
         command = sf("trainer", *args)
     else:
@@ -439,12 +459,12 @@ def _trainer_step(p: Plan, config: RunConfig, log_dir: Path) -> str:
             "worker",
             f'--tags "{tags}"',
             f"--role {role}",
-            '--worker-id "trainer-$SLURMD_NODENAME"',
+            f'--worker-id "{worker_id}"',
             *args,
         )
     name, where = "trainer", _on(group, 0, group.kind.gpus_per_node)
-    if group.nodes > 1:
-        name, where = "trainer-%N", _across(group, 1, group.kind.gpus_per_node)
+    if several:  # a GPU each
+        name, where = "trainer-%N-%t", _across(group, 1 if group.kind.gpus_per_node else 0)
     # the trainer's rights, a worker tagged train too (it holds the trainer)
     return _step(name, where, as_principal(config, Principal.TRAINER, supervised(command)))
 
@@ -452,7 +472,7 @@ def _trainer_step(p: Plan, config: RunConfig, log_dir: Path) -> str:
 def _rollout_step(group: Group, config: RunConfig) -> str:
     """Every rollout worker in one step: ``workers_per_node`` tasks on each rollout node."""
     kind = config.slurm.rollout
-    where = _across(group, kind.workers_per_node, kind.gpus_per_node // kind.workers_per_node)
+    where = _across(group, kind.gpus_per_node // kind.workers_per_node)
     tags = ",".join(["rollout", *kind.tags, "node=$SLURMD_NODENAME"])
     command = sf(
         "worker",

@@ -308,15 +308,15 @@ def test_multiplexed_and_colocated_trainers_are_workers(tmp_path, fakes, monkeyp
 
 
 @pytest.mark.parametrize("kind", ["disaggregated", "multiplexed"])
-def test_a_trainer_group_is_a_worker_on_each_trainer_node(tmp_path, fakes, monkeypatch, kind):
-    """``[layout.train] count = 2``: two trainer nodes, one worker each (one step), tagged
-    ``train`` alone where disaggregated (no engine), with the trainer's rights, GPUs and
-    checkpoint folder; both scraped."""
+def test_a_trainer_group_is_a_worker_a_gpu_on_the_trainer_nodes(tmp_path, fakes, monkeypatch, kind):
+    """``[layout.train] count = 4`` on trainer nodes of 2 GPUs: two nodes, a worker a GPU (one
+    step), tagged ``train`` alone where disaggregated (no engine), with the trainer's rights and
+    checkpoint folder; each scraped."""
     table = base_table(
-        trainer={"partition": "h100", "gpus_per_node": 8, "tags": ["gpu=h100"]},
+        trainer={"partition": "h100", "gpus_per_node": 2, "tags": ["gpu=h100"]},
         rollout={"partition": "a10", "gpus_per_node": 1},
     )
-    table["layout"] = {"kind": kind, "train": {"count": 2}}
+    table["layout"] = {"kind": kind, "train": {"count": 4}}
     script = render(tmp_path, table)
     assert "#SBATCH --nodes=2" in script.split("#SBATCH hetjob")[1]  # the trainer's het-group
     job = Job(script, tmp_path, fakes, [["r1"], ["t1", "t2"]])
@@ -326,19 +326,21 @@ def test_a_trainer_group_is_a_worker_on_each_trainer_node(tmp_path, fakes, monke
     trainers = [
         (c, e) for a, c, e in parsed if a.command == "worker" and c.worker.role != "rollout"
     ]
-    assert sorted(e["SLURMD_NODENAME"] for _, e in trainers) == ["t1", "t2"]
+    ids = sorted(c.worker.worker_id for c, _ in trainers)
+    assert ids == ["trainer-t1-0", "trainer-t1-1", "trainer-t2-0", "trainer-t2-1"]
     for config, env in trainers:
         node = env["SLURMD_NODENAME"]
         assert config.worker.tags == ["train", *serves, "gpu=h100", f"node={node}"]
-        assert (config.worker.worker_id, config.worker.role.value) == (f"trainer-{node}", "train")
+        assert config.worker.role.value == "train" and config.trainer.world_size == 1
         assert config.trainer.checkpoint_dir == job.job_dir.parent / "checkpoints-exp-42"
     steps = {step["srun"]["--output"].split("/")[-1]: step["srun"] for step in job.calls("srun")}
-    group = steps["trainer-%N.log"]
-    assert (group["--nodes"], group["--ntasks"], group["--gpus-per-task"]) == ("2", "2", "8")
-    assert group["--het-group"] == "1" and group["--nodelist"] == "t1,t2"
+    group = steps["trainer-%N-%t.log"]
+    assert (group["--nodes"], group["--ntasks"], group["--ntasks-per-node"]) == ("2", "4", "2")
+    assert group["--gpus-per-task"] == "1" and group["--het-group"] == "1"
+    assert group["--nodelist"] == "t1,t2"
     targets = json.loads((job.job_dir / "scrape_targets.json").read_text())
-    scraped = [t["targets"][0] for t in targets if t["labels"]["job"] == "seamlessflow-worker"]
-    assert {"t1:9404", "t2:9404"} <= set(scraped)
+    scraped = {t["targets"][0] for t in targets if t["labels"]["job"] == "seamlessflow-worker"}
+    assert {"t1:9404", "t1:9405", "t2:9404", "t2:9405"} <= scraped
 
 
 def test_an_insecure_run_has_an_open_nats_and_a_gateway_with_keys(tmp_path, fakes, monkeypatch):
@@ -383,6 +385,10 @@ def test_a_part_that_keeps_failing_ends_the_job(tmp_path, fakes):
         ({"slurm": {"rollout": {"gpus_per_node": 3, "workers_per_node": 2}}}, "evenly"),
         ({"slurm": {"rollout": {"tags": ["a$b"]}}}, "letters, digits"),
         ({"gateway": {"keys_file": "/keys.toml"}}, "agents.gateway_key_file"),
+        (
+            {"layout": {"train": {"count": 3}}, "slurm": {"trainer": {"gpus_per_node": 2}}},
+            "count = 3 does not fill whole trainer nodes of 2 GPUs",
+        ),
     ],
 )
 def test_configs_it_cannot_run_are_refused(changes, error):

@@ -6,7 +6,8 @@ data-parallel group (``tagsched.group`` writes ``TrainerGroup``, rank = index in
 - **Rendezvous**, no address given by hand: rank 0 opens a ``torch.distributed`` store on a
   free port of its host (``rendezvous_host``: its pod's address on Kubernetes, else its node's
   name) and writes ``TrainerRendezvous`` (generation, attempt, host, port) to the run's state
-  bucket; the other members read it and join (gloo on CPU, nccl on CUDA). Joining waits at most ``collective_timeout_s``.
+  bucket; the other members read it and join (gloo on CPU, nccl on CUDA). Joining waits at
+  most ``collective_timeout_s``.
 - **Forming**: rank 0 sends its committed model and optimizer state to every rank, so a member
   that joins starts from exactly it; then each step is broadcast and every rank trains its
   shard (``trainer.ranks``). An idle group is pinged every third of the timeout.
