@@ -6,7 +6,8 @@ Node ``i`` (``sfn<i>``, hostname ``sfn-node<i>``, address ``<subnet>.<11+i>``) h
 - a network namespace (``ip netns``): lo, and eth0 on a veth pair whose other end is on the
   bridge ``sfnbr0`` (``<subnet>.1``, this machine's side); its only route is the subnet, so a
   node reaches the other nodes and the bridge address, nothing else;
-- a UTS namespace: its own hostname;
+- a UTS namespace: its own hostname, which every node resolves to its address (one hosts file
+  for the cluster, bound over each node's ``/etc/hosts``, as a cluster's DNS would);
 - a mount namespace (private propagation): a tmpfs of its own on ``/dev/shm`` (where the trainer
   writes host-local weight copies, ``trainer.config._memory_folder``), its own state folder
   mounted over ``~/.local/state`` (``common.paths.default_state_dir``: ``SEAMLESSFLOW_STATE_DIR``
@@ -151,7 +152,7 @@ class Node:
     def link_up(self) -> None:
         _sh("ip", "link", "set", self.cable, "up")
 
-    def _create(self, bridge: str, subnet: str) -> None:
+    def _create(self, bridge: str, subnet: str, hosts: Path) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         boot_id = self.folder / "boot_id"
         boot_id.write_text(f"{uuid.uuid4()}\n")
@@ -191,6 +192,7 @@ class Node:
             "mount -t tmpfs -o size=1g,mode=1777 sfn-shm /dev/shm",
             f"mount --bind {self.state_dir} {STATE_IN_NODE}",
             f"mount --bind {boot_id} /proc/sys/kernel/random/boot_id",
+            f"mount --bind {hosts} /etc/hosts",
             "mount -t sysfs sfn-sys /sys",
             f"mount -t tmpfs -o size=1m,mode=755 sfn-hide {self.folder.parent}",
         ]
@@ -244,8 +246,9 @@ class Cluster:
             _disable_ipv6(BRIDGE)
             _sh("ip", "addr", "add", f"{self.host_address}/24", "dev", BRIDGE)
             _sh("ip", "link", "set", BRIDGE, "up")
+            self._write_hosts()
             for node in self.nodes:
-                node._create(BRIDGE, self.subnet)
+                node._create(BRIDGE, self.subnet, self.hosts)
         except BaseException:
             self.close()
             raise
@@ -274,8 +277,22 @@ class Cluster:
             raise ValueError(f"{MAX_NODES} nodes at most")
         node = Node(len(self.nodes), self.base, self.subnet)
         self.nodes.append(node)  # (closed with the others, also if making it fails)
-        node._create(BRIDGE, self.subnet)
+        self._write_hosts()
+        node._create(BRIDGE, self.subnet, self.hosts)
         return node
+
+    @property
+    def hosts(self) -> Path:
+        return self.base / "hosts"
+
+    def _write_hosts(self) -> None:
+        """Every node's hostname and address, rewritten in place (the nodes bind this file)."""
+        lines = ["127.0.0.1 localhost", *(f"{n.address} {n.hostname}" for n in self.nodes)]
+        self.hosts.parent.mkdir(parents=True, exist_ok=True)
+        with self.hosts.open("a+") as hosts:  # the same inode: nodes made already see it
+            hosts.seek(0)
+            hosts.truncate()
+            hosts.write("\n".join(lines) + "\n")
 
     def __getitem__(self, index: int) -> Node:
         return self.nodes[index]

@@ -9,22 +9,31 @@ nodes on this machine (``tests.nodes``: network, UTS and mount namespaces joined
   host-local copy (``path=local``) and the other through the object store (``path=store``).
   (Cut links, a NATS server's node among them, and a node joining mid-run:
   ``tests/test_slurm_cluster.py``.)
+- A trainer group across nodes: two workers tagged train (no engine) on two nodes, placed by a
+  scheduler on a third, form one group by rendezvous at rank 0's node and train every step
+  together. It needs the nodes' names to resolve to their addresses (``tests.nodes`` gives
+  them a hosts file, as a cluster's DNS would): without it gloo falls back to loopback and the
+  other member cannot reach rank 0's store.
 """
 
 import subprocess
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import tomli_w
+from nats.js.errors import KeyNotFoundError
 
 from broker import codec
 from broker.client import session
+from broker.control import TrainerGroup
 from broker.messages import WeightsPublished
 from broker.subjects import RunNames
 from tests.node_services import PY, Service, jetstream_ready, start_nats
-from tests.nodes import STATE_IN_NODE, Cluster, available
-from tests.support import eventually, registered
+from tests.nodes import STATE_IN_NODE, Cluster, Node, available
+from tests.support import eventually, metric, registered
 from tests.test_trainer import group, publish
+from trainer import checkpoint
 
 pytestmark = [
     pytest.mark.cluster,
@@ -74,15 +83,21 @@ _ECHO = (
 )
 
 
-def _run_config(path: Path) -> Path:
+def _run_config(path: Path, replicas: int = 3, **trainer: object) -> Path:
     config = {
         "model": {"max_model_len": 256},
         "provision": {
-            "replicas": 3,
+            "replicas": replicas,
             "weights_store_max_bytes": 48 << 20,
             **{p: SMALL_STREAM for p in ("tasks", "gen", "traj", "samples", "weights", "dead")},
         },
-        "trainer": {"groups_per_step": 1, "lr": 1e-3, "max_staleness": 1000, "worker_id": "tr"},
+        "trainer": {
+            "groups_per_step": 1,
+            "lr": 1e-3,
+            "max_staleness": 1000,
+            "worker_id": "tr",
+            **trainer,
+        },
     }
     path.write_text(tomli_w.dumps(config))
     return path
@@ -166,3 +181,64 @@ async def _at(js, names: RunNames, version: int) -> bool:
     """Every worker's registry entry says ``version``."""
     entries = [await registered(js, names, w) for w in ("tr", "w-local", "w-remote")]
     return all(e is not None and e.version == version for e in entries)
+
+
+@pytest.mark.newest_nats
+@pytest.mark.timeout(300)
+async def test_a_trainer_group_spans_nodes(nats_binary, tiny_model_dir, tmp_path):
+    """Two workers tagged train (no engine) on two nodes form one trainer group: rank 0's
+    rendezvous store is reached at its node, the ranks' gloo group runs between the nodes'
+    addresses, and both train each step (the follower its shard), checkpoints in one folder
+    both nodes see."""
+    with Cluster(3, tmp_path / "nodes") as cluster:
+        server, a, b = cluster
+        url = start_nats([server], nats_binary)
+        await jetstream_ready(url, [server])
+        config = _run_config(tmp_path / "run.toml", replicas=1, checkpoint_every=1)
+        ckpt = tmp_path / "checkpoints"  # outside the nodes' hidden folder: both see it
+        args = ("--nats", url, "--run", RUN, "--config", str(config))
+        server.exec([PY, "-m", "seamlessflow.cli", "provision", *args])
+        member = ("worker", *args, "--model", str(tiny_model_dir), "--checkpoint-dir", str(ckpt))
+        member = (*member, "--tags", "train", "--role", "train", "--worker-id")
+        reachable = {"SEAMLESSFLOW_METRICS_HOST": "0.0.0.0"}  # /metrics from this machine
+        scheduler = ("scheduler", *args, "--train-count", "2", "--rollout-count", "0")
+        services = [
+            Service(server, "scheduler", *scheduler),
+            Service(a, "ta", *member, "ta", env=reachable),
+            Service(b, "tb", *member, "tb", env=reachable),
+        ]
+        try:
+            await _train_as_a_group(url, services, {"ta": a, "tb": b}, ckpt)
+        except BaseException:
+            print("\n".join(s.tail() for s in services))
+            raise
+
+
+async def _train_as_a_group(
+    url: str, services: list[Service], nodes: dict[str, Node], ckpt: Path
+) -> None:
+    names = RunNames(RUN)
+    async with session(url, "pytest-nodes") as nc:
+        js = nc.jetstream()
+        state = await js.key_value(names.state_kv)
+
+        async def formed() -> bool:
+            assert all(s.proc.poll() is None for s in services), "a part exited"
+            try:
+                entry = await state.get(RunNames.TRAINER_GROUP_KEY)
+            except KeyNotFoundError:
+                return False
+            return sorted(codec.decode(TrainerGroup, entry.value).members) == sorted(nodes)
+
+        await eventually(formed, timeout=150)
+        await publish(js, names, *[s for i in range(4) for s in group(f"g{i}", 2, base=i)])
+        await eventually(lambda: len(checkpoint.read_steps(ckpt)) >= 2, timeout=120)
+        urls = {}
+        for worker_id, node in nodes.items():
+            port = urlparse((await registered(js, names, worker_id)).metrics_url).port
+            urls[worker_id] = f"http://{node.address}:{port}/metrics"
+        ranks = {w: await metric(u, "sf_trainer_group_rank") for w, u in urls.items()}
+        assert sorted(ranks.values()) == [0, 1], ranks
+        leader, follower = sorted(urls, key=ranks.__getitem__)
+        assert await metric(urls[leader], "sf_trainer_group_size") == 2
+        assert await metric(urls[follower], "sf_trainer_rank_step_seconds_count") >= 2
