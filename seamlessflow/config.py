@@ -284,6 +284,18 @@ class RunConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _one_rank_a_group_member(self) -> "RunConfig":
+        """A trainer group of several workers takes one rank each (``trainer.group`` refuses a
+        member with local ranks)."""
+        count = self.layout.train.count
+        if isinstance(count, int) and count > 1 and self.trainer.world_size > 1:
+            raise ValueError(
+                f"[layout.train] count = {count} is a trainer group of that many workers, one "
+                f"rank each: it needs trainer.world_size = 1 (it is {self.trainer.world_size})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _memory_lent_whole(self) -> "RunConfig":
         """A worker asked to lend the device's memory hands all of its trainer's over."""
         if not self.worker.lend_memory:

@@ -341,20 +341,18 @@ class Services:
         self._supervised = {p.name: _Supervised(p) for p in self.running}
 
     def _trainer_and_workers(self, layout: Layout, cpus: CpuPlan) -> list[ServiceProcess]:
-        """The trainer and the rollout workers, tagged for ``layout`` (``tagsched.spec``) and
-        placed on ``cpus`` (``seamlessflow.placement``): disaggregated, a trainer process on the
-        trainer's CPUs (``[layout.train] count`` workers tagged ``train``, no engine, when the
-        count is above one: one trainer group) and ``rollout.workers`` rollout workers on the
-        rollout CPUs; multiplexed,
-        the trainer is ``[layout.train] count`` workers (one by default) tagged
-        ``train,rollout`` on the trainer's CPUs, one trainer group (lent to rollout while it
-        waits: those CPUs generate then); colocated, ``rollout.workers`` workers tagged
-        both run anywhere, sharing the CPUs (training on their share, generating on
-        ``rollout.threads``), time-shared between training and rollout: those
-        the scheduler assigns ``train`` (``[layout.train] count``, one by default) form the
-        trainer group (``trainer.group``; only its rank 0 takes samples), the rest generate.
-        Whatever holds a trainer checkpoints to ``checkpoint_dir`` unless the config sets one
-        (so a restart, or a member that becomes rank 0, resumes)."""
+        """The trainer and the rollout workers, tagged for ``layout`` (``tagsched.spec``) and placed
+        on ``cpus`` (``seamlessflow.placement``): disaggregated, a trainer process on the trainer's
+        CPUs (``[layout.train] count`` workers tagged ``train``, no engine, when the count is above
+        one: one trainer group) and ``rollout.workers`` rollout workers on the rollout CPUs;
+        multiplexed, the trainer is ``[layout.train] count`` workers (one by default) tagged
+        ``train,rollout`` on the trainer's CPUs, one trainer group (lent to rollout while it waits:
+        those CPUs generate then); colocated, ``rollout.workers`` workers tagged both run anywhere,
+        sharing the CPUs (training on their share, generating on ``rollout.threads``), time-shared
+        between training and rollout: those the scheduler assigns ``train`` (``[layout.train]
+        count``, one by default) form the trainer group (``trainer.group``; only its rank 0 takes
+        samples), the rest generate. Whatever holds a trainer checkpoints to ``checkpoint_dir``
+        unless the config sets one (so a restart, or a member that becomes rank 0, resumes)."""
         cfg = self.config
         checkpoints = (
             {} if cfg.trainer.checkpoint_dir else {"checkpoint_dir": str(self.checkpoint_dir)}

@@ -1,20 +1,19 @@
 """``seamlessflow slurm``: a run as one sbatch script, rendered from its run config.
 
-The job's nodes are the rollout workers' (``[slurm.rollout]``, the first ones) and the
-trainer's (``[slurm.trainer]``, one node, or ``[layout.train] count``: a trainer group); when
-the two kinds differ (partition, constraint, GPUs, memory) the job is heterogeneous, a
-het-group each. First ``seamlessflow creds`` issues,
-in the job's folder, the run's identities, the servers' accounts and the gateway's keys
-(``slurm_job.credentials``; all but the keys skipped with ``[broker] insecure``), and each
-part connects as its principal (``slurm_job.as_principal``). NATS servers with JetStream run on
-the first nodes (a route cluster of 3 when the job has 3 nodes or more), then the run is
+The job's nodes are the rollout workers' (``[slurm.rollout]``, the first ones) and the trainer's
+(``[slurm.trainer]``, one node, or ``[layout.train] count``: a trainer group); when the two kinds
+differ (partition, constraint, GPUs, memory) the job is heterogeneous, a het-group each. First
+``seamlessflow creds`` issues, in the job's folder, the run's identities, the servers' accounts and
+the gateway's keys (``slurm_job.credentials``; all but the keys skipped with ``[broker] insecure``),
+and each part connects as its principal (``slurm_job.as_principal``). NATS servers with JetStream
+run on the first nodes (a route cluster of 3 when the job has 3 nodes or more), then the run is
 provisioned, then every part is one ``srun`` step with its log in ``<log_dir>/<job id>/``: the
-trajectory manager, scheduler, gateway and agent runner on the first node, the trainer on its
-node with a standby scheduler beside it (``tagsched.lease``: it leads once the first node's is
-gone), the rollout workers on theirs, each worker tagged with its node's tags and
-``node=<host>``. A part that exits is restarted (``[supervise]``); the job ends when one gives
-up. The script also writes the run config it was rendered from and ``scrape_targets.json``
-(Prometheus ``file_sd``, like ``seamlessflow run``'s) beside the logs.
+trajectory manager, scheduler, gateway and agent runner on the first node, the trainer on its node
+with a standby scheduler beside it (``tagsched.lease``: it leads once the first node's is gone), the
+rollout workers on theirs, each worker tagged with its node's tags and ``node=<host>``. A part that
+exits is restarted (``[supervise]``); the job ends when one gives up. The script also writes the run
+config it was rendered from and ``scrape_targets.json`` (Prometheus ``file_sd``, like
+``seamlessflow run``'s) beside the logs.
 
 SIGTERM to the batch script (``scancel --batch --signal=TERM``, or the time limit's
 ``--signal``) stops the run in order: ``seamlessflow report`` writes the run report

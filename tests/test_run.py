@@ -301,6 +301,19 @@ def test_example_configs_load_and_the_quickstart_one_is_the_defaults():
     assert baseline == override(tools, {"run": baseline.run, "tasks": {"tools": False}})
 
 
+def test_a_trainer_group_takes_one_rank_a_worker(tmp_path: Path):
+    """A group member with local ranks is refused its place (``trainer.group``): the config
+    that would make one is refused at load, naming both settings."""
+    config = tmp_path / "run.toml"
+    config.write_text("[layout.train]\ncount = 2\n[trainer]\nworld_size = 4\n")
+    with pytest.raises(ConfigError, match=r"count = 2 .* trainer.world_size = 1 \(it is 4\)"):
+        load_config(config)
+    config.write_text("[layout.train]\ncount = 2\n")
+    assert load_config(config).trainer.world_size == 1
+    config.write_text("[trainer]\nworld_size = 4\n")  # one trainer, four local ranks
+    assert load_config(config).trainer.world_size == 4
+
+
 def test_a_kind_chosen_section_takes_only_its_own_options(tmp_path: Path):
     """Engines and trainer backends are chosen by ``kind``; changing the kind drops the default
     kind's options, and an option of another kind is an error naming the key."""
