@@ -78,8 +78,11 @@ class Group:
         return "ROLLOUT_NODES" if self.role == "rollout" else "TRAIN_NODES"
 
     @property
-    def list(self) -> str:
-        """The bash variable of their host names, comma-separated (a step's ``--nodelist``)."""
+    def workers(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def list(self) -> str:  # their host names, comma-separated (a step's --nodelist)
         return "ROLLOUT_LIST" if self.role == "rollout" else "TRAIN_LIST"
 
     def host(self, index: int) -> str:
@@ -233,7 +236,7 @@ def _nodes(p: Plan, log_dir: Path, table: dict[str, Any]) -> str:
             lines.append(f'{g.array}=("${{NODES[@]:{start}:{g.nodes}}}")')
             start += g.nodes
     for g in p.groups:
-        if g.role == "rollout" or g.nodes * g.per_node > 1:  # a step across the group
+        if g.role == "rollout" or g.workers > 1:  # a step across the group
             lines.append(f'{g.list}=$(IFS=,; echo "${{{g.array}[*]}}")')
     config = json.dumps(table, indent=2, default=str)
     lines += [
@@ -310,7 +313,7 @@ def _across(group: Group, gpus: int) -> list[str]:
     """srun options for ``group.per_node`` tasks on every node of ``group``, ``gpus`` each."""
     where = [f"--het-group={group.het}"] if group.het is not None else []
     where += [f'--nodelist="${group.list}"', f"--nodes={group.nodes}"]
-    where += [f"--ntasks={group.nodes * group.per_node}", f"--ntasks-per-node={group.per_node}"]
+    where += [f"--ntasks={group.workers}", f"--ntasks-per-node={group.per_node}"]
     return where + _gpus(group.kind, gpus)
 
 
@@ -363,8 +366,8 @@ def _targets(p: Plan, config: RunConfig) -> str:
 
 def _trainer_kind(config: RunConfig, trainer: Group) -> str:
     """``trainer`` for one ``seamlessflow trainer`` process, else ``worker``."""
-    one = trainer.nodes * trainer.per_node == 1
-    return "trainer" if config.layout.kind is Layout.DISAGGREGATED and one else "worker"
+    alone = config.layout.kind is Layout.DISAGGREGATED and trainer.workers == 1
+    return "trainer" if alone else "worker"
 
 
 def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
@@ -399,8 +402,7 @@ def _parts(p: Plan, config: RunConfig, log_dir: Path) -> str:
     steps.append(f'echo "trainer on {where}"')
     if rollout := p.group("rollout"):
         steps.append(_rollout_step(rollout, config))
-        per_node = config.slurm.rollout.workers_per_node
-        steps.append(f'echo "rollout workers ({per_node} a node) on $ROLLOUT_LIST"')
+        steps.append(f'echo "rollout workers ({rollout.per_node} a node) on $ROLLOUT_LIST"')
     # The gateway listens on every address: always with keys, the job's own unless the config
     # names a keys file (and the agents' key file) of its own.
     keys = f'--keys-file "$SF_JOB_DIR/{KEYS["keys_file"]}"'
@@ -442,23 +444,22 @@ def _trainer_step(p: Plan, config: RunConfig, log_dir: Path) -> str:
     kind = config.layout.kind
     checkpoints = config.trainer.checkpoint_dir or log_dir / f"checkpoints-{config.run}"
     args = [f"--checkpoint-dir {shlex.quote(str(checkpoints))}"]
-    several = group.nodes * group.per_node > 1
+    several = group.workers > 1
     port = METRICS_PORTS["trainer"]
     args.append(
         f"--metrics-port $(({port} + SLURM_LOCALID))" if several else f"--metrics-port {port}"
     )
-    worker_id = "trainer-$SLURMD_NODENAME" + "-$SLURM_LOCALID" * several
     if _trainer_kind(config, group) == "trainer":
         command = sf("trainer", *args)
     else:
-        role = {Layout.COLOCATED: "idle"}.get(kind, "train")
+        role = "idle" if kind is Layout.COLOCATED else "train"
         serves = ["rollout"] if kind is not Layout.DISAGGREGATED else []
         tags = ",".join(["train", *serves, *group.kind.tags, "node=$SLURMD_NODENAME"])
         command = sf(
             "worker",
             f'--tags "{tags}"',
             f"--role {role}",
-            f'--worker-id "{worker_id}"',
+            f'--worker-id "trainer-$SLURMD_NODENAME{"-$SLURM_LOCALID" * several}"',
             *args,
         )
     name, where = "trainer", _on(group, 0, group.kind.gpus_per_node)
@@ -471,7 +472,7 @@ def _trainer_step(p: Plan, config: RunConfig, log_dir: Path) -> str:
 def _rollout_step(group: Group, config: RunConfig) -> str:
     """Every rollout worker in one step: ``workers_per_node`` tasks on each rollout node."""
     kind = config.slurm.rollout
-    where = _across(group, kind.gpus_per_node // kind.workers_per_node)
+    where = _across(group, kind.gpus_per_node // group.per_node)
     tags = ",".join(["rollout", *kind.tags, "node=$SLURMD_NODENAME"])
     command = sf(
         "worker",
