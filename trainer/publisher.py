@@ -120,19 +120,16 @@ class WeightPublisher:
         """Write ``version``'s weights out of the model and announce the host-local copy, if any,
         handing them over meanwhile; queue the upload. False if stopped before the announcement
         (the broker away)."""
-        started = time.monotonic()
         if self._handover is None:
-            published = await self._publish(version, state, started)
-        else:
-            tensors = await asyncio.to_thread(state)
-            published, _ = await asyncio.gather(
-                self._publish(version, lambda: tensors, started), self._handover(version, tensors)
-            )
-        if published and self._config.local_weights:  # what the step waited for
-            self._seconds.labels("local").observe(time.monotonic() - started)
+            return await self._publish(version, state)
+        tensors = await asyncio.to_thread(state)
+        published, _ = await asyncio.gather(
+            self._publish(version, lambda: tensors), self._handover(version, tensors)
+        )
         return published
 
-    async def _publish(self, version: int, state: StateFn, started: float) -> bool:
+    async def _publish(self, version: int, state: StateFn) -> bool:
+        started = time.monotonic()
         if not self._config.local_weights:
             payload: Path | bytes = await asyncio.to_thread(lambda: save(state()))
         else:
@@ -147,6 +144,7 @@ class WeightPublisher:
             except RetryStoppedError as exc:
                 self._unpublished(version, exc)
                 return False
+            self._seconds.labels("local").observe(time.monotonic() - started)
             payload = folder / LOCAL_BLOB
         self._pending = (version, payload, started)
         self._wake.set()
