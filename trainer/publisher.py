@@ -6,10 +6,7 @@ them made, so before the next optimizer step changes them):
 - with ``local_weights_dir`` (tmpfs, ``/dev/shm`` by default): write the safetensors file there
   and announce it with ``host`` set (``broker.weights.announce_local``); rollout workers on this
   host load it in place, no fetch, no checksum;
-- without: serialise the blob in memory;
-- and where the trainer shares its process with an engine that takes tensors (a colocated
-  worker's hf engine: ``handover``), hand the version to that engine beside the write: it loads
-  while the file is written, not after the announcement (no file read, no load after the step).
+- without: serialise the blob in memory.
 
 Off the training path, a background task (``run``) then stores the newest version not yet stored
 in the object store (or ``weights_dir``) and announces it for every host
@@ -28,7 +25,7 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -56,7 +53,6 @@ log = logging.getLogger(__name__)
 
 StateFn = Callable[[], dict[str, torch.Tensor]]
 Workers = Callable[[], Iterable[WorkerRegistered]]
-Handover = Callable[[int, dict[str, torch.Tensor]], Awaitable[None]]
 LOCAL_GRACE_S = 10.0
 """How long a rollout worker on this node may take to load a host-local copy before the version
 is stored for it."""
@@ -82,18 +78,10 @@ class WeightPublisher:
     """See the module docstring. ``publish`` from the step; ``run`` as a task until ``close``."""
 
     def __init__(
-        self,
-        js,
-        names: RunNames,
-        config: TrainerConfig,
-        seconds: Histogram,
-        workers: Workers,
-        handover: Handover | None = None,
+        self, js, names: RunNames, config: TrainerConfig, seconds: Histogram, workers: Workers
     ) -> None:
-        """``workers``: the live rollout workers (``trainer.watch.ServingWatch.live``);
-        ``handover``: the engine in this process, if it takes tensors (the module docstring)."""
+        """``workers``: the live rollout workers (``trainer.watch.ServingWatch.live``)."""
         self._js = js
-        self._handover = handover
         self._names = names
         self._config = config
         self._workers = workers
@@ -117,18 +105,8 @@ class WeightPublisher:
         return published, latest is not None and latest.host is not None
 
     async def publish(self, version: int, state: StateFn) -> bool:
-        """Write ``version``'s weights out of the model and announce the host-local copy, if any,
-        handing them over meanwhile; queue the upload. False if stopped before the announcement
-        (the broker away)."""
-        if self._handover is None:
-            return await self._publish(version, state)
-        tensors = await asyncio.to_thread(state)
-        published, _ = await asyncio.gather(
-            self._publish(version, lambda: tensors), self._handover(version, tensors)
-        )
-        return published
-
-    async def _publish(self, version: int, state: StateFn) -> bool:
+        """Write ``version``'s weights out of the model and announce the host-local copy, if any;
+        queue the upload. False if stopped before the announcement (the broker away)."""
         started = time.monotonic()
         if not self._config.local_weights:
             payload: Path | bytes = await asyncio.to_thread(lambda: save(state()))
