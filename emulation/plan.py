@@ -145,7 +145,10 @@ def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | 
     linear = sum(_need(trainer, f"phase seconds: {p}", at["trainer"]) for p in LINEAR_PHASES)
     linear /= steps
     publish = trainer.get("weight publish seconds, in the step (mean)", 0.0)
-    stall = trainer.get("checkpoint stall seconds (mean)", 0.0)
+    stall = trainer.get("checkpoint stall seconds per step")
+    if stall is None:
+        assumed.append("checkpoint stall per step: not in the summary (written before it was)")
+        stall = trainer.get("checkpoint stall seconds (mean)", 0.0)  # per checkpoint: over
     trainer_devices = costs.get("trainer workers")
     if trainer_devices is None:
         assumed.append("trainer workers: not in the summary (written before they were), 1")

@@ -101,7 +101,7 @@ def serving_windows(
     if step is None:
         return []
     in_step = trainer.get("weight publish seconds, in the step (mean)", 0.0)
-    in_step += trainer.get("checkpoint stall seconds (mean)", 0.0)
+    in_step += trainer.get("checkpoint stall seconds per step", 0.0)
     serving = trainer.get("optimizer step -> all workers serving, seconds (mean)", in_step)
     load = max(0.0, serving - in_step)
     workers = config.rollout.workers

@@ -98,15 +98,19 @@ TRAINER_MEANS = {
 
 
 def trainer_report(samples: list[Sample]) -> dict[str, float]:
-    """Means of the trainer's timing and mismatch histograms, its samples by outcome, and what
-    waiting in admission order cost."""
+    """Means of the trainer's timing and mismatch histograms (the checkpoint's stall also per
+    step), its samples by outcome, and what waiting in admission order cost."""
     report = {}
     means = {label: metric_mean(samples, name) for label, name in TRAINER_MEANS.items()}
     means["weight publish seconds, in the step (mean)"] = metric_mean(
         samples, "sf_trainer_weight_publish_seconds", path="local"
     )
     report.update((label, mean) for label, mean in means.items() if mean is not None)
-    report["steps"] = metric_sum(samples, "sf_trainer_steps_total")
+    report["steps"] = steps = metric_sum(samples, "sf_trainer_steps_total")
+    # A checkpoint is due every few versions: its stall spread over the steps (the one at stop
+    # counted in), what a step pays for it on average.
+    stalls = metric_sum(samples, "sf_trainer_checkpoint_stall_seconds_sum")
+    report["checkpoint stall seconds per step"] = stalls / steps if steps else 0.0
     report["loss tokens"] = metric_sum(samples, "sf_trainer_tokens_total")
     report["loss tokens dropped"] = metric_sum(samples, "sf_trainer_tokens_dropped_total")
     for s in samples:

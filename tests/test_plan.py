@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import tomli_w
+from prometheus_client.parser import text_string_to_metric_families
 
 from emulation.plan import ClusterShape, Fit, PlanError, fit, load_summary, predictions, sweep
 from emulation.sim import Arm
@@ -20,6 +21,7 @@ from emulation.workload import EngineCost, TrainerCost
 from seamlessflow.config import RunConfig, override
 from seamlessflow.costs import engine_load, lent_engines, serving_windows, trainer_workers
 from seamlessflow.exceptions import ConfigError
+from seamlessflow.report import trainer_report
 from tests.test_cli import NO_TORCH
 
 ENGINE = EngineCost(a_s=0.02, b_s=0.004, prefill_s_per_token=0.0, max_batch=16)
@@ -217,6 +219,12 @@ def test_a_run_training_on_several_workers_is_planned_with_as_many():
         "optimizer step -> all workers serving, seconds (mean)": 0.5,
     }
     assert serving_windows(colocated(2), [(1, 10.0)], trainer) == [(8.0, 10.0, 1), (10.0, 10.5, 0)]
+    # A checkpoint every other step: half its stall is in each step, before the announcement.
+    checkpointing = {**trainer, "checkpoint stall seconds per step": 0.25}
+    assert serving_windows(colocated(2), [(1, 10.0)], checkpointing) == [
+        (7.75, 10.0, 1),
+        (10.0, 10.25, 0),
+    ]
 
     phases = {f"phase seconds: {p}": 1.0 for p in ("proximal", "reference", "forward", "backward")}
     costs = {
@@ -261,6 +269,24 @@ def test_a_run_training_on_several_workers_is_planned_with_as_many():
     assert (mux.arm, mux.devices, mux.trainer_devices) == (Arm.MULTIPLEXED, 5, 2)
     shapes = {k: (c.devices, c.trainer_devices) for k, c in predictions(mux, 8).items()}
     assert shapes == {"colocated": (3, 1), "disaggregated": (5, 2), "multiplexed": (5, 2)}
+
+
+def test_a_checkpoints_stall_is_spread_over_the_steps():
+    """A checkpoint is due every few versions: the summary gives its stall per checkpoint and
+    per step (what the planner and the serving windows add to a step), from the trainer's
+    /metrics."""
+    exposition = """# TYPE sf_trainer_steps_total counter
+sf_trainer_steps_total 4.0
+# TYPE sf_trainer_checkpoint_stall_seconds histogram
+sf_trainer_checkpoint_stall_seconds_bucket{le="+Inf"} 2.0
+sf_trainer_checkpoint_stall_seconds_count 2.0
+sf_trainer_checkpoint_stall_seconds_sum 0.6
+"""
+    samples = [s for f in text_string_to_metric_families(exposition) for s in f.samples]
+    report = trainer_report(samples)
+    assert report["checkpoint stall seconds (mean)"] == pytest.approx(0.3)
+    assert report["checkpoint stall seconds per step"] == pytest.approx(0.15)
+    assert trainer_report([])["checkpoint stall seconds per step"] == 0.0  # no step, no /metrics
 
 
 def test_engine_load_leaves_out_what_the_engines_did_not_serve():
