@@ -147,8 +147,11 @@ def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | 
     publish = trainer.get("weight publish seconds, in the step (mean)", 0.0)
     stall = trainer.get("checkpoint stall seconds per step")
     if stall is None:
-        assumed.append("checkpoint stall per step: not in the summary (written before it was)")
-        stall = trainer.get("checkpoint stall seconds (mean)", 0.0)  # per checkpoint: over
+        assumed.append(
+            "checkpoint stall per step: not in the summary (written before it was), its mean"
+            " per checkpoint (an overestimate where a checkpoint is not due every step)"
+        )
+        stall = trainer.get("checkpoint stall seconds (mean)", 0.0)
     trainer_devices = costs.get("trainer workers")
     if trainer_devices is None:
         assumed.append("trainer workers: not in the summary (written before they were), 1")

@@ -127,6 +127,11 @@ def test_the_fit_finds_the_emulated_costs_in_a_real_runs_summary(summary: Path, 
     assert any("pause and resume at weight loads" in note for note in fitted.assumed)
     given = fit(load_summary(summary), str(summary), switch_s=0.05)  # measured elsewhere
     assert given.workload.switch.warm_s == 0.05 and not given.assumed
+    # A summary written before the stall per step: fitted with the stall per checkpoint, said.
+    older = load_summary(summary)
+    del older["trainer"]["checkpoint stall seconds per step"]
+    notes = fit(older, str(summary), switch_s=0.05).assumed
+    assert len(notes) == 1 and notes[0].startswith("checkpoint stall per step"), notes
 
 
 @pytest.mark.newest_nats
