@@ -277,13 +277,18 @@ def test_a_run_its_broker_cannot_serve_says_why(tmp_path: Path):
     assert "[broker.account] max_file" in error and "Traceback" not in done.stderr
 
 
-def test_the_trainer_must_score_at_the_agents_sampling_temperature(tmp_path: Path):
+def _loaded(tmp_path: Path, toml: str) -> RunConfig:
+    """The run config a file of ``toml`` loads to (``ConfigError`` if it is refused)."""
     config = tmp_path / "run.toml"
-    config.write_text("[agents]\ntemperature = 0.7\n")
+    config.write_text(toml)
+    return load_config(config)
+
+
+def test_the_trainer_must_score_at_the_agents_sampling_temperature(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"trainer.temperature \(1.0\) must equal"):
-        load_config(config)
-    config.write_text("[agents]\ntemperature = 0.7\n[trainer]\ntemperature = 0.7\n")
-    assert load_config(config).trainer.temperature == 0.7
+        _loaded(tmp_path, "[agents]\ntemperature = 0.7\n")
+    both = _loaded(tmp_path, "[agents]\ntemperature = 0.7\n[trainer]\ntemperature = 0.7\n")
+    assert both.trainer.temperature == 0.7
 
 
 def test_example_configs_load_and_the_quickstart_one_is_the_defaults():
@@ -304,41 +309,32 @@ def test_example_configs_load_and_the_quickstart_one_is_the_defaults():
 def test_a_trainer_group_takes_one_rank_a_worker(tmp_path: Path):
     """A group member with local ranks is refused its place (``trainer.group``): the config
     that would make one is refused at load, naming both settings."""
-    config = tmp_path / "run.toml"
-    config.write_text("[layout.train]\ncount = 2\n[trainer]\nworld_size = 4\n")
     with pytest.raises(ConfigError, match=r"count = 2 .* trainer.world_size = 1 \(it is 4\)"):
-        load_config(config)
-    config.write_text("[layout.train]\ncount = 2\n")
-    assert load_config(config).trainer.world_size == 1
-    config.write_text("[trainer]\nworld_size = 4\n")  # one trainer, four local ranks
-    assert load_config(config).trainer.world_size == 4
+        _loaded(tmp_path, "[layout.train]\ncount = 2\n[trainer]\nworld_size = 4\n")
+    assert _loaded(tmp_path, "[layout.train]\ncount = 2\n").trainer.world_size == 1
+    one_trainer = _loaded(tmp_path, "[trainer]\nworld_size = 4\n")  # four local ranks
+    assert one_trainer.trainer.world_size == 4
 
 
 def test_a_kind_chosen_section_takes_only_its_own_options(tmp_path: Path):
     """Engines and trainer backends are chosen by ``kind``; changing the kind drops the default
     kind's options, and an option of another kind is an error naming the key."""
-    config = tmp_path / "run.toml"
-    config.write_text("[trainer.backend]\nkind = 'megatron'\ntensor_parallel = 1\n")
-    assert load_config(config).trainer.backend == MegatronBackendConfig()
-    config.write_text("[worker.engine]\nkind = 'hf'\nkv_cache_memory_bytes = 1\n")
+    megatron = _loaded(tmp_path, "[trainer.backend]\nkind = 'megatron'\ntensor_parallel = 1\n")
+    assert megatron.trainer.backend == MegatronBackendConfig()
     with pytest.raises(ConfigError, match=r"worker.engine.hf.kv_cache_memory_bytes\s+Extra inputs"):
-        load_config(config)
-    config.write_text("[trainer.backend]\nkind = 'deepspeed'\n")
+        _loaded(tmp_path, "[worker.engine]\nkind = 'hf'\nkv_cache_memory_bytes = 1\n")
     with pytest.raises(ConfigError, match=r"trainer.backend\s+Input tag 'deepspeed' found"):
-        load_config(config)
-    config.write_text("[trainer]\ndevice = 'cpu'\n[trainer.backend]\nkind = 'megatron'\n")
+        _loaded(tmp_path, "[trainer.backend]\nkind = 'deepspeed'\n")
     with pytest.raises(ConfigError, match="the megatron backend runs on CUDA only"):
-        load_config(config)
+        _loaded(tmp_path, "[trainer]\ndevice = 'cpu'\n[trainer.backend]\nkind = 'megatron'\n")
 
 
 def test_a_colocated_run_may_have_several_workers(tmp_path: Path):
     """Only the trainer group's rank 0 takes samples (``trainer.group``): several workers
     tagged train no longer stall a run, so the colocated layout takes ``rollout.workers``."""
-    config = tmp_path / "run.toml"
-    config.write_text('[layout]\nkind = "colocated"\n[rollout]\nworkers = 2\n')
-    assert load_config(config).rollout.workers == 2
-    config.write_text('[layout]\nkind = "multiplexed"\n[rollout]\nworkers = 2\n')
-    assert load_config(config).rollout.workers == 2
+    for layout in ("colocated", "multiplexed"):
+        config = _loaded(tmp_path, f'[layout]\nkind = "{layout}"\n[rollout]\nworkers = 2\n')
+        assert config.rollout.workers == 2, layout
 
 
 async def test_a_restarted_runs_task_feed_numbers_on_from_the_tasks_stream(nc, js, names):
