@@ -342,7 +342,8 @@ class WeightsPublished(Message):
     location: str = Field(
         min_length=1,
         max_length=4096,
-        description="'objstore://<bucket>/<name>' for the embedded default, or 'file://<path>'",
+        description="'objstore://<bucket>/<name>' for the embedded default, 'file://<path>', or "
+        "'process://<worker id>': held by that worker's engine in the trainer's process only",
     )
     format: Literal["safetensors"] = "safetensors"
     sha256: str | None = Field(

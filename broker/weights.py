@@ -11,6 +11,11 @@ Same host, no copies: the trainer first writes each version into a tmpfs folder
 never leave this machine's memory); a worker on that host loads the folder in place
 (``local_copy``), and workers elsewhere wait for the object-store announcement of the version,
 which the trainer publishes next, off its training path.
+
+Held in one process: where the only rollout worker shares the trainer's process and its engine
+took the version from the trainer's tensors, the trainer announces it with ``announce_held``
+(``process://<worker id>``, ``host`` set) and writes no file; the file and its store copy are
+made once another worker needs them (``trainer.publisher``).
 """
 
 import asyncio
@@ -38,6 +43,8 @@ from broker.retry import TRANSIENT
 from broker.subjects import RunNames
 
 OBJSTORE = "objstore"
+HELD = "process"
+"""The location scheme of a version held in one process only: ``process://<worker id>``."""
 
 
 KEEP_VERSIONS = 3
@@ -151,6 +158,24 @@ async def announce_local(
     return event
 
 
+async def announce_held(
+    js: JetStreamContext, names: RunNames, version: int, worker_id: str
+) -> WeightsPublished:
+    """Announce ``version`` as held by ``worker_id``'s engine, in the trainer's own process
+    (loaded there from the trainer's tensors): no file, nothing any other worker can load."""
+    event = WeightsPublished(
+        version=version,
+        location=f"{HELD}://{worker_id}",
+        sha256=None,
+        size_bytes=0,
+        published_at=time.time(),
+        host=host_id(),
+    )
+    headers = codec.headers(msg_id=f"weights-v{version}-held")
+    await js.publish(names.weights, codec.encode(event), headers=headers)
+    return event
+
+
 def _prune_local(run_folder: Path, older_than: int) -> None:
     for path, version in _local_versions(run_folder):
         if version < older_than:
@@ -171,10 +196,12 @@ def _local_versions(run_folder: Path) -> list[tuple[Path, int]]:
 
 def local_copy(event: WeightsPublished) -> Path | None:
     """The folder to load ``event``'s host-local copy from, or None when it is not readable here
-    (another host, or gone): then the version's object-store announcement follows."""
-    if event.host != host_id():
+    (another host, gone, or held in one process): then the version's announcement with a file
+    follows."""
+    url = urlparse(event.location)
+    if event.host != host_id() or url.scheme != "file":
         return None
-    blob = Path(urlparse(event.location).path)
+    blob = Path(url.path)
     try:
         if blob.stat().st_size != event.size_bytes:
             return None

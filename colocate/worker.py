@@ -3,10 +3,11 @@ trainer steps as ``train`` (as one rank of the trainer group, ``trainer.group``:
 workers train together, and only the group's rank 0 takes samples). Switching stops one part
 before starting the other: taking ``train`` stops routing to the engine, aborts its generations
 (they continue elsewhere) and pauses it warm; giving ``train`` up lets the step in progress
-commit first. Where it lends the device's memory (``lends_memory``), the engine sleeps while it
-trains and the trainer's state waits in host memory while it generates. A worker not tagged
-``rollout`` only trains (a member of a disaggregated layout's trainer group): it starts no
-engine."""
+commit first. An engine that takes tensors (hf) gets each version from the trainer in the
+step; alone in the run, no file is written for it (``trainer.publisher``). Where it lends the
+device's memory (``lends_memory``), the engine sleeps while it trains and the trainer's state
+waits in host memory while it generates. A worker not tagged ``rollout`` only trains (a member
+of a disaggregated layout's trainer group): it starts no engine."""
 
 import asyncio
 from collections.abc import Awaitable
@@ -23,6 +24,7 @@ from broker.roles import membership
 from broker.subjects import RunNames
 from common.metrics import serve_metrics
 from rollout.engines import Engine, EngineConfig, start_engine
+from rollout.engines.base import TakesTensors
 from rollout.metrics import MEMORY_HANDOVER
 from rollout.serve import METRICS, announce, worker_registration
 from rollout.worker import RolloutWorker
@@ -31,6 +33,7 @@ from tagsched.spec import has_tags
 from trainer.config import TrainerConfig
 from trainer.group import GroupLink, rendezvous_host
 from trainer.metrics import REGISTRY as TRAINER_METRICS
+from trainer.publisher import InProcess
 from trainer.ranks import uses_cuda
 from trainer.serve import close_ranks, open_ranks
 from trainer.service import Trainer
@@ -84,14 +87,16 @@ async def _serve(
     js = nc.jetstream()
     ranks, start = await open_ranks(c.engine.model, c.trainer)
     try:
-        watch = ServingWatch(c.provision.workers_ttl_s)
-        trainer = Trainer(js, names, c.trainer, ranks, watch, start, grouped=True)
-        rollout = None
+        rollout = in_process = None
         if engine is not None:
             rollout = RolloutWorker(
                 nc, names, engine, c.worker, c.provision.gen, nats_url=c.url, sleeps_idle=lend
             )
             await rollout.load_latest()
+            if isinstance(engine, TakesTensors):  # each version straight from the trainer
+                in_process = InProcess(c.worker.worker_id, rollout.take_weights)
+        watch = ServingWatch(c.provision.workers_ttl_s)
+        trainer = Trainer(js, names, c.trainer, ranks, watch, start, True, in_process)
         registration = await worker_registration(
             js,
             names,

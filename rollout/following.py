@@ -19,9 +19,10 @@ import contextlib
 import logging
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -38,6 +39,7 @@ from broker.subjects import RunNames
 from broker.weights import fetch_weights_apart, latest_weights, local_copy
 from common.log import kv
 from rollout.engines import Engine, EngineError
+from rollout.engines.base import TakesTensors
 from rollout.metrics import (
     ENGINE_PAUSE,
     INTERRUPTIONS,
@@ -51,6 +53,9 @@ from rollout.metrics import (
     WEIGHTS_STATE,
 )
 from rollout.worker_config import WorkerConfig
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +149,11 @@ class WeightFollower:
             WEIGHT_ERRORS.inc()
             log.error(kv("weights_load_failed", version=event.version, error=exc))
 
-    def _deferred(self, event: WeightsPublished) -> bool:
+    def _deferred(self, version: int) -> bool:
         """Whether the worker is lent (its engine asleep): then nothing is fetched or loaded, and
         the reclaim loads the newest version."""
         if self._worker.lent():
-            log.info(kv("weights_deferred", version=event.version))
+            log.info(kv("weights_deferred", version=version))
             return True
         return False
 
@@ -164,11 +169,32 @@ class WeightFollower:
             return False
         return True
 
+    async def take(self, version: int, tensors: "Mapping[str, torch.Tensor]") -> bool:
+        """Load ``version`` from ``tensors`` held in this process (a colocated trainer's, handed
+        over in its step while they cannot change), ahead of its announcement, which then finds
+        it loaded: no file read. An engine that cannot take tensors (``TakesTensors``) or a lent
+        worker's leaves it to the announcement. A load that fails is counted, as any. Whether
+        the engine now serves ``version``."""
+        engine = self._engine
+        if not isinstance(engine, TakesTensors) or version <= engine.version:
+            return engine.version == version
+        started = time.monotonic()
+        try:
+            if await self._paused_load(version, lambda: engine.load_tensors(version, tensors)):
+                self._loaded(version, started, started, "in_process")
+        except EngineError as exc:
+            WEIGHT_ERRORS.inc()
+            log.error(kv("weights_load_failed", version=version, error=exc, path="in_process"))
+        finally:
+            VERSION.set(self._engine.version)
+            await self._show(WeightsState.READY, version=self._engine.version)
+        return engine.version == version
+
     async def _load(self, event: WeightsPublished) -> None:
         """Fetch and load ``event``'s version if it is newer than any tried before (a version
         that failed is not tried again). Called at start, then from the weights subscription,
         whose callbacks run one at a time: loads never overlap."""
-        if not await self._newest(event) or self._deferred(event):
+        if not await self._newest(event) or self._deferred(event.version):
             return
         local = local_copy(event) if event.host is not None else None
         if event.host is not None and local is None:
@@ -181,35 +207,46 @@ class WeightFollower:
             await self._wait_for_wave(event.version)
             async with self._weights_folder(event, local) as folder:
                 fetched = time.monotonic()
-                try:
-                    async with self._lock:
-                        if self._deferred(event):  # lent while it fetched
-                            return
-                        self._tried_version = event.version
-                        INTERRUPTIONS.labels("weight_update").inc(self._worker.in_flight())
-                        await self._show(WeightsState.LOADING)
-                        with ENGINE_PAUSE.labels("pause").time():
-                            await self._engine.pause()
-                        try:
-                            await self._load_within_deadline(event.version, folder)
-                        finally:
-                            if self._worker.serving():  # an idle worker's engine stays paused
-                                with ENGINE_PAUSE.labels("resume").time():
-                                    await self._engine.resume()
-                finally:
-                    await self._rejoin()
+                load = partial(self._engine.load_weights, event.version, folder)
+                loaded = await self._paused_load(event.version, load)
         finally:
             VERSION.set(self._engine.version)
             await self._show(WeightsState.READY, version=self._engine.version)
+        if loaded:
+            self._loaded(event.version, started, fetched, "local" if local else "store")
+
+    async def _paused_load(self, version: int, load: Callable[[], Awaitable[None]]) -> bool:
+        """``load`` with the engine paused, under the lock; False if the worker was lent or the
+        version loaded (handed over) meanwhile."""
+        try:
+            async with self._lock:
+                if self._deferred(version) or version <= self._engine.version:
+                    return False  # lent while it fetched, or handed over meanwhile
+                self._tried_version = version
+                INTERRUPTIONS.labels("weight_update").inc(self._worker.in_flight())
+                await self._show(WeightsState.LOADING)
+                with ENGINE_PAUSE.labels("pause").time():
+                    await self._engine.pause()
+                try:
+                    await self._load_within_deadline(version, load)
+                finally:
+                    if self._worker.serving():  # an idle worker's engine stays paused
+                        with ENGINE_PAUSE.labels("resume").time():
+                            await self._engine.resume()
+        finally:
+            await self._rejoin()
+        return True
+
+    def _loaded(self, version: int, started: float, fetched: float, path: str) -> None:
         seconds = time.monotonic() - started
-        WEIGHT_LOAD.observe(seconds)
+        WEIGHT_LOAD.labels(path).observe(seconds)
         log.info(
             kv(
                 "weights_loaded",
-                version=event.version,
+                version=version,
                 seconds=round(seconds, 3),
                 fetch_seconds=round(fetched - started, 3),
-                path="local" if event.host is not None else "store",
+                path=path,
                 in_flight=self._worker.in_flight(),
             )
         )
@@ -264,11 +301,13 @@ class WeightFollower:
             await asyncio.sleep(0.1)
         WAVE_WAIT.observe(time.monotonic() - started)
 
-    async def _load_within_deadline(self, version: int, folder: Path) -> None:
+    async def _load_within_deadline(
+        self, version: int, load: Callable[[], Awaitable[None]]
+    ) -> None:
         """Load ``version``; past ``weight_load_timeout_s``, quarantine this worker (stop routing
         to it, abort what it has in flight so the gateway continues it elsewhere) and wait for
         the load to end. The load itself is never cut short: that would leave mixed weights."""
-        load = asyncio.ensure_future(self._engine.load_weights(version, folder))
+        load = asyncio.ensure_future(load())
         done, _ = await asyncio.wait({load}, timeout=self._config.weight_load_timeout_s)
         if not done:
             QUARANTINES.inc()

@@ -28,7 +28,10 @@ QUEUE_WAIT = Histogram(
 )
 WEIGHT_LOAD = Histogram(
     "sf_rollout_weight_load_seconds",
-    "Fetch + load of a new weight version, engine paused for the load part",
+    "Fetch + load of a new weight version, engine paused for the load part, by where it came"
+    " from: this host's copy (local), the object store (store), or the trainer in the worker's"
+    " process (in_process)",
+    ["path"],
     buckets=(1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
     registry=REGISTRY,
 )

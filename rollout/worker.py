@@ -34,8 +34,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -67,6 +68,9 @@ from rollout.metrics import (
     WAITING,
 )
 from rollout.worker_config import WorkerConfig
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +160,10 @@ class RolloutWorker:
     async def load_latest(self) -> None:
         """Load the newest published weights, before registering (the entry carries them)."""
         await self._weights.load_latest()
+
+    async def take_weights(self, version: int, tensors: "Mapping[str, torch.Tensor]") -> bool:
+        """``version`` handed over in this process (``WeightFollower.take``): served now?"""
+        return await self._weights.take(version, tensors)
 
     async def run(
         self, roles: RoleHolder, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None

@@ -144,10 +144,14 @@ def scheduler_report(samples: list[Sample]) -> dict[str, float]:
 
 
 def rollout_report(samples: list[Sample]) -> dict[str, float]:
-    """What the workers' weight loads took, over all of them: loads, and the engine's pause
-    before a load and resume after it (mean seconds; the engine's part of a lend and of a
-    reclaim)."""
-    report = {"weight loads": metric_sum(samples, "sf_rollout_weight_load_seconds_count")}
+    """What the workers' weight loads took, over all of them: loads (and those a colocated
+    worker's engine took from its trainer in process), and the engine's pause before a load and
+    resume after it (mean seconds; the engine's part of a lend and of a reclaim)."""
+    loads = "sf_rollout_weight_load_seconds_count"
+    report = {
+        "weight loads": metric_sum(samples, loads),
+        "weight loads in process": metric_sum(samples, loads, path="in_process"),
+    }
     means = {"weight load seconds (mean)": metric_mean(samples, "sf_rollout_weight_load_seconds")}
     for step in ("pause", "resume"):
         pause = metric_mean(samples, "sf_rollout_engine_pause_seconds", step=step)

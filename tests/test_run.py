@@ -86,6 +86,10 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
     assert 1 <= scheduler["workers"] <= (1 if layout == "colocated" else 2)
     if layout != "disaggregated":  # the trainer's worker served rollout while the trainer waited
         assert scheduler["lends"] >= 1 and scheduler["reclaims"] >= 1
+    # The trainer's worker's hf engine took each version in process, in the step (multiplexed);
+    # asleep while it trains (colocated, lending memory), it took none so.
+    in_process = summary["rollout"]["weight loads in process"]
+    assert (in_process >= 1) == (layout == "multiplexed"), summary["rollout"]
     # Role changes repeated nothing: no sample was trained twice, versions are consecutive.
     steps = read_steps(out / "checkpoints")
     trained = [sid for step in steps for sid in step.trained]

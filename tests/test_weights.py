@@ -108,6 +108,7 @@ async def test_a_run_of_the_same_name_provisioned_again_does_not_see_the_old_cop
     from broker.provision import provision_run
     from trainer.config import TrainerConfig
     from trainer.publisher import WeightPublisher
+    from trainer.watch import ServingWatch
 
     first = await run_instance(js, names)
     assert await run_instance(js, names) == first  # one name for the run's life
@@ -120,7 +121,7 @@ async def test_a_run_of_the_same_name_provisioned_again_does_not_see_the_old_cop
 
     seconds = Histogram("t_publish_seconds", "test", ["path"], registry=CollectorRegistry())
     config = TrainerConfig(local_weights_dir=tmp_path)
-    publisher = WeightPublisher(js, names, config, seconds, lambda: [])
+    publisher = WeightPublisher(js, names, config, seconds, ServingWatch(30.0))
     assert await publisher.announced() == (0, False)  # not v6: that was the earlier run's
     publisher.close()
     await publisher.run()  # stops at once: nothing queued; removes this run's copies only

@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
 
 import rollout.worker
 from broker import codec
@@ -266,6 +268,132 @@ async def test_a_host_local_copy_is_loaded_in_place_and_others_wait_for_the_stor
     call = await Call(nc, names, "c2", max_tokens=8, temperature=0).start()
     await call.finished()
     assert call.tokens == greedy(tiny_model_dir, PROMPT, 8, second)
+
+
+async def test_a_version_handed_over_in_process_is_loaded_once_with_its_numbers(
+    nc, js, names, tiny_model_dir, tmp_path
+):
+    """A colocated trainer hands each version to its worker's hf engine in its step
+    (``take_weights``, beside the file's write): the engine serves it with the numbers the file
+    gives, and the version's announcement then loads nothing. An older version, bad tensors
+    (counted; the engine keeps its version) and a lent worker (its engine asleep) take nothing.
+    In process, with a real hf engine."""
+    engine = await start_engine(EngineConfig(tiny_model_dir, 2048, settings=HFEngineConfig()))
+    worker = RolloutWorker(
+        nc,
+        names,
+        engine,
+        WorkerConfig(worker_id="w-in"),
+        SMALL_RUN.gen,
+        nats_url="",
+        sleeps_idle=True,
+    )
+    blob = perturbed_weights(tiny_model_dir, seed=1)
+    tensors = safetensors.torch.load(blob)
+    loads0 = {path: _loads(path) for path in ("in_process", "local", "store")}
+    errors0 = _rollout_count("sf_rollout_weight_errors_total")
+    try:
+        await worker.take_weights(1, tensors)
+        assert engine.version == 1 and _loads("in_process") == loads0["in_process"] + 1
+        # The same version announced as this host's file: already loaded, nothing read.
+        folder = local_folder(tmp_path, names, 1)
+        folder.mkdir(parents=True)
+        (folder / LOCAL_BLOB).write_bytes(blob)
+        await worker._weights._load(await announce_local(js, names, 1, folder))
+        older = {name: t + 1 for name, t in tensors.items()}
+        await worker.take_weights(1, older)  # not newer: ignored
+        wrong = {**tensors, "model.embed_tokens.weight": torch.zeros(3, 3)}
+        await worker.take_weights(2, wrong)  # refused, counted, v1 kept
+        assert engine.version == 1
+        assert _rollout_count("sf_rollout_weight_errors_total") == errors0 + 1
+        assert {path: _loads(path) for path in loads0} == {
+            **loads0,
+            "in_process": loads0["in_process"] + 1,
+        }
+        await worker.take(Role.ROLLOUT)
+        call = await Call(nc, names, "c-in", max_tokens=6, temperature=0).start()
+        await call.finished()
+        assert {c.version for c in call.chunks} == {1}
+        assert call.tokens == greedy(tiny_model_dir, PROMPT, 6, blob)
+        await worker.take(Role.IDLE)  # lent: the engine sleeps
+        await worker.take_weights(3, tensors)
+        assert engine.version == 1 and _loads("in_process") == loads0["in_process"] + 1
+    finally:
+        await worker._stop_serving("test over", cause="stopping")
+        await engine.close()
+
+
+async def test_a_lone_colocated_engine_holds_each_version_until_another_worker_needs_a_file(
+    nc, js, names, tiny_model_dir, tmp_path
+):
+    """``trainer.publisher`` with the rollout worker of its own process (``InProcess``): while
+    no other worker tagged rollout is in the registry, a version the engine took in process is
+    announced as held there and no file is written; once one registers, the held version's file
+    is written and announced (the same tensors), and the next version gets its file in the step;
+    at close the last is stored for every host. Real broker, registry and hf engine."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from broker.registry import Registration
+    from broker.weights import latest_weights, local_copy
+    from trainer.config import TrainerConfig
+    from trainer.publisher import InProcess, Model, WeightPublisher
+    from trainer.watch import ServingWatch
+
+    engine = await start_engine(EngineConfig(tiny_model_dir, 2048, settings=HFEngineConfig()))
+    worker = RolloutWorker(
+        nc, names, engine, WorkerConfig(worker_id="w-own"), SMALL_RUN.gen, nats_url=""
+    )
+    watch = ServingWatch(30.0)
+    following = asyncio.create_task(watch.follow(js, names))
+    model = Model(asyncio.Lock(), lambda: version)
+    seconds = Histogram("t_held_seconds", "test", ["path"], registry=CollectorRegistry())
+    config = TrainerConfig(local_weights_dir=tmp_path)
+    publisher = WeightPublisher(
+        js, names, config, seconds, watch, (InProcess("w-own", worker.take_weights), model)
+    )
+    uploading = asyncio.create_task(publisher.run())
+    first = safetensors.torch.load(perturbed_weights(tiny_model_dir, seed=1))
+    second = safetensors.torch.load(perturbed_weights(tiny_model_dir, seed=2))
+    try:
+        version = 1
+        assert await publisher.publish(1, lambda: first)
+        held = await latest_weights(js, names)
+        assert (held.version, held.location, held.host) == (1, "process://w-own", host_id())
+        assert engine.version == 1 and local_copy(held) is None
+        assert not list(tmp_path.rglob("*.safetensors"))  # nothing written
+        await asyncio.sleep(1.5)  # run looked again: still nobody else
+        assert not list(tmp_path.rglob("*.safetensors"))
+
+        other = await Registration.open(js, names, "w-other", tags=["rollout"], role=Role.IDLE)
+        await other.put()
+        async with asyncio.timeout(10):
+            while (latest := await latest_weights(js, names)).location == held.location:
+                await asyncio.sleep(0.05)
+        assert latest.version == 1 and latest.host == host_id()
+        folder = local_copy(latest)
+        assert folder is not None
+        written = safetensors.torch.load_file(folder / LOCAL_BLOB)
+        assert all(torch.equal(written[name], t) for name, t in first.items())
+
+        version = 2  # the other worker still needs files: written in the step
+        assert await publisher.publish(2, lambda: second)
+        latest = await latest_weights(js, names)
+        assert latest.version == 2 and local_copy(latest) is not None and engine.version == 2
+    finally:
+        publisher.close()
+        await asyncio.wait_for(uploading, 60)
+        following.cancel()
+        await engine.close()
+    stored = await latest_weights(js, names)
+    assert (stored.version, stored.host) == (2, None)  # stored for every host at close
+
+
+def _loads(path: str) -> float:
+    return _rollout_count("sf_rollout_weight_load_seconds_count", path=path)
+
+
+def _rollout_count(name: str, **labels: str) -> float:
+    return ROLLOUT_METRICS.get_sample_value(name, labels) or 0.0
 
 
 async def test_bad_weights_are_refused_and_counted(broker, worker, nc, js, names, tiny_model_dir):

@@ -99,7 +99,8 @@ CHECKPOINT_STALL_SECONDS = Histogram(
 PUBLISH_SECONDS = Histogram(
     "sf_trainer_weight_publish_seconds",
     "From a version's optimizer step to its announcement, by path: local (the host-local copy, "
-    "in the step) or store (the object store or weights_dir, in the background)",
+    "in the step, with the handover to a colocated engine beside it) or store (the object store "
+    "or weights_dir, in the background)",
     ["path"],
     buckets=_SECONDS,
     registry=REGISTRY,

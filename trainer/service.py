@@ -69,7 +69,7 @@ from trainer.metrics import (
     report_step,
 )
 from trainer.order import AdmissionOrder
-from trainer.publisher import WeightPublisher
+from trainer.publisher import InProcess, Model, WeightPublisher
 from trainer.ranks import RankGroup
 from trainer.step import StepStats
 from trainer.waits import OrderWait, wait_first
@@ -95,10 +95,11 @@ class Trainer(AheadSteps):
         watch: ServingWatch,
         start: Checkpoint | None,
         grouped: bool = False,
+        in_process: InProcess | None = None,
     ) -> None:
         """``grouped``: a ``trainer.group.GroupLink`` drives this trainer: it takes samples and
         steps only once the link makes it the group's rank 0 and forms the group (and publishes
-        then); otherwise it does both from the start."""
+        then); otherwise it does both from the start. ``in_process``: ``WeightPublisher``'s."""
         self._grouped = grouped
         self._js = js
         self._names = names
@@ -117,9 +118,8 @@ class Trainer(AheadSteps):
         self._may_step.set()
         self._stepping = asyncio.Lock()
         self._roles: RoleHolder | None = None  # set by serve: busy time, the entry's version
-        self._publisher = WeightPublisher(
-            js, names, config, PUBLISH_SECONDS, lambda: watch.live().values()
-        )
+        held = in_process and (in_process, Model(self._stepping, lambda: self.version))
+        self._publisher = WeightPublisher(js, names, config, PUBLISH_SECONDS, watch, held)
         self._commits = Commits(
             config, ranks.backend, self._release, self._write_failed, self.version
         )

@@ -26,7 +26,8 @@ class ServingWatch:
     def __init__(self, ttl: float, keep: int = 16) -> None:
         self._ttl = ttl
         self._keep = keep
-        self._workers: dict[str, WorkerRegistered] = {}
+        self._workers: dict[str, WorkerRegistered] = {}  # in the rollout role
+        self._engines: dict[str, WorkerRegistered] = {}  # tagged rollout, in any role
         self._heard = LastSeen()
         self._pending: dict[int, float] = {}  # version -> time.monotonic() of its step
 
@@ -40,10 +41,13 @@ class ServingWatch:
     def seen(self, sighting: Sighting) -> None:
         self._heard.saw(sighting)
         worker_id, entry = sighting.worker_id, sighting.entry
-        if entry is None or entry.role is not Role.ROLLOUT:
-            self._workers.pop(worker_id, None)
-        else:
-            self._workers[worker_id] = entry
+        for held, keep in (
+            (self._workers, entry is not None and entry.role is Role.ROLLOUT),
+            (self._engines, entry is not None and "rollout" in entry.tags),
+        ):
+            held.pop(worker_id, None)
+            if keep and entry is not None:
+                held[worker_id] = entry
         self._settle()
 
     async def follow(self, js: JetStreamContext, names: RunNames) -> None:
@@ -59,7 +63,15 @@ class ServingWatch:
 
     def live(self) -> dict[str, WorkerRegistered]:
         """The rollout workers whose entry was written within the TTL, on this process's clock."""
-        return {wid: w for wid, w in self._workers.items() if self._heard.fresh(wid, self._ttl)}
+        return self._fresh(self._workers)
+
+    def engines(self) -> dict[str, WorkerRegistered]:
+        """The workers tagged ``rollout`` (whatever their role now: any may load a version next)
+        whose entry was written within the TTL."""
+        return self._fresh(self._engines)
+
+    def _fresh(self, workers: dict[str, WorkerRegistered]) -> dict[str, WorkerRegistered]:
+        return {wid: w for wid, w in workers.items() if self._heard.fresh(wid, self._ttl)}
 
     def _settle(self) -> None:
         """Observe each pending version every live rollout worker now serves."""

@@ -20,20 +20,25 @@ text: tokenizing and chat templates belong to the gateway. Contract (checked for
   from prompt + tokens so far.
 - ``load_weights(version, path)``: ``path`` is a folder holding ``*.safetensors`` with HF
   parameter names (tied embeddings: ``lm_head.weight`` may be absent). Works paused or not.
+  An engine that keeps its weights in the worker's own process (``TakesTensors``: hf) also
+  loads them from tensors the process holds, with the same names and checks.
 - ``close`` aborts what is in flight, then releases the engine; it never hangs.
 """
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter
 
 from broker.messages import FinishReason, SamplingParams
 from rollout.engines.config import EngineSettings, HFEngineConfig
 from rollout.exceptions import EngineError
+
+if TYPE_CHECKING:
+    import torch
 
 REGISTRY = CollectorRegistry()  # this part's metrics: common.metrics
 
@@ -123,6 +128,16 @@ class Engine(Protocol):
     async def load_weights(self, version: int, path: Path) -> None: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class TakesTensors(Protocol):
+    """An engine whose weights live in the worker's own process: it also loads a version from
+    tensors the process holds (a colocated trainer's, ``rollout.following``), no file between."""
+
+    async def load_tensors(self, version: int, tensors: "Mapping[str, torch.Tensor]") -> None:
+        """``load_weights`` from ``tensors`` (HF names): read while it runs, never kept."""
+        ...
 
 
 def check_sleepable(engine: str, paused: bool) -> None:

@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -141,16 +142,23 @@ class HFEngine(InProcessEngine):
             pass
 
     async def load_weights(self, version: int, path: Path) -> None:
+        await self._load(version, lambda: _read_safetensors(Path(path)), path)
+
+    async def load_tensors(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        await self._load(version, lambda: tensors, "in_process")
+
+    async def _load(
+        self, version: int, read: Callable[[], Mapping[str, torch.Tensor]], source: object
+    ) -> None:
+        """Check what ``read`` gives against the model, then copy it in between two steps."""
         self._check_loadable()
         started = time.perf_counter()
         try:
             # Reading and checking (tied copies compared) are off the event loop.
-            updates = await asyncio.to_thread(
-                lambda: self._plan_update(_read_safetensors(Path(path)))
-            )
+            updates = await asyncio.to_thread(lambda: self._plan_update(read()))
         except EngineError as exc:
             ENGINE_WEIGHT_LOADS.labels(ENGINE, "rejected").inc()
-            log.warning(kv("hf_weights_rejected", version=version, path=path, error=exc))
+            log.warning(kv("hf_weights_rejected", version=version, path=source, error=exc))
             raise
         async with self._step_lock:
             loop = asyncio.get_running_loop()
@@ -167,7 +175,7 @@ class HFEngine(InProcessEngine):
             kv(
                 "hf_weights_loaded",
                 version=version,
-                path=path,
+                path=source,
                 tensors=len(updates),
                 running=len(self._requests),
                 seconds=round(time.perf_counter() - started, 3),
@@ -305,7 +313,7 @@ class HFEngine(InProcessEngine):
 
     # -- weights --------------------------------------------------------------------------------
 
-    def _plan_update(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    def _plan_update(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """Check ``tensors`` against the model: (parameter name, new value) per storage."""
         unknown = sorted(set(tensors) - set(self._shapes))
         if unknown:
