@@ -107,6 +107,9 @@ def trainer_report(samples: list[Sample]) -> dict[str, float]:
     )
     report.update((label, mean) for label, mean in means.items() if mean is not None)
     report["steps"] = steps = metric_sum(samples, "sf_trainer_steps_total")
+    report["weight versions held in process"] = metric_sum(
+        samples, "sf_trainer_weight_versions_held_total"
+    )
     # A checkpoint is due every few versions: its stall spread over the steps (the one at stop
     # counted in), what a step pays for it on average.
     stalls = metric_sum(samples, "sf_trainer_checkpoint_stall_seconds_sum")

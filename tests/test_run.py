@@ -44,14 +44,19 @@ GROUP = 4
 
 @pytest.mark.newest_nats
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("layout", ["disaggregated", "multiplexed", "colocated"])
+@pytest.mark.parametrize(
+    ("layout", "lend"),
+    [("disaggregated", False), ("multiplexed", False), ("colocated", True), ("colocated", False)],
+    ids=["disaggregated", "multiplexed", "colocated-lending", "colocated"],
+)
 async def test_run_trains_the_tiny_model_through_the_data_plane(
-    broker, js, run_name, tmp_path, run_toml, layout
+    broker, js, run_name, tmp_path, run_toml, layout, lend
 ):
     out = tmp_path / "out"
-    # The colocated worker lends the device's memory at every switch, as it does on a GPU: its
-    # engine sleeps while it trains (here only the engine's side of it: a CPU frees nothing).
-    worker = {"lend_memory": True} if layout == "colocated" else {}
+    # ``lend``: the colocated worker lends the device's memory at every switch, as it does on a
+    # GPU: its engine sleeps while it trains (here only the engine's side of it: a CPU frees
+    # nothing). Without, as on a CPU by default, its engine stays warm.
+    worker = {"lend_memory": True} if lend else {}
     config = run_toml(
         run_name,
         tasks={"group_size": GROUP},
@@ -86,10 +91,13 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
     assert 1 <= scheduler["workers"] <= (1 if layout == "colocated" else 2)
     if layout != "disaggregated":  # the trainer's worker served rollout while the trainer waited
         assert scheduler["lends"] >= 1 and scheduler["reclaims"] >= 1
-    # The trainer's worker's hf engine took each version in process, in the step (multiplexed);
-    # asleep while it trains (colocated, lending memory), it took none so.
+    # The trainer's worker's warm hf engine took each version in process, in the step; asleep
+    # while it trains (lending memory), it took none so. Alone in the run (colocated, warm), its
+    # versions were held there, no file written in the step; beside another worker, never.
     in_process = summary["rollout"]["weight loads in process"]
-    assert (in_process >= 1) == (layout == "multiplexed"), summary["rollout"]
+    assert (in_process >= 1) == (layout != "disaggregated" and not lend), summary["rollout"]
+    held = summary["trainer"]["weight versions held in process"]
+    assert (held >= 1) == (layout == "colocated" and not lend), summary["trainer"]
     # Role changes repeated nothing: no sample was trained twice, versions are consecutive.
     steps = read_steps(out / "checkpoints")
     trained = [sid for step in steps for sid in step.trained]

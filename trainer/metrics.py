@@ -98,11 +98,17 @@ CHECKPOINT_STALL_SECONDS = Histogram(
 )
 PUBLISH_SECONDS = Histogram(
     "sf_trainer_weight_publish_seconds",
-    "From a version's optimizer step to its announcement, by path: local (the host-local copy, "
-    "in the step, with the handover to a colocated engine beside it) or store (the object store "
-    "or weights_dir, in the background)",
+    "From a version's optimizer step to its announcement, by path: local (in the step: the "
+    "handover to a colocated engine, then the host-local copy or the held announcement) or "
+    "store (the object store or weights_dir, in the background)",
     ["path"],
     buckets=_SECONDS,
+    registry=REGISTRY,
+)
+WEIGHTS_HELD = Counter(
+    "sf_trainer_weight_versions_held_total",
+    "Versions announced as held by the engine in the trainer's own process, no file written "
+    "in the step (a lone colocated worker: trainer.publisher)",
     registry=REGISTRY,
 )
 SERVING_SECONDS = Histogram(

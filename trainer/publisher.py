@@ -58,6 +58,7 @@ from broker.weights import (
 )
 from common.log import kv
 from trainer.config import TrainerConfig
+from trainer.metrics import WEIGHTS_HELD
 from trainer.watch import ServingWatch
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,7 @@ class WeightPublisher:
         except RetryStoppedError as exc:
             self._unpublished(version, exc)
             return False
+        WEIGHTS_HELD.inc()
         self._pending = (version, HELD, started)
         self._wake.set()
         return True
