@@ -91,13 +91,14 @@ async def test_run_trains_the_tiny_model_through_the_data_plane(
     assert 1 <= scheduler["workers"] <= (1 if layout == "colocated" else 2)
     if layout != "disaggregated":  # the trainer's worker served rollout while the trainer waited
         assert scheduler["lends"] >= 1 and scheduler["reclaims"] >= 1
-    # The trainer's worker's warm hf engine took each version in process, in the step; asleep
-    # while it trains (lending memory), it took none so. Alone in the run (colocated, warm), its
-    # versions were held there, no file written in the step; beside another worker, never.
+    # Alone in the run with its engine warm (colocated, not lending memory), the trainer's
+    # worker took each version in process, in the step, and it was held there, no file
+    # written; asleep while it trains (lending memory), or beside another worker, never.
+    alone_warm = layout == "colocated" and not lend
     in_process = summary["rollout"]["weight loads in process"]
-    assert (in_process >= 1) == (layout != "disaggregated" and not lend), summary["rollout"]
+    assert (in_process >= 1) == alone_warm, summary["rollout"]
     held = summary["trainer"]["weight versions held in process"]
-    assert (held >= 1) == (layout == "colocated" and not lend), summary["trainer"]
+    assert (held >= 1) == alone_warm, summary["trainer"]
     # Role changes repeated nothing: no sample was trained twice, versions are consecutive.
     steps = read_steps(out / "checkpoints")
     trained = [sid for step in steps for sid in step.trained]

@@ -329,8 +329,9 @@ async def test_a_lone_colocated_engine_holds_each_version_until_another_worker_n
     """``trainer.publisher`` with the rollout worker of its own process (``InProcess``): while
     no other worker tagged rollout is in the registry, a version the engine took in process is
     announced as held there and no file is written; once one registers, the held version's file
-    is written and announced (the same tensors), and the next version gets its file in the step;
-    at close the last is stored for every host. Real broker, registry and hf engine."""
+    is written and announced (the same tensors), and the next version gets its file in the step
+    and is not handed over; at close the last is stored for every host. Real broker, registry
+    and hf engine."""
     from prometheus_client import CollectorRegistry, Histogram
 
     from broker.registry import Registration
@@ -375,10 +376,10 @@ async def test_a_lone_colocated_engine_holds_each_version_until_another_worker_n
         written = safetensors.torch.load_file(folder / LOCAL_BLOB)
         assert all(torch.equal(written[name], t) for name, t in first.items())
 
-        version = 2  # the other worker still needs files: written in the step
+        version = 2  # the other worker still needs files: written in the step, not handed over
         assert await publisher.publish(2, lambda: second)
         latest = await latest_weights(js, names)
-        assert latest.version == 2 and local_copy(latest) is not None and engine.version == 2
+        assert latest.version == 2 and local_copy(latest) is not None and engine.version == 1
     finally:
         publisher.close()
         await asyncio.wait_for(uploading, 60)

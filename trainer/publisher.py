@@ -8,13 +8,14 @@ them made, so before the next optimizer step changes them):
   host load it in place, no fetch, no checksum;
 - without: serialise the blob in memory;
 - where the trainer shares its process with an engine that takes tensors (a colocated worker's
-  hf engine: ``InProcess``), first hand the version to that engine: it loads in the step, not
-  after the announcement. If it took the version and no other worker tagged ``rollout`` is in
-  the registry, nothing is written: the version is announced as held in this process
-  (``broker.weights.announce_held``). Writing SmolLM2's 540 MB to tmpfs was 0.2-0.3 s of each
-  step. Once another worker appears (or the trainer stops), ``run`` writes the held version's
-  file under the step lock (the model cannot change meanwhile), if no newer one was made, and
-  announces it; from the next version on, every version gets its file in the step again.
+  hf engine: ``InProcess``) and no other worker tagged ``rollout`` is in the registry, hand the
+  version to that engine instead: it loads in the step, and nothing is written; the version is
+  announced as held in this process (``broker.weights.announce_held``). Writing SmolLM2's 540
+  MB to tmpfs was 0.2-0.3 s of each step. Once another worker appears (or the trainer stops),
+  ``run`` writes the held version's file under the step lock (the model cannot change
+  meanwhile), if no newer one was made, and announces it; from the next version on, every
+  version gets its file in the step again, and every worker loads it from there (a handover
+  beside the write did not pay: ``docs/performance.md``).
 
 Off the training path, a background task (``run``) then stores the newest version not yet stored
 in the object store (or ``weights_dir``) and announces it for every host
@@ -147,17 +148,17 @@ class WeightPublisher:
         return published, latest is not None and latest.host is not None
 
     async def publish(self, version: int, state: StateFn) -> bool:
-        """Hand ``version`` over in process, if there is an engine to take it; unless it is then
-        held there for no one else, write its weights out of the model and announce the
-        host-local copy, if any; queue the upload. False if stopped before the announcement
-        (the broker away)."""
+        """Where the engine of this process is the only one, hand ``version`` over to it and
+        announce it held; else (or if it did not take it) write its weights out of the model
+        and announce the host-local copy, if any; queue the upload. False if stopped before the
+        announcement (the broker away)."""
         started = time.monotonic()
         self._state = state
-        if self._held is not None and self._config.local_weights:
+        if self._held is not None and self._config.local_weights and not self._others(version):
             tensors = await asyncio.to_thread(state)
-            if await self._held[0].take(version, tensors) and not self._others(version):
+            if await self._held[0].take(version, tensors):
                 published = await self._announce_held(version, started)
-            else:
+            else:  # its engine asleep (lending memory): the file, loaded at the reclaim
                 published = await self._publish(version, lambda: tensors, started)
         else:
             published = await self._publish(version, state, started)
