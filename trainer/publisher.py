@@ -65,7 +65,7 @@ from trainer.watch import ServingWatch
 log = logging.getLogger(__name__)
 
 StateFn = Callable[[], dict[str, torch.Tensor]]
-HELD = None
+IN_MODEL = None
 """A queued version's payload while only the model holds it (``announce_held``)."""
 
 
@@ -186,7 +186,7 @@ class WeightPublisher:
             self._unpublished(version, exc)
             return False
         WEIGHTS_HELD.inc()
-        self._pending = (version, HELD, started)
+        self._pending = (version, IN_MODEL, started)
         self._wake.set()
         return True
 
@@ -196,7 +196,7 @@ class WeightPublisher:
         assert self._held is not None and self._state is not None
         model = self._held[1]
         async with model.stepping:
-            if self._pending != (version, HELD, started):
+            if self._pending != (version, IN_MODEL, started):
                 return  # a newer version was queued: that one next
             if model.version() != version or not await self._publish(version, self._state, started):
                 self._pending = None  # the model moved on (a resume), or stopped
@@ -234,7 +234,7 @@ class WeightPublisher:
                 await self._wake.wait()
                 continue
             version, payload, started = self._pending
-            if payload is HELD:  # held in this process only: a file once another needs one
+            if payload is IN_MODEL:  # held in this process only: a file once another needs one
                 if self._closing or self._others(version):
                     await self._write_held(version, started)
                 else:
