@@ -383,6 +383,18 @@ class TrainerShape(BaseModel):
     )
 
 
+def has_tags(worker_tags: list[str], wanted: list[str]) -> bool:
+    """Whether tags ``worker_tags`` meet every tag in ``wanted``: ``key=value`` exactly, a bare
+    ``key`` as itself or with any value (``gpu`` is met by ``gpu=0``)."""
+
+    def met(tag: str) -> bool:
+        if "=" in tag:
+            return tag in worker_tags
+        return any(t == tag or t.startswith(tag + "=") for t in worker_tags)
+
+    return all(met(t) for t in wanted)
+
+
 class WorkerRegistered(Message):
     """A worker's tags and state. # worker -> scheduler, as key ``<worker_id>`` of the
     ``sf-<run>-workers`` KV bucket, rewritten on every heartbeat."""

@@ -144,16 +144,8 @@ async def announce_local(
     """Announce the host-local copy in ``folder`` (written complete before this), then delete this
     run's local copies older than the newest ``keep`` versions."""
     blob = Path(folder) / LOCAL_BLOB
-    event = WeightsPublished(
-        version=version,
-        location=blob.resolve().as_uri(),
-        sha256=None,
-        size_bytes=(await asyncio.to_thread(blob.stat)).st_size,
-        published_at=time.time(),
-        host=host_id(),
-    )
-    headers = codec.headers(msg_id=f"weights-v{version}-local")
-    await js.publish(names.weights, codec.encode(event), headers=headers)
+    size = (await asyncio.to_thread(blob.stat)).st_size
+    event = await _announce_on_host(js, names, version, blob.resolve().as_uri(), size, "local")
     await asyncio.to_thread(_prune_local, Path(folder).parent, version - keep + 1)
     return event
 
@@ -163,15 +155,23 @@ async def announce_held(
 ) -> WeightsPublished:
     """Announce ``version`` as held by ``worker_id``'s engine, in the trainer's own process
     (loaded there from the trainer's tensors): no file, nothing any other worker can load."""
+    return await _announce_on_host(js, names, version, f"{HELD}://{worker_id}", 0, "held")
+
+
+async def _announce_on_host(
+    js: JetStreamContext, names: RunNames, version: int, location: str, size: int, kind: str
+) -> WeightsPublished:
+    """Publish a copy of ``version`` that only this host can reach (``host`` set, no digest),
+    deduplicated per version and ``kind``."""
     event = WeightsPublished(
         version=version,
-        location=f"{HELD}://{worker_id}",
+        location=location,
         sha256=None,
-        size_bytes=0,
+        size_bytes=size,
         published_at=time.time(),
         host=host_id(),
     )
-    headers = codec.headers(msg_id=f"weights-v{version}-held")
+    headers = codec.headers(msg_id=f"weights-v{version}-{kind}")
     await js.publish(names.weights, codec.encode(event), headers=headers)
     return event
 

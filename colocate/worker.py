@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 
 from broker.client import session
 from broker.config import ProvisionConfig
-from broker.messages import Role
+from broker.messages import Role, has_tags
 from broker.permissions import Principal
 from broker.roles import membership
 from broker.subjects import RunNames
@@ -29,7 +29,6 @@ from rollout.metrics import MEMORY_HANDOVER
 from rollout.serve import METRICS, announce, worker_registration
 from rollout.worker import RolloutWorker
 from rollout.worker_config import WorkerConfig
-from tagsched.spec import has_tags
 from trainer.config import TrainerConfig
 from trainer.group import GroupLink, rendezvous_host
 from trainer.metrics import REGISTRY as TRAINER_METRICS

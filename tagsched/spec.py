@@ -29,7 +29,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from broker.messages import WorkerRegistered
+from broker.messages import WorkerRegistered, has_tags
 from tagsched.exceptions import UnsatisfiableSpecError
 
 
@@ -70,15 +70,6 @@ def layout_spec(layout: Layout, train_workers: int = 1) -> PlacementSpec:
         return PlacementSpec(train=train, lend=True)
     train = Demand(tags=["train"], count=train_workers)
     return PlacementSpec(train=train, lend=layout is Layout.MULTIPLEXED)
-
-
-def has_tags(worker_tags: list[str], wanted: list[str]) -> bool:
-    def met(tag: str) -> bool:
-        if "=" in tag:
-            return tag in worker_tags
-        return any(t == tag or t.startswith(tag + "=") for t in worker_tags)
-
-    return all(met(t) for t in wanted)
 
 
 @dataclass(frozen=True)

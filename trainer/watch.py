@@ -3,11 +3,12 @@
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
-from broker.messages import Role, WorkerRegistered
+from broker.messages import Role, WorkerRegistered, has_tags
 from broker.registry import LastSeen, Sighting, watch_registry
 from broker.retry import BACKOFF
 from broker.subjects import RunNames
@@ -26,8 +27,7 @@ class ServingWatch:
     def __init__(self, ttl: float, keep: int = 16) -> None:
         self._ttl = ttl
         self._keep = keep
-        self._workers: dict[str, WorkerRegistered] = {}  # in the rollout role
-        self._engines: dict[str, WorkerRegistered] = {}  # tagged rollout, in any role
+        self._entries: dict[str, WorkerRegistered] = {}  # every worker in the registry
         self._heard = LastSeen()
         self._pending: dict[int, float] = {}  # version -> time.monotonic() of its step
 
@@ -40,14 +40,10 @@ class ServingWatch:
 
     def seen(self, sighting: Sighting) -> None:
         self._heard.saw(sighting)
-        worker_id, entry = sighting.worker_id, sighting.entry
-        for held, keep in (
-            (self._workers, entry is not None and entry.role is Role.ROLLOUT),
-            (self._engines, entry is not None and "rollout" in entry.tags),
-        ):
-            held.pop(worker_id, None)
-            if keep and entry is not None:
-                held[worker_id] = entry
+        if sighting.entry is None:
+            self._entries.pop(sighting.worker_id, None)
+        else:
+            self._entries[sighting.worker_id] = sighting.entry
         self._settle()
 
     async def follow(self, js: JetStreamContext, names: RunNames) -> None:
@@ -63,15 +59,20 @@ class ServingWatch:
 
     def live(self) -> dict[str, WorkerRegistered]:
         """The rollout workers whose entry was written within the TTL, on this process's clock."""
-        return self._fresh(self._workers)
+        return self._fresh(lambda w: w.role is Role.ROLLOUT)
 
     def engines(self) -> dict[str, WorkerRegistered]:
-        """The workers tagged ``rollout`` (whatever their role now: any may load a version next)
-        whose entry was written within the TTL."""
-        return self._fresh(self._engines)
+        """The workers that may load a version next, whose entry was written within the TTL:
+        those in the rollout role and those tagged ``rollout`` in any role (a colocated worker
+        lent to training)."""
+        return self._fresh(lambda w: w.role is Role.ROLLOUT or has_tags(w.tags, ["rollout"]))
 
-    def _fresh(self, workers: dict[str, WorkerRegistered]) -> dict[str, WorkerRegistered]:
-        return {wid: w for wid, w in workers.items() if self._heard.fresh(wid, self._ttl)}
+    def _fresh(self, keep: Callable[[WorkerRegistered], bool]) -> dict[str, WorkerRegistered]:
+        return {
+            wid: w
+            for wid, w in self._entries.items()
+            if keep(w) and self._heard.fresh(wid, self._ttl)
+        }
 
     def _settle(self) -> None:
         """Observe each pending version every live rollout worker now serves."""
