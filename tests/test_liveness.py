@@ -391,3 +391,28 @@ async def test_a_summary_waits_for_the_broker_to_read_the_registry_then_goes_wit
         assert not reading.done()
     workers, leader = await asyncio.wait_for(reading, 30)
     assert [w.worker_id for w in workers] == ["w-1"] and leader is None
+
+
+def test_the_serving_watch_counts_every_worker_that_may_load_a_version():
+    """``ServingWatch.live`` is the rollout role; ``engines`` (whom a held version must reach by
+    a file) is that and every worker tagged ``rollout``, a valued tag included, in any role."""
+    watch = ServingWatch(TTL)
+    now = time.monotonic()
+    workers = {
+        "placed-by-gpu": (["gpu=0"], Role.ROLLOUT),  # a custom rollout demand's tag
+        "lent-back": (["train", "rollout"], Role.TRAIN),
+        "valued": (["rollout=big"], Role.IDLE),
+        "trains-only": (["train"], Role.TRAIN),
+    }
+    for wid, (tags, role) in workers.items():
+        entry = WorkerRegistered(
+            worker_id=wid, host="h", pid=1, tags=tags, role=role, heartbeat_at=0.0
+        )
+        watch.seen(Sighting(wid, entry, written_at=now))
+    assert set(watch.live()) == {"placed-by-gpu"}
+    assert set(watch.engines()) == {"placed-by-gpu", "lent-back", "valued"}
+    watch.seen(Sighting("lent-back", None, written_at=now))  # deleted
+    assert set(watch.engines()) == {"placed-by-gpu", "valued"}
+    stale = entry.model_copy(update={"worker_id": "old", "tags": ["rollout"], "role": Role.ROLLOUT})
+    watch.seen(Sighting("old", stale, written_at=now - 2 * TTL))  # not written within the TTL
+    assert "old" not in watch.engines() and "old" not in watch.live()
