@@ -413,6 +413,8 @@ def test_the_serving_watch_counts_every_worker_that_may_load_a_version():
     assert set(watch.engines()) == {"placed-by-gpu", "lent-back", "valued"}
     watch.seen(Sighting("lent-back", None, written_at=now))  # deleted
     assert set(watch.engines()) == {"placed-by-gpu", "valued"}
-    stale = entry.model_copy(update={"worker_id": "old", "tags": ["rollout"], "role": Role.ROLLOUT})
+    stale = WorkerRegistered(
+        worker_id="old", host="h", pid=1, tags=["rollout"], role=Role.ROLLOUT, heartbeat_at=0.0
+    )
     watch.seen(Sighting("old", stale, written_at=now - 2 * TTL))  # not written within the TTL
     assert "old" not in watch.engines() and "old" not in watch.live()

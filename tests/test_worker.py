@@ -327,11 +327,11 @@ async def test_a_lone_colocated_engine_holds_each_version_until_another_worker_n
     nc, js, names, tiny_model_dir, tmp_path
 ):
     """``trainer.publisher`` with the rollout worker of its own process (``InProcess``): while
-    no other worker tagged rollout is in the registry, a version the engine took in process is
-    announced as held there and no file is written; once one registers, the held version's file
-    is written and announced (the same tensors), and the next version gets its file in the step
-    and is not handed over; at close the last is stored for every host. Real broker, registry
-    and hf engine."""
+    no other worker that may load a version is in the registry, a version the engine took in
+    process is announced as held there and no file is written; once one registers, the held
+    version's file is written and announced (the same tensors), and the next version gets its
+    file in the step and is not handed over; at close the last is stored for every host. Real
+    broker, registry and hf engine."""
     from prometheus_client import CollectorRegistry, Histogram
 
     from broker.registry import Registration

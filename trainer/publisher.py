@@ -12,11 +12,11 @@ them made, so before the next optimizer step changes them):
   (``ServingWatch.engines``), hand the version to that engine instead: it loads in the step,
   and nothing is written; the version is announced as held in this process
   (``broker.weights.announce_held``). Writing SmolLM2's 540 MB to tmpfs was 0.2-0.3 s of each
-  step. Once another worker appears (or the trainer stops),
-  ``run`` writes the held version's file under the step lock (the model cannot change
-  meanwhile), if no newer one was made, and announces it; from the next version on, every
-  version gets its file in the step again, and every worker loads it from there (a handover
-  beside the write did not pay: ``docs/performance.md``).
+  step. Once another worker appears (or the trainer stops), ``run`` writes the held version's
+  file under the step lock (the model cannot change meanwhile), if no newer one was made, and
+  announces it; from the next version on, every version gets its file in the step again, and
+  every worker loads it from there (a handover beside the write did not pay:
+  ``docs/performance.md``).
 
 Off the training path, a background task (``run``) then stores the newest version not yet stored
 in the object store (or ``weights_dir``) and announces it for every host

@@ -118,7 +118,7 @@ class Trainer(AheadSteps):
         self._may_step.set()
         self._stepping = asyncio.Lock()
         self._roles: RoleHolder | None = None  # set by serve: busy time, the entry's version
-        held = in_process and Held(in_process, Model(self._stepping, lambda: self.version))
+        held = Held(in_process, Model(self._stepping, lambda: self.version)) if in_process else None
         self._publisher = WeightPublisher(js, names, config, PUBLISH_SECONDS, watch, held)
         self._commits = Commits(
             config, ranks.backend, self._release, self._write_failed, self.version
