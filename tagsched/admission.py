@@ -168,14 +168,24 @@ class Admission:
         self._poll_s = poll_s
         self._group_sizes: deque[int] = deque(maxlen=64)  # of recent tasks, admitted or waiting
         self._stop = asyncio.Event()
+        self._changed = asyncio.Event()
         self._deposed: LeaseLostError | None = None
         self._stamp: Callable[[], Awaitable[Admitted]]
         self.trained_unacked = 0
-        """The live trainer entries' ``trained_unacked`` (the scheduler's tick sets it): samples
-        held only until their checkpoint is durable."""
+        """The live trainer entries' ``trained_unacked``: samples held only until their
+        checkpoint is durable (``trainer_counts`` sets it)."""
         self.order_waiting = 0
-        """The live trainer entries' ``order_waiting`` (the scheduler's tick sets it)."""
+        """The live trainer entries' ``order_waiting`` (``trainer_counts`` sets it)."""
         self.set_limit(limit)
+
+    def trainer_counts(self, trained_unacked: int, order_waiting: int) -> None:
+        """The live trainers' counts, from the scheduler on each trainer entry it sees and each
+        tick. When they change, a task waiting for room looks again at once, not at its next
+        poll: a step's end is such a change (its samples trained, held until their checkpoint),
+        and a lent worker waits for the work admitted then."""
+        if (trained_unacked, order_waiting) != (self.trained_unacked, self.order_waiting):
+            self.trained_unacked, self.order_waiting = trained_unacked, order_waiting
+            self._changed.set()
 
     @property
     def group_sizes(self) -> list[int]:
@@ -252,7 +262,9 @@ class Admission:
             while (await self.state()).room <= 0:
                 if self._stop.is_set():
                     raise HandBack("scheduler stopping")
-                await asyncio.sleep(self._poll_s)
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), self._poll_s)
         finally:
             WAITING.set(0)
         try:

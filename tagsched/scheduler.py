@@ -237,6 +237,8 @@ class Scheduler:
             entry = entry.model_copy(update={"role": known.role, "epoch": known.epoch})
         self._workers[worker_id] = entry
         self._entry_changed.set()
+        if entry.trainer is not None:
+            self._count_trainers()
 
     def _follow_trainer(self, worker_id: str, shape: TrainerShape) -> None:
         """Admit by the registered trainer's ``shape``, or admit nothing when it disagrees with
@@ -278,6 +280,14 @@ class Scheduler:
             if self._heard.fresh(wid, self._ttl) and wid not in self._fenced
         }
 
+    def _count_trainers(self) -> None:
+        """Admission's counts from the live trainers' entries: on each tick (a trainer gone stale
+        drops out) and on each trainer entry seen."""
+        trainers = [w for w in self.live().values() if w.trainer is not None]
+        self._admission.trainer_counts(
+            sum(w.trained_unacked for w in trainers), sum(w.order_waiting for w in trainers)
+        )
+
     async def _tick(self) -> None:
         assert self._store is not None
         if (sizes := self._admission.group_sizes) != self._store.state.group_sizes:
@@ -290,9 +300,7 @@ class Scheduler:
             self._store.change(fenced=kept)
         await self._store.flush()  # LeaseLostError once another scheduler wrote the state
         live = self.live()
-        trainers = [w for w in live.values() if w.trainer is not None]
-        self._admission.trained_unacked = sum(w.trained_unacked for w in trainers)
-        self._admission.order_waiting = sum(w.order_waiting for w in trainers)
+        self._count_trainers()
         try:
             self.assignment = assign(self._spec, live, await self._group.members())
         except UnsatisfiableSpecError as exc:

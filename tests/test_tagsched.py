@@ -757,8 +757,15 @@ async def test_role_changes_under_load_lose_and_duplicate_no_generation(
 
 
 def scheduler(
-    nc, names: RunNames, spec: PlacementSpec, configured: TrainerShape | None = None, **fields
+    nc,
+    names: RunNames,
+    spec: PlacementSpec,
+    configured: TrainerShape | None = None,
+    *,
+    poll_s: float = 0.25,
+    **fields,
 ) -> Scheduler:
+    """A scheduler of ``SchedulerConfig(**fields)``; ``poll_s``: its admission's poll."""
     from tagsched.admission import Admission
 
     return Scheduler(
@@ -766,7 +773,7 @@ def scheduler(
         names,
         SchedulerConfig(**fields),
         spec,
-        Admission(nc.jetstream(), names, SMALL_RUN.tasks),
+        Admission(nc.jetstream(), names, SMALL_RUN.tasks, poll_s=poll_s),
         workers_ttl_s=SMALL_RUN.workers_ttl_s,
         lease_s=SMALL_RUN.scheduler_lease_s,
         configured=configured,
@@ -905,6 +912,30 @@ async def test_admission_follows_the_registered_trainers_shape(nc, js, names):
     finally:
         stop.set()
         await asyncio.wait_for(running, 30)
+
+
+async def test_a_steps_end_admits_the_waiting_task_at_once_not_at_the_next_poll(nc, js, names):
+    """Limit 1 (steps_ahead 1, a group a step). The trainer holds the one finished group's sample
+    unacked: a submitted task waits for room. Then the trainer's entry says that sample is trained
+    (``trained_unacked``: its step ended, the sample is held only for its checkpoint): the task is
+    admitted at once, though admission's poll is an hour. It waited for the poll before, and a
+    lent worker with an empty queue waited with it."""
+    s = scheduler(nc, names, TRAIN_ONLY, steps_ahead=1, tick_s=0.1, poll_s=3600.0)
+    held = await js.pull_subscribe_bind(durable=Durable.TRAINER, stream=names.samples_stream)
+    await js.publish(names.samples, codec.encode(sample(0)))
+    (msg,) = await held.fetch(1, timeout=5)  # the trainer's, unacked
+    trainer = await trainer_entry(js, names, TrainerShape(groups_per_step=1, max_staleness=1))
+    stop = asyncio.Event()
+    running = asyncio.create_task(s.run(stop))
+    try:
+        await submit_tasks(js, names, [task("a")], progress=False)
+        await stays_admitted(js, names, 0, running)
+        await trainer.put(trained_unacked=1)
+        await eventually(lambda: _eq(admitted(js, names), 1), timeout=5, watch=running)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+    await msg.ack()
 
 
 async def test_tasks_wait_out_a_weight_load_and_carry_rising_tickets_at_the_served_version(
