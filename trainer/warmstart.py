@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import random
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,14 +72,24 @@ def _train(base: Path, config: WarmStartConfig, demonstrations):
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     bar = tqdm(range(config.steps), desc="warm start (SFT)", unit="step", leave=False)
     for _ in bar:
-        examples = [_tokenize(tokenizer, *demonstrations(rng)) for _ in range(config.batch_size)]
-        width = max(len(p) + len(a) for p, a in examples)
-        ids = torch.full((len(examples), width), tokenizer.pad_token_id or 0)
-        labels = torch.full((len(examples), width), -100)
-        for row, (prompt, answer) in enumerate(examples):
+        # A demonstration drawn several times is computed once and weighted by its draws: the
+        # same loss as the whole batch's (the mean over its answer tokens), at less cost when
+        # an environment has few distinct demonstrations.
+        draws = Counter(
+            _tokenize(tokenizer, *demonstrations(rng)) for _ in range(config.batch_size)
+        )
+        width = max(len(p) + len(a) for p, a in draws)
+        ids = torch.full((len(draws), width), tokenizer.pad_token_id or 0)
+        labels = torch.full((len(draws), width), -100)
+        for row, (prompt, answer) in enumerate(draws):
             ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
             labels[row, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
-        loss = model(input_ids=ids, labels=labels).loss
+        targets = labels[:, 1:]
+        token_losses = torch.nn.functional.cross_entropy(
+            model(input_ids=ids).logits[:, :-1].transpose(1, 2), targets, reduction="none"
+        )
+        weights = torch.tensor(list(draws.values()), dtype=token_losses.dtype)
+        loss = (token_losses.sum(1) @ weights) / ((targets != -100).sum(1).to(weights) @ weights)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -86,7 +97,7 @@ def _train(base: Path, config: WarmStartConfig, demonstrations):
     return model, tokenizer
 
 
-def _tokenize(tokenizer, messages: list[dict[str, str]], answer: str) -> tuple[list, list]:
+def _tokenize(tokenizer, messages: list[dict[str, str]], answer: str) -> tuple[tuple, tuple]:
     """Prompt ids as the gateway renders them, and the reply's ids through the end of turn."""
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     full = tokenizer.apply_chat_template(
@@ -98,7 +109,7 @@ def _tokenize(tokenizer, messages: list[dict[str, str]], answer: str) -> tuple[l
     if tokenizer.eos_token and tokenizer.eos_token in reply:
         reply = reply[: reply.index(tokenizer.eos_token) + len(tokenizer.eos_token)]
 
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     return encode(prompt), encode(reply)
