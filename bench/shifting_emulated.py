@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument("--results", default="shifting_emulated.json", help="under bench/results")
     args = parser.parse_args()
     splits = {
-        "static": [int(k) for k in args.splits.split(",")],
+        "static": [int(k) for k in args.splits.split(",") if k],
         "multiplexed": [int(k) for k in args.mux_splits.split(",") if k],
     }
     started = time.perf_counter()
