@@ -135,8 +135,10 @@ def emulated(args: argparse.Namespace, arm: str, k: int, tmp: Path) -> dict:
 
 def verdict(rows: dict[str, dict[int, dict]]) -> dict:
     """The early and hindsight static splits, the multiplexed split tuned the same way, and
-    the ratios of their times."""
+    the ratios of their times (none without a static arm)."""
     static, mux = rows["static"], rows["multiplexed"]
+    if not static:
+        return {}
     early = min(static, key=lambda k: static[k]["early_s"])
     hindsight = min(static, key=lambda k: static[k]["time_s"])
     chosen = min(mux, key=lambda k: mux[k]["early_s"]) if mux else None
@@ -154,7 +156,8 @@ def table(name: str, rows: dict[str, dict[int, dict]]) -> None:
     for arm, by_split in rows.items():
         for k, r in sorted(by_split.items()):
             print(f"{arm:12s} {k:5d} {r['early_s']:11.1f} {r['time_s']:10.1f} {r['lends']:6.0f}")
-    v = verdict(rows)
+    if not (v := verdict(rows)):
+        return
     print(
         f"early split {v['early_split']}, hindsight {v['hindsight_split']}, multiplexed "
         f"{v['multiplexed_split']}: multiplexed vs static early {v.get('vs_early', '-')}x "
