@@ -72,29 +72,36 @@ def _train(base: Path, config: WarmStartConfig, demonstrations):
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     bar = tqdm(range(config.steps), desc="warm start (SFT)", unit="step", leave=False)
     for _ in bar:
-        # A demonstration drawn several times is computed once and weighted by its draws: the
-        # same loss as the whole batch's (the mean over its answer tokens), at less cost when
-        # an environment has few distinct demonstrations.
         draws = Counter(
             _tokenize(tokenizer, *demonstrations(rng)) for _ in range(config.batch_size)
         )
-        width = max(len(p) + len(a) for p, a in draws)
-        ids = torch.full((len(draws), width), tokenizer.pad_token_id or 0)
-        labels = torch.full((len(draws), width), -100)
-        for row, (prompt, answer) in enumerate(draws):
-            ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
-            labels[row, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
-        targets = labels[:, 1:]
-        token_losses = torch.nn.functional.cross_entropy(
-            model(input_ids=ids).logits[:, :-1].transpose(1, 2), targets, reduction="none"
-        )
-        weights = torch.tensor(list(draws.values()), dtype=token_losses.dtype)
-        loss = (token_losses.sum(1) @ weights) / ((targets != -100).sum(1).to(weights) @ weights)
+        loss = batch_loss(model, draws, tokenizer.pad_token_id or 0)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
     return model, tokenizer
+
+
+def batch_loss(model, draws: Counter[tuple[tuple, tuple]], pad_id: int):
+    """The mean loss over the answer tokens of a batch of (prompt ids, answer ids) ``draws``, as
+    the causal LM's own loss over the batch with each draw repeated. A demonstration drawn
+    several times is computed once and weighted by its draws: less work where an environment
+    has few distinct demonstrations (the tests' tool model: 6, batches of 8)."""
+    import torch
+
+    width = max(len(p) + len(a) for p, a in draws)
+    ids = torch.full((len(draws), width), pad_id)
+    labels = torch.full((len(draws), width), -100)
+    for row, (prompt, answer) in enumerate(draws):
+        ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        labels[row, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
+    targets = labels[:, 1:]
+    token_losses = torch.nn.functional.cross_entropy(
+        model(input_ids=ids).logits[:, :-1].transpose(1, 2), targets, reduction="none"
+    )
+    weights = torch.tensor(list(draws.values()), dtype=token_losses.dtype)
+    return (token_losses.sum(1) @ weights) / ((targets != -100).sum(1).to(weights) @ weights)
 
 
 def _tokenize(tokenizer, messages: list[dict[str, str]], answer: str) -> tuple[tuple, tuple]:
