@@ -238,7 +238,7 @@ class Scheduler:
         self._workers[worker_id] = entry
         self._entry_changed.set()
         if entry.trainer is not None:
-            self._count_trainers()
+            self._count_trainers(self.live())
 
     def _follow_trainer(self, worker_id: str, shape: TrainerShape) -> None:
         """Admit by the registered trainer's ``shape``, or admit nothing when it disagrees with
@@ -280,10 +280,10 @@ class Scheduler:
             if self._heard.fresh(wid, self._ttl) and wid not in self._fenced
         }
 
-    def _count_trainers(self) -> None:
-        """Admission's counts from the live trainers' entries: on each tick (a trainer gone stale
-        drops out) and on each trainer entry seen."""
-        trainers = [w for w in self.live().values() if w.trainer is not None]
+    def _count_trainers(self, live: dict[str, WorkerRegistered]) -> None:
+        """Admission's counts from the ``live`` trainers' entries: on each tick (a trainer gone
+        stale drops out) and on each trainer entry seen."""
+        trainers = [w for w in live.values() if w.trainer is not None]
         self._admission.trainer_counts(
             sum(w.trained_unacked for w in trainers), sum(w.order_waiting for w in trainers)
         )
@@ -300,7 +300,7 @@ class Scheduler:
             self._store.change(fenced=kept)
         await self._store.flush()  # LeaseLostError once another scheduler wrote the state
         live = self.live()
-        self._count_trainers()
+        self._count_trainers(live)
         try:
             self.assignment = assign(self._spec, live, await self._group.members())
         except UnsatisfiableSpecError as exc:

@@ -90,18 +90,27 @@ def batch_loss(model, draws: Counter[tuple[tuple, tuple]], pad_id: int):
     has few distinct demonstrations (the tests' tool model: 6, batches of 8)."""
     import torch
 
-    width = max(len(p) + len(a) for p, a in draws)
-    ids = torch.full((len(draws), width), pad_id)
-    labels = torch.full((len(draws), width), -100)
-    for row, (prompt, answer) in enumerate(draws):
-        ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
-        labels[row, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
+    ids, labels = padded(list(draws), pad_id)
     targets = labels[:, 1:]
     token_losses = torch.nn.functional.cross_entropy(
         model(input_ids=ids).logits[:, :-1].transpose(1, 2), targets, reduction="none"
     )
     weights = torch.tensor(list(draws.values()), dtype=token_losses.dtype)
     return (token_losses.sum(1) @ weights) / ((targets != -100).sum(1).to(weights) @ weights)
+
+
+def padded(pairs: list[tuple[tuple, tuple]], pad_id: int):
+    """(prompt ids, answer ids) pairs as one right-padded batch: the input ids, and labels that
+    are the answer's ids where it stands and -100 (no loss) elsewhere."""
+    import torch
+
+    width = max(len(p) + len(a) for p, a in pairs)
+    ids = torch.full((len(pairs), width), pad_id)
+    labels = torch.full((len(pairs), width), -100)
+    for row, (prompt, answer) in enumerate(pairs):
+        ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        labels[row, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
+    return ids, labels
 
 
 def _tokenize(tokenizer, messages: list[dict[str, str]], answer: str) -> tuple[tuple, tuple]:
