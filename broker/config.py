@@ -193,10 +193,12 @@ class ProvisionConfig(_Config):
     dead: StreamLimits = _limits(128 * MiB, 7 * DAY, 8 * MiB)
     # ack_wait is short so that what a dead consumer held comes back within seconds (before its
     # group is past the staleness bound); live consumers keep long work in progress
-    # (in_progress every third of ack_wait).
+    # (in_progress every third of ack_wait). The rollout consumer's too: a request taken by a
+    # worker that dies before its first chunk has nothing but ack_wait to bring it back, and the
+    # call, its group and the trainer's step wait for it (docs/protocol.md).
     scheduler: ConsumerLimits = ConsumerLimits(ack_wait_s=15, max_deliver=5, max_ack_pending=256)
     agents: ConsumerLimits = ConsumerLimits(ack_wait_s=15, max_deliver=5, max_ack_pending=1024)
-    rollout: ConsumerLimits = ConsumerLimits(ack_wait_s=30, max_deliver=10, max_ack_pending=4096)
+    rollout: ConsumerLimits = ConsumerLimits(ack_wait_s=15, max_deliver=10, max_ack_pending=4096)
     trajectory: ConsumerLimits = ConsumerLimits(ack_wait_s=15, max_deliver=10, max_ack_pending=8192)
     trainer: ConsumerLimits = ConsumerLimits(ack_wait_s=15, max_deliver=10, max_ack_pending=8192)
     workers_ttl_s: float = Field(

@@ -421,8 +421,8 @@ class InjectedWorkerWire:
         await self.cancel_sub.unsubscribe()
         await self.sub.unsubscribe()
 
-    async def take(self) -> GenerationRequested:
-        (msg,) = await self.sub.fetch(1, timeout=10)
+    async def take(self, timeout: float = 10) -> GenerationRequested:
+        (msg,) = await self.sub.fetch(1, timeout=timeout)
         await msg.ack()
         return codec.decode(GenerationRequested, msg.data)
 

@@ -9,6 +9,7 @@ side of a worker by hand to inject chunk faults a real worker does not produce o
 import asyncio
 import importlib.util
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -727,6 +728,35 @@ async def test_a_request_taken_whose_chunks_never_arrive_is_continued(
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "a"
     assert (0, "continued: lost") in {(x.attempt, x.reason) for x in wire.cancels}
+
+
+async def test_a_request_taken_by_a_worker_that_dies_before_starting_it_runs_within_20_s(
+    broker, nc, js, names, tiny_model_dir, tok
+):
+    """A worker killed after the server handed it a request and before its first chunk leaves
+    the gateway nothing to see: the request is still on the queue, not acked, and only the
+    rollout consumer's ack_wait brings it back. Found by the faults test, where such a call held
+    its group, and with it the trainer's step, for 30 s (the ack_wait then). Injected by the
+    wire (the window is milliseconds wide for a real worker): it takes the request and never
+    acks or answers; the same attempt comes back within 20 s and the call ends normally."""
+    (a,) = encode(tok, "a")
+    async with (
+        Gateway(config(tiny_model_dir, names.run), broker.url) as gw,
+        InjectedWorkerWire(nc, js, names) as wire,
+        httpx.AsyncClient(base_url=gw.url, timeout=60) as http,
+    ):
+        reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
+        (held,) = await wire.sub.fetch(1, timeout=10)  # taken; the taker dies: no ack, no chunk
+        taken_at = time.monotonic()
+        first = codec.decode(GenerationRequested, held.data)
+        again = await wire.take(timeout=20)
+        waited = time.monotonic() - taken_at
+        await wire.send(again, 0, [a, tok.eos_token_id], finish_reason="stop")
+        response = await reply
+    assert (again.call_id, again.attempt) == (first.call_id, 0)  # the same attempt, not continued
+    assert waited < 20
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "a"
 
 
 async def test_too_many_interruptions_is_503(broker, nc, js, names, tiny_model_dir):
