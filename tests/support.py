@@ -431,7 +431,7 @@ class InjectedWorkerWire:
             call_id=request.call_id,
             attempt=fields.pop("attempt", request.attempt),
             seq=seq,
-            worker_id="injector",
+            worker_id=fields.pop("worker_id", "injector"),
             version=fields.pop("version", 0),
             token_ids=list(ids),
             logprobs=[-0.5] * len(ids),

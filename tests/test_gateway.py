@@ -759,6 +759,30 @@ async def test_a_request_taken_by_a_worker_that_dies_before_starting_it_runs_wit
     assert response.json()["choices"][0]["message"]["content"] == "a"
 
 
+async def test_chunks_of_a_second_worker_given_the_same_attempt_are_ignored(
+    broker, nc, js, names, tiny_model_dir, tok
+):
+    """The server hands a request to a second worker when the first one's in-progress signals
+    stop for ack_wait (its event loop stalled, or it died before its first chunk went out). Were
+    both streaming, their samplings would interleave under one attempt's seq numbers. The
+    gateway keeps the worker that sent the attempt's first chunk. Injected by the wire (two
+    workers running one attempt at once needs a stall of ack_wait at the right moment)."""
+    a, b = (encode(tok, char)[0] for char in "ab")
+    async with (
+        Gateway(config(tiny_model_dir, names.run), broker.url) as gw,
+        InjectedWorkerWire(nc, js, names) as wire,
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
+    ):
+        reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
+        request = await wire.take()
+        await wire.send(request, 0, [a], worker_id="first")
+        await wire.send(request, 1, [b, tok.eos_token_id], worker_id="second", finish_reason="stop")
+        await wire.send(request, 1, [a, tok.eos_token_id], worker_id="first", finish_reason="stop")
+        response = await reply
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "aa"
+
+
 async def test_too_many_interruptions_is_503(broker, nc, js, names, tiny_model_dir):
     cfg = config(tiny_model_dir, names.run, max_attempts=1)
     async with (

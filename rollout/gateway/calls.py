@@ -155,6 +155,8 @@ class _Attempt:
     """When the request was last looked for on the gen queue (until the first chunk)."""
     gone: int = 0
     """Looks in a row that found the request gone from the queue with no chunk received."""
+    worker_id: str | None = None
+    """The worker whose chunks the attempt takes: the one that sent its first chunk."""
 
 
 class Call:
@@ -274,6 +276,9 @@ class Call:
             return None
         if chunk.attempt != attempt.number or chunk.seq < attempt.next_seq:
             return None  # an older attempt, or a duplicate
+        if attempt.worker_id not in (None, chunk.worker_id):
+            return None  # a second worker was handed the same request (delivered again)
+        attempt.worker_id = chunk.worker_id
         if chunk.seq > attempt.next_seq:
             await self._continue("gap")
             return None
