@@ -9,7 +9,6 @@ side of a worker by hand to inject chunk faults a real worker does not produce o
 import asyncio
 import importlib.util
 import json
-import time
 import uuid
 from pathlib import Path
 
@@ -747,14 +746,11 @@ async def test_a_request_taken_by_a_worker_that_dies_before_starting_it_runs_wit
     ):
         reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
         (held,) = await wire.sub.fetch(1, timeout=10)  # taken; the taker dies: no ack, no chunk
-        taken_at = time.monotonic()
         first = codec.decode(GenerationRequested, held.data)
-        again = await wire.take(timeout=20)
-        waited = time.monotonic() - taken_at
+        again = await wire.take(timeout=20)  # nats' TimeoutError if it is not back by then
         await wire.send(again, 0, [a, tok.eos_token_id], finish_reason="stop")
         response = await reply
     assert (again.call_id, again.attempt) == (first.call_id, 0)  # the same attempt, not continued
-    assert waited < 20
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "a"
 
@@ -763,8 +759,8 @@ async def test_chunks_of_a_second_worker_given_the_same_attempt_are_ignored(
     broker, nc, js, names, tiny_model_dir, tok
 ):
     """The server hands a request to a second worker when the first one's in-progress signals
-    stop for ack_wait (its event loop stalled, or it died before its first chunk went out). Were
-    both streaming, their samplings would interleave under one attempt's seq numbers. The
+    stop for ack_wait while it still runs the request (its event loop stalled). Were both
+    streaming, their samplings would interleave under one attempt's seq numbers. The
     gateway keeps the worker that sent the attempt's first chunk. Injected by the wire (two
     workers running one attempt at once needs a stall of ack_wait at the right moment)."""
     a, b = (encode(tok, char)[0] for char in "ab")
