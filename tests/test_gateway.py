@@ -779,6 +779,38 @@ async def test_chunks_of_a_second_worker_given_the_same_attempt_are_ignored(
     assert response.json()["choices"][0]["message"]["content"] == "aa"
 
 
+async def test_an_attempt_its_restarted_worker_starts_again_is_continued(
+    broker, nc, js, names, tiny_model_dir, tok
+):
+    """A worker restarted under the same id and handed a request its earlier life had started
+    (the gateway missed its stall timeout until the redelivery) would send seq 0, 1, ... again:
+    the chunks past the first life's would follow them as if one sampling. A second seq 0 from
+    the attempt's worker continues the call from the tokens so far. Injected by the wire."""
+    a, b = (encode(tok, char)[0] for char in "ab")
+    async with (
+        Gateway(config(tiny_model_dir, names.run), broker.url) as gw,
+        InjectedWorkerWire(nc, js, names) as wire,
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
+    ):
+        restarts = await metric(
+            metrics_url(gw.url), "sf_gateway_continuations_total", reason="restart"
+        )
+        reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
+        request = await wire.take()
+        await wire.send(request, 0, [a])
+        await wire.send(request, 0, [])  # the new life starts the attempt again
+        await wire.send(request, 1, [b, tok.eos_token_id], finish_reason="stop")
+        continued = await wire.take()
+        await wire.send(continued, 0, [a, tok.eos_token_id], finish_reason="stop")
+        response = await reply
+        assert await metric(
+            metrics_url(gw.url), "sf_gateway_continuations_total", reason="restart"
+        ) == (restarts + 1)
+    assert (continued.attempt, continued.prompt_ids) == (1, [*request.prompt_ids, a])
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "aa"
+
+
 async def test_too_many_interruptions_is_503(broker, nc, js, names, tiny_model_dir):
     cfg = config(tiny_model_dir, names.run, max_attempts=1)
     async with (

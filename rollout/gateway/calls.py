@@ -78,11 +78,12 @@ for _type in (  # the documented types, exported from the start at 0
 CONTINUATIONS = Counter(
     "sf_gateway_continuations",
     "Attempts continued on another worker, by reason: abort, stall, gap, lost (the request was "
-    "taken and acked but no chunk of it arrived: a worker cut off from this gateway)",
+    "taken and acked but no chunk of it arrived: a worker cut off from this gateway), restart "
+    "(its worker, restarted, was handed it again)",
     ["reason"],
     registry=REGISTRY,
 )
-for _reason in ("abort", "stall", "gap", "lost"):  # exported from the start, at 0
+for _reason in ("abort", "stall", "gap", "lost", "restart"):  # exported from the start, at 0
     CONTINUATIONS.labels(_reason)
 CALL_SECONDS = Histogram(
     "sf_gateway_call_seconds",
@@ -274,10 +275,15 @@ class Call:
             ERRORS.labels("invalid_chunk").inc()
             log.warning(kv("gateway_invalid_chunk", call=self.call_id, reason=exc.reason))
             return None
-        if chunk.attempt != attempt.number or chunk.seq < attempt.next_seq:
-            return None  # an older attempt, or a duplicate
+        if chunk.attempt != attempt.number:
+            return None  # an older attempt
         if attempt.worker_id not in (None, chunk.worker_id):
             return None  # a second worker was handed the same request (delivered again)
+        if chunk.seq == 0 and attempt.next_seq > 0:  # it started again: a new life of the worker
+            await self._continue("restart")
+            return None
+        if chunk.seq < attempt.next_seq:
+            return None  # a duplicate
         attempt.worker_id = chunk.worker_id
         if chunk.seq > attempt.next_seq:
             await self._continue("gap")
