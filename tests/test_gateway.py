@@ -10,6 +10,7 @@ import asyncio
 import importlib.util
 import json
 import uuid
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -645,17 +646,27 @@ async def test_broker_gone_is_503_fast(nats_binary, tmp_path, tiny_model_dir, mo
 # -- chunk faults injected by hand -----------------------------------------------------------
 
 
-async def test_injected_faults_are_continued_token_exact(
-    broker, nc, js, names, tiny_model_dir, tok
-):
-    cfg = config(tiny_model_dir, names.run, stall_timeout_s=0.5)
+@pytest.fixture
+def injected(broker, nc, js, names, tiny_model_dir):
+    """Opens a gateway (keyword arguments: its config's overrides) whose worker side is the
+    named fault injector, with an HTTP client on it: ``(gateway, wire, http)``."""
+
+    @asynccontextmanager
+    async def open_gateway(timeout: float = 30, **gateway):
+        async with (
+            Gateway(config(tiny_model_dir, names.run, **gateway), broker.url) as gw,
+            InjectedWorkerWire(nc, js, names) as wire,
+            httpx.AsyncClient(base_url=gw.url, timeout=timeout) as http,
+        ):
+            yield gw, wire, http
+
+    return open_gateway
+
+
+async def test_injected_faults_are_continued_token_exact(injected, js, names, tok):
     a, b, c, d, e, f = (encode(tok, char)[0] for char in "abcdef")
     sid = session_id()
-    async with (
-        Gateway(cfg, broker.url) as gw,
-        InjectedWorkerWire(nc, js, names) as wire,
-        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
-    ):
+    async with injected(stall_timeout_s=0.5) as (_gw, wire, http):
         body = {**CHAT, "max_tokens": 10, "logprobs": True}
         reply = asyncio.create_task(
             http.post("/chat/completions", json=body, headers={"X-Session-Id": sid})
@@ -700,20 +711,13 @@ async def test_injected_faults_are_continued_token_exact(
     assert (await js.stream_info(names.gen_stream)).state.messages == 0
 
 
-async def test_a_request_taken_whose_chunks_never_arrive_is_continued(
-    broker, nc, js, names, tiny_model_dir, tok
-):
+async def test_a_request_taken_whose_chunks_never_arrive_is_continued(injected, tok):
     """A worker cut off from the gateway runs an attempt to its end and acks it, and its chunks
     (core NATS) are lost on the cut link: nothing would redeliver it. Injected by the wire (a
     real one needs a cut network: tests/test_slurm_cluster.py): it takes and acks the request
     and sends nothing. The gateway finds the request gone from the queue and continues."""
-    cfg = config(tiny_model_dir, names.run, stall_timeout_s=0.5)
     (a,) = encode(tok, "a")
-    async with (
-        Gateway(cfg, broker.url) as gw,
-        InjectedWorkerWire(nc, js, names) as wire,
-        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
-    ):
+    async with injected(stall_timeout_s=0.5) as (gw, wire, http):
         lost = await metric(metrics_url(gw.url), "sf_gateway_continuations_total", reason="lost")
         reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
         first = await wire.take()  # acked; no chunk ever sent
@@ -730,7 +734,7 @@ async def test_a_request_taken_whose_chunks_never_arrive_is_continued(
 
 
 async def test_a_request_taken_by_a_worker_that_dies_before_starting_it_runs_within_20_s(
-    broker, nc, js, names, tiny_model_dir, tok
+    injected, tok
 ):
     """A worker killed after the server handed it a request and before its first chunk leaves
     the gateway nothing to see: the request is still on the queue, not acked, and only the
@@ -739,11 +743,7 @@ async def test_a_request_taken_by_a_worker_that_dies_before_starting_it_runs_wit
     wire (the window is milliseconds wide for a real worker): it takes the request and never
     acks or answers; the same attempt comes back within 20 s and the call ends normally."""
     (a,) = encode(tok, "a")
-    async with (
-        Gateway(config(tiny_model_dir, names.run), broker.url) as gw,
-        InjectedWorkerWire(nc, js, names) as wire,
-        httpx.AsyncClient(base_url=gw.url, timeout=60) as http,
-    ):
+    async with injected(timeout=60) as (_gw, wire, http):
         reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
         (held,) = await wire.sub.fetch(1, timeout=10)  # taken; the taker dies: no ack, no chunk
         first = codec.decode(GenerationRequested, held.data)
@@ -755,20 +755,14 @@ async def test_a_request_taken_by_a_worker_that_dies_before_starting_it_runs_wit
     assert response.json()["choices"][0]["message"]["content"] == "a"
 
 
-async def test_chunks_of_a_second_worker_given_the_same_attempt_are_ignored(
-    broker, nc, js, names, tiny_model_dir, tok
-):
+async def test_chunks_of_a_second_worker_given_the_same_attempt_are_ignored(injected, tok):
     """The server hands a request to a second worker when the first one's in-progress signals
     stop for ack_wait while it still runs the request (its event loop stalled). Were both
     streaming, their samplings would interleave under one attempt's seq numbers. The
     gateway keeps the worker that sent the attempt's first chunk. Injected by the wire (two
     workers running one attempt at once needs a stall of ack_wait at the right moment)."""
     a, b = (encode(tok, char)[0] for char in "ab")
-    async with (
-        Gateway(config(tiny_model_dir, names.run), broker.url) as gw,
-        InjectedWorkerWire(nc, js, names) as wire,
-        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
-    ):
+    async with injected() as (_gw, wire, http):
         reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
         request = await wire.take()
         await wire.send(request, 0, [a], worker_id="first")
@@ -779,19 +773,13 @@ async def test_chunks_of_a_second_worker_given_the_same_attempt_are_ignored(
     assert response.json()["choices"][0]["message"]["content"] == "aa"
 
 
-async def test_an_attempt_its_restarted_worker_starts_again_is_continued(
-    broker, nc, js, names, tiny_model_dir, tok
-):
+async def test_an_attempt_its_restarted_worker_starts_again_is_continued(injected, tok):
     """A worker restarted under the same id and handed a request its earlier life had started
     (the gateway missed its stall timeout until the redelivery) would send seq 0, 1, ... again:
     the chunks past the first life's would follow them as if one sampling. A second seq 0 from
     the attempt's worker continues the call from the tokens so far. Injected by the wire."""
     a, b = (encode(tok, char)[0] for char in "ab")
-    async with (
-        Gateway(config(tiny_model_dir, names.run), broker.url) as gw,
-        InjectedWorkerWire(nc, js, names) as wire,
-        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
-    ):
+    async with injected() as (gw, wire, http):
         restarts = await metric(
             metrics_url(gw.url), "sf_gateway_continuations_total", reason="restart"
         )
@@ -811,13 +799,8 @@ async def test_an_attempt_its_restarted_worker_starts_again_is_continued(
     assert response.json()["choices"][0]["message"]["content"] == "aa"
 
 
-async def test_too_many_interruptions_is_503(broker, nc, js, names, tiny_model_dir):
-    cfg = config(tiny_model_dir, names.run, max_attempts=1)
-    async with (
-        Gateway(cfg, broker.url) as gw,
-        InjectedWorkerWire(nc, js, names) as wire,
-        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
-    ):
+async def test_too_many_interruptions_is_503(injected):
+    async with injected(max_attempts=1) as (_gw, wire, http):
         reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
         request = await wire.take()
         await wire.send(request, 0, [5], finish_reason="abort")
@@ -826,14 +809,8 @@ async def test_too_many_interruptions_is_503(broker, nc, js, names, tiny_model_d
     assert "interrupted 1 times" in response.json()["error"]["message"]
 
 
-async def test_worker_error_is_500_or_an_error_event(
-    broker, nc, js, names, tiny_model_dir, openai_client
-):
-    async with (
-        Gateway(config(tiny_model_dir, names.run), broker.url) as gw,
-        InjectedWorkerWire(nc, js, names) as wire,
-        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
-    ):
+async def test_worker_error_is_500_or_an_error_event(injected, openai_client):
+    async with injected() as (gw, wire, http):
         reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
         request = await wire.take()
         await wire.send(request, 0, [], finish_reason="error", error="CUDA fell over")
