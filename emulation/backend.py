@@ -4,11 +4,13 @@ With the emulated engine (``emulation.engine``) it lets the real trainer, schedu
 weight path run at a cluster's timing on a few cores. The model, and its assumptions:
 
 - A step costs ``workload.trainer.step_s(tokens, devices)`` seconds (the trainer calls
-  backends off its event loop), where ``tokens`` are the sample tokens (prompt and output, not
-  padding) of its training forwards: each training forward sleeps its tokens' part, ``apply``
-  the fixed part (optimizer, all-reduce). A step computed ahead in parts (the trainer's
-  ``overlap``) spends the per-token part as its groups arrive. In a trainer group of several
-  workers (``trainer.group``) each rank models ``devices`` devices and trains its shard.
+  backends off its event loop), where ``tokens`` are the loss tokens (``TokenBatch.read``: the
+  sampled ones, not the prompt's or a tool's) of its training forwards, the tokens the
+  simulator and ``seamlessflow plan`` count a step's cost by: each training forward sleeps its
+  tokens' part, ``apply`` the fixed part (optimizer, all-reduce). A step computed ahead in
+  parts (the trainer's ``overlap``) spends the per-token part as its groups arrive. In a
+  trainer group of several workers (``trainer.group``) each rank models ``devices`` devices
+  and trains its shard.
 - The policy is one float32 vector of ``weight_floats`` values that never moves; every token's
   logprob is its first value, ``-log(16)``: the emulated engine's at its default cycle, so
   behaviour and proximal logprobs agree. Losses and gradient norms are computed for real from
@@ -70,7 +72,8 @@ class EmulatedBackend:
     def token_logprobs(self, batch: TokenBatch, grad: bool) -> torch.Tensor:
         if grad:
             cost = self._options.workload.trainer
-            time.sleep(cost.s_per_token * int(batch.attention_mask.sum()) / self._options.devices)
+            read = batch.attention_mask if batch.read is None else batch.read
+            time.sleep(cost.s_per_token * int(read.sum()) / self._options.devices)
         with torch.set_grad_enabled(grad):
             scored = (batch.attention_mask > 0) & (batch.position_ids > 0)
             return torch.where(scored, self._weight[0], 0.0)

@@ -207,13 +207,17 @@ async def test_time_follows_the_cost_model(engine):
 
 
 def test_trainer_backend_sleeps_the_step_and_publishes_a_small_blob(tmp_path):
-    backend_config = EmulatedBackendConfig(workload=WORKLOAD, weight_floats=64)
+    """The per-token part is over the loss tokens (``read``), as the simulator and the plan
+    count a step's cost: a prompt of 30 tokens and 10 sampled ones cost 10."""
+    workload = Workload.from_dict({"trainer": {"a_s": 0.1, "s_per_token": 5e-3}})
+    backend_config = EmulatedBackendConfig(workload=workload, weight_floats=64)
     backend = build_backend(tmp_path, TrainerConfig(backend=backend_config))
-    rows, width = 3, 40
+    rows, width, prompt = 3, 40, 30
     batch = TokenBatch(
         input_ids=torch.ones(rows, width, dtype=torch.long),
         position_ids=torch.arange(width).repeat(rows, 1),
         attention_mask=torch.ones(rows, width, dtype=torch.long),
+        read=(torch.arange(width) >= prompt).repeat(rows, 1),
     )
     started = time.monotonic()
     logp = backend.token_logprobs(batch, grad=True)  # the per-token part
@@ -222,9 +226,10 @@ def test_trainer_backend_sleeps_the_step_and_publishes_a_small_blob(tmp_path):
     assert (logp[:, 0] == 0).all() and (logp[:, 1:] < 0).all()
     stats = backend.apply(-logp.sum() / logp.numel())  # the fixed part
     took = time.monotonic() - started
-    expected = WORKLOAD.trainer.step_s(rows * width)
-    assert expected <= took < 2 * expected
-    assert forward >= expected - WORKLOAD.trainer.step_s(0)
+    sampled = rows * (width - prompt)
+    expected = workload.trainer.step_s(sampled)
+    assert expected <= took < expected + 0.3  # every token's cost would be 0.45 s more
+    assert workload.trainer.step_s(sampled) - workload.trainer.step_s(0) <= forward < 0.45
     assert stats.grad_norm > 0
     assert list(backend.hf_state_dict()) == ["emulated.weight"]
     assert backend.hf_state_dict()["emulated.weight"].numel() == 64
