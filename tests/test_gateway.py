@@ -90,6 +90,11 @@ def metrics_url(gateway_url: str) -> str:
     return gateway_url.removesuffix("/v1") + "/metrics"
 
 
+async def continuation_count(gw: Gateway, reason: str) -> float:
+    """The gateway's ``sf_gateway_continuations_total`` of ``reason``."""
+    return await metric(metrics_url(gw.url), "sf_gateway_continuations_total", reason=reason)
+
+
 def session_id() -> str:
     return "s-" + uuid.uuid4().hex[:16]
 
@@ -410,9 +415,7 @@ async def test_call_survives_its_worker_being_killed(
     try:
         await asyncio.gather(*(asyncio.to_thread(w.wait_ready) for w in workers))
         async with Gateway(config(tiny_model_dir, names.run, stall_timeout_s=2), broker.url) as gw:
-            stalls_before = await metric(
-                metrics_url(gw.url), "sf_gateway_continuations_total", reason="stall"
-            )
+            stalls_before = await continuation_count(gw, "stall")
             client = openai_client(gw.url)
             sid = session_id()
             stream = await client.chat.completions.create(
@@ -438,10 +441,7 @@ async def test_call_survives_its_worker_being_killed(
             again = await client.chat.completions.create(
                 model=MODEL, messages=HELLO, max_tokens=300, temperature=0
             )
-            continuations = (
-                await metric(metrics_url(gw.url), "sf_gateway_continuations_total", reason="stall")
-                - stalls_before
-            )
+            continuations = await continuation_count(gw, "stall") - stalls_before
     finally:
         for w in workers:
             w.stop()
@@ -718,16 +718,14 @@ async def test_a_request_taken_whose_chunks_never_arrive_is_continued(injected, 
     and sends nothing. The gateway finds the request gone from the queue and continues."""
     (a,) = encode(tok, "a")
     async with injected(stall_timeout_s=0.5) as (gw, wire, http):
-        lost = await metric(metrics_url(gw.url), "sf_gateway_continuations_total", reason="lost")
+        lost = await continuation_count(gw, "lost")
         reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
         first = await wire.take()  # acked; no chunk ever sent
         second = await wire.take()
         assert (second.attempt, second.prompt_ids) == (1, first.prompt_ids)
         await wire.send(second, 0, [a, tok.eos_token_id], finish_reason="stop")
         response = await reply
-        assert await metric(
-            metrics_url(gw.url), "sf_gateway_continuations_total", reason="lost"
-        ) == (lost + 1)
+        assert await continuation_count(gw, "lost") == (lost + 1)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "a"
     assert (0, "continued: lost") in {(x.attempt, x.reason) for x in wire.cancels}
@@ -780,9 +778,7 @@ async def test_an_attempt_its_restarted_worker_starts_again_is_continued(injecte
     the attempt's worker continues the call from the tokens so far. Injected by the wire."""
     a, b = (encode(tok, char)[0] for char in "ab")
     async with injected() as (gw, wire, http):
-        restarts = await metric(
-            metrics_url(gw.url), "sf_gateway_continuations_total", reason="restart"
-        )
+        restarts = await continuation_count(gw, "restart")
         reply = asyncio.create_task(http.post("/chat/completions", json=CHAT))
         request = await wire.take()
         await wire.send(request, 0, [a])
@@ -791,9 +787,7 @@ async def test_an_attempt_its_restarted_worker_starts_again_is_continued(injecte
         continued = await wire.take()
         await wire.send(continued, 0, [a, tok.eos_token_id], finish_reason="stop")
         response = await reply
-        assert await metric(
-            metrics_url(gw.url), "sf_gateway_continuations_total", reason="restart"
-        ) == (restarts + 1)
+        assert await continuation_count(gw, "restart") == (restarts + 1)
     assert (continued.attempt, continued.prompt_ids) == (1, [*request.prompt_ids, a])
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "aa"
