@@ -80,13 +80,15 @@ def settings(args: argparse.Namespace, k: int) -> argparse.Namespace:
     )
 
 
-def times(version_at: dict[int, float], steps: int) -> dict[str, float]:
+def times(version_at: dict[int, float], steps: int) -> dict:
     """Seconds from version 1 to the end of the first 10% of the steps, and to ``steps``
-    versions later."""
+    versions later; each step's seconds (version ``v`` to ``v + 1``), to see where two runs
+    part."""
     early = max(1, steps // 10)
     return {
         "early_s": round(version_at[1 + early] - version_at[1], 2),
         "time_s": round(version_at[1 + steps] - version_at[1], 2),
+        "step_s": [round(version_at[v + 1] - version_at[v], 2) for v in range(1, 1 + steps)],
     }
 
 

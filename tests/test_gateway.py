@@ -584,6 +584,35 @@ async def test_models_health_and_metrics(http, gateway):
     assert (health.status_code, health.json()["nats_connected"]) == (200, True)
 
 
+async def test_an_idle_connection_outlives_the_clients_pools(gateway):
+    """A keep-alive connection idle for as long as httpx pools one (5 s, its default expiry) is
+    still served. uvicorn's own default closes it then: a call a client sends on it as it closes
+    fails unanswered, and the agent runner took that for the gateway being down (its tasks held,
+    the task's group run again)."""
+    url = httpx.URL(gateway.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    request = f"GET /health HTTP/1.1\r\nhost: {url.host}\r\n\r\n".encode()
+
+    async def health() -> bytes:
+        writer.write(request)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        await reader.readexactly(length)
+        return head.split(b"\r\n")[0]
+
+    try:
+        assert await health() == b"HTTP/1.1 200 OK"
+        await asyncio.sleep(httpx.Limits().keepalive_expiry + 1)
+        assert await health() == b"HTTP/1.1 200 OK"  # the same connection
+    finally:
+        writer.close()
+
+
 async def test_serve_gateway_runs_until_stopped(broker, names, tiny_model_dir, capsys):
     stop = asyncio.Event()
     serving = asyncio.create_task(

@@ -24,6 +24,13 @@ class GatewaySettings(CallLimits):
     stop_token_ids: list[int] | None = Field(
         default=None, description="tokens that end generation; default: the model's eos ids"
     )
+    keep_alive_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="an idle HTTP connection is closed after this long: longer than clients "
+        "keep one in their pools (httpx 5 s, Go 90 s), or a call sent as the gateway closes it "
+        "fails as if the gateway were down",
+    )
     session_cache_sessions: int = Field(default=4096, ge=1, description="sessions remembered")
     session_cache_tokens: int = Field(
         default=16_000_000, ge=1, description="token ids remembered over all sessions"

@@ -112,6 +112,7 @@ class Gateway:
                     self.app,
                     log_level="warning",
                     lifespan="off",
+                    timeout_keep_alive=config.keep_alive_s,
                     timeout_graceful_shutdown=5,
                 )
             )
