@@ -472,3 +472,41 @@ def test_rank_0_is_reached_at_its_pods_address_where_kubernetes_gives_it(monkeyp
     assert rendezvous_host() == "gpu-node-7"
     monkeypatch.setenv("POD_IP", "10.4.2.17")
     assert rendezvous_host() == "10.4.2.17"
+
+
+def test_a_join_waiting_for_members_that_never_come_does_not_hold_up_leaving(tiny_model_dir):
+    """A worker stopping while its group's rendezvous waits for members that stopped first
+    (``seamlessflow run`` stops them one after another) leaves at once: its leave waited for
+    the join's timeout (a minute per rank, stopping a 5-worker trainer group took 2 minutes)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from tests.support import free_port
+    from trainer.exceptions import GroupBrokenError
+    from trainer.ranks import RankGroup
+
+    ranks = RankGroup(Path(tiny_model_dir), DP_CONFIG)
+    port, timeout = free_port(), timedelta(seconds=4)
+    master = dist.TCPStore(
+        "127.0.0.1", port, 3, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+    member = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timeout)
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            ranks.join(member, 1, 3, timeout)  # ranks 0 and 2 never come
+        except (GroupBrokenError, RuntimeError) as exc:
+            failed.append(exc)
+
+    joining = threading.Thread(target=join, daemon=True)
+    joining.start()
+    time.sleep(1.0)  # the join holds the lock, waiting for the others
+    assert joining.is_alive()
+    started = time.monotonic()
+    ranks.leave()
+    assert time.monotonic() - started < 1.0
+    joining.join(timeout=30)  # its own timeout ends it
+    assert failed and not ranks.grouped and not dist.is_initialized()
+    del master

@@ -224,7 +224,11 @@ class RankGroup:
 
     def leave(self) -> None:
         """Rank 0: tell the other members the group is over (they wait for the next), then
-        leave it. A member gone already is no error: the group is over either way."""
+        leave it. A member gone already is no error: the group is over either way. Not joined,
+        nothing to leave: a join in progress holds the lock until every member came or its
+        timeout ran out (a minute), and a stopping process must not wait for it."""
+        if not self.grouped:
+            return
         with self._lock:
             if not self.grouped or dist.get_rank() != 0:
                 return
