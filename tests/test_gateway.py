@@ -613,6 +613,35 @@ async def test_an_idle_connection_outlives_the_clients_pools(gateway):
         writer.close()
 
 
+async def test_a_client_gone_before_its_body_arrived_is_a_disconnect_not_an_error(gateway):
+    """A request whose body never fully arrives (its client went away) is counted as a client
+    disconnect, not as the gateway's internal error (500, with a traceback in its log)."""
+    url, metrics = httpx.URL(gateway.url), metrics_url(gateway.url)
+    kinds = ("client_disconnected", "internal")
+
+    async def errors() -> dict[str, float]:
+        return {k: await metric(metrics, "sf_gateway_errors_total", type=k) for k in kinds}
+
+    before = await errors()
+    _, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(
+        f"POST {url.path}/chat/completions HTTP/1.1\r\nhost: {url.host}\r\n"
+        'content-type: application/json\r\ncontent-length: 1000\r\n\r\n{"model": '.encode()
+    )
+    await writer.drain()
+    await asyncio.sleep(0.2)  # the gateway is reading the body
+    writer.close()
+
+    async def counted() -> bool:
+        return await errors() != before
+
+    await eventually(counted)
+    assert await errors() == {
+        "client_disconnected": before["client_disconnected"] + 1,
+        "internal": before["internal"],
+    }
+
+
 async def test_serve_gateway_runs_until_stopped(broker, names, tiny_model_dir, capsys):
     stop = asyncio.Event()
     serving = asyncio.create_task(

@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from common.log import kv
@@ -32,6 +33,8 @@ ERROR_KINDS: list[tuple[type[Exception], int, str, str]] = [
     (PermissionDeniedError, 403, "permission_error", "permission_denied"),
     (ModelNotFoundError, 404, "invalid_request_error", "model_not_found"),
     (ClientDisconnectedError, 499, "client_disconnected", "client_disconnected"),
+    # gone before its body arrived (starlette's own): no fault of the gateway's either
+    (ClientDisconnect, 499, "client_disconnected", "client_disconnected"),
     (RecordUnavailableError, 503, "service_unavailable", "record_failed"),
     (GenerationUnavailableError, 503, "service_unavailable", "unavailable"),
     (GenerationFailedError, 500, "server_error", "generation_failed"),
