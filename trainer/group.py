@@ -25,10 +25,12 @@ A worker with ``trainer.world_size > 1`` (local ranks) is refused a place in a g
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 
@@ -184,7 +186,7 @@ class GroupLink:
                 attempt += 1
                 async with trainer.stepping:
                     trainer.formed(False)
-                    formed = await self._form(bucket, group, attempt, cause)
+                    formed = await self._form(bucket, group, attempt, cause, stop)
                 if not formed:
                     cause = "rendezvous"
                     await self._wait(stop, timeout=1.0)  # a dead member: a new generation soon
@@ -196,7 +198,9 @@ class GroupLink:
             async with trainer.stepping:
                 await asyncio.to_thread(self._ranks.leave)
 
-    async def _form(self, bucket: KeyValue, group: TrainerGroup, attempt: int, cause: str) -> bool:
+    async def _form(
+        self, bucket: KeyValue, group: TrainerGroup, attempt: int, cause: str, stop: asyncio.Event
+    ) -> bool:
         started = time.monotonic()
         world = len(group.members)
         store = await asyncio.to_thread(_open_store, world, self._timeout)
@@ -208,8 +212,10 @@ class GroupLink:
             port=store.port,
         )
         await bucket.put(RunNames.TRAINER_RENDEZVOUS_KEY, codec.encode(rendezvous))
+        join = partial(self._ranks.join, store, 0, world, self._timeout)
         try:
-            await asyncio.to_thread(self._ranks.join, store, 0, world, self._timeout)
+            if not await on_daemon_thread(join, "trainer-group-rank0", stop):
+                return False  # stopping: the join ends by itself, by its timeout at worst
         except (GroupBrokenError, RuntimeError) as exc:  # RuntimeError: the rendezvous timed out
             gen = group.generation
             log.warning(kv("trainer_group_not_formed", generation=gen, attempt=attempt, error=exc))
@@ -271,55 +277,70 @@ class GroupLink:
                 await self._wait(stop)
                 continue
             joined = (rendezvous.generation, rendezvous.attempt)
-            started = time.monotonic()
-            done = asyncio.get_running_loop().create_future()
-            thread = threading.Thread(
-                target=self._member,
-                args=(rendezvous, rank, done, started),
-                name=f"trainer-group-rank{rank}",
-                daemon=True,
-            )
-            thread.start()
-            stopping = asyncio.ensure_future(stop.wait())
+            busy = partial(asyncio.get_running_loop().call_soon_threadsafe, self._roles.set_busy)
+            member = partial(self._member, rendezvous, rank, time.monotonic(), busy)
             try:
-                await asyncio.wait([done, stopping], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                stopping.cancel()
-            if done.done() and done.exception() is not None:
-                log.warning(
-                    kv("trainer_group_left", generation=group.generation, error=done.exception())
-                )
+                await on_daemon_thread(member, f"trainer-group-rank{rank}", stop)
+            except (GroupBrokenError, RuntimeError) as exc:
+                log.warning(kv("trainer_group_left", generation=group.generation, error=exc))
 
     def _member(
-        self, rendezvous: TrainerRendezvous, rank: int, done: asyncio.Future, started: float
+        self,
+        rendezvous: TrainerRendezvous,
+        rank: int,
+        started: float,
+        busy: Callable[[bool], None],
     ) -> None:
-        loop = done.get_loop()
+        """Join ``rendezvous`` as ``rank`` and run rank 0's commands (blocking)."""
+        store = dist.TCPStore(
+            rendezvous.host,
+            rendezvous.port,
+            len(rendezvous.members),
+            is_master=False,
+            timeout=self._timeout,
+        )
+        self._ranks.join(store, rank, len(rendezvous.members), self._timeout)
+        RENDEZVOUS_SECONDS.observe(time.monotonic() - started)
+        gen, attempt = rendezvous.generation, rendezvous.attempt
+        log.info(kv("trainer_group_joined", generation=gen, rank=rank, attempt=attempt))
+        self._ranks.follow_group(busy)
+
+
+async def on_daemon_thread(blocking: Callable[[], None], name: str, stop: asyncio.Event) -> bool:
+    """Run ``blocking`` on a thread that never keeps the process from exiting, until it returns
+    (True; what it raised is raised here) or ``stop`` (False). A rendezvous waits for every
+    member until its timeout, a follower for rank 0's next command: a stopping worker must wait
+    for neither, as it would for ``asyncio.to_thread``'s thread."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
         error: BaseException | None = None
         try:
-            store = dist.TCPStore(
-                rendezvous.host,
-                rendezvous.port,
-                len(rendezvous.members),
-                is_master=False,
-                timeout=self._timeout,
-            )
-            self._ranks.join(store, rank, len(rendezvous.members), self._timeout)
-            RENDEZVOUS_SECONDS.observe(time.monotonic() - started)
-            gen, attempt = rendezvous.generation, rendezvous.attempt
-            log.info(kv("trainer_group_joined", generation=gen, rank=rank, attempt=attempt))
-            self._ranks.follow_group(partial(loop.call_soon_threadsafe, self._roles.set_busy))
-        except (GroupBrokenError, RuntimeError) as exc:
+            blocking()
+        except BaseException as exc:  # handed to the awaiting side, never lost in the thread
             error = exc
-        loop.call_soon_threadsafe(_settle, done, error)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, error)
 
-
-def _settle(done: asyncio.Future, error: BaseException | None) -> None:
-    if done.done():
-        return
-    if error is None:
-        done.set_result(None)
-    else:
-        done.set_exception(error)
+    threading.Thread(target=run, name=name, daemon=True).start()
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([done, stopping], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not done.done():
+        return False
+    done.result()
+    return True
 
 
 def rendezvous_host() -> str:
