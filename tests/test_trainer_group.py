@@ -510,3 +510,28 @@ def test_a_join_waiting_for_members_that_never_come_does_not_hold_up_leaving(tin
     joining.join(timeout=30)  # its own timeout ends it
     assert failed and not ranks.grouped and not dist.is_initialized()
     del master
+
+
+async def test_a_blocking_join_on_its_daemon_thread_gives_way_to_stop():
+    """Rank 0's and the followers' joins (``on_daemon_thread``): a stop ends the wait at once,
+    the blocked thread is a daemon (the process exits without it), and what the call raises
+    reaches the caller."""
+    import threading
+
+    from trainer.group import on_daemon_thread
+
+    release, stop = threading.Event(), asyncio.Event()
+    asyncio.get_running_loop().call_later(0.2, stop.set)
+    started = time.monotonic()
+    assert await on_daemon_thread(release.wait, "blocked", stop) is False
+    assert time.monotonic() - started < 2.0
+    blocked = next(t for t in threading.enumerate() if t.name == "blocked")
+    assert blocked.daemon and blocked.is_alive()
+    release.set()
+
+    def broken() -> None:
+        raise RuntimeError("rendezvous timed out")
+
+    with pytest.raises(RuntimeError, match="timed out"):
+        await on_daemon_thread(broken, "broken", asyncio.Event())
+    assert await on_daemon_thread(lambda: None, "fine", asyncio.Event()) is True
