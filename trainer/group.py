@@ -332,11 +332,7 @@ async def on_daemon_thread(blocking: Callable[[], None], name: str, stop: asynci
             loop.call_soon_threadsafe(settle, error)
 
     threading.Thread(target=run, name=name, daemon=True).start()
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait([done, stopping], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
+    await wait_first(asyncio.shield(done), stop.wait())  # the shield is cancelled, not ``done``
     if not done.done():
         return False
     done.result()
