@@ -5,7 +5,8 @@ thread (kept for error reports), and knows it is serving once the command writes
 handshake (``common.ready``): one JSON object on a pipe of its own, never its output, so no log
 line can be mistaken for it. Every long-running command (``broker``, ``worker``, ``gateway``,
 ``trajectory``, ``trainer``, ``agents``, ``scheduler``) writes one. ``restart`` starts the same
-command again (a supervisor's restart after the process exited).
+command again (a supervisor's restart after the process exited). ``stop_all`` stops a run's
+processes, the callers before what they call, each tier's processes together.
 """
 
 import json
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -173,6 +175,42 @@ class ServiceProcess:
             raise ServiceProcessError(
                 f"{self.name} did not stop within {timeout:g}s:\n{''.join(self.output)}"
             ) from None
+
+
+# The order ``stop_all`` stops commands in, a tier's together: the callers before what they call,
+# the workers and the trainer (most of a run's processes) at once, the broker last.
+STOP_TIERS = (
+    ("agents",),
+    ("gateway",),
+    ("worker", "trainer"),
+    ("trajectory",),
+    ("scheduler",),
+    ("broker",),
+)
+
+
+def stop_all(
+    procs: list[ServiceProcess], sig: int = signal.SIGTERM, timeout: float = 30.0
+) -> list[ServiceProcessError]:
+    """Stop ``procs`` tier by tier (``STOP_TIERS``; a command not named there goes first), each
+    of a tier on a thread of its own: a tier takes its slowest stop, not the sum of its stops.
+    Returns the errors of those that did not stop within ``timeout`` (killed); every other
+    process is stopped whatever they did."""
+
+    def tier(proc: ServiceProcess) -> int:
+        return next((i for i, t in enumerate(STOP_TIERS) if proc.command in t), -1)
+
+    errors = []
+    for level in sorted({tier(p) for p in procs}):
+        group = [p for p in procs if tier(p) == level]
+        with ThreadPoolExecutor(len(group)) as pool:
+            futures = [pool.submit(p.stop, sig, timeout) for p in group]
+        for future in futures:
+            try:
+                future.result()
+            except ServiceProcessError as exc:
+                errors.append(exc)
+    return errors
 
 
 def _pin(cpus: frozenset[int]) -> None:

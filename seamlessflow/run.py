@@ -53,7 +53,6 @@ from broker.retry import TRANSIENT, Backoff
 from broker.subjects import RunNames
 from broker.tls import CA_ENV
 from broker.weights import latest_weights
-from common.exceptions import SeamlessFlowError
 from common.log import kv
 from common.metrics import scrape_all
 from common.paths import default_state_dir
@@ -64,7 +63,7 @@ from seamlessflow.exceptions import RunFailedError
 from seamlessflow.feed import TaskFeed
 from seamlessflow.launcher import Broker, local_broker, stop_on_signals, workers_and_leader
 from seamlessflow.placement import CpuPlan, CpuSet, place
-from seamlessflow.processes import ServiceProcess, SuperviseConfig
+from seamlessflow.processes import ServiceProcess, SuperviseConfig, stop_all
 from seamlessflow.progress import RunStats
 from seamlessflow.report import (
     RunSummary,
@@ -430,12 +429,11 @@ class Services:
         return "".join(f" | {p}" for p in parts if p)
 
     def stop(self) -> None:
-        for proc in reversed(self.running):
-            try:
-                proc.stop(timeout=60.0)
-            except SeamlessFlowError as exc:
-                log.error(kv("service_stop_failed", service=proc.name, error=exc))
+        started, count = time.monotonic(), len(self.running)
+        for exc in stop_all(self.running, timeout=60.0):
+            log.error(kv("service_stop_failed", error=exc))
         self.running = []
+        print(f"stopped {count} processes in {time.monotonic() - started:.1f} s", flush=True)
 
 
 class _Supervised:
