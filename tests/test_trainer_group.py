@@ -542,3 +542,47 @@ async def test_a_blocking_join_on_its_daemon_thread_gives_way_to_stop():
     with pytest.raises(RuntimeError, match="timed out"):
         await on_daemon_thread(broken, "broken", asyncio.Event())
     assert await on_daemon_thread(lambda: None, "fine", asyncio.Event()) is True
+
+
+def test_a_member_whose_join_timed_out_forms_a_group_with_a_fresh_one(tiny_model_dir):
+    """A worker whose rendezvous timed out (its peer never came) forms the next group with a
+    freshly started member. torch names an unnamed group by a count of the groups its process
+    made, which the failed ``init_process_group`` advanced: the two waited at different keys of
+    rank 0's store until their timeout. In processes of their own, fresh ones."""
+    from tests.support import free_port
+
+    ports = (free_port(), free_port())
+    torch.multiprocessing.spawn(
+        _join_after_a_failed_join, args=(*ports, str(tiny_model_dir)), nprocs=2, join=True
+    )
+
+
+def _join_after_a_failed_join(rank: int, first: int, second: int, model: str) -> None:
+    import torch.distributed as dist
+
+    from trainer.ranks import RankGroup
+
+    torch.set_num_threads(1)
+    ranks = RankGroup(Path(model), DP_CONFIG)
+    timeout = timedelta(seconds=30)
+    if rank == 0:
+        short = timedelta(seconds=2)
+        alone = dist.TCPStore(
+            "127.0.0.1", first, 2, is_master=True, timeout=short, wait_for_workers=False
+        )
+        with pytest.raises(RuntimeError):
+            ranks.join(alone, 0, 2, short)
+        store = dist.TCPStore(
+            "127.0.0.1", second, 2, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+    else:  # fresh: its client connects once rank 0 opens its second store
+        store = dist.TCPStore("127.0.0.1", second, 2, is_master=False, timeout=timeout)
+    started = time.monotonic()
+    ranks.join(store, rank, 2, timeout)
+    assert ranks.grouped and dist.get_world_size() == 2
+    assert time.monotonic() - started < 20.0
+    if rank == 0:
+        ranks.leave()
+    else:
+        ranks.follow_group()  # returns at rank 0's leave
+    assert not dist.is_initialized()

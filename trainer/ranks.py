@@ -185,13 +185,7 @@ class RankGroup:
             use_cuda = self._device().type == "cuda"
             if use_cuda:
                 torch.cuda.set_device(self._device())
-            dist.init_process_group(
-                "nccl" if use_cuda else "gloo",
-                store=store,
-                rank=rank,
-                world_size=world_size,
-                timeout=timeout,
-            )
+            _init_default_group(rank, store, world_size, timeout, use_cuda)
             self.grouped = True
             self._accumulation = Accumulation()  # a new group computes every step afresh
             self.backend.zero_grad()
@@ -366,15 +360,23 @@ def uses_cuda(config: TrainerConfig) -> bool:
     return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
 
 
+def _init_default_group(
+    rank: int, store: dist.Store, world_size: int, timeout: timedelta, use_cuda: bool
+) -> None:
+    """Join the default process group that meets at ``store``, named by its ranks (torch's
+    ``_ranks``). Unnamed, torch names it by a count of the groups this process made, which a
+    failed ``init_process_group`` advances: a member whose join timed out would wait for a fresh
+    one at other keys of the store."""
+    backend = "nccl" if use_cuda else "gloo"
+    ranks = list(range(world_size))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, _ranks=ranks
+    )
+
+
 def _init(rank: int, store: dist.Store, config: TrainerConfig) -> None:
     use_cuda = uses_cuda(config)
-    dist.init_process_group(
-        "nccl" if use_cuda else "gloo",
-        store=store,
-        rank=rank,
-        world_size=config.world_size,
-        timeout=JOIN_TIMEOUT,
-    )
+    _init_default_group(rank, store, config.world_size, JOIN_TIMEOUT, use_cuda)
     if use_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
 
