@@ -43,9 +43,9 @@ from rollout.agents.arithmetic import (
     arithmetic_task,
     arithmetic_tasks,
 )
-from rollout.agents.clients import TASKS_PER_POOL, GatewayClients
+from rollout.agents.clients import HEALTHY_FOR_S, TASKS_PER_POOL, GatewayClients
 from rollout.agents.config import AgentsConfig
-from rollout.agents.exceptions import AgentLoadError, InvalidTaskError
+from rollout.agents.exceptions import AgentLoadError, GatewayUnavailableError, InvalidTaskError
 from rollout.agents.runner import AgentRunner
 from rollout.agents.sessions import group_id, session_id
 from rollout.agents.verifiers import bind, exact_match, last_number, number
@@ -380,6 +380,37 @@ async def test_a_tasks_attempts_share_one_of_a_few_connection_pools():
         assert all(clients.for_task(f"task-{i}") is chosen[i] for i in range(200))
     finally:
         await clients.aclose()
+
+
+@pytest.mark.newest_nats
+async def test_tasks_starting_together_ask_the_gateway_once_whether_it_serves(stack):
+    """The tasks a step's end admits at once share one ``/health`` answer for ``HEALTHY_FOR_S``
+    (they made one call each, a round trip before each task's first call); a call that found
+    the gateway down makes the next ask again; a gateway that is not there fails every caller."""
+    asked: list[str] = []
+
+    async def count(request) -> None:
+        asked.append(request.url.path)
+
+    clients = GatewayClients(stack.url, "unused", max_tasks=8, timeout_s=5.0, on_request=count)
+    gone = GatewayClients(closed_port_url(), "unused", max_tasks=8, timeout_s=5.0, on_request=count)
+    try:
+        models = await asyncio.gather(*(clients.serving() for _ in range(8)))
+        assert set(models) == {"tiny"} and asked == ["/health", "/v1/models"]
+        await clients.serving()
+        assert asked.count("/health") == 1
+        clients.down()
+        await clients.serving()
+        assert asked.count("/health") == 2
+        await asyncio.sleep(HEALTHY_FOR_S)
+        await clients.serving()
+        assert asked.count("/health") == 3 and asked.count("/v1/models") == 1
+        failed = await asyncio.gather(*(gone.serving() for _ in range(3)), return_exceptions=True)
+        assert all(isinstance(f, GatewayUnavailableError) for f in failed), failed
+        assert asked.count("/health") == 4  # one for the three
+    finally:
+        await clients.aclose()
+        await gone.aclose()
 
 
 @pytest.mark.newest_nats

@@ -9,17 +9,28 @@ the attempts of a task share one of ``ceil(max_tasks / TASKS_PER_POOL)`` pools, 
 task id; each pool has no connection limit of its own (a call never waits for a connection), and
 all share one TLS context (making one costs about 40 ms). The fix belongs in httpcore
 (encode/httpcore#1035, open, makes the pass linear); once a release has it, one pool will do.
+
+Before a task's attempts the runner asks whether the gateway serves (``serving``); the answer
+stands ``HEALTHY_FOR_S``, so the tasks a step's end admits at once make one ``/health`` call, not
+one each, and none waits a round trip more for it.
 """
 
+import asyncio
 import math
+import time
 import zlib
 from collections.abc import Awaitable, Callable
 
 import httpx
 import openai
 
+from rollout.agents.exceptions import GatewayUnavailableError
+
 TASKS_PER_POOL = 4
 """Tasks whose attempts share a connection pool, about: a pool then holds a few dozen."""
+HEALTHY_FOR_S = 1.0
+"""How long the gateway's ``/health`` answer stands for it serving (until a call finds it down:
+``down``)."""
 
 
 class GatewayClients:
@@ -33,7 +44,14 @@ class GatewayClients:
         max_tasks: int,
         timeout_s: float,
         on_request: Callable[[httpx.Request], Awaitable[None]],
+        model: str | None = None,
     ) -> None:
+        self.base_url = base_url
+        self._health_url = base_url.removesuffix("/v1") + "/health"
+        self.model = model
+        """The model to call: given, or the gateway's first (``/v1/models``)."""
+        self._healthy_at = -math.inf
+        self._check: asyncio.Task[None] | None = None
         tls = httpx.create_ssl_context()
         self._pools = [
             httpx.AsyncClient(
@@ -49,15 +67,35 @@ class GatewayClients:
             for h in self._pools
         ]
 
-    @property
-    def http(self) -> httpx.AsyncClient:
-        """A plain HTTP client (``/health``)."""
-        return self._pools[0]
+    async def serving(self) -> str:
+        """The model to call, once the gateway says it serves (asked at most once in
+        ``HEALTHY_FOR_S``, the callers meanwhile sharing the one answer); raises
+        ``GatewayUnavailableError``."""
+        if time.monotonic() - self._healthy_at >= HEALTHY_FOR_S:
+            if self._check is None or self._check.done():
+                self._check = asyncio.create_task(self._ask())
+            await asyncio.shield(self._check)  # a caller cancelled leaves it to the others
+        assert self.model is not None
+        return self.model
 
-    @property
-    def first(self) -> openai.AsyncOpenAI:
-        """A client for calls of no task (``/v1/models``)."""
-        return self._clients[0]
+    def down(self) -> None:
+        """A call found the gateway down: the next ``serving`` asks again."""
+        self._healthy_at = -math.inf
+
+    async def _ask(self) -> None:
+        try:
+            health = await self._pools[0].get(self._health_url)
+            if health.status_code != 200:
+                raise GatewayUnavailableError(
+                    f"gateway {self._health_url} answered {health.status_code}: {health.text[:200]}"
+                )
+            if self.model is None:
+                self.model = (await self._clients[0].models.list()).data[0].id
+        except (httpx.HTTPError, openai.APIError, IndexError) as exc:
+            raise GatewayUnavailableError(
+                f"gateway {self.base_url} unavailable: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._healthy_at = time.monotonic()
 
     def for_task(self, task_id: str) -> openai.AsyncOpenAI:
         """The client of ``task_id``'s attempts: the same for all of them."""

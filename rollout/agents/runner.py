@@ -7,7 +7,8 @@ once:
 1. refuse what cannot be run (unknown verifier, unusable reference, no agent for the env, a
    reward function not allowed or not importable): the ingress dead-letters it with the
    reason, before any agent runs;
-2. check the gateway serves (``/health``): if not, ``GatewayUnavailableError`` pauses the
+2. check the gateway serves (``/health``, one answer for the tasks starting within a second:
+   ``GatewayClients.serving``): if not, ``GatewayUnavailableError`` pauses the
    ingress, which holds the task (its delivery not spent, never dead-lettered for the outage)
    and runs it again once the gateway serves; it is never scored against an outage;
 3. run ``group_size`` attempts at once, each in its own session (``session_id``), and score
@@ -34,7 +35,6 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-import httpx
 import openai
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -145,7 +145,6 @@ class AgentRunner:
         self._limits = tasks_limits
         self._config = config
         self.gateway_url = gateway_base(gateway_url)
-        self._health_url = self.gateway_url.removesuffix("/v1") + "/health"
         self._api_key = "unused"  # a gateway without keys takes any
         if config.gateway_key_file is not None:
             self._api_key = read_key_file(config.gateway_key_file)
@@ -161,8 +160,8 @@ class AgentRunner:
             max_tasks=config.max_tasks,
             timeout_s=config.request_timeout_s,
             on_request=self._calls.on_request,
+            model=config.model,
         )
-        self._model = config.model
         self._stop = asyncio.Event()
         self._abort = asyncio.Event()
         self._once = OncePerTask()
@@ -246,10 +245,11 @@ class AgentRunner:
             if self._stop.is_set():  # fetched while stopping: hand it back at once
                 raise RunnerStoppingError(f"task {task.task_id}: not started, runner stopping")
             # 2. No attempt is scored against a gateway that is down.
-            model = await self._check_gateway()
+            model = await self._clients.serving()
             # 3. Run and score the attempts.
             sessions = await self._attempts(task, delivery, agent, scoring, model)
         except GatewayUnavailableError:
+            self._clients.down()
             if delivery.retry == 0:  # counted once per task held; the ingress logs the pause
                 TASKS.labels("retried").inc()
             raise
@@ -272,23 +272,6 @@ class AgentRunner:
                 rewards=",".join(f"{m.reward:g}" for m in sessions),
             )
         )
-
-    async def _check_gateway(self) -> str:
-        """The model name to call, once the gateway says it serves."""
-        try:
-            health = await self._clients.http.get(self._health_url)
-            if health.status_code != 200:
-                raise GatewayUnavailableError(
-                    f"gateway {self._health_url} answered {health.status_code}: {health.text[:200]}"
-                )
-            if self._model is None:
-                models = await self._clients.first.models.list()
-                self._model = models.data[0].id
-        except (httpx.HTTPError, openai.APIError, IndexError) as exc:
-            raise GatewayUnavailableError(
-                f"gateway {self.gateway_url} unavailable: {type(exc).__name__}: {exc}"
-            ) from exc
-        return self._model
 
     async def _attempts(
         self,
