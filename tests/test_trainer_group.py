@@ -476,7 +476,7 @@ def test_rank_0_is_reached_at_its_pods_address_where_kubernetes_gives_it(monkeyp
 
 def test_a_join_waiting_for_members_that_never_come_does_not_hold_up_leaving(tiny_model_dir):
     """A worker stopping while its group's rendezvous waits for members that stopped first
-    (``seamlessflow run`` stops them one after another) leaves at once: its leave waited for
+    (``seamlessflow run`` stopped them one after another then) leaves at once: its leave waited for
     the join's timeout (a minute per rank, stopping a 5-worker trainer group took 2 minutes).
     In a process of its own: a failed ``init_process_group`` advances torch's group count, and
     a later group formed in this process would wait on other keys than its fresh peer's."""
@@ -542,6 +542,36 @@ async def test_a_blocking_join_on_its_daemon_thread_gives_way_to_stop():
     with pytest.raises(RuntimeError, match="timed out"):
         await on_daemon_thread(broken, "broken", asyncio.Event())
     assert await on_daemon_thread(lambda: None, "fine", asyncio.Event()) is True
+
+
+async def test_a_joins_outcome_after_the_stop_is_dropped_not_left_unretrieved():
+    """A follower stopped while its thread still waits for rank 0 fails there later (rank 0
+    gone): that error reaches nobody, and asyncio must not log it as a future's exception never
+    retrieved (an ERROR line in every stopping worker)."""
+    import gc
+    import threading
+
+    from trainer.group import on_daemon_thread
+
+    loop = asyncio.get_running_loop()
+    reported: list[str] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context["message"]))
+    release, stop = threading.Event(), asyncio.Event()
+    stop.set()
+
+    def fails_later() -> None:
+        release.wait()
+        raise RuntimeError("lost rank 0")
+
+    try:
+        assert await on_daemon_thread(fails_later, "late", stop) is False
+        release.set()
+        next(t for t in threading.enumerate() if t.name == "late").join(5)
+        await asyncio.sleep(0.1)  # the thread's outcome reaches the loop
+        gc.collect()
+        assert reported == []
+    finally:
+        loop.set_exception_handler(None)
 
 
 def test_a_member_whose_join_timed_out_forms_a_group_with_a_fresh_one(tiny_model_dir):

@@ -315,7 +315,7 @@ async def on_daemon_thread(blocking: Callable[[], None], name: str, stop: asynci
     done: asyncio.Future[None] = loop.create_future()
 
     def settle(error: BaseException | None) -> None:
-        if done.done():
+        if done.done():  # stopped: nobody waits for the outcome
             return
         if error is None:
             done.set_result(None)
@@ -334,6 +334,7 @@ async def on_daemon_thread(blocking: Callable[[], None], name: str, stop: asynci
     threading.Thread(target=run, name=name, daemon=True).start()
     await wait_first(asyncio.shield(done), stop.wait())  # the shield is cancelled, not ``done``
     if not done.done():
+        done.cancel()  # a late outcome is dropped, not left unretrieved (asyncio logs that)
         return False
     done.result()
     return True

@@ -46,7 +46,7 @@ class GatewayClients:
         on_request: Callable[[httpx.Request], Awaitable[None]],
         model: str | None = None,
     ) -> None:
-        self.base_url = base_url
+        self._base_url = base_url
         self._health_url = base_url.removesuffix("/v1") + "/health"
         self.model = model
         """The model to call: given, or the gateway's first (``/v1/models``)."""
@@ -93,7 +93,7 @@ class GatewayClients:
                 self.model = (await self._clients[0].models.list()).data[0].id
         except (httpx.HTTPError, openai.APIError, IndexError) as exc:
             raise GatewayUnavailableError(
-                f"gateway {self.base_url} unavailable: {type(exc).__name__}: {exc}"
+                f"gateway {self._base_url} unavailable: {type(exc).__name__}: {exc}"
             ) from exc
         self._healthy_at = time.monotonic()
 
