@@ -19,6 +19,12 @@ WAITING = Gauge(
     "Generation attempts in progress the engine has not started (no token out yet)",
     registry=REGISTRY,
 )
+INTAKE_LIMITED = Gauge(
+    "sf_rollout_intake_limited",
+    "1 while the engine is full (a request waited several of its steps to start): the worker "
+    "holds at most one request not started, leaving the backlog to other workers",
+    registry=REGISTRY,
+)
 QUEUE_WAIT = Histogram(
     "sf_rollout_queue_wait_seconds",
     "Time from a request being stored on gen.req to this worker starting it",

@@ -13,11 +13,11 @@ not ``streamed`` (the requester reads only the whole response) has its tokens he
 finish, a new weight version, or the keepalive, which sends them instead of an empty chunk. The
 JetStream message is kept in progress while the request runs and acknowledged only when it is
 done. The worker takes requests from the queue only while fewer than ``max_waiting`` of its
-attempts have no token from the engine yet (queued in the engine, e.g. for KV cache): a backlog
-waits on the shared queue for whichever engine has room, not in one engine's queue. A request
-ends with the engine's finish reason; an attempt the worker gives up (it is stopping, or the
-gateway cancelled it) ends with ``ABORT`` and the reason in ``error``, and the gateway continues
-the call elsewhere.
+attempts have no token from the engine yet (queued in the engine, e.g. for KV cache), and only
+while none has once the engine is full (``rollout.intake``): a backlog waits on the shared queue
+for whichever engine has room, not in one engine's queue. A request ends with the engine's
+finish reason; an attempt the worker gives up (it is stopping, or the gateway cancelled it) ends
+with ``ABORT`` and the reason in ``error``, and the gateway continues the call elsewhere.
 
 The worker loads the newest published version first (``load_latest``), so that the registry
 entry it is registered with carries it; whoever opens the membership (``broker.roles``) gives
@@ -58,7 +58,9 @@ from broker.subjects import Durable, RunNames
 from common.log import kv
 from rollout.engines import Engine, EngineError, GenerationChunk
 from rollout.following import WeightFollower
+from rollout.intake import Intake
 from rollout.metrics import (
+    INTAKE_LIMITED,
     INTERRUPTIONS,
     MEMORY_HANDOVER,
     QUEUE_WAIT,
@@ -96,6 +98,10 @@ class _Attempt:
     """Set when the engine ended the attempt: its seconds, from the call into it."""
     started: bool = False
     """The engine has sent something for it (it is no longer queued in the engine)."""
+    handed_at: float = math.inf
+    """When it was handed to the engine (monotonic)."""
+    tokens_at: float | None = None
+    """When the engine's last tokens for it came (monotonic)."""
 
 
 class RolloutWorker:
@@ -124,6 +130,7 @@ class RolloutWorker:
         self._serving: asyncio.Task | None = None  # the gen.req ingress, while rollout
         self._ingress: Ingress[GenerationRequested] | None = None  # the one ``_serving`` runs
         self._waiting = 0  # attempts the engine has not started
+        self._intake = Intake(config.max_waiting)
         self._serving_stop = asyncio.Event()
         self._ending: asyncio.Task | None = None  # an ingress stopped (lent) and not ended yet
         self._engine_lock = asyncio.Lock()  # a role switch never resumes a load in progress
@@ -153,7 +160,7 @@ class RolloutWorker:
             max_payload=self._gen_limits.max_payload,
             batch=self._config.max_running,
             concurrency=self._config.max_running,
-            room=lambda: self._config.max_waiting - self._waiting,
+            room=self._room,
             fetch_timeout=FETCH_TIMEOUT_S,
         )
 
@@ -259,9 +266,10 @@ class RolloutWorker:
         try:
             await self._send(attempt, GenerationChunk([], [], self._engine.version))
             called = time.monotonic()  # the engine's seconds: from here to its last chunk
+            attempt.handed_at = called
             stream = self._engine.generate(_request_id(request), request.prompt_ids, request.params)
             async for chunk in stream:
-                self._started(attempt)
+                self._engine_sent(attempt, chunk)
                 TOKENS.inc(len(chunk.token_ids))
                 if chunk.finish_reason is not None:
                     attempt.engine_s = time.monotonic() - called
@@ -284,6 +292,26 @@ class RolloutWorker:
             self._note_busy()
             RUNNING.dec()
             REQUESTS.labels(finish.value).inc()
+
+    def _room(self) -> int:
+        """How many more requests to take (``rollout.intake``)."""
+        now = time.monotonic()
+        waited = [now - a.handed_at for a in self._attempts.values() if not a.started]
+        oldest = max(waited, default=0.0)
+        INTAKE_LIMITED.set(self._intake.limited(oldest))
+        return self._intake.room(self._waiting, oldest)
+
+    def _engine_sent(self, attempt: _Attempt, chunk: GenerationChunk) -> None:
+        """The engine's ``chunk`` for ``attempt`` came: how long it waited to start, and the
+        engine's step (``rollout.intake``)."""
+        if chunk.token_ids:
+            now = time.monotonic()
+            if attempt.tokens_at is None:
+                self._intake.started(now - attempt.handed_at)
+            else:
+                self._intake.decoded(len(chunk.token_ids), now - attempt.tokens_at)
+            attempt.tokens_at = now
+        self._started(attempt)
 
     def _started(self, attempt: _Attempt) -> None:
         """The engine has started ``attempt`` (or it ended): one fewer waiting, room to take one."""

@@ -28,8 +28,9 @@ class WorkerConfig(BaseModel):
         default=4,
         ge=1,
         description="requests held that the engine has not started (no token out yet, e.g. "
-        "queued for its KV cache): the worker takes more only below this, so a backlog waits "
-        "on the shared queue for whichever worker's engine has room",
+        "queued for its KV cache): the worker takes more only below this, and below 1 once a "
+        "request waited several of the engine's steps to start, so a backlog waits on the "
+        "shared queue for whichever worker's engine has room",
     )
     role: RoleField = Field(
         default=Role.ROLLOUT,

@@ -735,3 +735,45 @@ async def test_a_worker_whose_engine_is_full_leaves_the_backlog_to_other_workers
         first.stop()
         if later is not None:
             later.stop()
+
+
+async def test_a_worker_whose_engine_turned_full_holds_one_request_not_started(
+    broker, nc, js, names, tiny_model_dir, tmp_path
+):
+    """``max_waiting`` (the default, 4) holds while the engine starts what it is given; once a
+    request has waited several of the engine's steps to start, the worker holds one. Busy with
+    a long request on an engine that runs one at a time, a worker takes a short one; once that
+    one has waited, two more stay on the queue, and a worker started later ends them while the
+    long one still runs. Before, the worker took both (up to 4) to wait behind the long one."""
+    config = tmp_path / "worker.toml"
+    config.write_text(ONE_AT_A_TIME.replace("max_waiting = 1\n", ""))
+    args = ("--config", str(config), "--max-model-len", "4096")
+    first = worker_process(broker.url, names.run, tiny_model_dir, "w-first", *args)
+    later = None
+    try:
+        await asyncio.to_thread(first.wait_ready)
+        long = await Call(nc, names, "long", max_tokens=3000).start()  # 30 s
+        await eventually(lambda: len(long.chunks) >= 4)  # its tokens measure the engine's step
+        held = await Call(nc, names, "short0", max_tokens=5).start()
+        await eventually(lambda: bool(held.chunks))  # taken (its "started" chunk)
+        await asyncio.sleep(0.5)  # 50 of the engine's steps: it waits behind the long one
+        short = [await Call(nc, names, f"short{i}", max_tokens=5).start() for i in (1, 2)]
+
+        async def two_left_on_the_queue() -> bool:
+            info = await js.consumer_info(names.gen_stream, Durable.ROLLOUT)
+            waiting = await metric(first.metrics_url, "sf_rollout_requests_waiting")
+            return (info.num_pending, info.num_ack_pending, waiting) == (2, 2, 1)
+
+        await eventually(two_left_on_the_queue)
+        await asyncio.sleep(1.0)  # and they stay there
+        assert await two_left_on_the_queue()
+        assert await metric(first.metrics_url, "sf_rollout_intake_limited") == 1
+        later = worker_process(broker.url, names.run, tiny_model_dir, "w-later", *args)
+        await asyncio.to_thread(later.wait_ready)
+        await eventually(lambda: all(c.done.is_set() for c in short))
+        assert {c.chunks[-1].worker_id for c in short} == {"w-later"}
+        assert not long.done.is_set() and not held.done.is_set()
+    finally:
+        first.stop()
+        if later is not None:
+            later.stop()
