@@ -21,8 +21,9 @@ WAITING = Gauge(
 )
 INTAKE_LIMITED = Gauge(
     "sf_rollout_intake_limited",
-    "1 while the engine is full (a request waited several of its steps to start): the worker "
-    "holds at most one request not started, leaving the backlog to other workers",
+    "1 while the engine was found full (a request waited several of its steps to start): the "
+    "worker holds fewer than max_waiting requests not started (one at first, one more for each "
+    "that starts in time), leaving the backlog to other workers",
     registry=REGISTRY,
 )
 QUEUE_WAIT = Histogram(

@@ -699,6 +699,27 @@ cap = 100000
 max_tokens) generates one request at a time."""
 
 
+def worker_args(tmp_path: Path, config: str) -> tuple[str, ...]:
+    """A worker's flags for the run config ``config``, written under ``tmp_path``."""
+    path = tmp_path / "worker.toml"
+    path.write_text(config)
+    return ("--config", str(path), "--max-model-len", "4096")
+
+
+async def two_stay_on_the_queue(js, names: RunNames, worker) -> None:
+    """Two requests come to wait on the queue while ``worker`` holds one its engine has not
+    started, and they stay there."""
+
+    async def two_left_on_the_queue() -> bool:
+        info = await js.consumer_info(names.gen_stream, Durable.ROLLOUT)
+        waiting = await metric(worker.metrics_url, "sf_rollout_requests_waiting")
+        return (info.num_pending, info.num_ack_pending, waiting) == (2, 2, 1)
+
+    await eventually(two_left_on_the_queue)
+    await asyncio.sleep(1.0)  # and they stay there
+    assert await two_left_on_the_queue()
+
+
 async def test_a_worker_whose_engine_is_full_leaves_the_backlog_to_other_workers(
     broker, nc, js, names, tiny_model_dir, tmp_path
 ):
@@ -707,9 +728,7 @@ async def test_a_worker_whose_engine_is_full_leaves_the_backlog_to_other_workers
     8 free ``max_running`` slots takes one of three more and leaves two on the queue, where a
     worker started later takes them and ends them while the long one still runs. Before, the
     first worker took all three (its free slots) to wait in its engine behind the long one."""
-    config = tmp_path / "worker.toml"
-    config.write_text(ONE_AT_A_TIME)
-    args = ("--config", str(config), "--max-model-len", "4096")
+    args = worker_args(tmp_path, ONE_AT_A_TIME)
     first = worker_process(broker.url, names.run, tiny_model_dir, "w-first", *args)
     later = None
     try:
@@ -718,14 +737,7 @@ async def test_a_worker_whose_engine_is_full_leaves_the_backlog_to_other_workers
         await eventually(lambda: bool(long.tokens))
         short = [await Call(nc, names, f"short{i}", max_tokens=5).start() for i in range(3)]
 
-        async def two_left_on_the_queue() -> bool:
-            info = await js.consumer_info(names.gen_stream, Durable.ROLLOUT)
-            waiting = await metric(first.metrics_url, "sf_rollout_requests_waiting")
-            return (info.num_pending, info.num_ack_pending, waiting) == (2, 2, 1)
-
-        await eventually(two_left_on_the_queue)
-        await asyncio.sleep(1.0)  # and they stay there
-        assert await two_left_on_the_queue()
+        await two_stay_on_the_queue(js, names, first)
         later = worker_process(broker.url, names.run, tiny_model_dir, "w-later", *args)
         await asyncio.to_thread(later.wait_ready)
         await eventually(lambda: sum(c.done.is_set() for c in short) == 2)
@@ -745,9 +757,7 @@ async def test_a_worker_whose_engine_turned_full_holds_one_request_not_started(
     a long request on an engine that runs one at a time, a worker takes a short one; once that
     one has waited, two more stay on the queue, and a worker started later ends them while the
     long one still runs. Before, the worker took both (up to 4) to wait behind the long one."""
-    config = tmp_path / "worker.toml"
-    config.write_text(ONE_AT_A_TIME.replace("max_waiting = 1\n", ""))
-    args = ("--config", str(config), "--max-model-len", "4096")
+    args = worker_args(tmp_path, ONE_AT_A_TIME.replace("max_waiting = 1\n", ""))
     first = worker_process(broker.url, names.run, tiny_model_dir, "w-first", *args)
     later = None
     try:
@@ -759,14 +769,7 @@ async def test_a_worker_whose_engine_turned_full_holds_one_request_not_started(
         await asyncio.sleep(0.5)  # 50 of the engine's steps: it waits behind the long one
         short = [await Call(nc, names, f"short{i}", max_tokens=5).start() for i in (1, 2)]
 
-        async def two_left_on_the_queue() -> bool:
-            info = await js.consumer_info(names.gen_stream, Durable.ROLLOUT)
-            waiting = await metric(first.metrics_url, "sf_rollout_requests_waiting")
-            return (info.num_pending, info.num_ack_pending, waiting) == (2, 2, 1)
-
-        await eventually(two_left_on_the_queue)
-        await asyncio.sleep(1.0)  # and they stay there
-        assert await two_left_on_the_queue()
+        await two_stay_on_the_queue(js, names, first)
         assert await metric(first.metrics_url, "sf_rollout_intake_limited") == 1
         later = worker_process(broker.url, names.run, tiny_model_dir, "w-later", *args)
         await asyncio.to_thread(later.wait_ready)
