@@ -208,6 +208,24 @@ def test_in_drop_mode_overlapping_the_order_wait_trains_long_groups_at_no_loss_o
     assert overlap.samples_per_s >= before.samples_per_s
 
 
+def test_a_multiplexed_trainer_waiting_for_an_earlier_ticket_is_lent_not_idle():
+    """Admission order in drop mode: a step whose groups are complete still waits for an
+    earlier admitted task it would put past the bound. The real trainer tells the scheduler how
+    many it waits for (``order_waiting``) and the lending gate counts them missing, so its
+    workers serve rollout meanwhile; the simulator's gate saw none missing and left them idle
+    (4.4-5.5 s of order wait a step, as much as the static split's)."""
+    w = agentic(switch_s=0.1)
+    runs = {
+        arm: simulate(w, arm, 16, 24, 1, 3, order=Order.ADMISSION, order_wait_s=20.0)
+        for arm in ("partial_rollout", "multiplexed")
+    }
+    static, lending = runs["partial_rollout"], runs["multiplexed"]
+    assert static.order_wait_s_per_step > 3.0  # the wait is there to be lent
+    assert lending.lends > 0 and lending.order_wait_s_per_step < 0.5
+    assert lending.idle["train"] < 0.5 * static.idle["train"]
+    assert lending.staleness_max <= 1 and lending.trained_samples == static.trained_samples
+
+
 def test_every_arm_draws_a_groups_lengths_from_its_admission_number_as_the_emulated_agent_does():
     """Common random numbers: the simulator draws the ``g``-th admitted group's lengths for a
     turn from ``Workload.draw_seed(g, turn)``, whatever the arm, split and timing; the emulated

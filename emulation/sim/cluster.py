@@ -166,10 +166,14 @@ class Cluster(Lending):
 
     # -- admission and agents ---------------------------------------------------------------
     def _admission(self) -> AdmissionState:
-        """The broker's counts: a sample is settled once the step that trained it ends."""
+        """The broker's counts: a sample is settled once the step that trained it ends; and the
+        earlier tickets the trainer's next step waits for (its registry entry)."""
         training = self.w.groups_per_step if self.training else 0
         unsettled = len(self.batches) + training
-        return AdmissionState(self.limit, self.in_flight, unsettled, self.published)
+        awaited = self.batches.awaited(self.version, self.loop.now)
+        return AdmissionState(
+            self.limit, self.in_flight, unsettled, self.published, awaited_groups=awaited
+        )
 
     def _admit(self) -> None:
         """With stamps, admission holds while a rollout engine has a newer version to load, up

@@ -120,11 +120,22 @@ class Batches:
     def blocking(self, version: int, now: float) -> float | None:
         """With a step's groups complete, in ``drop`` mode: when the trainer's wait for an
         earlier ticket runs out, if it is waiting for one (``AdmissionOrder.blocking``)."""
-        if self.tickets is None or self.stale is not StalenessMode.DROP:
+        if not self.awaited(version, now):
             return None
-        if not self.tickets.blocking(version, self.staleness, now):
-            return None
+        assert self.tickets is not None
         return self.tickets.deadline()
+
+    def awaited(self, version: int, now: float) -> int:
+        """With a step's groups complete, in ``drop`` mode: how many earlier tickets the next
+        step at ``version`` waits for (``AdmissionOrder.blocking``: it starts their waits and
+        gives up those waited for too long), as the real trainer tells the scheduler while it
+        trains, waits or is lent (``trainer.waits.OrderWait.refresh``, its ``order_waiting``);
+        the lending gate counts them missing."""
+        if self.tickets is None or self.stale is not StalenessMode.DROP:
+            return 0
+        if len(self) < self.groups_per_step:
+            return 0
+        return len(self.tickets.blocking(version, self.staleness, now))
 
     def _stale(self, group: _Group, version: int) -> bool:
         return self.stale is StalenessMode.DROP and group.lag(version) > self.staleness
