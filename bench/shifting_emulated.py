@@ -23,8 +23,9 @@ steps. The simulator runs the same protocol on the same workload, seed and train
 (``--sim-only``: only it, seconds).
 
 Usage: flock /tmp/sf-bench.lock python -m bench.shifting_emulated [--splits 2,3,4,5,6]
-[--mux-splits 3,4,5] [--steps 20] [--seed 0] [--sim-only] [--results NAME]. Prints tables,
-writes bench/results/shifting_emulated.json or NAME (about 4 minutes a run).
+[--mux-splits 3,4,5] [--steps 20] [--seed 0] [--stale downweight|drop] [--sim-only]
+[--results NAME]. Prints tables, writes bench/results/shifting_emulated.json or NAME (about 4
+minutes a run).
 """
 
 import argparse
@@ -61,8 +62,8 @@ def workload(steps: int, seed: int) -> Workload:
 
 
 def settings(args: argparse.Namespace, k: int) -> argparse.Namespace:
-    """``bench.pipeline``'s arguments for a run at split ``k``: the trainer's defaults
-    (admission order, stale samples downweighted), staleness 2."""
+    """``bench.pipeline``'s arguments for a run at split ``k``: the trainer's admission order
+    and wait bound, stale samples as ``--stale`` says, staleness 2."""
     return argparse.Namespace(
         devices=DEVICES,
         trainer_devices=k,
@@ -70,7 +71,7 @@ def settings(args: argparse.Namespace, k: int) -> argparse.Namespace:
         steps=args.steps,
         warmup=1,
         staleness=2,
-        stale="downweight",
+        stale=args.stale,
         order="admission",
         orders="admission",
         overlap_wait=pipeline.OVERLAP_WAIT_S,
@@ -178,6 +179,13 @@ def main() -> None:
     parser.add_argument("--sim-only", action="store_true")
     parser.add_argument(
         "--max-waiting", type=int, help="worker.max_waiting (unset: the worker's default)"
+    )
+    parser.add_argument(
+        "--stale",
+        choices=("downweight", "drop"),
+        default="downweight",
+        help="trainer.staleness_mode (drop, the trainer's default: a step waits for an earlier "
+        "admitted group it would put past the bound, order_wait_s at most)",
     )
     parser.add_argument("--results", default="shifting_emulated.json", help="under bench/results")
     args = parser.parse_args()
