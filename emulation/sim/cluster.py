@@ -167,7 +167,10 @@ class Cluster(Lending):
     # -- admission and agents ---------------------------------------------------------------
     def _admission(self) -> AdmissionState:
         """The broker's counts: a sample is settled once the step that trained it ends; and the
-        earlier tickets the trainer's next step waits for (its registry entry)."""
+        earlier tickets the trainer's next step waits for (its registry entry). Asking starts
+        those waits (``Batches.awaited``), as the real trainer's count on each sample does:
+        every finished generation calls ``_admit``, so a wait starts with the sample that
+        completes a batch's worth, in every arm."""
         training = self.w.groups_per_step if self.training else 0
         unsettled = len(self.batches) + training
         awaited = self.batches.awaited(self.version, self.loop.now)
