@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from common.exceptions import SeamlessFlowError
-from emulation.sim import Arm, simulate, split_candidates
+from emulation.sim import Arm, TrainerOrder, simulate, split_candidates
 from emulation.workload import (
     AgentModel,
     EngineCost,
@@ -77,6 +77,8 @@ class Fit:
     devices: int
     trainer_devices: int
     staleness: int
+    order: TrainerOrder
+    """How the run's trainer chose a step's groups (the simulator's default is another)."""
     measured_s_per_step: float
     """After the first quarter of the run's steps if it says (``step seconds (steady)``), else
     over the whole run."""
@@ -211,6 +213,7 @@ def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | 
     ahead = _need(costs, "steps ahead", at["costs"])
     staleness = min(_need(costs, "max staleness", at["costs"]), ahead - 1)
     return Fit(
+        order=_order(costs, at["costs"], assumed),
         workload=workload,
         arm=arm,
         devices=devices,
@@ -219,6 +222,19 @@ def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | 
         measured_s_per_step=costs.get("step seconds (steady)") or summary.get("seconds", 0) / steps,
         assumed=tuple(assumed),
     )
+
+
+def _order(costs: dict[str, Any], where: str, assumed: list[str]) -> TrainerOrder:
+    """The run's trainer order; the trainer's defaults, said, from a summary written before
+    summaries recorded it."""
+    keys = ("staleness mode", "overlap", "order wait seconds")
+    if any(costs.get(key) is None for key in keys):
+        assumed.append(f"the trainer's order: not in the summary, its defaults ({TrainerOrder()})")
+        return TrainerOrder()
+    try:
+        return TrainerOrder.of(*(costs[key] for key in keys))
+    except ValueError as exc:
+        raise PlanError(f"{where} {keys[0]!r} is {costs[keys[0]]!r}: {exc}") from exc
 
 
 def _switch_s(scheduler: dict[str, Any]) -> float | None:
@@ -261,10 +277,16 @@ def fit_engine(load: list[list[float]], where: str) -> EngineCost:
 
 
 def predict(
-    workload: Workload, arm: Arm, devices: int, trainer_devices: int, staleness: int, steps: int
+    workload: Workload,
+    arm: Arm,
+    devices: int,
+    trainer_devices: int,
+    staleness: int,
+    steps: int,
+    order: TrainerOrder,
 ) -> Candidate:
-    """The simulator's prediction for one configuration."""
-    r = simulate(workload, arm, devices, steps, staleness, trainer_devices)
+    """The simulator's prediction for one configuration, its trainer choosing as ``order``."""
+    r = simulate(workload, arm, devices, steps, staleness, trainer_devices, **order.simulated())
     return Candidate(
         arm=arm,
         devices=devices,
@@ -327,7 +349,11 @@ class ClusterShape:
 
 
 def sweep(
-    workload: Workload, cluster: ClusterShape | int, max_staleness: int, steps: int
+    workload: Workload,
+    cluster: ClusterShape | int,
+    max_staleness: int,
+    steps: int,
+    order: TrainerOrder,
 ) -> list[Candidate]:
     """Every arm at every trainer split the cluster's tags allow (``split_candidates``, the
     fewest its train-only devices need, and for the colocated layout every device) and
@@ -338,13 +364,13 @@ def sweep(
     n = cluster.devices
     out = []
     if cluster.allows(Arm.SYNC_COLOCATED, n):
-        out.append(predict(workload, Arm.SYNC_COLOCATED, n, n, 0, steps))
+        out.append(predict(workload, Arm.SYNC_COLOCATED, n, n, 0, steps, order))
     splits = {*split_candidates(n), max(1, cluster.train)} if n > 1 else set()
     for arm in (Arm.COLOCATED, Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED, Arm.DISAGGREGATED):
         every = {n} if arm is Arm.COLOCATED else set()
         for split in (k for k in sorted(splits | every) if cluster.allows(arm, k)):
             for staleness in range(max_staleness + 1):
-                out.append(predict(workload, arm, n, split, staleness, steps))
+                out.append(predict(workload, arm, n, split, staleness, steps, order))
     return out
 
 
@@ -458,11 +484,13 @@ def main(args: argparse.Namespace) -> int:
         f"  lengths: median {w.lengths.median:g}, log sd {w.lengths.sigma:.3g}, cap "
         f"{w.lengths.cap}; {w.agent.turns} turns, {w.agent.env_latency_s:.3g} s between, "
         f"{w.agent.start_latency_s:.3g} s from admission to the first; "
-        f"{w.groups_per_step} x {w.group_size} samples a step"
+        f"{w.groups_per_step} x {w.group_size} samples a step; the trainer: {found.order}"
     )
     for note in found.assumed:
         print(f"  assumed: {note}")
-    candidates = [c for n in clusters for c in sweep(w, n, args.max_staleness, args.steps)]
+    candidates = [
+        c for n in clusters for c in sweep(w, n, args.max_staleness, args.steps, found.order)
+    ]
     if not candidates:
         raise PlanError("the cluster's tags allow no layout")
     print(table(candidates))
@@ -492,5 +520,5 @@ def predictions(found: Fit, steps: int) -> dict[str, Candidate]:
         trainer = own if arm is found.arm or Arm.COLOCATED not in (arm, found.arm) else 1
         n = max(1, workers) if arm is Arm.COLOCATED else workers + trainer
         trainer = min(n, trainer)
-        out[layout] = predict(found.workload, arm, n, trainer, found.staleness, steps)
+        out[layout] = predict(found.workload, arm, n, trainer, found.staleness, steps, found.order)
     return out

@@ -15,14 +15,15 @@ from tagsched.spec import Layout
 
 
 def run_costs(config: RunConfig, stats: RunStats, trainer: dict[str, float]) -> dict[str, Any]:
-    """The run's shape (layout, workers, batch, admission and staleness bounds, the answer's
-    token cap), its seconds per step after the first quarter of its steps (start-up left out),
-    and its calls as the engines saw them: tokens per call (median and the standard
-    deviation of their log), the mean gap between a session's calls (the environment's
-    latency), the mean time from a task's admission to each of its sessions' first call (the
-    scheduler's clock against the gateway's), and ``engine load`` (``engine_load``: resident
-    calls per engine, seconds and tokens, over the latest ``progress.CALL_SPANS`` calls,
-    leaving out what ``trainer``'s timing says the engines did not serve)."""
+    """The run's shape (layout, workers, batch, admission and staleness bounds, the trainer's
+    order: staleness mode, overlap and order wait; the answer's token cap), its seconds per step
+    after the first quarter of its steps (start-up left out), and its calls as the engines saw
+    them: tokens per call (median and the standard deviation of their log), the mean gap between
+    a session's calls (the environment's latency), the mean time from a task's admission to each
+    of its sessions' first call (the scheduler's clock against the gateway's), and ``engine
+    load`` (``engine_load``: resident calls per engine, seconds and tokens, over the latest
+    ``progress.CALL_SPANS`` calls, leaving out what ``trainer``'s timing says the engines did
+    not serve)."""
     spans = [(sid, start, end, n) for sid, start, end, n in stats.call_spans if end > start]
     lengths = [n for *_, n in spans if n > 0]
     logs = [math.log(n) for n in lengths]
@@ -41,6 +42,9 @@ def run_costs(config: RunConfig, stats: RunStats, trainer: dict[str, float]) -> 
         "groups per step": config.trainer.groups_per_step,
         "steps ahead": config.scheduler.steps_ahead,
         "max staleness": config.trainer.max_staleness,
+        "staleness mode": str(config.trainer.staleness_mode),
+        "overlap": config.trainer.overlap,
+        "order wait seconds": config.trainer.order_wait_s,
         "max tokens": config.tasks.max_tokens,
         "step seconds (steady)": steady_step_s(stats.versions_at),
         "calls per sample": stats.calls / stats.samples if stats.samples else None,

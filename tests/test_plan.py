@@ -15,8 +15,9 @@ import pytest
 import tomli_w
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.staleness import StalenessMode
 from emulation.plan import ClusterShape, Fit, PlanError, fit, load_summary, predictions, sweep
-from emulation.sim import Arm
+from emulation.sim import Arm, Order, TrainerOrder
 from emulation.workload import EngineCost, TrainerCost
 from seamlessflow.config import RunConfig, override
 from seamlessflow.costs import engine_load, lent_engines, serving_windows, trainer_workers
@@ -125,6 +126,13 @@ def test_the_fit_finds_the_emulated_costs_in_a_real_runs_summary(summary: Path, 
     assert rollout["weight loads"] >= 3 and 0 < pause < 0.5 and 0 < resume < 0.5, rollout
     assert w.switch.warm_s == pytest.approx((pause + resume) / 2)
     assert any("pause and resume at weight loads" in note for note in fitted.assumed)
+    # The trainer's order as the run's config had it (the defaults: drop, admission, 60 s).
+    assert (costs["staleness mode"], costs["overlap"], costs["order wait seconds"]) == (
+        "drop",
+        False,
+        60.0,
+    )
+    assert fitted.order == TrainerOrder(StalenessMode.DROP, Order.ADMISSION, 60.0)
     given = fit(load_summary(summary), str(summary), switch_s=0.05)  # measured elsewhere
     assert given.workload.switch.warm_s == 0.05 and not given.assumed
     # A summary written before the stall per step: fitted with the stall per checkpoint, said.
@@ -159,10 +167,10 @@ def test_predictions_follow_the_costs(fitted: Fit):
     w = fitted.workload
     slower = dataclasses.replace(w, trainer=TrainerCost(w.trainer.a_s * 4 + 1.0, 1e-3))
     for arm in (Arm.PARTIAL_ROLLOUT, Arm.SYNC_COLOCATED):
-        (base,) = [c for c in sweep(w, 2, 0, 10) if c.arm is arm]
-        (slow,) = [c for c in sweep(slower, 2, 0, 10) if c.arm is base.arm]
+        (base,) = [c for c in sweep(w, 2, 0, 10, fitted.order) if c.arm is arm]
+        (slow,) = [c for c in sweep(slower, 2, 0, 10, fitted.order) if c.arm is base.arm]
         assert slow.s_per_step > base.s_per_step
-    small, large = sweep(w, 2, 1, 40), sweep(w, 6, 1, 40)  # 10 steps: too few to be steady
+    small, large = (sweep(w, n, 1, 40, fitted.order) for n in (2, 6))  # 10: too few to be steady
     for arm in (Arm.SYNC_COLOCATED, Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED):
         best_small = max(c.samples_per_s for c in small if c.arm is arm)
         best_large = max(c.samples_per_s for c in large if c.arm is arm)
@@ -276,6 +284,43 @@ def test_a_run_training_on_several_workers_is_planned_with_as_many():
     assert shapes == {"colocated": (3, 1), "disaggregated": (5, 2), "multiplexed": (5, 2)}
 
 
+def test_the_plan_simulates_the_runs_own_trainer_order():
+    """A summary records how its trainer chose a step's groups (``staleness_mode``, ``overlap``,
+    ``order_wait_s``); the plan simulates that trainer, not the simulator's default order."""
+    phases = {f"phase seconds: {p}": 1.0 for p in ("proximal", "reference", "forward", "backward")}
+    trainer = {"steps": 2, "step seconds (mean)": 3.0, "loss tokens": 400.0, **phases}
+    costs = {
+        "layout": "colocated",
+        "rollout workers": 3,
+        "trainer workers": 2,
+        "group size": 4,
+        "groups per step": 2,
+        "steps ahead": 1,
+        "max staleness": 0,
+        "max tokens": 32,
+        "calls per sample": 1.0,
+        "call tokens median": 12.0,
+        "call tokens log sd": 0.5,
+        "engine load": [[2.0, 1.0, 40.0]],
+    }
+    older = fit({"trainer": trainer, "scheduler": {}, "costs": costs})  # before it was recorded
+    assert older.order == TrainerOrder(StalenessMode.DROP, Order.ADMISSION, 60.0)
+    assert any(note.startswith("the trainer's order: not in the summary") for note in older.assumed)
+    recorded = {"staleness mode": "drop", "overlap": True, "order wait seconds": 5.0}
+    ahead = fit({"trainer": trainer, "scheduler": {}, "costs": {**costs, **recorded}})
+    assert ahead.order == TrainerOrder(StalenessMode.DROP, Order.OVERLAP, 5.0)
+    assert not any("trainer's order" in note for note in ahead.assumed)
+    # A trainer computing ahead overlaps the wait for a step's last groups with the step's
+    # compute: on this trainer-bound workload, a colocated step is shorter than in admission
+    # order, the step's 2 x 1 s of per-token work a group at a time as the groups complete.
+    assert predictions(ahead, 20)["colocated"].s_per_step < 0.9 * (
+        predictions(older, 20)["colocated"].s_per_step
+    )
+    bad = {**costs, **recorded, "staleness mode": "sideways"}
+    with pytest.raises(PlanError, match=r"run.json \[costs\] 'staleness mode' is 'sideways'"):
+        fit({"trainer": trainer, "scheduler": {}, "costs": bad}, "run.json")
+
+
 def test_a_checkpoints_stall_is_spread_over_the_steps():
     """A checkpoint is due every few versions: the summary gives its stall per checkpoint and
     per step (what the planner and the serving windows add to a step), from the trainer's
@@ -318,13 +363,13 @@ def test_a_cluster_by_tags_gets_only_the_layouts_its_tags_allow(fitted: Fit, tmp
     )
     shape = ClusterShape.read(cluster)
     assert (shape.both, shape.train, shape.rollout, shape.devices) == (2, 0, 3, 5)
-    found = sweep(fitted.workload, shape, 0, 8)
+    found = sweep(fitted.workload, shape, 0, 8, fitted.order)
     # Rollout-only devices never train: no colocated layout, at most 2 trainer devices.
     assert found and all(c.arm is not Arm.SYNC_COLOCATED for c in found)
     assert {c.trainer_devices for c in found} == {1, 2}
     assert {c.arm for c in found} >= {Arm.PARTIAL_ROLLOUT, Arm.MULTIPLEXED}
     trainers_only = ClusterShape(train=2, rollout=3)  # no device may be lent
-    unlent = sweep(fitted.workload, trainers_only, 0, 8)
+    unlent = sweep(fitted.workload, trainers_only, 0, 8, fitted.order)
     assert {c.arm for c in unlent} == {Arm.PARTIAL_ROLLOUT, Arm.DISAGGREGATED}
     assert {c.trainer_devices for c in unlent} == {2}  # the train-only devices train
     cluster.write_text("[[devices]]\ntags = 3\n")

@@ -10,7 +10,7 @@ run measures: ``emulation.sim.measure``.
 
 from emulation.sim.cluster import Cluster
 from emulation.sim.measure import SimResult
-from emulation.sim.order import Order
+from emulation.sim.order import Order, TrainerOrder
 from emulation.sim.placement import ARMS, Arm
 from emulation.sim.rhythm import Rhythm
 from emulation.sim.run import best_split, simulate, split_candidates
@@ -22,6 +22,7 @@ __all__ = [
     "Order",
     "Rhythm",
     "SimResult",
+    "TrainerOrder",
     "best_split",
     "simulate",
     "split_candidates",

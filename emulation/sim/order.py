@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from broker.messages import Admitted
 from common.staleness import StalenessMode, lag
@@ -43,6 +44,31 @@ class Order(StrEnum):
     COMPLETION = "completion"
     ADMISSION = "admission"
     OVERLAP = "overlap"
+
+
+@dataclass(frozen=True)
+class TrainerOrder:
+    """A real trainer's choice of groups in the simulator's terms (``of``: from its
+    ``staleness_mode``, ``overlap`` and ``order_wait_s``; the defaults are the trainer's): its
+    staleness mode, ``Order.OVERLAP`` where it computes ahead, else ``Order.ADMISSION``, and
+    its bound on a step's wait for an earlier task."""
+
+    stale: StalenessMode = TrainerConfig.model_fields["staleness_mode"].default
+    order: Order = Order.ADMISSION
+    wait_s: float = ORDER_WAIT_S
+
+    @classmethod
+    def of(cls, staleness_mode: str, overlap: bool, order_wait_s: float) -> TrainerOrder:
+        """``ValueError`` for a staleness mode the trainer does not have."""
+        order = Order.OVERLAP if overlap else Order.ADMISSION
+        return cls(StalenessMode(staleness_mode), order, float(order_wait_s))
+
+    def simulated(self) -> dict[str, Any]:
+        """As ``emulation.sim.simulate``'s keywords."""
+        return {"stale": self.stale, "order": self.order, "order_wait_s": self.wait_s}
+
+    def __str__(self) -> str:
+        return f"{self.stale} mode, {self.order} order, a step waits up to {self.wait_s:g} s"
 
 
 @dataclass(eq=False)
