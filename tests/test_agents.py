@@ -19,6 +19,7 @@ import uuid
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
+import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -75,6 +76,14 @@ async def flaky_agent(ctx: AgentContext) -> AgentResult:
         raise RuntimeError("agent crashed on purpose")
     await asyncio.sleep(3600)
     raise AssertionError("not reached")
+
+
+async def judged_agent(ctx: AgentContext) -> AgentResult:
+    """Asks a judge at another address (``metadata["judge"]``) with a client of its own."""
+    judge = openai.AsyncOpenAI(base_url=ctx.task.metadata["judge"], api_key="x", max_retries=0)
+    async with judge:
+        await judge.models.list()
+    return AgentResult(answer="done")
 
 
 async def sleepy_agent(ctx: AgentContext) -> AgentResult:
@@ -432,6 +441,29 @@ async def test_failed_attempts_still_end_their_sessions(stack, js):
         assert s.reward == 0.0 and s.metrics["failed"] == 1.0
         assert (s.group_id, s.group_size) == (task.task_id, 2)
     assert sample("sf_agents_attempts_total", outcome="failed") == failed_before + 1
+    assert (await js.stream_info(names.tasks_stream)).state.messages == 0
+
+
+@pytest.mark.newest_nats
+async def test_an_agents_own_service_down_fails_its_attempts_not_the_gateway(stack, js, caplog):
+    """An agent's judge, at another address, refuses the connection: the same OpenAI error a
+    gateway that is down gives, but the agent's failure: its attempts fail (their sessions end,
+    scored 0) and the runner does not hold its tasks for a gateway that is serving."""
+    names = stack.names
+    judge = closed_port_url()
+    task = chat_task(unique("judged"), group_size=2, judge=judge)
+    failed0 = sample("sf_agents_attempts_total", outcome="failed")
+    unavailable0 = sample("sf_agents_attempts_total", outcome="unavailable")
+    caplog.set_level(logging.INFO)
+    async with runner(js, names, stack.url, agent="tests.test_agents:judged_agent"):
+        await submit_tasks(js, names, [task], progress=False)
+        sessions = await ended(js, names, {task.task_id}, 2)
+    assert all(s.reward == 0.0 and s.metrics["failed"] == 1.0 for s in sessions), sessions
+    assert sample("sf_agents_attempts_total", outcome="failed") == failed0 + 2
+    assert sample("sf_agents_attempts_total", outcome="unavailable") == unavailable0
+    assert sample("sf_ingress_paused", source="tasks") == 0
+    failed = [r.getMessage() for r in caplog.records if "attempt_failed" in r.getMessage()]
+    assert len(failed) == 2 and all(f"APIConnectionError from {judge}" in m for m in failed)
     assert (await js.stream_info(names.tasks_stream)).state.messages == 0
 
 

@@ -17,7 +17,8 @@ once:
    attempt with reward 0.0 and ``{"failed": 1}``; an unusable reward (not finite, outside
    ``rewards.range``, a reward function that raised) ends it with reward 0.0 and
    ``{"unscored": 1}``; a gateway failure in any attempt (502-504, or no answer to a call
-   within ``request_timeout_s``: the rollout behind it cannot serve now) cancels the others
+   within ``request_timeout_s``: the rollout behind it cannot serve now; a call to another
+   address is the agent's, its failure the attempt's) cancels the others
    and the whole task is run again as in 2, in new sessions (nothing is published for it);
 4. publish one ``SessionEnded`` per attempt (``Nats-Msg-Id`` = session id); the ingress acks the
    task once all are stored. A task delivered again to the same runner (an outage lost its
@@ -66,7 +67,13 @@ from rollout.agents.exceptions import (
 )
 from rollout.agents.once import OncePerTask
 from rollout.agents.rewards import CallLog, Scoring, Transcript, ended, scoring_for
-from rollout.agents.sessions import gateway_base, gateway_headers, group_id, session_id
+from rollout.agents.sessions import (
+    gateway_base,
+    gateway_headers,
+    group_id,
+    same_origin,
+    session_id,
+)
 from rollout.gateway.keys import read_key_file
 
 log = logging.getLogger(__name__)
@@ -360,7 +367,10 @@ class AgentRunner:
             raise
         except (openai.APIConnectionError, openai.APIStatusError) as exc:
             status = getattr(exc, "status_code", None)
-            if status is not None and status not in GATEWAY_DOWN_STATUS:
+            if not same_origin(exc.request.url, self.gateway_url):
+                # the agent's own call to another service (a judge, a tool's API): its failure
+                reason = f"{type(exc).__name__} from {exc.request.url}: {exc}"
+            elif status is not None and status not in GATEWAY_DOWN_STATUS:
                 # e.g. 500, a worker failed generating: this attempt failed, the gateway serves
                 reason = f"the gateway answered {status}: {exc}"
             else:  # 502-504, or no answer (refused, cut off, none within request_timeout_s)

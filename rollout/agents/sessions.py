@@ -3,6 +3,8 @@ URL."""
 
 import hashlib
 
+import httpx
+
 from broker.subjects import SESSION_HEADER, TASK_HEADER
 
 
@@ -42,3 +44,11 @@ def gateway_base(url: str) -> str:
     """The gateway's OpenAI base URL (``.../v1``), given it with or without ``/v1``."""
     url = url.rstrip("/")
     return url if url.endswith("/v1") else url + "/v1"
+
+
+def same_origin(url: object, gateway_url: str) -> bool:
+    """Whether ``url`` (a string, or any client library's URL: the OpenAI SDK's is not httpx's)
+    is on the gateway's scheme, host and port: a call an agent made to the gateway, not to
+    another service."""
+    a, b = httpx.URL(str(url)), httpx.URL(gateway_url)
+    return (a.scheme, a.host, a.port) == (b.scheme, b.host, b.port)
