@@ -3,7 +3,7 @@ the simulator's seconds per step for each of the three layouts against what they
 
 Runs the quickstart in each layout (``bench.layouts.run_layout``: tiny model, hf engine, the
 quickstart's settings, ``--steps`` trainer steps), fits the simulator to each run's
-``summary.json`` (``emulation.plan.fit``) and predicts every layout at the quickstart's shape
+``summary.json`` (``emulation.fit.fit``) and predicts every layout at the quickstart's shape
 (``emulation.plan.predictions``: the colocated layout on its worker, the others on a trainer
 and a rollout worker). Seconds per step on both sides leave the first quarter of the steps out
 (start-up: process start, the first batch). Prints, per run planned from, the fitted costs and
@@ -23,7 +23,8 @@ from pathlib import Path
 from bench.layouts import LAYOUTS, run_layout
 from bench.machine import machine
 from bench.output import write_results
-from emulation.plan import fit, predictions
+from emulation.fit import fit
+from emulation.plan import predictions
 
 
 def main() -> None:

@@ -7,5 +7,6 @@
   cores. They are plugins (``common.plugins``): their configs (``emulation.config``) join the
   engine and backend kinds through this package's entry points, and a run on them says so;
 - ``emulation.sim``: a discrete-event simulator of a cluster on the scheduler's own policy code,
-  a capacity planner.
+  a capacity planner: ``emulation.fit`` fits it to a run's measured costs, ``emulation.plan``
+  (``seamlessflow plan``) sweeps it for a cluster.
 """

@@ -16,7 +16,8 @@ import tomli_w
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.staleness import StalenessMode
-from emulation.plan import ClusterShape, Fit, PlanError, fit, load_summary, predictions, sweep
+from emulation.fit import Fit, PlanError, fit, load_summary
+from emulation.plan import ClusterShape, predictions, sweep
 from emulation.sim import Arm, Order, TrainerOrder
 from emulation.workload import EngineCost, TrainerCost
 from seamlessflow.config import RunConfig, override
@@ -151,6 +152,7 @@ def test_plan_prints_a_table_and_a_recommendation_and_plots(summary: Path, tmp_p
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
+    assert "  the trainer's order: drop mode, admission order, a step waits up to 60 s" in lines
     header = next(i for i, line in enumerate(lines) if line.startswith("layout "))
     assert "samples/s" in lines[header] and "idle" in lines[header]
     rows = lines[header + 1 : next(i for i, x in enumerate(lines) if x.startswith("recommended"))]
@@ -316,9 +318,11 @@ def test_the_plan_simulates_the_runs_own_trainer_order():
     assert predictions(ahead, 20)["colocated"].s_per_step < 0.9 * (
         predictions(older, 20)["colocated"].s_per_step
     )
-    bad = {**costs, **recorded, "staleness mode": "sideways"}
-    with pytest.raises(PlanError, match=r"run.json \[costs\] 'staleness mode' is 'sideways'"):
+    bad = {**costs, **recorded, "staleness mode": "sideways", "order wait seconds": -1}
+    with pytest.raises(PlanError, match=r"run.json \[costs\] is not a trainer's order: ") as e:
         fit({"trainer": trainer, "scheduler": {}, "costs": bad}, "run.json")
+    assert "'staleness mode' Input should be 'drop' or 'downweight'" in str(e.value)
+    assert "'order wait seconds' Input should be greater than or equal to 0" in str(e.value)
 
 
 def test_a_checkpoints_stall_is_spread_over_the_steps():

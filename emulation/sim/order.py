@@ -48,7 +48,7 @@ class Order(StrEnum):
 
 @dataclass(frozen=True)
 class TrainerOrder:
-    """A real trainer's choice of groups in the simulator's terms (``of``: from its
+    """A real trainer's choice of groups in the simulator's terms (``of``: from its config's
     ``staleness_mode``, ``overlap`` and ``order_wait_s``; the defaults are the trainer's): its
     staleness mode, ``Order.OVERLAP`` where it computes ahead, else ``Order.ADMISSION``, and
     its bound on a step's wait for an earlier task."""
@@ -58,10 +58,9 @@ class TrainerOrder:
     wait_s: float = ORDER_WAIT_S
 
     @classmethod
-    def of(cls, staleness_mode: str, overlap: bool, order_wait_s: float) -> TrainerOrder:
-        """``ValueError`` for a staleness mode the trainer does not have."""
-        order = Order.OVERLAP if overlap else Order.ADMISSION
-        return cls(StalenessMode(staleness_mode), order, float(order_wait_s))
+    def of(cls, config: TrainerConfig) -> TrainerOrder:
+        order = Order.OVERLAP if config.overlap else Order.ADMISSION
+        return cls(config.staleness_mode, order, config.order_wait_s)
 
     def simulated(self) -> dict[str, Any]:
         """As ``emulation.sim.simulate``'s keywords."""
