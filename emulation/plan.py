@@ -33,6 +33,10 @@ class Candidate:
     """Seconds per step, likewise."""
     idle: float
     """Share of all device time doing no work."""
+    thrown: float
+    """Share of the generated tokens thrown away (stale in drop mode, aborted)."""
+    bias: float
+    """Mean length of the trained samples over the drawn mean: under 1, long ones were lost."""
 
     @property
     def layout(self) -> str:
@@ -58,6 +62,8 @@ def predict(
         samples_per_s=r.steady_samples_per_s,
         s_per_step=workload.samples_per_step / r.steady_samples_per_s,
         idle=r.idle["all"],
+        thrown=r.aborted_token_fraction,
+        bias=r.length_bias,
     )
 
 
@@ -146,13 +152,14 @@ def recommend(candidates: list[Candidate]) -> Candidate:
 def table(candidates: list[Candidate]) -> str:
     header = (
         f"{'layout':16s} {'arm':16s} {'devices':>7s} {'trainer':>7s} {'stale':>5s} "
-        f"{'samples/s':>9s} {'s/step':>7s} {'idle':>5s}"
+        f"{'samples/s':>9s} {'s/step':>7s} {'idle':>5s} {'thrown':>6s} {'bias':>5s}"
     )
     rows = [header]
     for c in sorted(candidates, key=lambda c: -c.samples_per_s):
         rows.append(
             f"{c.layout:16s} {c.arm:16s} {c.devices:7d} {c.trainer_devices:7d} "
-            f"{c.staleness:5d} {c.samples_per_s:9.3f} {c.s_per_step:7.3f} {c.idle:5.2f}"
+            f"{c.staleness:5d} {c.samples_per_s:9.3f} {c.s_per_step:7.3f} {c.idle:5.2f} "
+            f"{c.thrown:6.1%} {c.bias:5.2f}"
         )
     return "\n".join(rows)
 
@@ -263,7 +270,8 @@ def main(args: argparse.Namespace) -> int:
         f"recommended: [layout] kind = {best.layout!r}, trainer on {best.trainer_devices} of "
         f"{best.devices} devices, staleness {best.staleness} (trainer.max_staleness = "
         f"{best.staleness}, scheduler.steps_ahead = {best.staleness + 1}): "
-        f"{best.samples_per_s:.3f} samples/s, {best.s_per_step:.3f} s/step, idle {best.idle:.0%}"
+        f"{best.samples_per_s:.3f} samples/s, {best.s_per_step:.3f} s/step, idle {best.idle:.0%}; "
+        f"{best.thrown:.1%} of the generated tokens thrown away, length bias {best.bias:.2f}"
     )
     if args.plot:
         plot(candidates, best, args.plot)

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.staleness import StalenessMode
 from emulation.fit import Fit, PlanError, fit, load_summary
-from emulation.plan import ClusterShape, predictions, sweep
+from emulation.plan import ClusterShape, predict, predictions, sweep
 from emulation.sim import Arm, Order, TrainerOrder
 from emulation.workload import EngineCost, TrainerCost
 from seamlessflow.config import RunConfig, override
@@ -25,6 +25,7 @@ from seamlessflow.costs import engine_load, lent_engines, serving_windows, train
 from seamlessflow.exceptions import ConfigError
 from seamlessflow.report import trainer_report
 from tests.test_cli import NO_TORCH
+from tests.test_sim import agentic
 
 ENGINE = EngineCost(a_s=0.02, b_s=0.004, prefill_s_per_token=0.0, max_batch=16)
 TRAINER_S = 0.3
@@ -158,8 +159,9 @@ def test_plan_prints_a_table_and_a_recommendation_and_plots(summary: Path, tmp_p
     rows = lines[header + 1 : next(i for i, x in enumerate(lines) if x.startswith("recommended"))]
     arms = {row.split()[1] for row in rows}
     assert {"sync_colocated", "colocated", "partial_rollout", "multiplexed"} <= arms
+    assert lines[header].split()[-2:] == ["thrown", "bias"]
     (rec,) = [x for x in lines if x.startswith("recommended: [layout] kind = ")]
-    assert "samples/s" in rec and "staleness" in rec
+    assert "samples/s" in rec and "staleness" in rec and "tokens thrown away" in rec
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -382,3 +384,14 @@ def test_a_cluster_by_tags_gets_only_the_layouts_its_tags_allow(fitted: Fit, tmp
     cluster.write_text('[[devices]]\ntags = ["gpu=h200"]\n')
     with pytest.raises(PlanError, match=r"no \[\[devices\]\] tagged train or rollout"):
         ClusterShape.read(cluster)
+
+
+def test_the_plan_shows_what_a_configuration_throws_away():
+    """Long-tailed lengths at staleness 1 in drop mode: a trainer taking groups as they complete
+    drops the long ones (tokens thrown away, the trained samples shorter than drawn); the real
+    trainer's admission order keeps them. The plan says so beside the speed."""
+    w, shape = agentic(), (Arm.PARTIAL_ROLLOUT, 16, 3, 1, 24)
+    completion = predict(w, *shape, TrainerOrder(order=Order.COMPLETION, wait_s=20.0))
+    admission = predict(w, *shape, TrainerOrder(wait_s=20.0))
+    assert completion.thrown > 0.1 and completion.bias < 0.95
+    assert admission.thrown < 0.03 and admission.bias >= 0.98
