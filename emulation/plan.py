@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from emulation.fit import LAYOUT_OF, Fit, PlanError, fit, load_summary
-from emulation.sim import Arm, TrainerOrder, simulate, split_candidates
+from emulation.sim import Arm, Order, TrainerOrder, simulate, split_candidates
 from emulation.workload import Workload
 
 
@@ -27,6 +27,9 @@ class Candidate:
     devices: int
     trainer_devices: int
     staleness: int
+    order: Order
+    """The simulated trainer's order (``overlap``: ``trainer.overlap = true``; the synchronous
+    baseline trains each step's groups as they complete)."""
     samples_per_s: float
     """Trained samples per second after the first quarter of the steps (start-up left out)."""
     s_per_step: float
@@ -59,6 +62,7 @@ def predict(
         devices=devices,
         trainer_devices=r.trainer_devices,
         staleness=r.staleness,
+        order=Order.COMPLETION if arm is Arm.SYNC_COLOCATED else order.order,  # the simulator's
         samples_per_s=r.steady_samples_per_s,
         s_per_step=workload.samples_per_step / r.steady_samples_per_s,
         idle=r.idle["all"],
@@ -151,36 +155,38 @@ def recommend(candidates: list[Candidate]) -> Candidate:
 
 def table(candidates: list[Candidate]) -> str:
     header = (
-        f"{'layout':16s} {'arm':16s} {'devices':>7s} {'trainer':>7s} {'stale':>5s} "
+        f"{'layout':16s} {'arm':16s} {'devices':>7s} {'trainer':>7s} {'stale':>5s} {'order':9s} "
         f"{'samples/s':>9s} {'s/step':>7s} {'idle':>5s} {'thrown':>6s} {'bias':>5s}"
     )
     rows = [header]
     for c in sorted(candidates, key=lambda c: -c.samples_per_s):
         rows.append(
             f"{c.layout:16s} {c.arm:16s} {c.devices:7d} {c.trainer_devices:7d} "
-            f"{c.staleness:5d} {c.samples_per_s:9.3f} {c.s_per_step:7.3f} {c.idle:5.2f} "
-            f"{c.thrown:6.1%} {c.bias:5.2f}"
+            f"{c.staleness:5d} {c.order:9s} {c.samples_per_s:9.3f} {c.s_per_step:7.3f} "
+            f"{c.idle:5.2f} {c.thrown:6.1%} {c.bias:5.2f}"
         )
     return "\n".join(rows)
 
 
 def plot(candidates: list[Candidate], best: Candidate, path: Path) -> None:
-    """Predicted samples/s by trainer devices, a line per arm, staleness and device count; the
-    recommendation circled."""
+    """Predicted samples/s by trainer devices, a line per arm, staleness, device count and
+    trainer order; the recommendation circled."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    lines: dict[tuple[Arm, int, int], list[Candidate]] = {}
+    lines: dict[tuple[Arm, int, int, Order], list[Candidate]] = {}
     for c in candidates:
-        lines.setdefault((c.arm, c.staleness, c.devices), []).append(c)
-    for (arm, staleness, devices), points in sorted(lines.items()):
+        lines.setdefault((c.arm, c.staleness, c.devices, c.order), []).append(c)
+    orders = len({c.order for c in candidates})
+    for (arm, staleness, devices, order), points in sorted(lines.items()):
         points.sort(key=lambda c: c.trainer_devices)
         xs = [c.trainer_devices for c in points]
         ys = [c.samples_per_s for c in points]
-        ax.plot(xs, ys, marker="o", label=f"{arm}, staleness {staleness}, {devices} devices")
+        label = f"{arm}, staleness {staleness}, {devices} devices"
+        ax.plot(xs, ys, marker="o", label=label + (f", {order}" if orders > 1 else ""))
     ax.scatter(
         [best.trainer_devices],
         [best.samples_per_s],
@@ -225,6 +231,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds per lend or reclaim (default: the run's; without lends, the scheduler's "
         "assumption)",
     )
+    p.add_argument(
+        "--both-orders",
+        action="store_true",
+        help="also simulate the run's trainer with trainer.overlap the other way (on if the "
+        "run had it off; it needs trainer.minibatches = 1)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -259,9 +271,14 @@ def main(args: argparse.Namespace) -> int:
     print(f"  the trainer's order: {found.order}")
     for note in found.assumed:
         print(f"  assumed: {note}")
-    candidates = [
-        c for n in clusters for c in sweep(w, n, args.max_staleness, args.steps, found.order)
+    orders = [found.order, found.order.other()] if args.both_orders else [found.order]
+    swept = [
+        c for n in clusters for o in orders for c in sweep(w, n, args.max_staleness, args.steps, o)
     ]
+    # the synchronous baseline has no order: once
+    candidates = list(
+        {(c.arm, c.devices, c.trainer_devices, c.staleness, c.order): c for c in swept}.values()
+    )
     if not candidates:
         raise PlanError("the cluster's tags allow no layout")
     print(table(candidates))
@@ -269,7 +286,8 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"recommended: [layout] kind = {best.layout!r}, trainer on {best.trainer_devices} of "
         f"{best.devices} devices, staleness {best.staleness} (trainer.max_staleness = "
-        f"{best.staleness}, scheduler.steps_ahead = {best.staleness + 1}): "
+        f"{best.staleness}, trainer.overlap = {str(best.order is Order.OVERLAP).lower()}, "
+        f"scheduler.steps_ahead = {best.staleness + 1}): "
         f"{best.samples_per_s:.3f} samples/s, {best.s_per_step:.3f} s/step, idle {best.idle:.0%}; "
         f"{best.thrown:.1%} of the generated tokens thrown away, length bias {best.bias:.2f}"
     )

@@ -7,6 +7,7 @@ are known: the fit must find them again in the summary the run wrote."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,9 +149,8 @@ def test_the_fit_finds_the_emulated_costs_in_a_real_runs_summary(summary: Path, 
 @pytest.mark.timeout(300)
 def test_plan_prints_a_table_and_a_recommendation_and_plots(summary: Path, tmp_path: Path):
     png = tmp_path / "plan.png"
-    done = plan(
-        str(summary), "--devices", "3", "--max-staleness", "1", "--plot", str(png), hook=tmp_path
-    )
+    args = ("--devices", "3", "--max-staleness", "1", "--both-orders", "--plot", str(png))
+    done = plan(str(summary), *args, hook=tmp_path)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "  the trainer's order: drop mode, admission order, a step waits up to 60 s" in lines
@@ -159,9 +159,17 @@ def test_plan_prints_a_table_and_a_recommendation_and_plots(summary: Path, tmp_p
     rows = lines[header + 1 : next(i for i, x in enumerate(lines) if x.startswith("recommended"))]
     arms = {row.split()[1] for row in rows}
     assert {"sync_colocated", "colocated", "partial_rollout", "multiplexed"} <= arms
+    # --both-orders: the run's trainer order (admission) and computing ahead, each layout in
+    # both; the synchronous baseline once, in the order it trains in
+    orders = {(row.split()[1], row.split()[5]) for row in rows}
+    for arm in ("colocated", "partial_rollout", "multiplexed"):
+        assert {(arm, "admission"), (arm, "overlap")} <= orders
+    assert [o for a, o in orders if a == "sync_colocated"] == ["completion"]
+    assert len(rows) == len(set(rows))
     assert lines[header].split()[-2:] == ["thrown", "bias"]
     (rec,) = [x for x in lines if x.startswith("recommended: [layout] kind = ")]
     assert "samples/s" in rec and "staleness" in rec and "tokens thrown away" in rec
+    assert re.search(r"trainer\.overlap = (true|false)", rec)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
