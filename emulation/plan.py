@@ -147,10 +147,24 @@ def sweep(
     return out
 
 
+SWITCHES = {Arm.PARTIAL_ROLLOUT: 0, Arm.MULTIPLEXED: 1, Arm.COLOCATED: 2}
+"""How much of a layout's work is role switches: none, lends, every step."""
+
+
 def recommend(candidates: list[Candidate]) -> Candidate:
-    """The most samples/s among the arms a run can have; on a tie, the fresher staleness."""
+    """The most samples/s among the arms a run can have; on a tie, the fresher staleness, then
+    the layout with fewer role switches, then the trainer's default order (not computing ahead):
+    a trainer computing ahead is not lent beside rollout workers, so the layouts often tie."""
     runnable = [c for c in candidates if c.arm in LAYOUT_OF]
-    return max(runnable, key=lambda c: (round(c.samples_per_s, 6), -c.staleness))
+    return max(
+        runnable,
+        key=lambda c: (
+            round(c.samples_per_s, 6),
+            -c.staleness,
+            -SWITCHES[c.arm],
+            c.order is not Order.OVERLAP,
+        ),
+    )
 
 
 def table(candidates: list[Candidate]) -> str:
@@ -169,25 +183,34 @@ def table(candidates: list[Candidate]) -> str:
 
 
 def plot(candidates: list[Candidate], best: Candidate, path: Path) -> None:
-    """Predicted samples/s by trainer devices, a line per arm, staleness, device count and
-    trainer order; the recommendation circled."""
+    """Predicted samples/s by trainer devices, a panel per device count, a line per arm and
+    staleness (its colour) and trainer order (dashed: computing ahead, ``overlap``); the
+    recommendation circled."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    lines: dict[tuple[Arm, int, int, Order], list[Candidate]] = {}
+    counts = sorted({c.devices for c in candidates})
+    fig, axes = plt.subplots(1, len(counts), figsize=(4.5 * len(counts) + 3, 4.5), squeeze=False)
+    lines: dict[tuple[Arm, int, Order, int], list[Candidate]] = {}
     for c in candidates:
-        lines.setdefault((c.arm, c.staleness, c.devices, c.order), []).append(c)
-    orders = len({c.order for c in candidates})
-    for (arm, staleness, devices, order), points in sorted(lines.items()):
+        lines.setdefault((c.arm, c.staleness, c.order, c.devices), []).append(c)
+    kinds = sorted({(arm, staleness) for arm, staleness, *_ in lines})
+    colour = {kind: plt.get_cmap("tab20")(i % 20) for i, kind in enumerate(kinds)}
+    for (arm, staleness, order, devices), points in sorted(lines.items()):
         points.sort(key=lambda c: c.trainer_devices)
-        xs = [c.trainer_devices for c in points]
-        ys = [c.samples_per_s for c in points]
-        label = f"{arm}, staleness {staleness}, {devices} devices"
-        ax.plot(xs, ys, marker="o", label=label + (f", {order}" if orders > 1 else ""))
-    ax.scatter(
+        ax = axes[0][counts.index(devices)]
+        ax.plot(
+            [c.trainer_devices for c in points],
+            [c.samples_per_s for c in points],
+            marker="o",
+            color=colour[arm, staleness],
+            linestyle="--" if order is Order.OVERLAP else "-",
+            label=f"{arm}, staleness {staleness}, {order}",
+        )
+    best_ax = axes[0][counts.index(best.devices)]
+    best_ax.scatter(
         [best.trainer_devices],
         [best.samples_per_s],
         s=240,
@@ -197,14 +220,20 @@ def plot(candidates: list[Candidate], best: Candidate, path: Path) -> None:
         label="recommended",
         zorder=3,
     )
-    ax.set_xlabel("trainer devices")
-    ax.set_ylabel("predicted samples/s")
-    ax.set_title("seamlessflow plan: predicted throughput per layout, split and staleness")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    for ax, devices in zip(axes[0], counts, strict=True):
+        ax.set_title(f"{devices} devices")
+        ax.set_xlabel("trainer devices")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("predicted samples/s")
+    handles = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), fontsize=7, loc="center right")
+    fig.suptitle("seamlessflow plan: predicted throughput per layout, split and staleness")
+    fig.tight_layout(rect=(0, 0, 1 - 3 / (4.5 * len(counts) + 3), 1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

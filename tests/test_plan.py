@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.staleness import StalenessMode
 from emulation.fit import Fit, PlanError, fit, load_summary
-from emulation.plan import ClusterShape, predict, predictions, sweep
+from emulation.plan import Candidate, ClusterShape, predict, predictions, recommend, sweep
 from emulation.sim import Arm, Order, TrainerOrder
 from emulation.workload import EngineCost, TrainerCost
 from seamlessflow.config import RunConfig, override
@@ -403,3 +403,21 @@ def test_the_plan_shows_what_a_configuration_throws_away():
     admission = predict(w, *shape, TrainerOrder(wait_s=20.0))
     assert completion.thrown > 0.1 and completion.bias < 0.95
     assert admission.thrown < 0.03 and admission.bias >= 0.98
+
+
+def test_a_tie_is_recommended_fresher_with_fewer_switches_in_the_default_order():
+    def candidate(arm: Arm, staleness: int, order: Order, samples_per_s: float = 10.0):
+        return Candidate(arm, 8, 2, staleness, order, samples_per_s, 1.0, 0.1, 0.0, 1.0)
+
+    tied = [
+        candidate(arm, staleness, order)
+        for arm in (Arm.COLOCATED, Arm.MULTIPLEXED, Arm.PARTIAL_ROLLOUT, Arm.SYNC_COLOCATED)
+        for staleness in (1, 2)
+        for order in (Order.OVERLAP, Order.ADMISSION)
+    ]
+    best = recommend(tied)
+    assert (best.arm, best.staleness, best.order) == (Arm.PARTIAL_ROLLOUT, 1, Order.ADMISSION)
+    faster = candidate(Arm.COLOCATED, 2, Order.OVERLAP, samples_per_s=10.5)
+    assert recommend([*tied, faster]) is faster
+    # the synchronous baseline is not a layout a run can have, however fast
+    assert recommend([*tied, candidate(Arm.SYNC_COLOCATED, 0, Order.COMPLETION, 99.0)]) == best
