@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from emulation.fit import LAYOUT_OF, Fit, PlanError, fit, load_summary
-from emulation.sim import Arm, Order, TrainerOrder, simulate, split_candidates
+from emulation.sim import Arm, TrainerOrder, simulate, split_candidates
 from emulation.workload import Workload
 
 
@@ -27,9 +27,6 @@ class Candidate:
     devices: int
     trainer_devices: int
     staleness: int
-    order: Order
-    """The simulated trainer's order (``overlap``: ``trainer.overlap = true``; the synchronous
-    baseline trains each step's groups as they complete)."""
     samples_per_s: float
     """Trained samples per second after the first quarter of the steps (start-up left out)."""
     s_per_step: float
@@ -62,7 +59,6 @@ def predict(
         devices=devices,
         trainer_devices=r.trainer_devices,
         staleness=r.staleness,
-        order=Order.COMPLETION if arm is Arm.SYNC_COLOCATED else order.order,  # the simulator's
         samples_per_s=r.steady_samples_per_s,
         s_per_step=workload.samples_per_step / r.steady_samples_per_s,
         idle=r.idle["all"],
@@ -153,39 +149,30 @@ SWITCHES = {Arm.PARTIAL_ROLLOUT: 0, Arm.MULTIPLEXED: 1, Arm.COLOCATED: 2}
 
 def recommend(candidates: list[Candidate]) -> Candidate:
     """The most samples/s among the arms a run can have; on a tie, the fresher staleness, then
-    the layout with fewer role switches, then the trainer's default order (not computing ahead):
-    a trainer computing ahead is not lent beside rollout workers, so the layouts often tie."""
+    the layout with fewer role switches (a trainer computing ahead is not lent beside rollout
+    workers, so with ``trainer.overlap`` the layouts often tie)."""
     runnable = [c for c in candidates if c.arm in LAYOUT_OF]
-    return max(
-        runnable,
-        key=lambda c: (
-            round(c.samples_per_s, 6),
-            -c.staleness,
-            -SWITCHES[c.arm],
-            c.order is not Order.OVERLAP,
-        ),
-    )
+    return max(runnable, key=lambda c: (round(c.samples_per_s, 6), -c.staleness, -SWITCHES[c.arm]))
 
 
 def table(candidates: list[Candidate]) -> str:
     header = (
-        f"{'layout':16s} {'arm':16s} {'devices':>7s} {'trainer':>7s} {'stale':>5s} {'order':9s} "
+        f"{'layout':16s} {'arm':16s} {'devices':>7s} {'trainer':>7s} {'stale':>5s} "
         f"{'samples/s':>9s} {'s/step':>7s} {'idle':>5s} {'thrown':>6s} {'bias':>5s}"
     )
     rows = [header]
     for c in sorted(candidates, key=lambda c: -c.samples_per_s):
         rows.append(
             f"{c.layout:16s} {c.arm:16s} {c.devices:7d} {c.trainer_devices:7d} "
-            f"{c.staleness:5d} {c.order:9s} {c.samples_per_s:9.3f} {c.s_per_step:7.3f} "
+            f"{c.staleness:5d} {c.samples_per_s:9.3f} {c.s_per_step:7.3f} "
             f"{c.idle:5.2f} {c.thrown:6.1%} {c.bias:5.2f}"
         )
     return "\n".join(rows)
 
 
 def plot(candidates: list[Candidate], best: Candidate, path: Path) -> None:
-    """Predicted samples/s by trainer devices, a panel per device count, a line per arm and
-    staleness (its colour) and trainer order (dashed: computing ahead, ``overlap``); the
-    recommendation circled."""
+    """Predicted samples/s by trainer devices, a panel per device count, a line (a colour) per
+    arm and staleness; the recommendation circled."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,12 +180,12 @@ def plot(candidates: list[Candidate], best: Candidate, path: Path) -> None:
 
     counts = sorted({c.devices for c in candidates})
     fig, axes = plt.subplots(1, len(counts), figsize=(4.5 * len(counts) + 3, 4.5), squeeze=False)
-    lines: dict[tuple[Arm, int, Order, int], list[Candidate]] = {}
+    lines: dict[tuple[Arm, int, int], list[Candidate]] = {}
     for c in candidates:
-        lines.setdefault((c.arm, c.staleness, c.order, c.devices), []).append(c)
-    kinds = sorted({(arm, staleness) for arm, staleness, *_ in lines})
+        lines.setdefault((c.arm, c.staleness, c.devices), []).append(c)
+    kinds = sorted({(arm, staleness) for arm, staleness, _ in lines})
     colour = {kind: plt.get_cmap("tab20")(i % 20) for i, kind in enumerate(kinds)}
-    for (arm, staleness, order, devices), points in sorted(lines.items()):
+    for (arm, staleness, devices), points in sorted(lines.items()):
         points.sort(key=lambda c: c.trainer_devices)
         ax = axes[0][counts.index(devices)]
         ax.plot(
@@ -206,8 +193,7 @@ def plot(candidates: list[Candidate], best: Candidate, path: Path) -> None:
             [c.samples_per_s for c in points],
             marker="o",
             color=colour[arm, staleness],
-            linestyle="--" if order is Order.OVERLAP else "-",
-            label=f"{arm}, staleness {staleness}, {order}",
+            label=f"{arm}, staleness {staleness}",
         )
     best_ax = axes[0][counts.index(best.devices)]
     best_ax.scatter(
@@ -260,12 +246,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds per lend or reclaim (default: the run's; without lends, the scheduler's "
         "assumption)",
     )
-    p.add_argument(
-        "--both-orders",
-        action="store_true",
-        help="also simulate the run's trainer with trainer.overlap the other way (on if the "
-        "run had it off; it needs trainer.minibatches = 1)",
-    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -300,14 +280,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"  the trainer's order: {found.order}")
     for note in found.assumed:
         print(f"  assumed: {note}")
-    orders = [found.order, found.order.other()] if args.both_orders else [found.order]
-    swept = [
-        c for n in clusters for o in orders for c in sweep(w, n, args.max_staleness, args.steps, o)
+    candidates = [
+        c for n in clusters for c in sweep(w, n, args.max_staleness, args.steps, found.order)
     ]
-    # the synchronous baseline has no order: once
-    candidates = list(
-        {(c.arm, c.devices, c.trainer_devices, c.staleness, c.order): c for c in swept}.values()
-    )
     if not candidates:
         raise PlanError("the cluster's tags allow no layout")
     print(table(candidates))
@@ -315,8 +290,7 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"recommended: [layout] kind = {best.layout!r}, trainer on {best.trainer_devices} of "
         f"{best.devices} devices, staleness {best.staleness} (trainer.max_staleness = "
-        f"{best.staleness}, trainer.overlap = {str(best.order is Order.OVERLAP).lower()}, "
-        f"scheduler.steps_ahead = {best.staleness + 1}): "
+        f"{best.staleness}, scheduler.steps_ahead = {best.staleness + 1}): "
         f"{best.samples_per_s:.3f} samples/s, {best.s_per_step:.3f} s/step, idle {best.idle:.0%}; "
         f"{best.thrown:.1%} of the generated tokens thrown away, length bias {best.bias:.2f}"
     )

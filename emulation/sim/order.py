@@ -24,7 +24,6 @@ The groups and samples the simulated cluster generates are here too (``_Group``,
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -62,11 +61,6 @@ class TrainerOrder:
     def of(cls, config: TrainerConfig) -> TrainerOrder:
         order = Order.OVERLAP if config.overlap else Order.ADMISSION
         return cls(config.staleness_mode, order, config.order_wait_s)
-
-    def other(self) -> TrainerOrder:
-        """The trainer's other choice: computing ahead (``overlap``) or not."""
-        order = Order.ADMISSION if self.order is Order.OVERLAP else Order.OVERLAP
-        return dataclasses.replace(self, order=order)
 
     def simulated(self) -> dict[str, Any]:
         """As ``emulation.sim.simulate``'s keywords."""
