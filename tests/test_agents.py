@@ -19,6 +19,7 @@ import uuid
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from hypothesis import given, settings
@@ -83,6 +84,21 @@ async def judged_agent(ctx: AgentContext) -> AgentResult:
     judge = openai.AsyncOpenAI(base_url=ctx.task.metadata["judge"], api_key="x", max_retries=0)
     async with judge:
         await judge.models.list()
+    return AgentResult(answer="done")
+
+
+GATEWAY_GONE = asyncio.Event()
+
+
+async def raw_http_agent(ctx: AgentContext) -> AgentResult:
+    """Asks the gateway for its models with plain httpx, not the OpenAI SDK; on the task's first
+    run only once ``GATEWAY_GONE`` is set."""
+    STARTED.append(ctx.session_id)
+    if not re.search(r"-r\d+$", ctx.session_id):
+        await GATEWAY_GONE.wait()
+    async with httpx.AsyncClient() as client:
+        auth = {"Authorization": f"Bearer {ctx.api_key}"}
+        (await client.get(f"{ctx.gateway_url}/models", headers=auth)).raise_for_status()
     return AgentResult(answer="done")
 
 
@@ -465,6 +481,35 @@ async def test_an_agents_own_service_down_fails_its_attempts_not_the_gateway(sta
     failed = [r.getMessage() for r in caplog.records if "attempt_failed" in r.getMessage()]
     assert len(failed) == 2 and all(f"APIConnectionError from {judge}" in m for m in failed)
     assert (await js.stream_info(names.tasks_stream)).state.messages == 0
+
+
+@pytest.mark.newest_nats
+async def test_an_agent_failing_while_the_gateway_is_down_holds_its_task_whatever_its_client(
+    stack, js, broker, tiny_model_dir
+):
+    """An agent calling the gateway with plain httpx gets httpx's error, not the SDK's, when the
+    gateway goes away mid-attempt: the runner asks ``/health`` before scoring it, finds the
+    gateway down, and holds the task (nothing scored 0.0) until it serves again."""
+    names = stack.names
+    url = closed_port_url()
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    config = gateway_config(tiny_model_dir, names.run).model_copy(update={"port": port})
+    task = chat_task(unique("raw"), group_size=2)
+    failed0 = sample("sf_agents_attempts_total", outcome="failed")
+    unavailable0 = sample("sf_agents_attempts_total", outcome="unavailable")
+    GATEWAY_GONE.clear()
+    async with runner(js, names, url, agent="tests.test_agents:raw_http_agent") as (_, running):
+        with GatewayThread(config, broker.url):
+            await submit_tasks(js, names, [task], progress=False)
+            await eventually(lambda: f"{task.task_id}-1" in STARTED, watch=running)
+        GATEWAY_GONE.set()  # the gateway is gone: the attempts' calls are refused
+        await eventually(lambda: sample("sf_ingress_paused", source="tasks") == 1, watch=running)
+        assert sample("sf_agents_attempts_total", outcome="unavailable") > unavailable0
+        with GatewayThread(config, broker.url):
+            sessions = await ended(js, names, {task.task_id}, 2)
+    assert sorted(s.session_id for s in sessions) == [f"{task.task_id}-{i}-r1" for i in range(2)]
+    assert all(s.reward == 1.0 and "failed" not in s.metrics for s in sessions), sessions
+    assert sample("sf_agents_attempts_total", outcome="failed") == failed0
 
 
 @pytest.mark.newest_nats

@@ -18,7 +18,8 @@ once:
    ``rewards.range``, a reward function that raised) ends it with reward 0.0 and
    ``{"unscored": 1}``; a gateway failure in any attempt (502-504, or no answer to a call
    within ``request_timeout_s``: the rollout behind it cannot serve now; a call to another
-   address is the agent's, its failure the attempt's) cancels the others
+   address is the agent's, its failure the attempt's; an agent failing any other way while
+   ``/health`` fails, as a client other than the SDK does) cancels the others
    and the whole task is run again as in 2, in new sessions (nothing is published for it);
 4. publish one ``SessionEnded`` per attempt (``Nats-Msg-Id`` = session id); the ingress acks the
    task once all are stored. A task delivered again to the same runner (an outage lost its
@@ -385,6 +386,9 @@ class AgentRunner:
             return self._unscored(task, sid, "agent", exc, {"latency_s": seconds})
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
+            # a client other than the SDK (raw httpx, a command's own) fails its own way when
+            # the gateway is down: an attempt is scored only against a gateway that serves
+            await self._unless_gateway_down(sid, reason)
         else:
             transcript = Transcript.of(task, sid, result, self._calls.close(sid))
             return await self._score(task, transcript, result, scoring, started)
@@ -397,6 +401,17 @@ class AgentRunner:
             kv("attempt_failed", task=task.task_id, session=sid, outcome=outcome, reason=reason)
         )
         return ended(task, sid, 0.0, {"failed": 1.0, "latency_s": seconds})
+
+    async def _unless_gateway_down(self, sid: str, reason: str) -> None:
+        """``GatewayUnavailableError`` (the task is held) if the gateway does not serve now."""
+        self._clients.down()
+        try:
+            await self._clients.serving()
+        except GatewayUnavailableError as exc:
+            ATTEMPTS.labels("unavailable").inc()
+            raise GatewayUnavailableError(
+                f"session {sid}: the agent failed ({reason}) and {exc}"
+            ) from exc
 
     async def _score(
         self,
