@@ -87,15 +87,20 @@ async def judged_agent(ctx: AgentContext) -> AgentResult:
     return AgentResult(answer="done")
 
 
-GATEWAY_GONE = asyncio.Event()
+GATEWAY_GONE: set[str] = set()
+"""Tasks whose gateway a test has stopped."""
 
 
 async def raw_http_agent(ctx: AgentContext) -> AgentResult:
     """Asks the gateway for its models with plain httpx, not the OpenAI SDK; on the task's first
-    run only once ``GATEWAY_GONE`` is set."""
+    run only once its task is in ``GATEWAY_GONE``, and with ``metadata["hang"]`` it then hangs
+    instead (a client with no timeout)."""
     STARTED.append(ctx.session_id)
     if not re.search(r"-r\d+$", ctx.session_id):
-        await GATEWAY_GONE.wait()
+        while ctx.task.task_id not in GATEWAY_GONE:
+            await asyncio.sleep(0.05)
+        if ctx.task.metadata.get("hang"):
+            await asyncio.sleep(3600)
     async with httpx.AsyncClient() as client:
         auth = {"Authorization": f"Bearer {ctx.api_key}"}
         (await client.get(f"{ctx.gateway_url}/models", headers=auth)).raise_for_status()
@@ -484,25 +489,28 @@ async def test_an_agents_own_service_down_fails_its_attempts_not_the_gateway(sta
 
 
 @pytest.mark.newest_nats
+@pytest.mark.parametrize("hang", ["", "yes"], ids=["refused", "hangs"])
 async def test_an_agent_failing_while_the_gateway_is_down_holds_its_task_whatever_its_client(
-    stack, js, broker, tiny_model_dir
+    stack, js, broker, tiny_model_dir, hang
 ):
     """An agent calling the gateway with plain httpx gets httpx's error, not the SDK's, when the
-    gateway goes away mid-attempt: the runner asks ``/health`` before scoring it, finds the
-    gateway down, and holds the task (nothing scored 0.0) until it serves again."""
+    gateway goes away mid-attempt, or (a client without a timeout) hangs until the attempt
+    times out: the runner asks ``/health`` before scoring it, finds the gateway down, and
+    holds the task (nothing scored 0.0) until it serves again."""
     names = stack.names
     url = closed_port_url()
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     config = gateway_config(tiny_model_dir, names.run).model_copy(update={"port": port})
-    task = chat_task(unique("raw"), group_size=2)
+    task = chat_task(unique("raw"), group_size=2, hang=hang)
     failed0 = sample("sf_agents_attempts_total", outcome="failed")
+    timed_out0 = sample("sf_agents_attempts_total", outcome="timed_out")
     unavailable0 = sample("sf_agents_attempts_total", outcome="unavailable")
-    GATEWAY_GONE.clear()
-    async with runner(js, names, url, agent="tests.test_agents:raw_http_agent") as (_, running):
+    agent = "tests.test_agents:raw_http_agent"
+    async with runner(js, names, url, agent=agent, attempt_timeout_s=2.0) as (_, running):
         with GatewayThread(config, broker.url):
             await submit_tasks(js, names, [task], progress=False)
             await eventually(lambda: f"{task.task_id}-1" in STARTED, watch=running)
-        GATEWAY_GONE.set()  # the gateway is gone: the attempts' calls are refused
+        GATEWAY_GONE.add(task.task_id)  # the gateway is gone: the attempts' calls fail
         await eventually(lambda: sample("sf_ingress_paused", source="tasks") == 1, watch=running)
         assert sample("sf_agents_attempts_total", outcome="unavailable") > unavailable0
         with GatewayThread(config, broker.url):
@@ -510,6 +518,7 @@ async def test_an_agent_failing_while_the_gateway_is_down_holds_its_task_whateve
     assert sorted(s.session_id for s in sessions) == [f"{task.task_id}-{i}-r1" for i in range(2)]
     assert all(s.reward == 1.0 and "failed" not in s.metrics for s in sessions), sessions
     assert sample("sf_agents_attempts_total", outcome="failed") == failed0
+    assert sample("sf_agents_attempts_total", outcome="timed_out") == timed_out0
 
 
 @pytest.mark.newest_nats

@@ -18,8 +18,8 @@ once:
    ``rewards.range``, a reward function that raised) ends it with reward 0.0 and
    ``{"unscored": 1}``; a gateway failure in any attempt (502-504, or no answer to a call
    within ``request_timeout_s``: the rollout behind it cannot serve now; a call to another
-   address is the agent's, its failure the attempt's; an agent failing any other way while
-   ``/health`` fails, as a client other than the SDK does) cancels the others
+   address is the agent's, its failure the attempt's; an agent failing any other way, or timing
+   out, while ``/health`` fails, as a client other than the SDK does) cancels the others
    and the whole task is run again as in 2, in new sessions (nothing is published for it);
 4. publish one ``SessionEnded`` per attempt (``Nats-Msg-Id`` = session id); the ingress acks the
    task once all are stored. A task delivered again to the same runner (an outage lost its
@@ -381,6 +381,7 @@ class AgentRunner:
                 ) from exc
         except TimeoutError:
             outcome, reason = "timed_out", f"timed out after {self._config.attempt_timeout_s:g}s"
+            await self._unless_gateway_down(sid, reason)  # a client without a timeout hangs
         except UnscoredError as exc:  # a command printed an SF_REWARD that is not a number
             seconds = time.monotonic() - started
             return self._unscored(task, sid, "agent", exc, {"latency_s": seconds})
