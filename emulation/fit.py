@@ -211,14 +211,13 @@ def fit(summary: dict[str, Any], source: str = "the summary", switch_s: float | 
 def _order(costs: dict[str, Any], where: str, assumed: list[str]) -> TrainerOrder:
     """The run's trainer order; the trainer's defaults, said, from a summary written before
     summaries recorded it."""
-    keys = ORDER_KEYS
-    if any(costs.get(key) is None for key in keys):
+    if any(costs.get(key) is None for key in ORDER_KEYS):
         assumed.append(f"the trainer's order: not in the summary, its defaults ({TrainerOrder()})")
         return TrainerOrder()
     try:  # checked as the trainer checks its config
-        config = TrainerConfig.model_validate({field: costs[key] for key, field in keys.items()})
+        config = TrainerConfig.model_validate({f: costs[key] for key, f in ORDER_KEYS.items()})
     except ValidationError as exc:
-        named = {field: key for key, field in keys.items()}
+        named = {field: key for key, field in ORDER_KEYS.items()}
         bad = "; ".join(f"{named[e['loc'][0]]!r} {e['msg']}" for e in exc.errors())
         raise PlanError(f"{where} is not a trainer's order: {bad}") from exc
     return TrainerOrder.of(config)

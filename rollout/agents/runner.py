@@ -381,21 +381,20 @@ class AgentRunner:
                 ) from exc
         except TimeoutError:
             outcome, reason = "timed_out", f"timed out after {self._config.attempt_timeout_s:g}s"
-            await self._unless_gateway_down(sid, reason)  # a client without a timeout hangs
         except UnscoredError as exc:  # a command printed an SF_REWARD that is not a number
             seconds = time.monotonic() - started
             return self._unscored(task, sid, "agent", exc, {"latency_s": seconds})
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
-            # a client other than the SDK (raw httpx, a command's own) fails its own way when
-            # the gateway is down: an attempt is scored only against a gateway that serves
-            await self._unless_gateway_down(sid, reason)
         else:
             transcript = Transcript.of(task, sid, result, self._calls.close(sid))
             return await self._score(task, transcript, result, scoring, started)
         finally:
             self._calls.close(sid)
         seconds = time.monotonic() - started
+        # a client other than the SDK (raw httpx, a command's own) fails or hangs its own way
+        # when the gateway is down: a failed attempt is scored only against a gateway that serves
+        await self._unless_gateway_down(sid, reason)
         ATTEMPTS.labels(outcome).inc()
         ATTEMPT_SECONDS.observe(seconds)
         log.warning(
