@@ -16,7 +16,14 @@ from safetensors.torch import load, save_file
 
 from broker import codec
 from broker.config import ConsumerLimits
-from broker.messages import Admitted, MessageRejected, SampleReady, TrainerShape, WeightsPublished
+from broker.messages import (
+    Admitted,
+    MessageRejected,
+    Role,
+    SampleReady,
+    TrainerShape,
+    WeightsPublished,
+)
 from broker.provision import provision_run
 from broker.registry import watch_workers
 from broker.subjects import Durable, RunNames
@@ -33,6 +40,7 @@ from tests.support import (
     stream_messages,
 )
 from tests.test_losses import sample
+from tests.test_tagsched import ask
 from trainer import checkpoint
 from trainer.batcher import plan_step
 from trainer.config import TrainerConfig
@@ -549,6 +557,46 @@ async def test_overlap_computes_a_step_ahead_and_keeps_room_for_an_earlier_task(
     assert steps == [
         (1, ["t1", "t2"], 0), (2, ["t3", "t4"], 0), (2, ["s"], 2), (3, ["t5", "t6"], 0)
     ]  # fmt: skip
+
+
+@pytest.mark.newest_nats
+async def test_overlap_computes_the_groups_that_waited_in_one_pass(
+    broker, nc, js, names, tiny_model_dir, tmp_path
+):
+    """``trainer.overlap``: groups that completed while the trainer could not compute (here: while
+    it was lent) are computed in one forward and backward, not one each, and make the step."""
+    config = TrainerConfig(
+        lr=1e-3,
+        groups_per_step=3,
+        overlap=True,
+        checkpoint_dir=tmp_path / "ckpt",
+        worker_id="trainer-p",
+        local_weights_dir=tmp_path / "shm",
+    )
+    stop = asyncio.Event()
+    serving = await serving_trainer(broker.url, js, names, config, tiny_model_dir, stop)
+    try:
+        url = (await registered(js, names, "trainer-p")).metrics_url
+
+        async def passes() -> list[float]:  # this process's registry: earlier tests' too
+            name = "sf_trainer_ahead_pass_groups"
+            return [await metric(url, f"{name}_count"), await metric(url, f"{name}_sum")]
+
+        before = await passes()
+        assert (await ask(nc, names, "trainer-p", Role.IDLE, 1)).ok
+        await publish(js, names, *(s for t in (1, 2, 3) for s in stamped(f"t{t}", t, 0)))
+        await eventually(lambda: _consumer_settled_but(js, names, 6), watch=serving)
+        assert await metric(url, "sf_trainer_version") == 0  # held, not computed, while lent
+        assert (await ask(nc, names, "trainer-p", Role.TRAIN, 2)).ok
+        await eventually(lambda: _eq(metric(url, "sf_trainer_version"), 1), watch=serving)
+        assert [a - b for a, b in zip(await passes(), before, strict=True)] == [1, 3]
+        await eventually(lambda: _consumer_settled(js, names), watch=serving, timeout=30)
+    finally:
+        stop.set()
+        await serving
+    steps = [(s.version, sorted(i.split("-")[0] for i in s.sample_ids))
+             for s in checkpoint.read_steps(config.checkpoint_dir)]  # fmt: skip
+    assert steps == [(1, ["t1", "t1", "t2", "t2", "t3", "t3"])]
 
 
 async def _order_waiting_told(js, names: RunNames, meanwhile) -> list[int]:

@@ -1,15 +1,17 @@
-"""The trainer's ``overlap`` (``trainer.config.TrainerConfig.overlap``): a step computed ahead, a
-group at a time, while the trainer would wait for its last groups. A part of ``Trainer``
+"""The trainer's ``overlap`` (``trainer.config.TrainerConfig.overlap``): a step computed ahead, as
+its groups complete, while the trainer would wait for its last groups. A part of ``Trainer``
 (``trainer.service``), kept apart: the trainer's loop calls ``_ahead_turn`` instead of taking a
 whole step when ``overlap`` is set; the rest (planning, training on the ranks, settling a step)
 is the trainer's own.
 
-A turn computes the oldest complete group while fewer than ``groups_per_step`` are computed or
-reserved for the earlier admitted tasks the step must take (``AdmissionOrder.due``: asking starts
-no wait), commits once a step's groups are computed, and only when nothing is left to compute
-waits for those tasks (``OrderWait``, bounded by ``order_wait_s``). A computed group stays in its
-step. A step computed ahead belongs to one formation of the trainer group: the check is made
-under the step lock, and a new formation computes it again.
+A turn computes, in one pass, the oldest complete groups there is room for beside those computed
+and those reserved for the earlier admitted tasks the step must take (``AdmissionOrder.due``:
+asking starts no wait): every complete group that waited while the last pass ran (or while the
+trainer was lent) costs one forward and backward, not one each. It commits once a step's groups
+are computed, and only when nothing is left to compute waits for those tasks (``OrderWait``,
+bounded by ``order_wait_s``). A computed group stays in its step. A step computed ahead belongs to
+one formation of the trainer group: the check is made under the step lock, and a new formation
+computes it again.
 """
 
 import asyncio
@@ -17,7 +19,7 @@ import asyncio
 from broker.messages import SampleReady
 from trainer.batcher import Batcher, StepAhead
 from trainer.config import TrainerConfig
-from trainer.metrics import AHEAD
+from trainer.metrics import AHEAD, AHEAD_PASSES
 from trainer.ranks import RankGroup
 from trainer.waits import OrderWait
 
@@ -35,11 +37,11 @@ class AheadSteps:
     version: int
 
     async def _ahead_turn(self, stop: asyncio.Event) -> bool:
-        """``overlap``: compute the next group or commit a computed step (checked again once
+        """``overlap``: compute the next groups or commit a computed step (checked again once
         the group cannot re-form meanwhile), else wait for the earlier tasks the step must take
         (bounded); False: nothing to do until a sample comes."""
         gps = self._config.groups_per_step
-        if self._ahead.trained >= gps or self._room_ahead():
+        if self._ahead.trained >= gps or self._room():
             async with self._busy():
                 if self._ahead.formation != self._formation:  # another formation's gradients
                     ahead, self._ahead = self._ahead, self._afresh()
@@ -47,37 +49,38 @@ class AheadSteps:
                     await asyncio.to_thread(self._ranks.discard)
                 elif self._ahead.trained >= gps:
                     await self._step_ahead()
-                elif self._room_ahead():
-                    await self._compute(self._batcher.take(1)[0])
+                elif room := self._room():
+                    await self._compute(self._batcher.take(room))
             return True
         if await self._order_wait.wait(self._batcher, self.version, stop, self._complete):
             return True
-        return self._room_ahead()  # tasks given up: room again
+        return self._room() > 0  # tasks given up: room again
 
     @property
     def _complete(self) -> int:
         """Complete groups for the next step: those computed ahead and those in the batcher."""
         return self._ahead.trained + self._batcher.complete_groups
 
-    def _room_ahead(self) -> bool:
-        """A complete group, and room for it beside those computed and those reserved for the
-        earlier admitted tasks the step must take."""
+    def _room(self) -> int:
+        """The complete groups the next pass computes: as many as wait, up to the room beside
+        those computed and those reserved for the earlier admitted tasks the step must take."""
         reserved = self._order_wait.due(self._batcher, self.version)
-        taken = self._ahead.trained + len(reserved)
-        return taken < self._config.groups_per_step and self._batcher.complete_groups > 0
+        room = self._config.groups_per_step - self._ahead.trained - len(reserved)
+        return max(0, min(room, self._batcher.complete_groups))
 
-    async def _compute(self, group: list[SampleReady]) -> None:
-        """``overlap``: one more group of the step computed ahead (one dropped whole is
-        settled at once, as a step of its own)."""
+    async def _compute(self, groups: list[list[SampleReady]]) -> None:
+        """``overlap``: more groups of the step computed ahead, in one pass (when all of them
+        are dropped whole, they are settled at once, as a step of their own)."""
         ahead = self._ahead
-        items, dropped = self._plan([group])
+        items, dropped = self._plan(groups)
         if not items:
-            await self._skip([s.sample_id for s in group], dropped)
+            await self._skip([s.sample_id for g in groups for s in g], dropped)
             return
-        ahead.add(group, items, dropped)
+        ahead.add(groups, items, dropped)
         if done := await self._train(ahead.groups, lambda: self._ranks.accumulate(items)):
             ahead.seconds += done[1]
             AHEAD.set(ahead.trained)
+            AHEAD_PASSES.observe(len(groups))
         else:
             self._ahead = self._afresh()
 

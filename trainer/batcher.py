@@ -168,8 +168,8 @@ class TrainItem:
 
 @dataclass
 class StepAhead:
-    """A step computed ahead, a group at a time (``trainer.overlap``), in one formation of the
-    trainer group: its groups so far, what they train and what they drop."""
+    """A step computed ahead as its groups complete (``trainer.overlap``), in one formation of
+    the trainer group: its groups so far, what they train and what they drop."""
 
     formation: int
     groups: list[list[SampleReady]] = field(default_factory=list)
@@ -178,11 +178,13 @@ class StepAhead:
     trained: int = 0  # groups with something to train (a group dropped whole counts none)
     seconds: float = 0.0  # computing them
 
-    def add(self, group: list[SampleReady], items: list[TrainItem], dropped: tuple) -> None:
-        self.groups.append(group)
+    def add(self, groups: list[list[SampleReady]], items: list[TrainItem], dropped: tuple) -> None:
+        """``groups``, computed in one pass: ``items`` trained of them, ``dropped`` samples."""
+        trains = {i.sample.sample_id for i in items}
+        self.groups += groups
         self.items += items
         self.dropped += dropped
-        self.trained += bool(items)
+        self.trained += sum(any(s.sample_id in trains for s in g) for g in groups)
 
     @property
     def consumed(self) -> list[str]:

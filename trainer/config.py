@@ -188,9 +188,10 @@ class TrainerConfig(BaseModel):
     )
     overlap: bool = Field(
         default=False,
-        description="compute a step's gradients a group at a time as groups complete, the "
-        "oldest first, and commit once groups_per_step are computed: the wait for a step's last "
-        "(longest) groups overlaps its compute, and order_wait_s bounds only idle waiting; needs "
+        description="compute a step's gradients as its groups complete (every complete group "
+        "waiting in one pass), the oldest first, and commit once groups_per_step are computed: "
+        "the wait for a step's last (longest) groups overlaps its compute, and order_wait_s "
+        "bounds only idle waiting; needs "
         "minibatches = 1. The scheduler then lends the trainer's workers only where they are "
         "all the rollout (colocated)",
     )

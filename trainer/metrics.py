@@ -142,6 +142,13 @@ AHEAD = Gauge(
     "Groups of the next step computed ahead, waiting for the rest (trainer.overlap)",
     registry=REGISTRY,
 )
+AHEAD_PASSES = Histogram(
+    "sf_trainer_ahead_pass_groups",
+    "Groups computed in one forward and backward pass of a step computed ahead (trainer.overlap: "
+    "every complete group waiting; one each while the trainer keeps up with the rollout)",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+    registry=REGISTRY,
+)
 ORDER_WAIT = Counter(
     "sf_trainer_order_wait_seconds",
     "Seconds steps waited for an earlier admitted task's group (trainer.order)",

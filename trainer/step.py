@@ -10,7 +10,7 @@ every shard first gets a forward without gradients, before any update.
 Loss normalisation uses each minibatch's loss tokens over ALL ranks, and the backend sums
 gradients, so N ranks compute the same update as one rank on the whole batch.
 
-``Accumulation`` is the same one-minibatch step computed a few groups at a time (the trainer's
+``Accumulation`` is the same one-minibatch step computed in parts, groups at a time (the trainer's
 ``overlap``: while it would wait for a step's last groups): each part's loss is left un-normalised
 (per-sample weights of ``1 / its loss tokens`` under sample aggregation) and backpropagated, its
 gradients adding up; ``commit`` scales them by one over the step's loss tokens (or samples), all
