@@ -94,6 +94,7 @@ TRAINER_MEANS = {
     "|behaviour - proximal| logprob, same version (mean)": "sf_trainer_mismatch_mean_abs",
     "versions from admission stamp to oldest token (mean)": "sf_trainer_admission_stamp_gap",
     "checkpoint stall seconds (mean)": "sf_trainer_checkpoint_stall_seconds",
+    "groups per pass computed ahead (mean)": "sf_trainer_ahead_pass_groups",
 }
 
 
