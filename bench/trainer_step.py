@@ -39,6 +39,11 @@ own step (``train_step``, the default config), round after round in turns on one
 Every arm's publish is the trainer's: the host-local copy written and announced. Writes
 bench/results/trainer_step-commit-<model>.json.
 
+``--ahead``: the trainer's ``overlap``, a step computed ahead in passes (``Accumulation``, one
+pass per ``k`` complete groups, for k = 1, 2 and all of them) against the step whole
+(``train_step``), round after round in turns on one backend. Writes
+bench/results/trainer_step-ahead-<model>.json.
+
 Usage: python -m bench.trainer_step [--model smollm2] [--rounds 3] [--pack-tokens 256 128]
 [--max-new 16] [--commit]
 Prints tables and writes bench/results/trainer_step-<model>[-mixed].json.
@@ -75,7 +80,7 @@ from trainer.checkpoint import Checkpoint, CheckpointWriter
 from trainer.config import TorchBackendConfig, TrainerConfig
 from trainer.losses import mismatch
 from trainer.publisher import write_folder
-from trainer.step import minibatch_loss, proximal_logprobs, train_step
+from trainer.step import Accumulation, minibatch_loss, proximal_logprobs, train_step
 
 PROMPTS, GROUP = 4, 8
 PHASES = ("collate", "proximal", "forward", "backward", "optimizer")
@@ -265,6 +270,34 @@ async def _commit_rounds(js, names, model, groups, rounds) -> list[dict]:
     return runs
 
 
+def ahead_passes(model: Path, groups: list[list[SampleReady]], rounds: int) -> dict[str, float]:
+    """``--ahead``: median seconds of a step whole and in passes of k groups (in turns)."""
+    config = TrainerConfig(lr=1e-5, groups_per_step=PROMPTS, max_staleness=9)
+    backend = build_backend(model, config)
+
+    def passes(k: int) -> None:  # as the trainer's overlap: each pass planned as it is taken
+        accumulation = Accumulation()
+        for i in range(0, len(groups), k):
+            accumulation.add(backend, plan_step(groups[i : i + k], 0, config)[0], config)
+        accumulation.commit(backend, 0, config)
+
+    items = plan_step(groups, 0, config)[0]
+    arms = {"whole (train_step)": lambda: train_step(backend, items, 0, config)}
+    arms |= {f"{k} group(s) a pass": lambda k=k: passes(k) for k in sorted({1, 2, len(groups)})}
+    seconds: dict[str, list[float]] = {arm: [] for arm in arms}
+    for r in range(rounds + 1):  # round 0 warms up
+        for arm, run in arms.items():
+            took = _timed(run)
+            if r:
+                seconds[arm].append(took)
+    table = {arm: statistics.median(s) for arm, s in seconds.items()}
+    whole = table["whole (train_step)"]
+    print(f"\nmedian seconds a step, {rounds} rounds (machine shared: compare the ratios)")
+    for arm, median in table.items():
+        print(f"  {arm:<22}{median:>8.3f}{median / whole:>7.2f}x")
+    return table
+
+
 def show_commit(runs: list[dict]) -> dict[str, float]:
     """The per-phase table of ``--commit`` (medians), before and after; returns it."""
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -311,9 +344,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new", type=int, nargs="+", default=[16], help="per group")
     parser.add_argument("--commit", action="store_true", help="the commit path, before/after")
+    parser.add_argument("--ahead", action="store_true", help="a step in passes (overlap)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
+    if args.ahead:
+        groups = asyncio.run(generate(model, Precision.FLOAT32, args.seed, args.max_new))
+        table = ahead_passes(model, groups, args.rounds)
+        result = {"machine": machine(threads=args.threads), "model": str(model), "table": table}
+        path = write_results(f"trainer_step-ahead-{Path(args.model).name}.json", result)
+        print(f"\nwrote {path}")
+        return
     if args.commit:
         groups = asyncio.run(generate(model, Precision.FLOAT32, args.seed, args.max_new))
         with bench_broker() as broker:
