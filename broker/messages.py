@@ -281,6 +281,16 @@ class CallRecorded(Message):
         return self
 
 
+class CallUnavailable(Message):
+    """The gateway could not serve a call of this session (answered 503: no rollout worker
+    took it within ``queue_timeout_s``, its attempts ran out, or its record could not be
+    stored). # gateway -> agent runner, core NATS on ``sf.<run>.gw.unavailable.<session_id>``."""
+
+    session_id: Id
+    call_id: Id
+    reason: str = Field(default="", max_length=1024)
+
+
 class SessionEnded(Message):
     """An agent session is over and scored. # agent runner / any client -> trajectory manager,
     on ``sf.<run>.traj.end``."""

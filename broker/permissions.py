@@ -83,6 +83,7 @@ def rows(names: RunNames) -> list[Row]:
         Row(n.gen_out_all, "a call's token stream", pub=frozenset({W, T}), sub=frozenset({G})),
         Row(n.gen_cancel_all, "cancel a call", pub=frozenset({G}), sub=frozenset({W, T})),
         Row(n.traj_calls_all, "a session's call record", pub=frozenset({G})),
+        Row(n.gw_unavailable_all, "a call not served now", pub=frozenset({G}), sub=frozenset({A})),
         Row(n.traj_end, "a session's end and rewards", pub=frozenset({A})),
         Row(n.samples, "a trained sample", pub=frozenset({J})),
         Row(n.weights, "a weights version", pub=frozenset({T})),

@@ -7,6 +7,7 @@ from broker.control import SchedulerState
 from broker.messages import (
     SCHEMA_VERSION,
     CallRecorded,
+    CallUnavailable,
     GenerationCancelled,
     GenerationRequested,
     Message,
@@ -27,6 +28,7 @@ WIRE_MESSAGES: tuple[type[Message], ...] = (
     TokensGenerated,
     GenerationCancelled,
     CallRecorded,
+    CallUnavailable,
     SessionEnded,
     SampleReady,
     WeightsPublished,

@@ -89,6 +89,16 @@ class RunNames:
     def traj_calls_all(self) -> str:
         return f"{self.prefix}.traj.calls.*"
 
+    def gw_unavailable(self, session_id: str) -> str:
+        """A call of the session the gateway could not serve, gateway -> agent runner (core
+        NATS): an outage the agent's own client reports its own way, told apart from its
+        failure."""
+        return f"{self.prefix}.gw.unavailable.{check_name('session', session_id)}"
+
+    @property
+    def gw_unavailable_all(self) -> str:
+        return f"{self.prefix}.gw.unavailable.*"
+
     @property
     def traj_end(self) -> str:
         return f"{self.prefix}.traj.end"

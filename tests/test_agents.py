@@ -49,7 +49,7 @@ from rollout.agents.clients import HEALTHY_FOR_S, TASKS_PER_POOL, GatewayClients
 from rollout.agents.config import AgentsConfig
 from rollout.agents.exceptions import AgentLoadError, GatewayUnavailableError, InvalidTaskError
 from rollout.agents.runner import AgentRunner
-from rollout.agents.sessions import group_id, session_id
+from rollout.agents.sessions import gateway_headers, group_id, session_id
 from rollout.agents.verifiers import bind, exact_match, last_number, number
 from rollout.gateway.calls import REGISTRY as GATEWAY_METRICS
 from seamlessflow.config import load_config
@@ -107,6 +107,21 @@ async def raw_http_agent(ctx: AgentContext) -> AgentResult:
     return AgentResult(answer="done")
 
 
+async def raw_chat_agent(ctx: AgentContext) -> AgentResult:
+    """One chat call with plain httpx, not the OpenAI SDK: an error status is httpx's error."""
+    STARTED.append(ctx.session_id)
+    auth = {"Authorization": f"Bearer {ctx.api_key}"}
+    body = {"model": ctx.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with httpx.AsyncClient(timeout=60) as client:
+        reply = await client.post(
+            f"{ctx.gateway_url}/chat/completions",
+            json=body,
+            headers={**auth, **gateway_headers(ctx.session_id, ctx.task.task_id)},
+        )
+    reply.raise_for_status()
+    return AgentResult(answer=reply.json()["choices"][0]["message"]["content"])
+
+
 async def sleepy_agent(ctx: AgentContext) -> AgentResult:
     """Answers "done" after ``metadata["sleep"]`` seconds, on the task's first delivery only."""
     STARTED.append(ctx.session_id)
@@ -152,7 +167,8 @@ async def runner(js, names: RunNames, gateway_url: str, **fields):
     """An ``AgentRunner`` on this event loop, behind the scheduler's admission; stopped (and
     awaited) on leaving."""
     stop = asyncio.Event()
-    agents = AgentRunner(js, names, SMALL_RUN.tasks, AgentsConfig(**fields), gateway_url)
+    nc = js._nc  # nats-py: the connection of the JetStream context the tests are given
+    agents = AgentRunner(nc, names, SMALL_RUN.tasks, AgentsConfig(**fields), gateway_url)
     async with admitting(js, names):
         running = asyncio.create_task(agents.run(stop))
         try:
@@ -627,6 +643,39 @@ async def test_a_call_unanswered_within_its_timeout_holds_the_task_never_scores_
     finally:
         stack.worker.proc.send_signal(signal.SIGCONT)
     assert all("failed" not in s.metrics for s in sessions)
+    assert all(re.search(r"-r\d+$", s.session_id) for s in sessions)  # run again, new sessions
+    assert sample("sf_agents_attempts_total", outcome="failed") == failed0
+
+
+@pytest.mark.newest_nats
+async def test_a_503_an_agents_own_client_raises_holds_the_task_never_scores_it(
+    stack, js, broker, tiny_model_dir
+):
+    """The rollout worker freezes; a gateway with ``queue_timeout_s`` 1 s answers the agent's
+    call 503, which the agent's plain httpx raises as its own error while ``/health`` answers.
+    The gateway tells the runner it could not serve the call (``CallUnavailable``): the task is
+    held (nothing scored 0.0), and runs once the worker thaws."""
+    names = stack.names
+    config = gateway_config(tiny_model_dir, names.run, queue_timeout_s=1.0)
+    task = chat_task(unique("told"), group_size=2)
+    failed0 = sample("sf_agents_attempts_total", outcome="failed")
+    unavailable0 = sample("sf_agents_attempts_total", outcome="unavailable")
+    agent = "tests.test_agents:raw_chat_agent"
+    stack.worker.proc.send_signal(signal.SIGSTOP)
+    try:
+        with GatewayThread(config, broker.url) as gateway:
+            async with runner(js, names, gateway.url, agent=agent) as (_, running):
+                await submit_tasks(js, names, [task], progress=False)
+                paused = lambda: sample("sf_ingress_paused", source="tasks") == 1  # noqa: E731
+                await eventually(paused, watch=running, timeout=30)
+                assert sample("sf_agents_attempts_total", outcome="unavailable") > unavailable0
+                stored = await stream_messages(js, names.traj_stream, SessionEnded, names.traj_end)
+                assert not [m for m in stored if m.task_id == task.task_id]
+                stack.worker.proc.send_signal(signal.SIGCONT)
+                sessions = await ended(js, names, {task.task_id}, 2)
+    finally:
+        stack.worker.proc.send_signal(signal.SIGCONT)
+    assert all("failed" not in s.metrics for s in sessions), sessions
     assert all(re.search(r"-r\d+$", s.session_id) for s in sessions)  # run again, new sessions
     assert sample("sf_agents_attempts_total", outcome="failed") == failed0
 

@@ -19,8 +19,9 @@ once:
    ``{"unscored": 1}``; a gateway failure in any attempt (502-504, or no answer to a call
    within ``request_timeout_s``: the rollout behind it cannot serve now; a call to another
    address is the agent's, its failure the attempt's; an agent failing any other way, or timing
-   out, while ``/health`` fails, as a client other than the SDK does) cancels the others
-   and the whole task is run again as in 2, in new sessions (nothing is published for it);
+   out, after the gateway told it could not serve one of its calls (``rollout.agents.outage``:
+   a 503 a client other than the SDK reports its own way) or while ``/health`` fails) cancels
+   the others and the whole task is run again as in 2, in new sessions (nothing is published);
 4. publish one ``SessionEnded`` per attempt (``Nats-Msg-Id`` = session id); the ingress acks the
    task once all are stored. A task delivered again to the same runner (an outage lost its
    in-progress signals or its ack, or it was admitted again) runs one group: the copy waits for
@@ -38,7 +39,7 @@ from collections.abc import Callable
 from functools import partial
 
 import openai
-from nats.js import JetStreamContext
+from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from broker import codec
@@ -67,6 +68,8 @@ from rollout.agents.exceptions import (
     UnscoredError,
 )
 from rollout.agents.once import OncePerTask
+from rollout.agents.outage import REGISTRY as OUTAGE_METRICS
+from rollout.agents.outage import GatewayOutage
 from rollout.agents.rewards import CallLog, Scoring, Transcript, ended, scoring_for
 from rollout.agents.sessions import (
     gateway_base,
@@ -140,14 +143,14 @@ class AgentRunner:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        nc: NATS,
         names: RunNames,
         tasks_limits: StreamLimits,
         config: AgentsConfig,
         gateway_url: str,
         rewards: RewardsConfig | None = None,
     ) -> None:
-        self._js = js
+        self._js = nc.jetstream()
         self._reward_range = (rewards or RewardsConfig()).range
         self._names = names
         self._limits = tasks_limits
@@ -170,6 +173,7 @@ class AgentRunner:
             on_request=self._calls.on_request,
             model=config.model,
         )
+        self._outage = GatewayOutage(nc, names, self._clients)
         self._stop = asyncio.Event()
         self._abort = asyncio.Event()
         self._once = OncePerTask()
@@ -177,9 +181,11 @@ class AgentRunner:
     async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
         """Take tasks until ``stop`` is set; then let running tasks finish within
         ``shutdown_grace_s`` and hand back the rest."""
+        await self._outage.start()
         try:
             await self._consume(stop, on_ready)
         finally:
+            await self._outage.stop()
             await self._clients.aclose()
             log.info(kv("agents_stopped", run=self._names.run))
 
@@ -292,32 +298,29 @@ class AgentRunner:
         """Every attempt's ``SessionEnded``; raises ``RunnerStoppingError`` when aborted and
         ``GatewayUnavailableError`` (other attempts cancelled) when the gateway failed."""
 
+        sids = [
+            session_id(task.task_id, i, delivery.num_delivered, delivery.retry)
+            for i in range(task.group_size)
+        ]
+
         async def group() -> list[SessionEnded]:
             async with asyncio.TaskGroup() as tg:
                 attempts = [
-                    tg.create_task(
-                        self._attempt(
-                            task,
-                            session_id(task.task_id, i, delivery.num_delivered, delivery.retry),
-                            agent,
-                            scoring,
-                            model,
-                        )
-                    )
-                    for i in range(task.group_size)
+                    tg.create_task(self._attempt(task, sid, agent, scoring, model)) for sid in sids
                 ]
             return [a.result() for a in attempts]
 
-        running = asyncio.create_task(group())
-        aborted = asyncio.create_task(self._abort.wait())
-        try:
-            await asyncio.wait({running, aborted}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            aborted.cancel()
-            if not running.done():
-                running.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await running
+        with self._outage.watching(sids):  # the gateway's notices of their calls
+            running = asyncio.create_task(group())
+            aborted = asyncio.create_task(self._abort.wait())
+            try:
+                await asyncio.wait({running, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                aborted.cancel()
+                if not running.done():
+                    running.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await running
         if running.cancelled():
             raise RunnerStoppingError(f"task {task.task_id}: attempts cancelled, runner stopping")
         try:
@@ -392,26 +395,17 @@ class AgentRunner:
         finally:
             self._calls.close(sid)
         seconds = time.monotonic() - started
-        # a client other than the SDK (raw httpx, a command's own) fails or hangs its own way
-        # when the gateway is down: a failed attempt is scored only against a gateway that serves
-        await self._unless_gateway_down(sid, reason)
+        try:  # a client other than the SDK (raw httpx, a command's) fails its own way
+            await self._outage.check(sid, reason)
+        except GatewayUnavailableError:
+            ATTEMPTS.labels("unavailable").inc()
+            raise
         ATTEMPTS.labels(outcome).inc()
         ATTEMPT_SECONDS.observe(seconds)
         log.warning(
             kv("attempt_failed", task=task.task_id, session=sid, outcome=outcome, reason=reason)
         )
         return ended(task, sid, 0.0, {"failed": 1.0, "latency_s": seconds})
-
-    async def _unless_gateway_down(self, sid: str, reason: str) -> None:
-        """``GatewayUnavailableError`` (the task is held) if the gateway does not serve now."""
-        self._clients.down()
-        try:
-            await self._clients.serving()
-        except GatewayUnavailableError as exc:
-            ATTEMPTS.labels("unavailable").inc()
-            raise GatewayUnavailableError(
-                f"session {sid}: the agent failed ({reason}) and {exc}"
-            ) from exc
 
     async def _score(
         self,
@@ -487,12 +481,10 @@ async def serve_agents(
     stop: asyncio.Event,
 ) -> None:
     """Run the agent runner of ``run`` until ``stop`` is set, serving /metrics."""
-    metrics = serve_metrics(REGISTRY, INGRESS_METRICS, port=metrics_port)
+    metrics = serve_metrics(REGISTRY, INGRESS_METRICS, OUTAGE_METRICS, port=metrics_port)
     try:
         async with session(url, "seamlessflow-agents", stop=stop, principal=Principal.AGENTS) as nc:
-            runner = AgentRunner(
-                nc.jetstream(), RunNames(run), provision.tasks, config, gateway_url, rewards
-            )
+            runner = AgentRunner(nc, RunNames(run), provision.tasks, config, gateway_url, rewards)
             await runner.run(stop, on_ready=partial(announce_ready, "agents", metrics.url, run=run))
     finally:
         metrics.close()

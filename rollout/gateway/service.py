@@ -29,14 +29,16 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from broker import codec
 from broker.codec import describe
-from broker.messages import FinishReason, SamplingParams, ToolCall
+from broker.messages import CallUnavailable, FinishReason, SamplingParams, ToolCall
 from broker.subjects import NAME_PATTERN, SESSION_HEADER, TASK_HEADER, RunNames
 from common.log import kv
 from rollout.exceptions import (
     ClientDisconnectedError,
     ContextLengthError,
     GenerationFailedError,
+    GenerationUnavailableError,
     InvalidRequestError,
     ModelNotFoundError,
     PermissionDeniedError,
@@ -310,6 +312,7 @@ class OpenAIService:
                 started.cancel()
                 raise
             except Exception as exc:
+                await self._tell_unavailable(call, exc)
                 if not started.done():  # (cancelled when the client left: nobody waits)
                     started.set_exception(exc)
                 return
@@ -329,6 +332,8 @@ class OpenAIService:
             except RecordUnavailableError as exc:
                 last = Event(spec.index, error=exc)
         try:
+            if last.error is not None:
+                await self._tell_unavailable(call, last.error)
             # before the client has the last event: its next request may echo this turn
             if last.error is None and prompt.text is not None:
                 await self._off_loop(
@@ -344,6 +349,24 @@ class OpenAIService:
             log.exception(kv("gateway_session_record_failed", call=call.call_id))
         finally:
             events.put_nowait(last)
+
+    async def _tell_unavailable(self, call: Call, error: BaseException) -> None:
+        """A call not served for want of the rollout or the broker (503) is told on its
+        session's subject before the client has the answer (``CallUnavailable``): the agent
+        runner then tells the outage from its agent's failure whatever client the agent used.
+        With the broker gone nothing is told: the runner's ``/health`` check sees that."""
+        if not isinstance(error, GenerationUnavailableError | RecordUnavailableError):
+            return
+        if not self.nc.is_connected:
+            return
+        notice = CallUnavailable(
+            session_id=call.session_id, call_id=call.call_id, reason=str(error)[:1024]
+        )
+        try:
+            await self.nc.publish(self.names.gw_unavailable(call.session_id), codec.encode(notice))
+            await self.nc.flush(timeout=1)  # the server has it before the client has the 503
+        except Exception as exc:
+            log.warning(kv("gateway_unavailable_not_told", call=call.call_id, error=exc))
 
     async def _stream_choice(
         self, spec: ChoiceSpec, call: Call, format_: Format, events: asyncio.Queue[Event]
