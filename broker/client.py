@@ -37,6 +37,12 @@ cluster after about (``MAX_OUTSTANDING_PINGS`` + 1) * ``PING_INTERVAL_S``; nats.
 (120 s, 2) kept a client on a cut-off server for up to 6 minutes."""
 
 WAIT_LOG_S = 30.0
+ROUND_TRIP_LIMIT_S = 4 * PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1)
+"""``round_trip``'s flush: well after nats-py found the connection stale and made it again
+(which drops the pongs awaited, so a flush timing out then leaves nothing behind)."""
+ROUND_TRIP_WAIT_S = 5.0
+"""How long ``round_trip`` waits by default (the gateway's ``CallUnavailable`` before its 503,
+the agent runner's check after a failed attempt): a broker slower than that is going away."""
 """How often a service waiting for its broker at start says it still waits."""
 
 
@@ -206,6 +212,18 @@ async def disconnect(nc: NATS, *, drain_within: float = 10.0) -> None:
         await nc.close()
     except OSError as exc:  # nats-py flushes what is pending onto the dead socket
         log.info(kv("nats_close_failed", error=f"{type(exc).__name__}: {exc}"))
+
+
+async def round_trip(nc: NATS, within_s: float = ROUND_TRIP_WAIT_S) -> bool:
+    """A PING/PONG with the server, waited for up to ``within_s``: True once all this connection
+    sent before is at the server, and all the server sent it before has been read. Not nats-py's
+    ``flush(timeout)`` alone: one that times out leaves its cancelled future among the pongs
+    awaited, and the late PONG then ends the connection's read loop (``InvalidStateError``).
+    Here the flush goes on waiting, in the background, for as long as a PONG may take."""
+    flushed = asyncio.ensure_future(nc.flush(timeout=ROUND_TRIP_LIMIT_S))
+    flushed.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+    await asyncio.wait({flushed}, timeout=within_s)
+    return flushed.done() and not flushed.cancelled() and flushed.exception() is None
 
 
 @asynccontextmanager

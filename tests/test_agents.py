@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 import uuid
-from contextlib import asynccontextmanager, suppress
+from contextlib import ExitStack, asynccontextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -623,48 +623,30 @@ async def test_a_gateway_outage_holds_the_tasks_and_runs_every_one_when_it_retur
 
 
 @pytest.mark.newest_nats
-async def test_a_call_unanswered_within_its_timeout_holds_the_task_never_scores_it(stack, js):
-    """The rollout worker freezes (SIGSTOP): the calls wait in the gen queue and the agent's
-    call gets no answer within ``request_timeout_s``. That is the rollout not serving now, not
-    the agent failing: the task is held (nothing scored 0.0), and runs once the worker thaws."""
+@pytest.mark.parametrize("client", ["sdk-unanswered", "own-client-503"])
+async def test_a_frozen_rollout_holds_the_task_never_scores_it(
+    stack, js, broker, tiny_model_dir, client
+):
+    """The rollout worker freezes (SIGSTOP): the calls wait in the gen queue. Through the SDK the
+    agent's call gets no answer within ``request_timeout_s``; through its own plain httpx it gets
+    the 503 of a gateway whose ``queue_timeout_s`` is 1 s, raised as httpx's error while
+    ``/health`` answers (the gateway tells the runner: ``CallUnavailable``). Either way the
+    rollout does not serve now; the agent did not fail: the task is held (nothing scored 0.0),
+    and runs once the worker thaws."""
     names = stack.names
     task = chat_task(unique("frozen"), group_size=2)
     failed0 = sample("sf_agents_attempts_total", outcome="failed")
-    stack.worker.proc.send_signal(signal.SIGSTOP)
-    try:
-        async with runner(js, names, stack.url, request_timeout_s=3, max_tokens=4) as (_, running):
-            await submit_tasks(js, names, [task], progress=False)
-            paused = lambda: sample("sf_ingress_paused", source="tasks") == 1  # noqa: E731
-            await eventually(paused, watch=running, timeout=30)
-            stored = await stream_messages(js, names.traj_stream, SessionEnded, names.traj_end)
-            assert not [m for m in stored if m.task_id == task.task_id]
-            stack.worker.proc.send_signal(signal.SIGCONT)
-            sessions = await ended(js, names, {task.task_id}, 2)
-    finally:
-        stack.worker.proc.send_signal(signal.SIGCONT)
-    assert all("failed" not in s.metrics for s in sessions)
-    assert all(re.search(r"-r\d+$", s.session_id) for s in sessions)  # run again, new sessions
-    assert sample("sf_agents_attempts_total", outcome="failed") == failed0
-
-
-@pytest.mark.newest_nats
-async def test_a_503_an_agents_own_client_raises_holds_the_task_never_scores_it(
-    stack, js, broker, tiny_model_dir
-):
-    """The rollout worker freezes; a gateway with ``queue_timeout_s`` 1 s answers the agent's
-    call 503, which the agent's plain httpx raises as its own error while ``/health`` answers.
-    The gateway tells the runner it could not serve the call (``CallUnavailable``): the task is
-    held (nothing scored 0.0), and runs once the worker thaws."""
-    names = stack.names
-    config = gateway_config(tiny_model_dir, names.run, queue_timeout_s=1.0)
-    task = chat_task(unique("told"), group_size=2)
-    failed0 = sample("sf_agents_attempts_total", outcome="failed")
     unavailable0 = sample("sf_agents_attempts_total", outcome="unavailable")
-    agent = "tests.test_agents:raw_chat_agent"
-    stack.worker.proc.send_signal(signal.SIGSTOP)
-    try:
-        with GatewayThread(config, broker.url) as gateway:
-            async with runner(js, names, gateway.url, agent=agent) as (_, running):
+    with ExitStack() as gateways:
+        if client == "own-client-503":
+            config = gateway_config(tiny_model_dir, names.run, queue_timeout_s=1.0)
+            url = gateways.enter_context(GatewayThread(config, broker.url)).url
+            fields = {"agent": "tests.test_agents:raw_chat_agent"}
+        else:
+            url, fields = stack.url, {"request_timeout_s": 3, "max_tokens": 4}
+        stack.worker.proc.send_signal(signal.SIGSTOP)
+        try:
+            async with runner(js, names, url, **fields) as (_, running):
                 await submit_tasks(js, names, [task], progress=False)
                 paused = lambda: sample("sf_ingress_paused", source="tasks") == 1  # noqa: E731
                 await eventually(paused, watch=running, timeout=30)
@@ -673,8 +655,8 @@ async def test_a_503_an_agents_own_client_raises_holds_the_task_never_scores_it(
                 assert not [m for m in stored if m.task_id == task.task_id]
                 stack.worker.proc.send_signal(signal.SIGCONT)
                 sessions = await ended(js, names, {task.task_id}, 2)
-    finally:
-        stack.worker.proc.send_signal(signal.SIGCONT)
+        finally:
+            stack.worker.proc.send_signal(signal.SIGCONT)
     assert all("failed" not in s.metrics for s in sessions), sessions
     assert all(re.search(r"-r\d+$", s.session_id) for s in sessions)  # run again, new sessions
     assert sample("sf_agents_attempts_total", outcome="failed") == failed0

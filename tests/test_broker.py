@@ -21,7 +21,7 @@ from nats.errors import Error as NatsError
 
 from broker import codec
 from broker.auth import Identity
-from broker.client import connect, session
+from broker.client import connect, round_trip, session
 from broker.exceptions import (
     AuthorizationError,
     BrokerNotFoundError,
@@ -40,6 +40,7 @@ from tests.support import (
     broker_config,
     eventually,
     free_port,
+    frozen,
     metric,
     stream_messages,
 )
@@ -86,6 +87,28 @@ async def test_restart_keeps_the_file_store(tmp_path: Path, nats_binary: Path):
     assert [t.task_id for t in tasks] == [f"task-{i}" for i in range(5)]
     assert tasks[3] == _task(3)
     assert report.created == []
+
+
+async def test_a_round_trip_out_of_time_leaves_the_connection_working(
+    tmp_path: Path, nats_binary: Path
+):
+    """``round_trip`` to a server that does not answer (frozen) gives up; once it answers, the
+    connection carries messages still. (nats-py's ``flush(timeout)`` left a cancelled future for
+    the late PONG, which ended the connection's read loop.)"""
+    with EmbeddedBroker(broker_config(tmp_path, nats_binary, insecure=True)) as broker:
+        async with session(broker.url, "test") as nc:
+            got: list[bytes] = []
+
+            async def on(msg) -> None:
+                got.append(msg.data)
+
+            await nc.subscribe("rt.x", cb=on)
+            async with frozen(broker.pid):
+                assert not await round_trip(nc, 0.3)
+            assert await round_trip(nc)
+            await nc.publish("rt.x", b"after")
+            assert await round_trip(nc)
+            await eventually(lambda: got == [b"after"], timeout=5)
 
 
 async def test_a_run_that_does_not_fit_is_refused_and_the_others_keep_jetstream(

@@ -16,6 +16,7 @@ from nats.aio.subscription import Subscription
 from prometheus_client import CollectorRegistry, Counter
 
 from broker import codec
+from broker.client import round_trip
 from broker.exceptions import InvalidMessageError
 from broker.messages import CallUnavailable
 from broker.subjects import RunNames
@@ -31,7 +32,6 @@ BAD_NOTICES = Counter(
     "CallUnavailable notices that could not be read (ignored, logged)",
     registry=REGISTRY,
 )
-_FLUSH_S = 1.0
 
 
 class GatewayOutage:
@@ -77,8 +77,7 @@ class GatewayOutage:
         """``GatewayUnavailableError`` (the task is held) if the gateway told it could not serve
         a call of the session (every notice it sent before is in: a round trip to the server
         first), or if it does not serve now (a fresh ``/health``)."""
-        with contextlib.suppress(Exception):  # the broker gone: /health says so below
-            await self._nc.flush(timeout=_FLUSH_S)
+        await round_trip(self._nc)  # not answered: the broker is going, /health below
         await asyncio.sleep(0)  # the subscription's task hands over what the flush let in
         told = self._told.get(session_id)
         if told is not None:

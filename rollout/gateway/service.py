@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from broker import codec
+from broker.client import round_trip
 from broker.codec import describe
 from broker.messages import CallUnavailable, FinishReason, SamplingParams, ToolCall
 from broker.subjects import NAME_PATTERN, SESSION_HEADER, TASK_HEADER, RunNames
@@ -364,7 +365,7 @@ class OpenAIService:
         )
         try:
             await self.nc.publish(self.names.gw_unavailable(call.session_id), codec.encode(notice))
-            await self.nc.flush(timeout=1)  # the server has it before the client has the 503
+            await round_trip(self.nc)  # the server has it before the client has the 503
         except Exception as exc:
             log.warning(kv("gateway_unavailable_not_told", call=call.call_id, error=exc))
 
