@@ -48,6 +48,7 @@ from rollout.agents.arithmetic import (
 from rollout.agents.clients import HEALTHY_FOR_S, TASKS_PER_POOL, GatewayClients
 from rollout.agents.config import AgentsConfig
 from rollout.agents.exceptions import AgentLoadError, GatewayUnavailableError, InvalidTaskError
+from rollout.agents.outage import REGISTRY as OUTAGE_METRICS
 from rollout.agents.runner import AgentRunner
 from rollout.agents.sessions import gateway_headers, group_id, session_id
 from rollout.agents.verifiers import bind, exact_match, last_number, number
@@ -157,8 +158,8 @@ def unique(prefix: str) -> str:
 
 
 def sample(name: str, **labels: str) -> float:
-    """A sample of the runner's or the ingress's registry (the runner under test runs here)."""
-    registries = (runner_module.REGISTRY, INGRESS_METRICS)
+    """A sample of the runner's registries or the ingress's (the runner under test runs here)."""
+    registries = (runner_module.REGISTRY, OUTAGE_METRICS, INGRESS_METRICS)
     return sum(r.get_sample_value(name, labels) or 0.0 for r in registries)
 
 
@@ -660,6 +661,29 @@ async def test_a_frozen_rollout_holds_the_task_never_scores_it(
     assert all("failed" not in s.metrics for s in sessions), sessions
     assert all(re.search(r"-r\d+$", s.session_id) for s in sessions)  # run again, new sessions
     assert sample("sf_agents_attempts_total", outcome="failed") == failed0
+
+
+@pytest.mark.newest_nats
+async def test_a_notice_that_does_not_decode_is_counted_and_the_runner_goes_on(stack, js, caplog):
+    """A ``CallUnavailable`` that is not one (here published by the test, as a gateway with a
+    bug would): counted, logged with its subject, ignored; the runner runs tasks still."""
+    names = stack.names
+    bad0 = sample("sf_agents_bad_unavailable_notices_total")
+    task = chat_task(unique("after-bad"))
+    async with runner(js, names, stack.url, max_tokens=4) as (_, running):
+
+        async def counted() -> bool:  # published until the runner's subscription has one
+            await js._nc.publish(names.gw_unavailable("s-1"), b"\xc1 not msgpack")
+            return sample("sf_agents_bad_unavailable_notices_total") > bad0
+
+        await eventually(counted, watch=running)
+        await submit_tasks(js, names, [task], progress=False)
+        (session,) = await ended(js, names, {task.task_id}, 1)
+    assert "failed" not in session.metrics
+    assert any(
+        r.getMessage().startswith("bad_unavailable_notice") and names.gw_unavailable("s-1") in
+        r.getMessage() for r in caplog.records
+    )  # fmt: skip
 
 
 @pytest.mark.newest_nats
