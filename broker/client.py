@@ -37,13 +37,13 @@ cluster after about (``MAX_OUTSTANDING_PINGS`` + 1) * ``PING_INTERVAL_S``; nats.
 (120 s, 2) kept a client on a cut-off server for up to 6 minutes."""
 
 WAIT_LOG_S = 30.0
+"""How often a service waiting for its broker at start says it still waits."""
 ROUND_TRIP_LIMIT_S = 4 * PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1)
 """``round_trip``'s flush: well after nats-py found the connection stale and made it again
 (which drops the pongs awaited, so a flush timing out then leaves nothing behind)."""
 ROUND_TRIP_WAIT_S = 5.0
 """How long ``round_trip`` waits by default (the gateway's ``CallUnavailable`` before its 503,
 the agent runner's check after a failed attempt): a broker slower than that is going away."""
-"""How often a service waiting for its broker at start says it still waits."""
 
 
 async def connect(
