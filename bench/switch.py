@@ -49,9 +49,10 @@ from bench.output import bench_broker, percentile, write_model_run
 from broker import codec
 from broker.client import session
 from broker.config import ProvisionConfig
-from broker.messages import Role, RoleChangeAcked, RoleChangeRequested, SamplingParams
+from broker.messages import Role, SamplingParams
 from broker.provision import provision_run
 from broker.subjects import SESSION_HEADER, RunNames
+from broker.worker_messages import RoleChangeAcked, RoleChangeRequested
 from common.metrics import metric_sum, scrape
 from common.models import model_info, resolve_model
 from rollout.engines import ENGINE_CONFIGS, EngineConfig, start_engine

@@ -31,9 +31,10 @@ from nats.js.kv import KeyValue
 
 from broker import codec
 from broker.exceptions import InvalidMessageError, ProvisionConflictError
-from broker.messages import Role, TrainerShape, WorkerRegistered
+from broker.messages import Role
 from broker.node_tags import query_gpus, with_node_tags
 from broker.subjects import RunNames
+from broker.worker_messages import TrainerShape, WorkerRegistered
 from common.log import kv
 
 log = logging.getLogger(__name__)

@@ -49,11 +49,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from broker import codec
 from broker.control import SchedulerState
 from broker.exceptions import InvalidMessageError
-from broker.messages import Role, RoleChangeAcked, RoleChangeRequested
+from broker.messages import Role
 from broker.provision import run_bucket
 from broker.registry import Registration
 from broker.retry import retry
 from broker.subjects import RunNames
+from broker.worker_messages import RoleChangeAcked, RoleChangeRequested
 from common.log import kv
 
 log = logging.getLogger(__name__)

@@ -12,15 +12,13 @@ from broker.messages import (
     GenerationRequested,
     Message,
     MessageRejected,
-    RoleChangeAcked,
-    RoleChangeRequested,
     SampleReady,
     SessionEnded,
     TaskSubmitted,
     TokensGenerated,
     WeightsPublished,
-    WorkerRegistered,
 )
+from broker.worker_messages import RoleChangeAcked, RoleChangeRequested, WorkerRegistered
 
 WIRE_MESSAGES: tuple[type[Message], ...] = (
     TaskSubmitted,

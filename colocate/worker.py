@@ -18,10 +18,11 @@ from nats.aio.client import Client as NATS
 
 from broker.client import session
 from broker.config import ProvisionConfig
-from broker.messages import Role, has_tags
+from broker.messages import Role
 from broker.permissions import Principal
 from broker.roles import membership
 from broker.subjects import RunNames
+from broker.worker_messages import has_tags
 from common.metrics import serve_metrics
 from rollout.engines import Engine, EngineConfig, start_engine
 from rollout.engines.base import TakesTensors

@@ -7,13 +7,13 @@ from nats.js import JetStreamContext
 
 from broker.client import session
 from broker.config import ProvisionConfig
-from broker.messages import TrainerShape
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.permissions import Principal
 from broker.registry import Registration
 from broker.roles import REGISTRY as ROLE_METRICS
 from broker.roles import membership
 from broker.subjects import RunNames
+from broker.worker_messages import TrainerShape
 from common.metrics import serve_metrics
 from common.ready import announce_ready
 from rollout.engines import EngineConfig, start_engine

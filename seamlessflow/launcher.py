@@ -30,7 +30,7 @@ from broker.exceptions import (
     RetryStoppedError,
     StoppedWaitingError,
 )
-from broker.messages import Message, Role, WorkerRegistered
+from broker.messages import Message, Role
 from broker.metrics import SERVER_REGISTRY, StreamDepthCollector
 from broker.permissions import Principal
 from broker.provision import RunStatus
@@ -39,6 +39,7 @@ from broker.retry import retry
 from broker.roles import ROLE_LEASE_SHARE
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
+from broker.worker_messages import WorkerRegistered
 from common.log import kv
 from common.metrics import MetricsEndpoint, metric_sum, scrape, serve_metrics
 from common.ready import announce_ready

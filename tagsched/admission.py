@@ -57,8 +57,9 @@ from nats.js.api import ConsumerInfo
 from broker import codec
 from broker.config import StreamLimits
 from broker.ingress import Delivery, HandBack, Ingress, tasks_ingress
-from broker.messages import Admitted, Role, TaskSubmitted, WeightsState, WorkerRegistered
+from broker.messages import Admitted, Role, TaskSubmitted, WeightsState
 from broker.subjects import Durable, RunNames
+from broker.worker_messages import WorkerRegistered
 from common.log import kv
 from tagsched.exceptions import AdmissionError, LeaseLostError
 from tagsched.metrics import ADMISSION_WAIT, ADMITTED, LIMIT, OUTSTANDING, WAITING

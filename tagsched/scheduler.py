@@ -36,17 +36,16 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from broker import codec
 from broker.control import Fence
 from broker.exceptions import InvalidMessageError, RetryStoppedError
-from broker.messages import (
-    Role,
-    RoleChangeAcked,
-    RoleChangeRequested,
-    TrainerShape,
-    WeightsState,
-    WorkerRegistered,
-)
+from broker.messages import Role, WeightsState
 from broker.registry import LastSeen, watch_registry
 from broker.retry import BACKOFF, TRANSIENT, retry
 from broker.subjects import RunNames
+from broker.worker_messages import (
+    RoleChangeAcked,
+    RoleChangeRequested,
+    TrainerShape,
+    WorkerRegistered,
+)
 from common.log import kv
 from tagsched.admission import Admission, Stamper, admission_limit
 from tagsched.config import SchedulerConfig

@@ -6,11 +6,11 @@ from functools import partial
 
 from broker.client import session
 from broker.config import ProvisionConfig
-from broker.messages import TrainerShape
 from broker.metrics import REGISTRY as INGRESS_METRICS
 from broker.permissions import Principal
 from broker.provision import durable_info
 from broker.subjects import Durable, RunNames
+from broker.worker_messages import TrainerShape
 from common.metrics import serve_metrics
 from common.ready import announce_ready
 from tagsched.admission import Admission, admission_limit

@@ -29,7 +29,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from broker.messages import WorkerRegistered, has_tags
+from broker.worker_messages import WorkerRegistered, has_tags
 from tagsched.exceptions import UnsatisfiableSpecError
 
 

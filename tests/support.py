@@ -43,13 +43,13 @@ from broker.messages import (
     GenerationRequested,
     Message,
     TokensGenerated,
-    WorkerRegistered,
 )
 from broker.permissions import Principal
 from broker.provision import provision_run
 from broker.server import EmbeddedBroker, find_nats_server, server_version
 from broker.subjects import Durable, RunNames
 from broker.tls import throwaway_pki
+from broker.worker_messages import WorkerRegistered
 from common.metrics import metric_sum, scrape
 from rollout.gateway import Gateway, GatewayConfig
 from seamlessflow.processes import ServiceProcess, worker_process

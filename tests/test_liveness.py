@@ -26,10 +26,11 @@ from nats.js.kv import KeyValue
 
 from broker import registry
 from broker.client import session
-from broker.messages import Role, WorkerRegistered
+from broker.messages import Role
 from broker.provision import provision_run
 from broker.registry import LastSeen, Registration, Sighting, read_registry
 from broker.subjects import RunNames
+from broker.worker_messages import WorkerRegistered
 from seamlessflow.launcher import print_workers, workers_and_leader
 from seamlessflow.processes import worker_process
 from tagsched.admission import Admission

@@ -12,13 +12,14 @@ from broker import codec
 from broker.client import session
 from broker.control import Fence, SchedulerState
 from broker.exceptions import RunNotProvisionedError
-from broker.messages import Role, WorkerRegistered
+from broker.messages import Role
 from broker.provision import provision_run
 from broker.registry import Registration
 from broker.roles import REGISTRY as ROLE_METRICS
 from broker.roles import membership
 from broker.server import EmbeddedBroker
 from broker.subjects import RunNames
+from broker.worker_messages import WorkerRegistered
 from seamlessflow.processes import worker_process
 from tagsched.exceptions import LeaseLostError
 from tagsched.spec import Demand, PlacementSpec

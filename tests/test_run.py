@@ -16,17 +16,11 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from safetensors.torch import load, load_file
 
 from broker import codec
-from broker.messages import (
-    Role,
-    SampleReady,
-    SessionEnded,
-    TaskSubmitted,
-    WeightsPublished,
-    WorkerRegistered,
-)
+from broker.messages import Role, SampleReady, SessionEnded, TaskSubmitted, WeightsPublished
 from broker.registry import Sighting
 from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights
+from broker.worker_messages import WorkerRegistered
 from rollout.engines import VLLMEngineConfig
 from seamlessflow.config import RunConfig, load_config, override
 from seamlessflow.exceptions import ConfigError

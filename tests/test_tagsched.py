@@ -22,15 +22,10 @@ from broker.client import session
 from broker.messages import (
     ChatMessage,
     Role,
-    RoleChangeAcked,
-    RoleChangeRequested,
     SampleReady,
     SessionEnded,
     TaskSubmitted,
-    TrainerShape,
     WeightsState,
-    WorkerRegistered,
-    has_tags,
 )
 from broker.node_tags import gpu_tags, query_gpus, with_node_tags
 from broker.provision import provision_run
@@ -38,6 +33,13 @@ from broker.registry import Registration, node_name
 from broker.roles import membership
 from broker.server import EmbeddedBroker
 from broker.subjects import Durable, RunNames
+from broker.worker_messages import (
+    RoleChangeAcked,
+    RoleChangeRequested,
+    TrainerShape,
+    WorkerRegistered,
+    has_tags,
+)
 from rollout.gateway import Gateway
 from seamlessflow.config import load_config
 from seamlessflow.exceptions import ConfigError

@@ -16,18 +16,12 @@ from safetensors.torch import load, save_file
 
 from broker import codec
 from broker.config import ConsumerLimits
-from broker.messages import (
-    Admitted,
-    MessageRejected,
-    Role,
-    SampleReady,
-    TrainerShape,
-    WeightsPublished,
-)
+from broker.messages import Admitted, MessageRejected, Role, SampleReady, WeightsPublished
 from broker.provision import provision_run
 from broker.registry import watch_workers
 from broker.subjects import Durable, RunNames
 from broker.weights import fetch_weights, host_id, latest_weights, run_instance
+from broker.worker_messages import TrainerShape
 from common.staleness import StalenessMode
 from seamlessflow.processes import ServiceProcess, worker_process
 from tests.support import (

@@ -134,7 +134,8 @@ def test_a_version_is_stored_once_a_live_worker_cannot_load_the_host_local_copy(
     and the latter is then treated as elsewhere at once."""
     import time
 
-    from broker.messages import Role, WorkerRegistered
+    from broker.messages import Role
+    from broker.worker_messages import WorkerRegistered
     from trainer.publisher import LOCAL_GRACE_S, store_needed
 
     def worker(wid: str, host: str, version: int | None) -> WorkerRegistered:

@@ -10,9 +10,9 @@ from typing import Annotated, ClassVar, Literal, Self, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from broker.config import Tags
-from broker.messages import TrainerShape
 from broker.registry import default_worker_id
 from broker.subjects import NAME_PATTERN
+from broker.worker_messages import TrainerShape
 from common.plugins import BACKEND_GROUP, PartConfig, part_configs
 from common.precision import Precision
 from common.staleness import StalenessMode

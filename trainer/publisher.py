@@ -44,7 +44,6 @@ from prometheus_client import Histogram
 from safetensors.torch import save, save_file
 
 from broker.exceptions import RetryStoppedError
-from broker.messages import WorkerRegistered
 from broker.registry import node_name
 from broker.retry import retry
 from broker.subjects import RunNames
@@ -58,6 +57,7 @@ from broker.weights import (
     publish_weights,
     run_instance,
 )
+from broker.worker_messages import WorkerRegistered
 from common.log import kv
 from trainer.config import TrainerConfig
 from trainer.metrics import WEIGHTS_HELD

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
-from broker.messages import Role, WorkerRegistered, has_tags
+from broker.messages import Role
 from broker.registry import LastSeen, Sighting, watch_registry
 from broker.retry import BACKOFF
 from broker.subjects import RunNames
+from broker.worker_messages import WorkerRegistered, has_tags
 from common.log import kv
 from trainer.metrics import SERVING_SECONDS
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from broker.messages import Role, WorkerRegistered
+from broker.messages import Role
+from broker.worker_messages import WorkerRegistered
 from tagsched.spec import Assignment, Layout, assign, layout_spec
 
 
