@@ -515,12 +515,13 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
         staleness,
         trainer_devices,
         stale=StalenessMode(args.stale),
-        order=Order(args.order),
+        # the real trainer has no completion order: ``completion`` is its admission order
+        # without a wait (``order_wait_s`` 0)
+        order=Order.ADMISSION if args.order == "completion" else Order(args.order),
         **{k: v for k, v in order_settings(args).items() if k == "order_wait_s"},
     )
-    samples_per_step = args.workload.samples_per_step
     return {
-        "s_per_step": round(samples_per_step / r.steady_samples_per_s, 3),
+        "s_per_step": round(r.steady_s_per_step, 3),
         "samples_per_s": round(r.steady_samples_per_s, 3),
         "trained_tokens_per_s": round(r.steady_tokens_per_s, 1),
         "idle": {k: round(v, 3) for k, v in r.idle.items()},

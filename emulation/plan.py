@@ -60,7 +60,7 @@ def predict(
         trainer_devices=r.trainer_devices,
         staleness=r.staleness,
         samples_per_s=r.steady_samples_per_s,
-        s_per_step=workload.samples_per_step / r.steady_samples_per_s,
+        s_per_step=r.steady_s_per_step,
         idle=r.idle["all"],
         thrown=r.aborted_token_fraction,
         bias=r.length_bias,

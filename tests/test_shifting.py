@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from common.staleness import StalenessMode
 from emulation.sim import Arm, Cluster, simulate
 from emulation.workload import AgentModel, EngineCost, LengthModel, Phase, TrainerCost, Workload
 
@@ -27,10 +28,17 @@ def workload(
 def test_generated_tokens_per_step_grow_about_4x_over_a_growing_run(seed):
     steps = 12
     w = workload(growth=4 ** (1 / (steps - 1)) - 1, seed=seed)
-    c = Cluster(w, Arm.PARTIAL_ROLLOUT, devices=8, trainer_devices=2, steps=steps, staleness=1)
+    c = Cluster(
+        w,
+        Arm.PARTIAL_ROLLOUT,
+        devices=8,
+        trainer_devices=2,
+        steps=steps,
+        staleness=1,
+        stale=StalenessMode.DOWNWEIGHT,  # every step trains a step's samples: none dropped
+    )
     c.run()
-    per = w.samples_per_step
-    tokens = [sum(c.m.trained_tokens[i * per : (i + 1) * per]) for i in range(steps)]
+    tokens = c.m.step_tokens
     # the last two steps train samples drawn about 9.5 versions after the first two's
     assert 3.0 < sum(tokens[-2:]) / sum(tokens[:2]) < 4.6
     flat = Cluster(
@@ -40,9 +48,10 @@ def test_generated_tokens_per_step_grow_about_4x_over_a_growing_run(seed):
         trainer_devices=2,
         steps=steps,
         staleness=1,
+        stale=StalenessMode.DOWNWEIGHT,
     )
     flat.run()
-    same = [sum(flat.m.trained_tokens[i * per : (i + 1) * per]) for i in range(steps)]
+    same = flat.m.step_tokens
     assert 0.7 < sum(same[-2:]) / sum(same[:2]) < 1.4
 
 

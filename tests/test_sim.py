@@ -9,6 +9,7 @@ import pytest
 from common.staleness import StalenessMode
 from emulation.sim import ARMS, Arm, Order, Rhythm, best_split, simulate
 from emulation.sim.cluster import Cluster
+from emulation.sim.order import Batches, _Group, _Sample
 from emulation.workload import (
     AgentModel,
     EngineCost,
@@ -41,7 +42,8 @@ def agentic(switch_s: float = 0.5, seed: int = 0) -> Workload:
 def test_every_arm_trains_what_was_asked_within_the_bound(arm, staleness, order):
     w = agentic()
     r = simulate(w, arm, 16, 8, staleness, 4, order=order)
-    assert r.trained_samples == 8 * w.samples_per_step
+    # drop mode: a step's stale samples are dropped, the rest of their groups trained
+    assert r.trained_samples <= 8 * w.samples_per_step <= r.trained_samples + r.dropped_samples
     assert r.staleness_max <= (0 if arm == Arm.SYNC_COLOCATED else staleness)
     assert all(0.0 <= v <= 1.0 for v in r.idle.values())
     assert 0.0 <= r.aborted_token_fraction < 1.0
@@ -76,8 +78,9 @@ def test_a_colocated_layout_pays_its_switches_and_no_more():
         fast, slow = (
             simulate(quick(s), Arm.COLOCATED, devices, 20, 1, devices) for s in (0.01, 0.5)
         )
-        assert (fast.trainer_devices, fast.trained_samples) == (devices, 20 * 64)
-        assert fast.lends >= 20 and fast.staleness_max <= 1
+        assert fast.trainer_devices == devices
+        assert fast.trained_samples + fast.dropped_samples == 20 * 64  # a stale sample dropped
+        assert fast.lends >= 19 and fast.staleness_max <= 1  # lent for nearly every step
         assert slow.time_s / 20 < fast.time_s / 20 + 4 * 0.5
 
 
@@ -92,7 +95,10 @@ def test_a_start_latency_delays_first_generations_and_sync_steps_hide_it():
     def late(latency_s: float) -> Workload:
         return replace(base, agent=replace(base.agent, start_latency_s=latency_s))
 
-    partial = [simulate(w, Arm.PARTIAL_ROLLOUT, 16, 6, 1, 8) for w in (base, late(20.0))]
+    partial = [
+        simulate(w, Arm.PARTIAL_ROLLOUT, 16, 6, 1, 8, stale=StalenessMode.DOWNWEIGHT)
+        for w in (base, late(20.0))
+    ]
     assert partial[1].samples_per_s < 0.75 * partial[0].samples_per_s
     assert partial[1].trained_samples == partial[0].trained_samples
 
@@ -178,6 +184,35 @@ def test_bad_splits_are_refused():
         simulate(agentic(), "fancy", 8, 2, 1, 2)
 
 
+@pytest.mark.parametrize("order", Order)
+def test_a_stale_sample_is_dropped_from_its_group_as_the_trainer_drops_it(order):
+    """Drop mode, the real trainer's rule (``trainer.batcher.plan_step``): a sample whose oldest
+    token lags past the bound is dropped; the rest of its group trains. A step taken whole
+    counts the group whatever it dropped; ``overlap`` gives a group dropped whole no place."""
+    batches = Batches(
+        order, groups_per_step=2, staleness=1, stale=StalenessMode.DROP, order_wait_s=0
+    )
+    fresh, mixed, gone = (_Group(gid) for gid in range(3))
+    for group, versions in ((fresh, [3, 3]), (mixed, [1, 3]), (gone, [0, 1])):
+        group.samples = [_Sample(group, [10], tokens=10 + v, versions=[v]) for v in versions]
+        group.done = 2
+    for group in (gone, mixed, fresh):
+        batches.completed(group)
+    taken, tokens = batches.take(3)
+    trained = {g.gid: [s.versions[0] for s in g.samples] for g in taken}
+    if order is Order.OVERLAP:  # ``gone`` took no place
+        assert trained == {mixed.gid: [3], fresh.gid: [3, 3]}
+    else:  # oldest first (completion: as completed): ``gone`` and ``mixed``, and nothing else
+        assert trained == {gone.gid: [], mixed.gid: [3]}
+    assert tokens == sum(s.tokens for g in taken for s in g.samples)
+    assert (batches.dropped, batches.dropped_samples, batches.dropped_tokens) == (
+        1,
+        3,
+        10 + 11 + 11,
+    )
+    assert len(batches) == (0 if order is Order.OVERLAP else 1)  # ``fresh`` waits for its step
+
+
 def test_downweight_mode_trains_stale_groups_instead_of_dropping_them():
     w = agentic()
     dropped = simulate(w, "partial_rollout", 16, 10, 1, 4)
@@ -201,7 +236,7 @@ def test_in_drop_mode_overlapping_the_order_wait_trains_long_groups_at_no_loss_o
     assert before.length_bias < 0.95 and before.aborted_token_fraction > 0.1
     for r in (real, overlap):
         assert r.length_bias >= 0.98 and r.aborted_token_fraction < 0.03
-        assert r.staleness_max <= 1 and r.trained_samples == before.trained_samples
+        assert r.staleness_max <= 1 and r.trained_samples > before.trained_samples
         assert r.order_wait_s_per_step > 0
     assert before.order_wait_s_per_step == 0
     assert real.samples_per_s < 0.95 * before.samples_per_s
@@ -248,7 +283,8 @@ def test_every_arm_draws_a_groups_lengths_from_its_admission_number_as_the_emula
         def spied(version: int, take=take, groups=groups):  # a spy: records, changes nothing
             taken = take(version)
             for group in taken[0] if taken else []:
-                groups[group.gid] = [sample.lengths for sample in group.samples]
+                if len(group.samples) == w.group_size:  # none dropped as stale
+                    groups[group.gid] = [sample.lengths for sample in group.samples]
             return taken
 
         cluster.batches.take = spied

@@ -49,4 +49,4 @@ def test_the_batcher_the_progress_line_and_the_simulator_agree():
     expected = TRAINER_VERSION - min(GENERATED_VERSIONS)
     assert batcher_lag(sample, TRAINER_VERSION) == expected
     assert stats.staleness() == expected
-    assert group.lag(TRAINER_VERSION) == expected
+    assert group.samples[0].lag(TRAINER_VERSION) == expected

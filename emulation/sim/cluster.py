@@ -28,12 +28,12 @@ and ``RateMeter`` on the groups published). Durations and lengths come from
   devices are training (not lent, not switching), on the groups its ``Order`` picks
   (``emulation.sim.order``: today's real trainer is ``ADMISSION``). Its samples are settled
   (acked) when the step that trains them ends, as the real trainer does, so admission and the
-  lending tick count them until then. A group whose oldest token lags the trainer by more than
-  the staleness bound (``common.staleness.lag``, the trainer's rule) is dropped and its tokens
-  counted as aborted (the real batcher drops such samples one by one and trains the rest;
-  dropping whole groups keeps every step at ``groups_per_step`` groups, so every arm trains the
-  same samples). With ``StalenessMode.DOWNWEIGHT`` (the trainer's ``downweight`` mode) stale
-  groups are trained like the others, and their lag is in the staleness figures;
+  lending tick count them until then. In ``drop`` mode a sample whose oldest token lags the
+  trainer by more than the staleness bound (``common.staleness.lag``, the trainer's rule) is
+  dropped and its tokens counted as aborted; the rest of its group is trained, and a step taken
+  whole trains fewer samples, as the real trainer's (``emulation.sim.order``). With
+  ``StalenessMode.DOWNWEIGHT`` (the trainer's ``downweight`` mode) stale samples are trained like
+  the others, and their lag is in the staleness figures;
 - **weights**: a step's new version is loaded by every serving engine in ``waves`` rolling
   waves (engines by id, dealt round-robin; a wave starts once every engine of an earlier wave
   serves the version: the rule of ``rollout.following``'s ``_wait_for_wave``). Without partial
@@ -369,6 +369,7 @@ class Cluster(Lending):
                 self.m.trained_tokens.append(s.tokens)
                 self.m.staleness.append(lag(self.version, s.versions))
         self.m.step_tokens.append(sum(s.tokens for group in batch for s in group.samples))
+        self.m.step_samples.append(sum(len(group.samples) for group in batch))
         seconds = self.w.trainer.step_s(tokens, len(self.placement.train_ids))
         self.m.step_times.append(seconds)
         self.loop.after(seconds, self._trained)
@@ -472,7 +473,7 @@ class Cluster(Lending):
     def _result(self, wall_s: float) -> SimResult:
         t = self.loop.now
         self.m.dropped, self.m.dropped_tokens = self.batches.dropped, self.batches.dropped_tokens
-        self.m.dropped_samples = self.batches.dropped * self.w.group_size
+        self.m.dropped_samples = self.batches.dropped_samples
         # each trainer device is busy for every step and every group computed ahead
         trained_s = sum(self.m.step_times) + self.m.computed_s
         idle = idle_by_pool(self.engines, self.placement, trained_s, t)
@@ -483,7 +484,6 @@ class Cluster(Lending):
             steps=self.steps,
             staleness=self.staleness,
             seed=self.w.seed,
-            samples_per_step=self.w.samples_per_step,
             order=str(self.batches.order),
         )
         return self.m.result(shape, t, idle, mean_batch(self.engines), wall_s)

@@ -29,6 +29,9 @@ class SimResult:
     steady_tokens_per_s: float
     """Trained tokens per second over the same steps (``tokens_per_s`` counts the start-up's
     time: over ``steady_samples_per_s`` it is not a sample's length)."""
+    steady_s_per_step: float
+    """Seconds a step over the same steps (in ``drop`` mode a step may train fewer samples than
+    a step's: it is not the samples of a step over ``steady_samples_per_s``)."""
     idle: dict[str, float]
     """Per pool (``train``: the trainer's devices, lent or not; ``rollout``, absent when empty;
     ``all``): the share of device time doing no work (waiting, switching, loading weights)."""
@@ -47,9 +50,11 @@ class SimResult:
     trainer_wait_s_mean: float
     """Mean time between a step's end and the next one's start: the trainer's idle window."""
     aborted_token_fraction: float
-    """Generated tokens thrown away (stale groups dropped, aborts without a re-prefill)."""
+    """Generated tokens thrown away (stale samples dropped, aborts without a re-prefill)."""
     reprefill_token_fraction: float
     dropped_groups: int
+    """Groups every sample of which was dropped as stale."""
+    dropped_samples: int
     length_bias: float
     """Mean tokens of a trained sample over the mean of every sample whose fate was decided:
     trained, or dropped as stale (as ``bench/pipeline.py`` measures the emulated cluster).
@@ -85,7 +90,6 @@ class RunShape:
     steps: int
     staleness: int
     seed: int
-    samples_per_step: int
     order: str
 
 
@@ -96,6 +100,9 @@ class Measurements:
     trained_tokens: list[int] = field(default_factory=list)
     """Tokens of every trained sample."""
     step_tokens: list[int] = field(default_factory=list)
+    step_samples: list[int] = field(default_factory=list)
+    """Per step: the samples it trained (in ``drop`` mode, fewer than a step's when some were
+    stale)."""
     """Tokens of every step's samples."""
     staleness: list[int] = field(default_factory=list)
     """Lag of every trained sample when trained."""
@@ -123,7 +130,7 @@ class Measurements:
     ) -> SimResult:
         """The run's record at time ``t``, when its last step ended."""
         generated = self.generated + self.lost
-        steady_samples, steady_tokens = self._steady_rates(shape, t)
+        steady_samples, steady_tokens, steady_step = self._steady_rates(shape, t)
         return SimResult(
             arm=shape.arm,
             devices=shape.devices,
@@ -137,6 +144,7 @@ class Measurements:
             generated_tokens_per_s=generated / t,
             steady_samples_per_s=steady_samples,
             steady_tokens_per_s=steady_tokens,
+            steady_s_per_step=steady_step,
             idle=idle,
             mean_batch=mean_batch,
             staleness_mean=statistics.fmean(self.staleness),
@@ -151,6 +159,7 @@ class Measurements:
             aborted_token_fraction=(self.dropped_tokens + self.lost) / generated,
             reprefill_token_fraction=self.reprefilled / generated,
             dropped_groups=self.dropped,
+            dropped_samples=self.dropped_samples,
             length_bias=self._length_bias(),
             trained_samples=len(self.trained_tokens),
             wall_s=wall_s,
@@ -165,14 +174,16 @@ class Measurements:
         )
         return trained / len(self.trained_tokens) / decided
 
-    def _steady_rates(self, shape: RunShape, t: float) -> tuple[float, float]:
-        """Trained samples and tokens per second after the first quarter of the steps."""
+    def _steady_rates(self, shape: RunShape, t: float) -> tuple[float, float, float]:
+        """Trained samples and tokens per second, and seconds a step, after the first quarter
+        of the steps."""
         first = shape.steps // 4
         if first == 0 or first >= shape.steps:
-            return len(self.trained_tokens) / t, sum(self.trained_tokens) / t
-        span = self.step_ends[-1] - self.step_ends[first - 1]
-        samples = (shape.steps - first) * shape.samples_per_step
-        return samples / span, sum(self.step_tokens[first:]) / span
+            span, first = t, 0
+        else:
+            span = self.step_ends[-1] - self.step_ends[first - 1]
+        steps = self.step_samples[first:]
+        return sum(steps) / span, sum(self.step_tokens[first:]) / span, span / len(steps)
 
 
 def idle_by_pool(

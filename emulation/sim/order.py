@@ -2,8 +2,7 @@
 start (``Order``).
 
 - ``completion`` (the simulator's trainer until issue 22): groups in the order they completed, a
-  step as soon as ``groups_per_step`` are complete; a group past the staleness bound is dropped
-  on the way (in ``drop`` mode).
+  step as soon as ``groups_per_step`` are complete.
 - ``admission`` (the real trainer: ``trainer.order``, ``trainer.batcher``): each group carries its
   admission stamp (a ticket and the oldest version a rollout engine served then; admission holds
   a task while engines load a new version, ``scheduler.wave_wait_s``). In ``drop`` mode a step
@@ -18,6 +17,12 @@ start (``Order``).
   bound. The step then computes only its groups not done yet, and its fixed part (optimizer, all-
   reduce). The step waits for an earlier ticket only once nothing is left to compute:
   ``order_wait_s`` bounds the trainer's idle wait, and the wait overlaps the step's compute.
+
+In ``drop`` mode every order applies the real trainer's bound (``trainer.batcher.plan_step``) to
+each sample of a group it takes: a sample whose oldest token lags past ``max_staleness`` is
+dropped, the rest of its group trained. A step taken whole (``completion``, ``admission``) counts
+every group it took, whatever it dropped, and trains fewer samples; a group computed ahead
+(``overlap``) whose every sample was dropped takes no place in its step (``StepAhead.trained``).
 
 The groups and samples the simulated cluster generates are here too (``_Group``, ``_Sample``).
 """
@@ -82,6 +87,10 @@ class _Sample:
     agent: AgentModel = field(default_factory=AgentModel)
     """The agent of its workload's phase at admission (``Workload.at``)."""
 
+    def lag(self, version: int) -> int:
+        """Its oldest token's lag at trainer ``version`` (the trainer's rule)."""
+        return lag(version, self.versions)
+
 
 @dataclass(eq=False)
 class _Group:
@@ -90,10 +99,6 @@ class _Group:
     done: int = 0
     stamp: Admitted | None = None
     """Its admission stamp (``Order.ADMISSION`` and ``OVERLAP``)."""
-
-    def lag(self, version: int) -> int:
-        """Its oldest token's lag: its most stale sample's."""
-        return max(lag(version, s.versions) for s in self.samples)
 
     def oldest(self) -> int:
         """Its oldest token's version (``Batcher.take`` steps on the oldest first)."""
@@ -126,7 +131,9 @@ class Batches:
         self.computed: list[_Group] = []
         """Their gradients computed at the trainer's current version (``overlap``)."""
         self.dropped = 0
-        """Groups dropped as stale (``drop`` mode), and their tokens."""
+        """Groups every sample of which was dropped as stale (``drop`` mode)."""
+        self.dropped_samples = 0
+        """Samples dropped as stale, and their tokens."""
         self.dropped_tokens = 0
 
     def __len__(self) -> int:
@@ -162,33 +169,55 @@ class Batches:
             return 0
         return len(self.tickets.blocking(version, self.staleness, now))
 
-    def _stale(self, group: _Group, version: int) -> bool:
-        return self.stale is StalenessMode.DROP and group.lag(version) > self.staleness
-
     def _in_order(self, groups: list[_Group]) -> list[_Group]:
         if self.order is Order.COMPLETION:
             return groups
         return sorted(groups, key=lambda g: g.oldest())  # stable: of equals, the first complete
 
-    def _drop_stale(self, version: int) -> None:
-        for groups in (self.ready, self.computed):
-            stale = [g for g in groups if self._stale(g, version)]
-            self.dropped += len(stale)
-            self.dropped_tokens += sum(g.tokens for g in stale)
-            groups[:] = [g for g in groups if g not in stale]
+    def _plan(self, group: _Group, version: int) -> _Group:
+        """``group`` as the trainer trains it at ``version``: its samples within the bound (all
+        of them but in ``drop`` mode); the others counted dropped."""
+        if self.stale is not StalenessMode.DROP:
+            return group
+        kept = [s for s in group.samples if s.lag(version) <= self.staleness]
+        if len(kept) < len(group.samples):
+            gone = [s for s in group.samples if s not in kept]
+            self.dropped += not kept
+            self.dropped_samples += len(gone)
+            self.dropped_tokens += sum(s.tokens for s in gone)
+        return _Group(group.gid, kept, group.done, group.stamp)
 
     def take(self, version: int) -> tuple[list[_Group], int] | None:
-        """A step's groups at ``version`` (stale ones dropped on the way): those computed ahead,
-        then the rest in order; and the tokens of those not computed ahead. None while fewer
-        are complete."""
-        self._drop_stale(version)
-        if len(self) < self.groups_per_step:
-            return None
-        rest = self._in_order(self.ready)[: self.groups_per_step - len(self.computed)]
-        batch = self.computed + rest
-        self.ready = [g for g in self.ready if g not in rest]
-        self.computed = []
-        return batch, sum(g.tokens for g in rest)
+        """A step's groups at ``version``, as trained (``_plan``): those computed ahead, then the
+        rest in order; and the tokens of those not computed ahead. None while fewer are
+        complete. A step taken whole that would train nothing is skipped, as the trainer skips
+        it (no new version): the next groups are taken."""
+        while len(self) >= self.groups_per_step:
+            if self.order is Order.OVERLAP:
+                rest = self._ahead(version, self.groups_per_step - len(self.computed))
+                if len(self.computed) + len(rest) < self.groups_per_step:
+                    self.ready = rest + self.ready  # their stale samples gone; wait for more
+                    return None
+            else:
+                taken = self._in_order(self.ready)[: self.groups_per_step]
+                self.ready = [g for g in self.ready if g not in taken]
+                rest = [self._plan(g, version) for g in taken]
+            batch = self.computed + rest
+            self.computed = []
+            if any(g.samples for g in batch):
+                return batch, sum(g.tokens for g in rest)
+        return None
+
+    def _ahead(self, version: int, n: int) -> list[_Group]:
+        """``overlap``: up to ``n`` of the oldest complete groups as trained, taken from the
+        complete ones; a group whose every sample is dropped takes no place."""
+        planned: list[_Group] = []
+        while self.ready and len(planned) < n:
+            group = self._in_order(self.ready)[0]
+            self.ready.remove(group)
+            if (kept := self._plan(group, version)).samples:
+                planned.append(kept)
+        return planned
 
     def compute(self, version: int) -> _Group | None:
         """``overlap``: the next group to compute ahead, if any: the oldest complete one, while
@@ -196,15 +225,11 @@ class Batches:
         must take (``AdmissionOrder.due``)."""
         if self.order is not Order.OVERLAP:
             return None
-        self._drop_stale(version)
-        if not self.ready:
-            return None
         missing = 0
         if self.tickets is not None and self.stale is StalenessMode.DROP:
             missing = len(self.tickets.due(version, self.staleness))
         if len(self.computed) + missing >= self.groups_per_step:
             return None
-        group = self._in_order(self.ready)[0]
-        self.ready.remove(group)
-        self.computed.append(group)
-        return group
+        ahead = self._ahead(version, 1)
+        self.computed += ahead
+        return ahead[0] if ahead else None
