@@ -530,6 +530,9 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
         "reclaim_p99_s": round(r.reclaim_p99_s, 3),
         "lends": r.lends,
         "dropped_groups": r.dropped_groups,
+        "dropped_samples": r.dropped_samples,
+        "length_bias": round(r.length_bias, 3),
+        "thrown_away": round(r.aborted_token_fraction, 4),
     }
 
 
