@@ -91,10 +91,11 @@ def best_split(
     order_wait_s: float = ORDER_WAIT_S,
     rhythm: Rhythm | None = None,
 ) -> int:
-    """The trainer device count that reaches ``steps`` soonest in ``arm`` (by default the
-    static split a careful operator would tune), over ``split_candidates``, on the workload's
-    seed."""
-    times = {
+    """The trainer device count that trains the most samples a second over ``steps`` in
+    ``arm`` (by default the static split a careful operator would tune), over
+    ``split_candidates``, on the workload's seed. (Not the soonest to ``steps``: in ``drop`` mode
+    a step trains fewer samples where more were stale.)"""
+    rates = {
         k: simulate(
             workload,
             arm,
@@ -107,7 +108,7 @@ def best_split(
             order=order,
             order_wait_s=order_wait_s,
             rhythm=rhythm,
-        ).time_s
+        ).samples_per_s
         for k in split_candidates(devices)
     }
-    return min(times, key=times.__getitem__)
+    return max(rates, key=rates.__getitem__)
