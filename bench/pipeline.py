@@ -197,9 +197,8 @@ def arm_config(arm: Arm, cluster: str, run: str, out: Path, args: argparse.Names
             "warm_start": {"steps": 0},
         },
         "rollout": {"workers": devices - trainers},  # and the trainer's process or workers
-        # downweight by default: every arm trains every sample (the simulator drops whole groups
-        # and the trainer single samples, which would make their samples per step differ);
-        # --stale drop shows what admission lets past the bound
+        # downweight by default: every arm trains every sample (in drop mode a step trains
+        # fewer where some were stale); --stale drop shows what admission lets past the bound
         "trainer": {
             "groups_per_step": groups,
             "max_staleness": staleness,
