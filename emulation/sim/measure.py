@@ -100,10 +100,10 @@ class Measurements:
     trained_tokens: list[int] = field(default_factory=list)
     """Tokens of every trained sample."""
     step_tokens: list[int] = field(default_factory=list)
+    """Tokens of every step's samples."""
     step_samples: list[int] = field(default_factory=list)
     """Per step: the samples it trained (in ``drop`` mode, fewer than a step's when some were
     stale)."""
-    """Tokens of every step's samples."""
     staleness: list[int] = field(default_factory=list)
     """Lag of every trained sample when trained."""
     reclaim_delays: list[float] = field(default_factory=list)
