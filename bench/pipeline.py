@@ -74,6 +74,7 @@ from pathlib import Path
 from bench.machine import CpuShare, machine
 from bench.output import RESULTS, write_results
 from emulation.workload import Workload
+from trainer.config import TrainerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD_ENV = "SF_BENCH_WORKLOAD"
@@ -499,10 +500,10 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
     if args.sim_path:
         sys.path.insert(0, str(args.sim_path))
     try:
-        from common.staleness import StalenessMode
-        from emulation.sim import Order, simulate
+        from emulation.sim import TrainerOrder, simulate
     except ImportError:
         return None
+
     steps = args.warmup + args.steps
     staleness = 0 if arm.synchronous else args.staleness
     trainer_devices = args.devices if arm.synchronous else args.trainer_devices
@@ -513,11 +514,11 @@ def simulated(arm: Arm, args: argparse.Namespace) -> dict | None:
         steps,
         staleness,
         trainer_devices,
-        stale=StalenessMode(args.stale),
-        # the real trainer has no completion order: ``completion`` is its admission order
-        # without a wait (``order_wait_s`` 0)
-        order=Order.ADMISSION if args.order == "completion" else Order(args.order),
-        **{k: v for k, v in order_settings(args).items() if k == "order_wait_s"},
+        # the run's trainer in the simulator's terms (its ``completion`` is admission order
+        # without a wait: the real trainer has no completion order)
+        **TrainerOrder.of(
+            TrainerConfig(staleness_mode=args.stale, **order_settings(args))
+        ).simulated(),
     )
     return {
         "s_per_step": round(r.steady_s_per_step, 3),
