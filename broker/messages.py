@@ -150,6 +150,20 @@ class Admitted(BaseModel):
         description="the scheduler's clock at admission (Unix seconds): how long a task takes to "
         "reach its first call (``seamlessflow plan``'s costs)",
     )
+    since: int | None = Field(
+        default=None,
+        ge=1,
+        lt=MAX_SAFE_INT,
+        description="a ticket from which on, up to this one, every ticket was stamped at this "
+        "version (the first this scheduler stamped at it): the trainer knows a missing ticket's "
+        "version before any of its samples arrives (``trainer.order``)",
+    )
+
+    @model_validator(mode="after")
+    def _since_not_above(self) -> Self:
+        if self.since is not None and self.since > self.ticket:
+            raise ValueError(f"since {self.since} is above the ticket {self.ticket}")
+        return self
 
 
 class TaskSubmitted(Message):

@@ -254,7 +254,8 @@ def arrow_schemas(with_text: bool = False) -> dict[str, Any]:
     import pyarrow as pa
 
     ids, floats, ints = pa.list_(pa.int32()), pa.list_(pa.float64()), pa.list_(pa.int64())
-    admitted = pa.struct([("ticket", pa.int64()), ("version", pa.int64()), ("at", pa.float64())])
+    stamp = [("ticket", pa.int64()), ("version", pa.int64()), ("at", pa.float64())]
+    admitted = pa.struct([*stamp, ("since", pa.int64())])
     text = [("prompt_text", pa.string()), ("output_text", pa.string())] if with_text else []
     calls = [("stream_seq", pa.int64()), ("session_id", pa.string()), ("call_id", pa.string())]
     calls += [("model", pa.string()), ("prompt_ids", ids), ("output_ids", ids)]

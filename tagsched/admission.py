@@ -300,6 +300,7 @@ class Stamper:
         self._live = live
         self._entry_changed = entry_changed
         self._wave_wait_s = wave_wait_s
+        self._since: tuple[int, int] | None = None  # the version last stamped, from which ticket
 
     async def __call__(self) -> Admitted:
         """An admitted task's stamp: the next ticket, stored before the task carries it (a
@@ -308,19 +309,23 @@ class Stamper:
         While workers load a new version (a step just ended: when admission finds room), the
         task waits up to ``wave_wait_s`` for them: it then starts on the newest version, and its
         stamp says so (a stamp below its tokens makes the trainer wait for it a step early:
-        the stamp was 0.73 versions below in ``bench/pipeline.py``'s partial-rollout arm)."""
+        the stamp was 0.73 versions below in ``bench/pipeline.py``'s partial-rollout arm).
+        The ticket and its version are taken together, so ``since`` (the first ticket this
+        scheduler stamped at the version) is exact; a successor's first stamp starts it afresh."""
         deadline = time.monotonic() + self._wave_wait_s
         while self._loading() and (left := deadline - time.monotonic()) > 0:
             self._entry_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._entry_changed.wait(), left)
         ticket = self._store.state.tickets + 1
-        self._store.change(tickets=ticket)
-        await self._store.flush()
         live = [w for w in self._live().values() if w.version is not None]
         serving = [w.version for w in live if w.role is Role.ROLLOUT and not w.quarantined]
         version = min(serving) if serving else max((w.version for w in live), default=0)
-        return Admitted(ticket=ticket, version=version, at=time.time())
+        if self._since is None or self._since[0] != version:
+            self._since = (version, ticket)
+        self._store.change(tickets=ticket)
+        await self._store.flush()
+        return Admitted(ticket=ticket, version=version, at=time.time(), since=self._since[1])
 
     def _loading(self) -> bool:
         """Some live rollout worker has a newer weight version to load."""

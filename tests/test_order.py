@@ -2,6 +2,9 @@
 
 from types import SimpleNamespace
 
+import pytest
+from pydantic import ValidationError
+
 import trainer.waits
 from broker.messages import Admitted, SampleReady
 from trainer.batcher import Batcher, Outcome, plan_step
@@ -31,6 +34,25 @@ def test_a_ticket_seen_but_not_complete_blocks_at_its_own_version():
     order.completed(stamp(3, version=3))
     assert order.blocking(version=4, max_staleness=2, now=0) == []
     assert order.blocking(version=5, max_staleness=2, now=0) == [2]
+
+
+def test_a_ticket_not_seen_yet_is_at_the_version_a_later_stamp_gives_it():
+    """Tickets 1-2 at version 0, 3-5 at version 1 (the first at 1: ticket 3). Ticket 5's group
+    completes first; 2, 3 and 4 have sent nothing yet. A step at version 2 (bound 2) must take
+    ticket 2 (version 0: lag 3 after it), not 3 or 4: ticket 5's stamp says they are at
+    version 1. Without ``since`` (an older scheduler) 3 and 4 count at ticket 1's version 0
+    and the step waits for them too."""
+    for since, due in ((3, [2]), (None, [2, 3, 4])):
+        order = AdmissionOrder(wait_s=60)
+        order.completed(stamp(1, version=0))
+        order.completed(Admitted(ticket=5, version=1, since=since))
+        assert order.blocking(version=2, max_staleness=2, now=0) == due
+        assert order.blocking(version=3, max_staleness=2, now=0) == [2, 3, 4]
+
+
+def test_a_stamp_whose_since_is_above_its_ticket_is_refused():
+    with pytest.raises(ValidationError, match="since 6 is above the ticket 5"):
+        Admitted(ticket=5, version=1, since=6)
 
 
 def test_a_ticket_waited_for_past_wait_s_is_given_up_and_counted():

@@ -946,7 +946,8 @@ async def test_tasks_wait_out_a_weight_load_and_carry_rising_tickets_at_the_serv
     """Admission stamps each task with the next ticket and the oldest version a rollout worker
     serves. A worker loading a new version: a task with room waits for the load, then carries
     the new version; a load that outlasts ``wave_wait_s`` holds a task that long, no longer,
-    and its stamp is the version still served (a lower bound: no token will be older)."""
+    and its stamp is the version still served (a lower bound: no token will be older). Each
+    stamp says from which ticket on its version was stamped."""
     spec = PlacementSpec(train=Demand(tags=["train"]), rollout=Demand(tags=["rollout"]))
     s = scheduler(nc, names, spec, steps_ahead=2, tick_s=0.1, wave_wait_s=2.0)
     await trainer_entry(js, names, TrainerShape(groups_per_step=2, max_staleness=1))
@@ -964,12 +965,20 @@ async def test_tasks_wait_out_a_weight_load_and_carry_rising_tickets_at_the_serv
         await submit_tasks(js, names, [task("b")], progress=False)
         await eventually(lambda: _eq(admitted(js, names), 2), watch=running)
         held = time.monotonic() - submitted
+        await worker.put(version=4, weights=WeightsState.READY)
+        await submit_tasks(js, names, [task("c"), task("d")], progress=False)
+        await eventually(lambda: _eq(admitted(js, names), 4), watch=running)
     finally:
         stop.set()
         await asyncio.wait_for(running, 30)
     done = await stream_messages(js, names.tasks_stream, TaskSubmitted, names.tasks_admitted)
-    stamps = [(t.task_id, t.admitted.ticket, t.admitted.version) for t in done if t.admitted]
-    assert stamps == [("a", 1, 3), ("b", 2, 3)]
+    stamps = [
+        (t.task_id, t.admitted.ticket, t.admitted.version, t.admitted.since)
+        for t in done
+        if t.admitted
+    ]
+    # since: the first ticket stamped at the stamp's version (the trainer's ``trainer.order``)
+    assert stamps == [("a", 1, 3, 1), ("b", 2, 3, 1), ("c", 3, 4, 3), ("d", 4, 4, 3)]
     assert 2.0 <= held < 5.0
 
 

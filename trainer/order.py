@@ -8,9 +8,13 @@ groups admitted before a task give the trainer at most ``max_staleness`` steps p
 version; a step beyond that needs a later ticket's group, and a later ticket shows the earlier one
 missing. Before each step the trainer asks which missing tickets the step would put past the
 bound: a ticket below the highest seen whose group has not completed, at its own version or, not
-seen yet, at the version of the nearest ticket below it (tickets are stamped in order, versions
-never fall). It waits for those, each for at most ``wait_s`` from when it was first waited for;
-then the ticket is given up (its task may have failed without samples) and the step goes ahead.
+seen yet, at the version a later ticket's stamp gives it (``Admitted.since``: every ticket from
+``since`` up to that one was stamped at its version), else at the version of the nearest ticket
+below it (tickets are stamped in order, versions never fall). Without ``since`` a ticket not seen
+yet (its samples come at its sessions' end) counted at the version before its own, and a step
+waited for it a step early. It waits for those, each for at most ``wait_s`` from when it was
+first waited for; then the ticket is given up (its task may have failed without samples) and
+the step goes ahead.
 
 A trainer that starts the run (at version 0) waits from ticket 1 on; one that resumes (from a
 checkpoint, or as a new rank 0) waits only for tickets above the first one it sees: those below
@@ -45,6 +49,9 @@ class AdmissionOrder:
             self._floor_version = 0 if self._floor == 0 else admitted.version
         if admitted.ticket > self._floor:
             self._versions.setdefault(admitted.ticket, admitted.version)
+        if admitted.since is not None:  # the tickets below it from since on: its version too
+            for ticket in range(max(admitted.since, self._floor + 1), admitted.ticket):
+                self._versions.setdefault(ticket, admitted.version)
 
     def completed(self, admitted: Admitted) -> None:
         """A group of ``admitted``'s task is complete: nothing waits for it any more."""

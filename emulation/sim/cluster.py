@@ -149,6 +149,7 @@ class Cluster(Lending):
             order_wait_s=order_wait_s,
         )
         self.held_since: float | None = None  # admission held while engines load (wave_wait_s)
+        self.since: tuple[int, int] | None = None  # the version last stamped, from which ticket
         self.computing = False  # overlap: a group's gradients ahead of its step
         self.blocked_since: float | None = None  # a step waiting for an earlier ticket
         self.wake_at: float | None = None
@@ -203,9 +204,13 @@ class Cluster(Lending):
         return any(self.engines[w].version < self.version for w in self.placement.wave)
 
     def _stamp(self, gid: int) -> Admitted:
-        """The scheduler's stamp: the ticket and the oldest version a rollout engine serves."""
+        """The scheduler's stamp: the ticket, the oldest version a rollout engine serves, and
+        the first ticket stamped at that version."""
         served = [self.engines[w].version for w, r in self.role.items() if r is Role.ROLLOUT]
-        return Admitted(ticket=gid + 1, version=min(served, default=self.version))
+        ticket, version = gid + 1, min(served, default=self.version)
+        if self.since is None or self.since[0] != version:
+            self.since = (version, ticket)
+        return Admitted(ticket=ticket, version=version, since=self.since[1])
 
     def _start_group(self) -> None:
         w = self.w.at(self.version)
