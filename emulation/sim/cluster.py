@@ -290,7 +290,8 @@ class Cluster(Lending):
                 continue
             group = sample.group
             group.done += 1
-            self.batches.seen(group)
+            # the agent runner publishes a group's sessions together: the trainer sees its
+            # ticket when the group completes (``rollout.agents.runner``)
             if group.done == len(group.samples):
                 self.in_flight -= 1
                 self.batches.completed(group)

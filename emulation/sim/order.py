@@ -139,11 +139,6 @@ class Batches:
     def __len__(self) -> int:
         return len(self.ready) + len(self.computed)
 
-    def seen(self, group: _Group) -> None:
-        """A sample of ``group`` is complete (the trainer receives it)."""
-        if self.tickets is not None and group.stamp is not None:
-            self.tickets.seen(group.stamp)
-
     def completed(self, group: _Group) -> None:
         self.ready.append(group)
         if self.tickets is not None and group.stamp is not None:
