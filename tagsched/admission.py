@@ -284,6 +284,21 @@ class Admission:
         log.debug(kv("task_admitted", task=task.task_id, group_size=task.group_size, **dict(stamp)))
 
 
+@dataclass
+class Stamps:
+    """Admission stamps in ticket order, pure: each names the first ticket stamped at its
+    version (``Admitted.since``) since this ``Stamps`` began (a successor's starts afresh, so
+    ``since`` never claims a ticket it did not stamp). The scheduler's ``Stamper`` and the
+    cluster simulator stamp with it."""
+
+    _since: tuple[int, int] | None = None  # the version last stamped, from which ticket
+
+    def stamp(self, ticket: int, version: int, at: float | None = None) -> Admitted:
+        if self._since is None or self._since[0] != version:
+            self._since = (version, ticket)
+        return Admitted(ticket=ticket, version=version, at=at, since=self._since[1])
+
+
 class Stamper:
     """The scheduler's ``stamp`` for ``Admission.run``, from the run's state (``tagsched.state``:
     the tickets) and the scheduler's view of the registry: ``live``, its live workers, and
@@ -300,7 +315,7 @@ class Stamper:
         self._live = live
         self._entry_changed = entry_changed
         self._wave_wait_s = wave_wait_s
-        self._since: tuple[int, int] | None = None  # the version last stamped, from which ticket
+        self._stamps = Stamps()
 
     async def __call__(self) -> Admitted:
         """An admitted task's stamp: the next ticket, stored before the task carries it (a
@@ -321,11 +336,10 @@ class Stamper:
         live = [w for w in self._live().values() if w.version is not None]
         serving = [w.version for w in live if w.role is Role.ROLLOUT and not w.quarantined]
         version = min(serving) if serving else max((w.version for w in live), default=0)
-        if self._since is None or self._since[0] != version:
-            self._since = (version, ticket)
+        stamp = self._stamps.stamp(ticket, version)
         self._store.change(tickets=ticket)
         await self._store.flush()
-        return Admitted(ticket=ticket, version=version, at=time.time(), since=self._since[1])
+        return stamp.model_copy(update={"at": time.time()})
 
     def _loading(self) -> bool:
         """Some live rollout worker has a newer weight version to load."""

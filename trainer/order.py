@@ -11,8 +11,8 @@ bound: a ticket below the highest seen whose group has not completed, at its own
 seen yet, at the version a later ticket's stamp gives it (``Admitted.since``: every ticket from
 ``since`` up to that one was stamped at its version), else at the version of the nearest ticket
 below it (tickets are stamped in order, versions never fall). Without ``since`` a ticket not seen
-yet (its samples come at its sessions' end) counted at the version before its own, and a step
-waited for it a step early. It waits for those, each for at most ``wait_s`` from when it was
+yet (its samples come when its whole group is done) counted at the version before its own, and
+a step waited for it a step early. It waits for those, each for at most ``wait_s`` from when it was
 first waited for; then the ticket is given up (its task may have failed without samples) and
 the step goes ahead.
 
@@ -47,11 +47,9 @@ class AdmissionOrder:
         if self._floor is None:
             self._floor = 0 if self.from_start() else admitted.ticket - 1
             self._floor_version = 0 if self._floor == 0 else admitted.version
-        if admitted.ticket > self._floor:
-            self._versions.setdefault(admitted.ticket, admitted.version)
-        if admitted.since is not None:  # the tickets below it from since on: its version too
-            for ticket in range(max(admitted.since, self._floor + 1), admitted.ticket):
-                self._versions.setdefault(ticket, admitted.version)
+        first = admitted.ticket if admitted.since is None else admitted.since
+        for ticket in range(max(first, self._floor + 1), admitted.ticket + 1):  # since: all at it
+            self._versions.setdefault(ticket, admitted.version)
 
     def completed(self, admitted: Admitted) -> None:
         """A group of ``admitted``'s task is complete: nothing waits for it any more."""

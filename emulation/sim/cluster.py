@@ -77,7 +77,7 @@ from emulation.sim.order import ORDER_WAIT_S, Batches, Order, _Group, _Sample
 from emulation.sim.placement import Arm, place
 from emulation.sim.rhythm import Rhythm
 from emulation.workload import AgentModel, Workload
-from tagsched.admission import AdmissionState, admission_limit
+from tagsched.admission import AdmissionState, Stamps, admission_limit
 from tagsched.config import SchedulerConfig
 from tagsched.lending import LendingPolicy, RateMeter
 
@@ -149,7 +149,7 @@ class Cluster(Lending):
             order_wait_s=order_wait_s,
         )
         self.held_since: float | None = None  # admission held while engines load (wave_wait_s)
-        self.since: tuple[int, int] | None = None  # the version last stamped, from which ticket
+        self.stamps = Stamps()  # the scheduler's stamps (``tagsched.admission``)
         self.computing = False  # overlap: a group's gradients ahead of its step
         self.blocked_since: float | None = None  # a step waiting for an earlier ticket
         self.wake_at: float | None = None
@@ -207,10 +207,7 @@ class Cluster(Lending):
         """The scheduler's stamp: the ticket, the oldest version a rollout engine serves, and
         the first ticket stamped at that version."""
         served = [self.engines[w].version for w, r in self.role.items() if r is Role.ROLLOUT]
-        ticket, version = gid + 1, min(served, default=self.version)
-        if self.since is None or self.since[0] != version:
-            self.since = (version, ticket)
-        return Admitted(ticket=ticket, version=version, since=self.since[1])
+        return self.stamps.stamp(gid + 1, min(served, default=self.version))
 
     def _start_group(self) -> None:
         w = self.w.at(self.version)
